@@ -1,0 +1,1 @@
+"""What observes a live process: engine adapters, allocator, release paths, NVML, /proc, py-spy."""

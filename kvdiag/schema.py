@@ -1,0 +1,400 @@
+"""The one event schema of kvdiag, shared by live streams and recorded logs.
+
+Every observation is a tagged ``msgspec.Struct``; the tag (``type``) names it in JSON. Rules
+that keep a log recorded today loadable next year:
+
+- Fields are never renamed or removed within a major version. A field added later has a
+  default, so old logs decode with it filled in, and unknown fields from newer minor
+  versions are ignored.
+- ``SCHEMA_VERSION`` is ``"MAJOR.MINOR"``; a reader refuses a log from a newer major version.
+- Units are in field names: ``_ns`` (nanoseconds), ``_bytes``, ``_tokens``, ``_blocks``,
+  ``_pct`` (0-100), ``_mw`` (milliwatts), ``_mj`` (millijoules). Rates are fractions 0-1.
+- Timestamps ``ts_ns`` are wall-clock (``time.time_ns()``) so that events of several
+  processes and nodes merge on one axis.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NewType, Optional, Union
+
+import msgspec
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+
+RequestId = NewType("RequestId", str)
+BlockId = NewType("BlockId", int)
+"""Index of a KV block (page) in the engine's pool; unique within one pool at a time."""
+BlockHash = NewType("BlockHash", int)
+"""A chained content key of a full block: equal keys mean equal prefixes. Adapters fold wider
+hashes (blake2b, sha256) to 63 bits so that the key fits an int64 column."""
+StepId = NewType("StepId", int)
+
+
+class LogHeader(msgspec.Struct, kw_only=True):
+    """First line of every event log: who recorded it and how to interpret its units."""
+
+    schema_version: str = SCHEMA_VERSION
+    kvdiag_version: str = ""
+    host: str = ""
+    pid: int = 0
+    engine: str = ""  # e.g. "transformers-cb", "vllm", "attach"
+    model: str = ""
+    block_size_tokens: Optional[int] = None
+    bytes_per_token: Optional[int] = None  # KV bytes of one token over all layers, K and V
+    start_ns: int = 0
+    node: str = ""  # a label for merging logs of several nodes; defaults to host
+    extra: dict = {}
+
+
+class Event(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Base of all events. ``ts_ns``: wall-clock time the event was observed."""
+
+    ts_ns: int
+
+
+# ---------------------------------------------------------------- request lifecycle
+
+
+class RequestArrived(Event, tag="request_arrived"):
+    """A request entered the engine. ``token_ids`` (optional) lets shadow analyses re-chunk
+    the prompt at any block size; ``conversation_id`` groups the turns of one chat."""
+
+    request_id: RequestId
+    prompt_tokens: int
+    max_new_tokens: Optional[int] = None
+    token_ids: Optional[list[int]] = None
+    conversation_id: Optional[str] = None
+
+
+class RequestScheduled(Event, tag="request_scheduled"):
+    """The scheduler gave the request its first slot; ``queue_ns`` = scheduled - arrived."""
+
+    request_id: RequestId
+    queue_ns: Optional[int] = None
+
+
+class RequestFirstToken(Event, tag="request_first_token"):
+    """The first output token was produced; ``ttft_ns`` = first token - arrived."""
+
+    request_id: RequestId
+    ttft_ns: int
+
+
+class RequestFinished(Event, tag="request_finished"):
+    """The request left the engine. ``cached_prompt_tokens``: prompt tokens served from the
+    prefix cache instead of being recomputed. ``status``: finished, aborted or failed."""
+
+    request_id: RequestId
+    prompt_tokens: int
+    output_tokens: int
+    cached_prompt_tokens: int = 0
+    status: Literal["finished", "aborted", "failed"] = "finished"
+    e2e_ns: Optional[int] = None  # finished - arrived
+    ttft_ns: Optional[int] = None
+
+
+class RequestPreempted(Event, tag="request_preempted"):
+    """The engine evicted a running request's KV to make room (it will be recomputed)."""
+
+    request_id: RequestId
+    blocks_freed: int = 0
+
+
+# ---------------------------------------------------------------- engine steps
+
+
+class EngineStep(Event, tag="engine_step"):
+    """One forward pass of the engine. ``phase``: prefill (only prompt tokens), decode (only
+    one new token per request) or mixed. ``num_tokens``: tokens processed in the step."""
+
+    step_id: StepId
+    phase: Literal["prefill", "decode", "mixed"]
+    batch_size: int
+    num_tokens: int
+    duration_ns: int
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+# ---------------------------------------------------------------- KV blocks
+
+
+class KVPoolInfo(Event, tag="kv_pool_info"):
+    """The shape of the engine's KV block pool; emitted once when it is created."""
+
+    num_blocks: int
+    block_size_tokens: int
+    block_bytes: int  # one block over all layers, K and V
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    prefix_sharing: bool = False
+
+
+class BlockAllocated(Event, tag="block_allocated"):
+    """A fresh block was taken from the free list for a request."""
+
+    request_id: RequestId
+    block_id: BlockId
+    num_blocks_free: Optional[int] = None  # free-list size after the allocation
+
+
+class BlockStored(Event, tag="block_stored"):
+    """A full block was registered in the prefix cache under its chained content key."""
+
+    block_id: BlockId
+    block_hash: BlockHash
+    parent_hash: Optional[BlockHash] = None
+    num_tokens: int = 0
+    request_id: Optional[RequestId] = None
+    token_ids: Optional[list[int]] = None
+
+
+class PrefixHit(Event, tag="prefix_hit"):
+    """A request reused a cached block instead of recomputing ``num_tokens`` tokens."""
+
+    request_id: RequestId
+    block_id: BlockId
+    block_hash: Optional[BlockHash] = None
+    num_tokens: int = 0
+
+
+class BlockReleased(Event, tag="block_released"):
+    """A request gave a block back. ``cached``: the block stays in the prefix cache
+    (evictable) instead of returning to the free list."""
+
+    request_id: RequestId
+    block_id: BlockId
+    cached: bool = False
+    num_blocks_free: Optional[int] = None
+
+
+class BlockEvicted(Event, tag="block_evicted"):
+    """A cached prefix block was dropped from the prefix cache and returned to the free list."""
+
+    block_id: BlockId
+    block_hash: Optional[BlockHash] = None
+
+
+class KVPoolSample(Event, tag="kv_pool_sample"):
+    """Periodic occupancy of the pool. Block occupancy = blocks_used / num_blocks; token
+    occupancy = tokens_held / (blocks_used * block_size)."""
+
+    num_blocks: int
+    blocks_used: int  # held by live requests
+    blocks_cached: int = 0  # held only by the prefix cache (evictable)
+    blocks_free: int = 0
+    tokens_held: int = 0  # tokens actually written in blocks held by live requests
+    running_requests: int = 0
+    waiting_requests: int = 0
+
+
+# ---------------------------------------------------------------- memory and hardware
+
+
+class AllocatorSample(Event, tag="allocator_sample"):
+    """``torch.cuda.memory_stats()`` of one device (the "all" pool, current values)."""
+
+    device: int
+    reserved_bytes: int
+    allocated_bytes: int
+    active_bytes: int = 0
+    inactive_split_bytes: int = 0
+    alloc_retries: int = 0
+    num_ooms: int = 0
+
+
+class NvmlSample(Event, tag="nvml_sample"):
+    """One NVML reading of a device; a field NVML could not read is null."""
+
+    device: int
+    memory_used_bytes: Optional[int] = None
+    memory_total_bytes: Optional[int] = None
+    gpu_util_pct: Optional[float] = None
+    power_mw: Optional[int] = None
+    energy_mj: Optional[int] = None  # total energy since driver load
+    temperature_c: Optional[int] = None
+    process_memory_bytes: Optional[int] = None  # used by the target and its children
+
+
+class ProcessSample(Event, tag="process_sample"):
+    """Host view of one process of the target (the server or one of its children)."""
+
+    pid: int
+    rss_bytes: int
+    num_threads: int = 0
+    cpu_time_ns: int = 0
+    name: str = ""
+
+
+class PhaseProfile(Event, tag="phase_profile"):
+    """Share of sampled stacks per phase over ``window_ns`` (py-spy); ``shares`` sum to 1."""
+
+    pid: int
+    window_ns: int
+    num_samples: int
+    shares: dict[str, float] = {}
+    top_functions: list[tuple[str, float]] = []
+
+
+class EngineMetrics(Event, tag="engine_metrics"):
+    """Counters scraped from the engine's own Prometheus ``/metrics`` (cumulative)."""
+
+    prefix_cache_queries_tokens: Optional[float] = None
+    prefix_cache_hits_tokens: Optional[float] = None
+    kv_cache_usage: Optional[float] = None  # fraction 0-1
+    num_preemptions: Optional[float] = None
+    num_requests_running: Optional[float] = None
+    num_requests_waiting: Optional[float] = None
+    raw: dict[str, float] = {}
+
+
+# ---------------------------------------------------------------- shadow results
+
+
+class ShadowSharing(Event, tag="shadow_sharing"):
+    """What-if prefix sharing over the traffic seen so far. Block hit rate = hit blocks /
+    referenced blocks; token hit rate = hit tokens / prompt tokens. ``capacity_blocks`` null
+    means unbounded. ``engine_hit_rate``: the engine's own token hit rate for comparison."""
+
+    policy: str
+    block_size_tokens: int
+    capacity_blocks: Optional[int]
+    requests: int
+    block_hit_rate: float
+    token_hit_rate: float
+    request_hit_rate: Optional[float] = None
+    bytes_saved: Optional[int] = None
+    engine_hit_rate: Optional[float] = None
+
+
+class ShadowCompression(Event, tag="shadow_compression"):
+    """A compressor run on a copy of one layer/head's live KV. Relative errors are
+    ||x - x_hat|| / ||x|| (Frobenius); ``ratio`` = original bytes / stored bytes."""
+
+    layer: int
+    head: int
+    method: str
+    seq_len_tokens: int
+    ratio: float
+    k_rel_error: float
+    v_rel_error: float
+    attn_score_error: Optional[float] = None
+    attn_out_rel_error: Optional[float] = None
+    encode_ns: Optional[int] = None
+    decode_ns: Optional[int] = None
+
+
+class ShadowLocality(Event, tag="shadow_locality"):
+    """Where one query head's attention went on a sampled decode step (fractions of 1)."""
+
+    layer: int
+    head: int
+    seq_len_tokens: int
+    recent_mass: float  # on the most recent 20% of positions
+    sink_mass: float  # on the first 4 positions
+    other_mass: float
+    entropy_nats: float
+    outside_share: Optional[float] = None  # this head's share of the layer's non-recent mass
+    distance_hist: list[float] = []
+
+
+class ShadowSimilarity(Event, tag="shadow_similarity"):
+    """Mean cosine similarity of K (and V) at the first ``positions`` of two request groups."""
+
+    layer: int
+    positions: int
+    same_prompt: bool
+    k_cosine: float
+    v_cosine: float
+    pairs: int = 0
+
+
+class ShadowLogits(Event, tag="shadow_logits"):
+    """Teacher-forced next-token agreement of the whole model with compressed KV."""
+
+    method: str
+    tokens: int
+    kl_divergence: float
+    top1_agreement: float
+
+
+# ---------------------------------------------------------------- collector health
+
+
+class CollectorGap(Event, tag="collector_gap"):
+    """Events between ``start_ns`` and ``end_ns`` were dropped (queue full, target busy)."""
+
+    collector: str
+    start_ns: int
+    end_ns: int
+    dropped_events: int
+
+
+class CollectorError(Event, tag="collector_error"):
+    """A collector or shadow task raised; it was caught and counted, not propagated."""
+
+    collector: str
+    message: str
+    count: int = 1
+
+
+class CollectorStatus(Event, tag="collector_status"):
+    """A collector's availability, reported once: e.g. no CUDA, no NVML, no ptrace."""
+
+    collector: str
+    available: bool
+    hint: str = ""
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    RequestArrived,
+    RequestScheduled,
+    RequestFirstToken,
+    RequestFinished,
+    RequestPreempted,
+    EngineStep,
+    KVPoolInfo,
+    BlockAllocated,
+    BlockStored,
+    PrefixHit,
+    BlockReleased,
+    BlockEvicted,
+    KVPoolSample,
+    AllocatorSample,
+    NvmlSample,
+    ProcessSample,
+    PhaseProfile,
+    EngineMetrics,
+    ShadowSharing,
+    ShadowCompression,
+    ShadowLocality,
+    ShadowSimilarity,
+    ShadowLogits,
+    CollectorGap,
+    CollectorError,
+    CollectorStatus,
+)
+
+AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
+
+TAGS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in EVENT_TYPES}
+
+
+def event_tag(cls_or_event: type[Event] | Event) -> str:
+    """The ``type`` string that names an event class in JSON."""
+    cls = cls_or_event if isinstance(cls_or_event, type) else type(cls_or_event)
+    return cls.__struct_config__.tag
+
+
+def fields_of(cls: type[Event]) -> tuple[str, ...]:
+    """Field names of an event class, in declaration order (the DataFrame columns)."""
+    return cls.__struct_fields__
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """``"1.3"`` -> ``(1, 3)``; raises ValueError on anything else."""
+    major, _, minor = version.partition(".")
+    return int(major), int(minor or 0)

@@ -1,0 +1,1 @@
+"""HTML (plotly) and markdown reports built from analyses."""

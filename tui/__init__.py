@@ -1,0 +1,1 @@
+"""The Textual app behind `kvdiag top`."""
