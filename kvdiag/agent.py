@@ -15,14 +15,12 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import Optional
 
 import msgspec
 
-from kvdiag import __version__
 from kvdiag.paths import agent_socket_path
 from kvdiag.schema import Event, LogHeader
 from kvdiag.sinks import FanoutSink, Sink
@@ -162,12 +160,10 @@ class Agent:
                  record_token_ids: bool = True, extra: Optional[dict] = None) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
-        self.header = LogHeader(
-            kvdiag_version=__version__, host=socket.gethostname(), pid=os.getpid(), engine=ENGINE,
-            model=str(model), block_size_tokens=block_size_tokens,
-            bytes_per_token=bytes_per_token_of(model), start_ns=time.time_ns(),
-            node=socket.gethostname(), extra=dict(extra or {}),
-        )
+        from kvdiag.eventlog import make_header
+
+        self.header = make_header(engine=ENGINE, model=str(model), block_size_tokens=block_size_tokens,
+                                  bytes_per_token=bytes_per_token_of(model), extra=dict(extra or {}))
         self._inject_leak_every = inject_leak_every
         self._sample_interval_s = sample_interval_s
         self._record_token_ids = record_token_ids
@@ -181,7 +177,6 @@ class Agent:
         sinks: list[Sink] = []
         if self.log_path is not None:
             from kvdiag.eventlog import LogWriter
-
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.writer = LogWriter(str(self.log_path), self.header)
             sinks.append(self.writer)
