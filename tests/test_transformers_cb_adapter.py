@@ -92,3 +92,34 @@ def test_adapter_events_match_the_engine_ledger(model_dir):
     # blocks per request: every token written to the cache, in whole pages
     for rid, fin in r.finished.items():
         assert r.blocks_at_finish[rid] == expected_blocks(fin.prompt_tokens, fin.output_tokens, page), rid
+
+
+@pytest.mark.model
+def test_inject_leak_really_skips_the_engine_release(model_dir):
+    """Fault injection: every 2nd finished request keeps its blocks in the engine itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    sink = ListSink()
+    adapter = tcb.install(sink, inject_leak_every=2)
+    try:
+        manager = model.init_continuous_batching(
+            generation_config=GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1),
+            continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=32,
+                                                                max_batch_tokens=64, allow_block_sharing=False))
+        manager.start()
+        for i in range(4):  # one at a time, so the finishing order is known
+            manager.add_request(list(range(100 + i, 140 + i)), request_id=f"q{i}")
+            assert manager.get_result(f"q{i}", timeout=120) is not None
+        allocator = next(iter(manager.batch_processor.cache.cache_allocators.values()))
+        engine_tables = {rid: list(blocks) for rid, blocks in allocator.block_table.items()}
+        manager.stop(block=True)
+    finally:
+        adapter.uninstall()
+    assert adapter.leaked_requests == ["q1", "q3"]
+    assert set(engine_tables) == {"q1", "q3"}  # the engine still holds their blocks
+    r = replay_events(sink.events, 16)
+    assert {rid: sorted(b) for rid, b in r.held_at_finish.items() if b} == \
+        {rid: sorted(b) for rid, b in engine_tables.items()}

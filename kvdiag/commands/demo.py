@@ -192,10 +192,11 @@ class DemoServer:
             return ""
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGINT (uvicorn's graceful shutdown, then the agent flushes the log); escalate if needed."""
+        """SIGTERM (uvicorn's graceful shutdown, then the agent flushes the log and the wrapper
+        exits 143); escalate to SIGINT (uvicorn's forced exit), then SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
-        for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0)):
             self.proc.send_signal(sig)
             try:
                 return self.proc.wait(timeout=wait_s)
@@ -291,7 +292,7 @@ def run(args) -> int:
         print(f"sample answer ({sample.request_id}): {sample.answer.strip()[:160]!r}")
     if failed:
         print(f"first failure: {failed[0].request_id}: {failed[0].error}", file=sys.stderr)
-    if code not in (0, 130, -signal.SIGINT):
+    if code not in (0, 128 + signal.SIGTERM):
         print(f"kvdiag demo: the server exited with code {code}; see {server.server_log}", file=sys.stderr)
     print(f"event log: {log_path}")
     return 1 if failed or not results else 0
