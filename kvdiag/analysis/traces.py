@@ -153,9 +153,9 @@ class TraceBuilder:
 
 
 def _open_text(path: Path):
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else open(path, "r", encoding="utf-8")
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, object]]:
