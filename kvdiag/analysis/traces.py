@@ -184,7 +184,7 @@ def _int_list(value, path: Path, lineno: int, name: str) -> list[int]:
 def _number(obj: dict, name: str, path: Path, lineno: int, default=None):
     value = obj.get(name, default)
     if value is None and default is None and name not in obj:
-        raise TraceFormatError(f"{path}:{lineno}: expected a \"{name}\" field")
+        raise TraceFormatError(f"{path}:{lineno}: expected field \"{name}\"")
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
         raise TraceFormatError(f"{path}:{lineno}: expected \"{name}\" to be a non-negative number")
     return value
