@@ -74,7 +74,7 @@ def grow_state(state: dict, num_blocks: int) -> dict:
 # head = most recently inserted, tail = oldest
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _push_head(lst, x, prev, nxt, heads, tails, sizes):
     h = heads[lst]
     prev[x] = -1
@@ -87,7 +87,7 @@ def _push_head(lst, x, prev, nxt, heads, tails, sizes):
     sizes[lst] += 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _unlink(lst, x, prev, nxt, heads, tails, sizes):
     p = prev[x]
     n = nxt[x]
@@ -107,7 +107,7 @@ def _unlink(lst, x, prev, nxt, heads, tails, sizes):
 # ---------------------------------------------------------------- indexed binary min-heap
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _sift_up(i, heap, hpos, hkey):
     x = heap[i]
     k = hkey[x]
@@ -123,7 +123,7 @@ def _sift_up(i, heap, hpos, hkey):
     hpos[x] = i
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _sift_down(i, n, heap, hpos, hkey):
     x = heap[i]
     k = hkey[x]
@@ -143,7 +143,7 @@ def _sift_down(i, n, heap, hpos, hkey):
     hpos[x] = i
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _heap_push(x, key, n, heap, hpos, hkey):
     hkey[x] = key
     heap[n] = x
@@ -151,7 +151,7 @@ def _heap_push(x, key, n, heap, hpos, hkey):
     _sift_up(n, heap, hpos, hkey)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _heap_update(x, key, n, heap, hpos, hkey):
     old = hkey[x]
     hkey[x] = key
@@ -161,7 +161,7 @@ def _heap_update(x, key, n, heap, hpos, hkey):
         _sift_down(hpos[x], n, heap, hpos, hkey)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _heap_pop(n, heap, hpos, hkey):
     x = heap[0]
     hpos[x] = -1
@@ -176,7 +176,7 @@ def _heap_pop(n, heap, hpos, hkey):
 # ---------------------------------------------------------------- one simulator for all policies
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _bin(age):
     b = 0
     while age > 0:
@@ -310,7 +310,7 @@ def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref,
 # ---------------------------------------------------------------- LRU stack distances
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _fen_add(tree, i, delta):
     i += 1
     n = len(tree)
@@ -319,7 +319,7 @@ def _fen_add(tree, i, delta):
         i += i & (-i)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _fen_prefix(tree, i):
     """Sum of marks at times ``0..i-1``."""
     s = 0
