@@ -431,3 +431,27 @@ def trace_from_tokens(requests: list[list[int]], block_size_tokens: int,
     for tokens in requests:
         b.add(chunk_hashes(tokens, block_size_tokens, algorithm=hash_algorithm), len(tokens))
     return b.build()
+
+
+def prompt_token_ids(path: str | Path, format: Optional[str] = None) -> list[list[int]]:
+    """The prompts' token ids of a kvdiag log (``request_arrived.token_ids``) or a token-id
+    trace, in arrival order; other formats carry no tokens."""
+    path = Path(path)
+    fmt = format or detect_format(path)
+    if fmt == "tokens":
+        return [_int_list(obj.get("token_ids") if isinstance(obj, dict) else None, path, lineno,
+                          "token_ids") for lineno, obj in _json_lines(path)]
+    if fmt != "kvdiag":
+        raise TraceFormatError(f"{path}:1: expected a kvdiag log or token-id trace with token ids "
+                               f"(a {fmt} trace has none)")
+    from kvdiag import eventlog
+    from kvdiag.schema import RequestArrived
+
+    try:
+        prompts = [ev.token_ids for ev in eventlog.iter_events(path, strict=True)
+                   if isinstance(ev, RequestArrived) and ev.token_ids is not None]
+    except eventlog.LogFormatError as exc:
+        raise TraceFormatError(str(exc)) from None
+    if not prompts:
+        raise TraceFormatError(f"{path}:1: expected request_arrived events with token_ids")
+    return prompts

@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with and without a shared prompt, on the real model (kvdiag logs)")
     parser.add_argument("--positions", type=int, default=10, metavar="N",
                         help="positions compared by --similarity (default 10)")
+    parser.add_argument("--offset", type=int, default=0, metavar="N",
+                        help="--similarity compares positions N..N+positions-1 (default 0)")
+    parser.add_argument("--min-shared-tokens", type=int, default=16, metavar="N",
+                        help="--similarity: two requests share a system prompt when their first "
+                             "N tokens are equal (default 16)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -113,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     except TraceFormatError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    if args.similarity:
+        return _run_similarity(args)
     bpt = args.bytes_per_token or trace.bytes_per_token
     capacities = []
     for blocks, nbytes in caps:
@@ -124,11 +131,6 @@ def run(args: argparse.Namespace) -> int:
             blocks = sharing.capacity_in_blocks(trace, capacity_bytes=nbytes, bytes_per_token=bpt)
         capacities.append(blocks)
     policies = args.policy or ["lru"]
-
-    if args.similarity:
-        from kvdiag.commands import _replay_similarity
-
-        return _replay_similarity.run(args, trace)
 
     if args.curve:
         grid = [c for c in capacities if c is not None] if args.capacity else _grid(trace.num_blocks)
@@ -147,6 +149,55 @@ def run(args: argparse.Namespace) -> int:
         return 0
     footprint = sharing.memory_footprint(trace, args.concurrency, bpt)
     _print_table(trace, rows, footprint, args.curve)
+    return 0
+
+
+def _run_similarity(args: argparse.Namespace) -> int:
+    """K/V cosine similarity of the trace's prompts on the real model (module docstring of
+    kvdiag.analysis.similarity has the definition)."""
+    import msgspec
+
+    from kvdiag.analysis.similarity import kv_similarity, load_model
+    from kvdiag.analysis.traces import TraceFormatError, prompt_token_ids
+
+    try:
+        prompts = prompt_token_ids(args.trace, args.format)
+    except TraceFormatError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load_model()
+    except (ImportError, OSError) as exc:
+        print(f"kvdiag replay --similarity: the real model is not available ({exc}); "
+              "run `kvdiag fetch-model`", file=sys.stderr)
+        return 2
+    import time
+
+    res = kv_similarity(model, tokenizer, prompts, positions=args.positions, offset=args.offset,
+                        min_shared_tokens=args.min_shared_tokens)
+    events = res.events(time.time_ns())
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(events), indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    f = res.frame
+    table = Table(show_edge=False, title=f"K/V cosine similarity at positions {args.offset}.."
+                  f"{args.offset + args.positions - 1} (mean over KV heads, positions and pairs)")
+    for col in ("layer", "same prompt K", "same prompt V", "different K", "different V"):
+        table.add_column(col, justify="right")
+    for layer in sorted(f.layer.unique()):
+        row = [str(layer)]
+        for same in (True, False):
+            g = f[(f.layer == layer) & (f.same_prompt == same)]
+            row += ["-", "-"] if g.empty else [f"{g.k_cosine.item():.3f}", f"{g.v_cosine.item():.3f}"]
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    pairs = f.groupby("same_prompt").pairs.first().to_dict()
+    console.print(f"pairs: {pairs.get(True, 0)} sharing >= {res.min_shared_tokens} leading tokens "
+                  f"(a system prompt), {pairs.get(False, 0)} not")
     return 0
 
 
