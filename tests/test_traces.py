@@ -182,3 +182,70 @@ def test_fast_hash_matches_its_sequential_definition():
             acc = (acc * H._CHAIN_BASE + c) & 0xFFFFFFFFFFFFFFFF
             want.append(int(H._splitmix64(np.array([acc], dtype=np.uint64))[0]) & H.MASK63)
     assert chunk_hashes(tokens, 16).tolist() == want
+
+
+# ---------------------------------------------------------------- kvdiag event logs
+
+
+def _write_log(path, requests, *, with_tokens, block_size):
+    """A kvdiag log of Mooncake-derived requests, as an engine adapter records them: arrivals
+    (with token ids or not), the engine's prefix hits and stored blocks, finishes."""
+    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.schema import BlockStored, PrefixHit, RequestArrived, RequestFinished
+
+    seen = set()
+    with LogWriter(path, make_header(engine="test", block_size_tokens=block_size,
+                                     bytes_per_token=46080)) as w:
+        for i, req in enumerate(requests):
+            rid, t0 = str(i), 1_000_000 * req["timestamp"] + 1
+            toks = _tokens_of(req)
+            w.record(RequestArrived(ts_ns=t0, request_id=rid, prompt_tokens=len(toks),
+                                    token_ids=toks if with_tokens else None))
+            ids = req["hash_ids"]
+            h = 0
+            while h < len(ids) and ids[h] in seen:
+                h += 1
+            for j, b in enumerate(ids):
+                n = min(512, len(toks) - 512 * j)
+                if j < h:
+                    w.record(PrefixHit(ts_ns=t0, request_id=rid, block_id=j, block_hash=b,
+                                       num_tokens=n))
+                else:
+                    w.record(BlockStored(ts_ns=t0, block_id=j, block_hash=b, num_tokens=n,
+                                         request_id=rid))
+                    seen.add(b)
+            w.record(RequestFinished(ts_ns=t0 + 5_000_000_000, request_id=rid,
+                                     prompt_tokens=len(toks), output_tokens=1,
+                                     cached_prompt_tokens=512 * h))
+
+
+def test_kvdiag_log_with_block_events_equals_mooncake(tmp_path):
+    requests = _mooncake_requests()
+    log = tmp_path / "blocks.kvlog.gz"
+    _write_log(log, requests, with_tokens=False, block_size=512)
+    assert detect_format(log) == "kvdiag"
+    trace = load_trace(log)
+    ref = load_trace(MOONCAKE)
+    n = ref.offsets[len(requests)]
+    assert np.array_equal(trace.block_ids, ref.block_ids[:n])
+    assert np.array_equal(trace.block_tokens, ref.block_tokens[:n])
+    for cap in (None, 300):
+        got, want = simulate(trace, "lru", cap), simulate(ref, "lru", cap)
+        assert got.hit_tokens == sum(want.request_hit_tokens[:len(requests)])
+    assert trace.bytes_per_token == 46080
+    assert trace.engine_cached_tokens.tolist() == [
+        512 * int(h) for h in simulate(trace, "lru", None).request_hit_blocks]
+    with pytest.raises(TraceFormatError, match="expected --block-size 512"):
+        load_trace(log, block_size_tokens=64)
+
+
+def test_kvdiag_log_with_token_ids_rechunks(tmp_path):
+    requests = _mooncake_requests(40)
+    log = tmp_path / "tokens.kvlog"
+    _write_log(log, requests, with_tokens=True, block_size=512)
+    for block in (None, 128):
+        trace = load_trace(log, block_size_tokens=block)
+        hit, total = _full_block_replay(requests, block or 512, 100)
+        res = simulate(trace, "lru", 100)
+        assert (res.hit_tokens, res.prompt_tokens) == (hit, total)
+    assert (trace.finish_ns - trace.arrival_ns).tolist() == [5_000_000_000] * 40
