@@ -60,16 +60,21 @@ def ordered_dict_replay(requests, capacity):
 
 RSS_SCRIPT = """
 import resource, sys, psutil
-from kvdiag.analysis.traces import load_trace
-from kvdiag.analysis.sharing import simulate, lru_curve
+from kvdiag.analysis.traces import load_trace, iter_requests
+from kvdiag.analysis.sharing import simulate, lru_curve, replay_stream
 import kvdiag.analysis._simkernels
 before = psutil.Process().memory_info().rss
-t = load_trace(sys.argv[1])
-simulate(t, "lru", 5000)
-lru_curve(t)
+if sys.argv[2] == "streamed":  # what `kvdiag replay` does for Mooncake and token-id traces
+    bs, records = iter_requests(sys.argv[1])
+    r = replay_stream(records, bs, ["lru"], [5000], curve=True)
+    refs, distinct = r.block_refs, r.distinct_blocks
+else:  # the whole trace as arrays (needed by OPT)
+    t = load_trace(sys.argv[1])
+    simulate(t, "lru", 5000)
+    lru_curve(t)
+    refs, distinct = t.block_refs, t.num_blocks
 after = psutil.Process().memory_info().rss
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, t.block_refs, t.num_blocks,
-      after - before)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, refs, distinct, after - before)
 """
 
 
@@ -108,16 +113,18 @@ def main() -> None:
         x10 = Path(tmp) / "x10.jsonl"
         text = path.read_text()
         x10.write_text(text * 10)
-        rss = []
-        for p in (path, x10):
-            out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(p)], capture_output=True,
-                                 text=True, check=True, env=dict(os.environ)).stdout.split()
-            rss.append((int(out[0]), int(out[3])))
-            print(f"[3] peak RSS, load + LRU replay + curve of {p.name}: {int(out[0]) / 2**20:.1f} MiB; "
-                  f"RSS grown by the work after imports: {int(out[3]) / 2**20:.1f} MiB "
-                  f"({out[1]} refs, {out[2]} distinct blocks)")
-        print(f"    ratio peak RSS(x10) / peak RSS(x1) = {rss[1][0] / rss[0][0]:.3f}; growth after "
-              f"imports {(rss[1][1] - rss[0][1]) / (9 * trace.block_refs):.1f} B per extra reference")
+        for mode in ("streamed", "in-memory"):
+            rss = []
+            for p in (path, x10):
+                out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(p), mode],
+                                     capture_output=True, text=True, check=True).stdout.split()
+                rss.append((int(out[0]), int(out[3])))
+                print(f"[3] {mode} LRU replay + curve of {p.name} ({out[1]} refs, {out[2]} distinct "
+                      f"blocks): peak RSS {int(out[0]) / 2**20:.1f} MiB, grown after imports "
+                      f"{int(out[3]) / 2**20:.1f} MiB")
+            print(f"    {mode}: peak RSS x10 / x1 = {rss[1][0] / rss[0][0]:.3f}; growth after imports "
+                  f"x10 / x1 = {rss[1][1] / max(rss[0][1], 1):.2f} "
+                  f"({(rss[1][1] - rss[0][1]) / (9 * trace.block_refs):.1f} B per extra reference)")
 
     tokens = np.random.default_rng(0).integers(0, 49152, size=1 << 20)
     for block in (16, 64):

@@ -53,6 +53,16 @@ def test_curve_points_equal_per_capacity_runs(capsys):
         assert row["token_hit_rate"] == pytest.approx(run.token_hit_rate, abs=1e-12)
 
 
+def test_streamed_curve_equals_per_capacity_runs(capsys):
+    rows = _json(capsys, "--curve", "--capacity", "0", "--capacity", "777", "--capacity", "50000")
+    trace = load_trace(MOONCAKE)
+    assert [r["capacity_blocks"] for r in rows] == [0, 777, 50000]
+    for row in rows:
+        run = simulate(trace, "lru", row["capacity_blocks"])
+        assert row["block_hit_rate"] == pytest.approx(run.block_hit_rate, abs=1e-12)
+        assert row["request_hit_rate"] == pytest.approx(run.request_hit_rate, abs=1e-12)
+
+
 def test_table_and_help_define_the_rates(capsys):
     assert main(["replay", str(MOONCAKE), "--capacity", "5000"]) == 0
     out = capsys.readouterr().out

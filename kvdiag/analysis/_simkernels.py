@@ -232,7 +232,7 @@ def _evict_one(policy, small_cap, ghost_cap, r, where, prev, nxt, heads, tails, 
 
 @njit(cache=True)
 def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref, total_refs,
-                 r_begin, r_end, where, prev, nxt, heads, tails, sizes, heap, hpos, hkey, freq,
+                 r_begin, r_end, r_base, where, prev, nxt, heads, tails, sizes, heap, hpos, hkey, freq,
                  last_req, counters, age_hist, hits_out):
     """Replay requests ``r_begin..r_end-1`` with prefix-match semantics.
 
@@ -241,14 +241,16 @@ def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref,
     cached, or inserted after evicting down to ``capacity - 1`` blocks (``capacity < 0``:
     unbounded, ``capacity == 0``: nothing is ever cached). ``next_ref[i]`` (OPT only) is the
     position of the next reference to ``ids[i]``'s block, ``>= total_refs`` if none.
+    ``r_base + r`` is the request's index in the whole stream (for idle ages).
     """
-    for r in range(r_begin, r_end):
-        s = offsets[r]
-        e = offsets[r + 1]
+    for rl in range(r_begin, r_end):
+        r = rl + r_base
+        s = offsets[rl]
+        e = offsets[rl + 1]
         h = 0
         while s + h < e and (where[ids[s + h]] == MAIN or where[ids[s + h]] == SMALL):
             h += 1
-        hits_out[r] = h
+        hits_out[rl] = h
         for i in range(s, e):
             x = ids[i]
             counters[C_CLOCK] += 1
@@ -330,7 +332,7 @@ def _fen_prefix(tree, i):
 
 
 @njit(cache=True)
-def _compact(last_time, owner, tree, t):
+def compact(last_time, owner, tree, t):
     """Renumber the live marks' times to ``0..live-1`` (keeping their order); return live."""
     live = 0
     for old in range(t):
@@ -398,7 +400,7 @@ def stack_distances(ids, offsets, block_tokens, prompt_tokens, r_begin, r_end, l
             else:
                 live += 1
             if t >= len(owner):
-                t = _compact(last_time, owner, tree, t)
+                t = compact(last_time, owner, tree, t)
             last_time[x] = t
             owner[t] = x
             _fen_add(tree, t, 1)

@@ -26,6 +26,7 @@ Rates, each with its denominator:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -177,8 +178,10 @@ class PrefixCacheSim:
         self.state = K.new_state(num_blocks)
 
     def feed(self, block_ids: np.ndarray, offsets: np.ndarray, hits_out: np.ndarray,
-             r_begin: int, r_end: int, next_ref: Optional[np.ndarray] = None) -> None:
-        """Replay requests ``r_begin..r_end-1``; ``hits_out[r]`` = their prefix-hit blocks."""
+             r_begin: int, r_end: int, next_ref: Optional[np.ndarray] = None,
+             r_base: int = 0) -> None:
+        """Replay requests ``r_begin..r_end-1``; ``hits_out[r]`` = their prefix-hit blocks.
+        ``r_base`` = index of request 0 of this batch in the whole stream."""
         if self.policy == "opt" and next_ref is None:
             raise ValueError("OPT needs the future: next_ref of the whole trace")
         top = int(block_ids.max()) + 1 if len(block_ids) else 1
@@ -186,7 +189,7 @@ class PrefixCacheSim:
         st = self.state
         nr = next_ref if next_ref is not None else np.empty(0, np.int64)
         K.run_requests(_CODES[self.policy], self._cap, self._small, self._ghost, block_ids,
-                       offsets, nr, len(block_ids), r_begin, r_end, st["where"], st["prev"],
+                       offsets, nr, len(block_ids), r_begin, r_end, r_base, st["where"], st["prev"],
                        st["nxt"], st["heads"], st["tails"], st["sizes"], st["heap"], st["hpos"],
                        st["hkey"], st["freq"], st["last_req"], st["counters"], st["age_hist"],
                        hits_out)
@@ -314,34 +317,71 @@ class HitRateCurve:
         return _log2_frame(self.reuse_hist, "distance", "blocks", "references")
 
 
+class _StackState:
+    """LRU stack-distance state and histograms over a growing set of block ids."""
+
+    def __init__(self, num_blocks: int = 1) -> None:
+        n = max(int(num_blocks), 1)
+        self.last_time = np.full(n, -1, dtype=np.int64)
+        self.owner = np.full(2 * n + 64, -1, dtype=np.int64)
+        self.tree = np.zeros(2 * n + 65, dtype=np.int64)
+        self.state = np.zeros(2, dtype=np.int64)  # next time slot, live blocks
+        self.hist_blocks = np.zeros(n + 2, dtype=np.int64)
+        self.hist_tokens = np.zeros(n + 2, dtype=np.int64)
+        self.hist_req = np.zeros(n + 2, dtype=np.float64)
+        self.reuse = np.zeros(K.AGE_BINS, dtype=np.int64)
+        self.requests_with_prompt = 0
+
+    def _grow(self, num_blocks: int) -> None:
+        old = len(self.last_time)
+        if num_blocks <= old:
+            return
+        n = max(num_blocks, 2 * old)
+        last_time = np.full(n, -1, dtype=np.int64)
+        last_time[:old] = self.last_time
+        owner = np.full(2 * n + 64, -1, dtype=np.int64)
+        owner[:len(self.owner)] = self.owner
+        tree = np.zeros(2 * n + 65, dtype=np.int64)
+        self.state[0] = K.compact(last_time, owner, tree, int(self.state[0]))
+        self.last_time, self.owner, self.tree = last_time, owner, tree
+        for name in ("hist_blocks", "hist_tokens", "hist_req"):
+            h = getattr(self, name)
+            grown = np.zeros(n + 2, dtype=h.dtype)
+            grown[:old + 1] = h[:old + 1]  # finite distances are <= old
+            grown[-1] = h[-1]  # never a hit
+            setattr(self, name, grown)
+
+    def feed(self, ids, offsets, block_tokens, prompt_tokens, r0, r1) -> None:
+        if offsets[r1] > offsets[r0]:
+            self._grow(int(ids[offsets[r0]:offsets[r1]].max()) + 1)
+        K.stack_distances(ids, offsets, block_tokens, prompt_tokens, r0, r1, self.last_time,
+                          self.owner, self.tree, self.state, self.hist_blocks,
+                          self.hist_tokens, self.hist_req, self.reuse)
+        self.requests_with_prompt += int((prompt_tokens[r0:r1] > 0).sum())
+
+    def curve(self, distinct, block_size, requests, refs, prompt, bpt) -> "HitRateCurve":
+        d = distinct
+        return HitRateCurve(
+            block_size_tokens=block_size, requests=requests, block_refs=refs,
+            prompt_tokens=prompt, distinct_blocks=d,
+            block_hits=np.cumsum(self.hist_blocks[: d + 1]),
+            token_hits=np.cumsum(self.hist_tokens[: d + 1]),
+            request_rate=np.cumsum(self.hist_req[: d + 1]) / max(self.requests_with_prompt, 1),
+            reuse_hist=self.reuse.copy(), bytes_per_token=bpt)
+
+
 def lru_curve(trace: Trace, *, bytes_per_token: Optional[int] = None,
               progress: Optional[Callable[[int], None]] = None) -> HitRateCurve:
-    """The LRU hit-rate curve over all capacities from one pass of stack distances."""
-    d = trace.num_blocks
-    hist_blocks = np.zeros(d + 2, dtype=np.int64)
-    hist_tokens = np.zeros(d + 2, dtype=np.int64)
-    hist_req = np.zeros(d + 2, dtype=np.float64)
-    reuse = np.zeros(K.AGE_BINS, dtype=np.int64)
-    last_time = np.full(max(d, 1), -1, dtype=np.int64)
-    slots = 2 * d + 64
-    owner = np.full(slots, -1, dtype=np.int64)
-    tree = np.zeros(slots + 1, dtype=np.int64)
-    state = np.zeros(2, dtype=np.int64)
+    """The LRU hit-rate curve over all capacities from one pass of stack distances: a
+    reference whose request-prefix maximum stack distance is m hits at every capacity >= m."""
+    stack = _StackState(trace.num_blocks)
     for r0, r1 in _request_chunks(trace.offsets, _CHUNK_REFS):
-        K.stack_distances(trace.block_ids, trace.offsets, trace.block_tokens,
-                          trace.prompt_tokens, r0, r1, last_time, owner, tree, state,
-                          hist_blocks, hist_tokens, hist_req, reuse)
+        stack.feed(trace.block_ids, trace.offsets, trace.block_tokens, trace.prompt_tokens, r0, r1)
         if progress is not None:
             progress(int(trace.offsets[r1] - trace.offsets[r0]))
-    # a reference with prefix-max distance m hits at every capacity >= m; index d+1 = never
-    valid = int((trace.prompt_tokens > 0).sum())
-    return HitRateCurve(
-        block_size_tokens=trace.block_size_tokens, requests=trace.requests,
-        block_refs=trace.block_refs, prompt_tokens=int(trace.prompt_tokens.sum()),
-        distinct_blocks=d, block_hits=np.cumsum(hist_blocks[: d + 1]),
-        token_hits=np.cumsum(hist_tokens[: d + 1]),
-        request_rate=np.cumsum(hist_req[: d + 1]) / max(valid, 1), reuse_hist=reuse,
-        bytes_per_token=bytes_per_token or trace.bytes_per_token)
+    return stack.curve(trace.num_blocks, trace.block_size_tokens, trace.requests,
+                       trace.block_refs, int(trace.prompt_tokens.sum()),
+                       bytes_per_token or trace.bytes_per_token)
 
 
 # ---------------------------------------------------------------- memory held by live requests
@@ -402,3 +442,148 @@ def memory_footprint(trace: Trace, concurrency: int = 8,
     bpt = bytes_per_token or trace.bytes_per_token
     return MemoryFootprint(trace.block_size_tokens, int(unshared), int(shared), model,
                            None if not bpt else bpt * trace.block_size_tokens)
+
+
+# ---------------------------------------------------------------- streamed replay
+
+
+def _block_tokens(prompt: np.ndarray, lens: np.ndarray, offsets: np.ndarray, bs: int) -> np.ndarray:
+    """min(block size, remaining prompt) for every block of a batch of requests."""
+    pos = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lens)
+    return np.clip(np.repeat(prompt, lens) - pos * bs, 0, bs).astype(np.int32)
+
+
+class StreamingReplay:
+    """Replays requests batch by batch as they are read: what :func:`simulate`,
+    :func:`lru_curve` and :func:`memory_footprint` (request-window model) compute on a whole
+    trace, with memory that grows with distinct blocks and requests, not block references.
+    OPT needs the future and is not streamed."""
+
+    def __init__(self, block_size_tokens: int, policies: Sequence[str],
+                 capacities: Sequence[Optional[int]], *, curve: bool = False,
+                 concurrency: int = 8, bytes_per_token: Optional[int] = None) -> None:
+        if "opt" in policies:
+            raise ValueError("OPT needs the whole trace: use simulate()")
+        self.block_size_tokens = block_size_tokens
+        self.bytes_per_token = bytes_per_token
+        self.runs = [(p, c, PrefixCacheSim(p, c)) for p in policies for c in capacities]
+        self._hits: list[list[np.ndarray]] = [[] for _ in self.runs]
+        self._hit_tokens: list[list[np.ndarray]] = [[] for _ in self.runs]
+        self._prompt: list[np.ndarray] = []
+        self._keys: dict[int, int] = {}
+        self.requests = 0
+        self.block_refs = 0
+        self._stack = _StackState() if curve else None
+        self.concurrency = concurrency
+        self._window: deque = deque()
+        self._count = np.zeros(1, dtype=np.int64)
+        self._held = [0, 0]  # unshared, shared blocks of the live window
+        self.peaks = [0, 0]
+
+    def feed(self, records: Sequence) -> None:
+        """Replay a batch of :class:`~kvdiag.analysis.traces.RequestRecord`."""
+        if not records:
+            return
+        bs = self.block_size_tokens
+        lens = np.array([len(r.keys) for r in records], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        keys = np.concatenate([r.keys for r in records]).tolist()
+        table = self._keys
+        ids = np.fromiter((table.setdefault(k, len(table)) for k in keys), dtype=np.int32,
+                          count=len(keys))
+        prompt = np.array([r.prompt_tokens for r in records], dtype=np.int64)
+        tokens = _block_tokens(prompt, lens, offsets, bs)
+        csum = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)])
+        n = len(records)
+        for k, (_, _, sim) in enumerate(self.runs):
+            hits = np.zeros(n, dtype=np.int64)
+            sim.feed(ids, offsets, hits, 0, n, r_base=self.requests)
+            self._hits[k].append(hits)
+            self._hit_tokens[k].append(csum[offsets[:-1] + hits] - csum[offsets[:-1]])
+        if self._stack is not None:
+            self._stack.feed(ids, offsets, tokens, prompt, 0, n)
+        self._window_feed(ids, offsets, prompt, lens)
+        self._prompt.append(prompt)
+        self.requests += n
+        self.block_refs += len(ids)
+
+    def _window_feed(self, ids, offsets, prompt, lens) -> None:
+        if len(self._count) < len(self._keys):
+            grown = np.zeros(max(len(self._keys), 2 * len(self._count)), dtype=np.int64)
+            grown[:len(self._count)] = self._count
+            self._count = grown
+        count = self._count
+        pages = -(-prompt // self.block_size_tokens)
+        for r in range(len(prompt)):
+            if len(self._window) == self.concurrency:  # the oldest finishes as this one arrives
+                u_old, pages_old, private_old = self._window.popleft()
+                count[u_old] -= 1
+                self._held[0] -= pages_old
+                self._held[1] -= int((count[u_old] == 0).sum()) + private_old
+            u = np.unique(ids[offsets[r]:offsets[r + 1]])
+            private = max(int(pages[r]) - int(lens[r]), 0)
+            self._held[0] += int(pages[r])
+            self._held[1] += int((count[u] == 0).sum()) + private
+            count[u] += 1
+            self._window.append((u, int(pages[r]), private))
+            self.peaks = [max(self.peaks[0], self._held[0]), max(self.peaks[1], self._held[1])]
+
+    @property
+    def distinct_blocks(self) -> int:
+        return len(self._keys)
+
+    def results(self) -> list[SharingResult]:
+        """One result per (policy, capacity), as :func:`simulate` returns on the whole trace."""
+        prompt = np.concatenate(self._prompt) if self._prompt else np.zeros(0, np.int64)
+        out = []
+        for k, (policy, cap, sim) in enumerate(self.runs):
+            hits = np.concatenate(self._hits[k]) if self._hits[k] else np.zeros(0, np.int64)
+            hit_tokens = np.concatenate(self._hit_tokens[k]) if self._hit_tokens[k] else hits
+            out.append(SharingResult(
+                policy=policy, capacity_blocks=cap, block_size_tokens=self.block_size_tokens,
+                requests=self.requests, block_refs=self.block_refs,
+                distinct_blocks=self.distinct_blocks, hit_blocks=int(hits.sum()),
+                hit_tokens=int(hit_tokens.sum()), prompt_tokens=int(prompt.sum()),
+                evictions=sim.evictions, peak_cached_blocks=sim.peak_cached_blocks,
+                bytes_per_token=self.bytes_per_token, request_hit_blocks=hits,
+                request_hit_tokens=hit_tokens, request_prompt_tokens=prompt,
+                eviction_age_hist=sim.state["age_hist"].copy()))
+        return out
+
+    def curve(self) -> HitRateCurve:
+        """The one-pass LRU curve (needs ``curve=True``)."""
+        if self._stack is None:
+            raise ValueError("StreamingReplay(curve=True) computes the curve")
+        prompt = sum(int(p.sum()) for p in self._prompt)
+        return self._stack.curve(self.distinct_blocks, self.block_size_tokens, self.requests,
+                                 self.block_refs, prompt, self.bytes_per_token)
+
+    def footprint(self) -> MemoryFootprint:
+        """:func:`memory_footprint` with the request-window model."""
+        bpb = None if not self.bytes_per_token else self.bytes_per_token * self.block_size_tokens
+        return MemoryFootprint(self.block_size_tokens, self.peaks[0], self.peaks[1],
+                               f"arrival until {self.concurrency} later arrivals", bpb)
+
+
+def replay_stream(records: Iterable, block_size_tokens: int, policies: Sequence[str],
+                  capacities: Sequence[Optional[int]], *, curve: bool = False,
+                  concurrency: int = 8, bytes_per_token: Optional[int] = None,
+                  batch_refs: int = _CHUNK_REFS,
+                  progress: Optional[Callable[[int], None]] = None) -> StreamingReplay:
+    """Feed streamed requests (:func:`~kvdiag.analysis.traces.iter_requests`) to a
+    :class:`StreamingReplay` in batches of about ``batch_refs`` block references."""
+    replay = StreamingReplay(block_size_tokens, policies, capacities, curve=curve,
+                             concurrency=concurrency, bytes_per_token=bytes_per_token)
+    batch, refs = [], 0
+    for rec in records:
+        batch.append(rec)
+        refs += len(rec.keys)
+        if refs >= batch_refs:
+            replay.feed(batch)
+            if progress is not None:
+                progress(refs)
+            batch, refs = [], 0
+    replay.feed(batch)
+    if progress is not None and refs:
+        progress(refs)
+    return replay

@@ -30,7 +30,7 @@ import math
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import pandas as pd
@@ -217,11 +217,16 @@ def detect_format(path: str | Path) -> str:
 # ---------------------------------------------------------------- loaders
 
 
-def load_mooncake(path: Path, block_size_tokens: Optional[int] = None) -> Trace:
-    if block_size_tokens not in (None, MOONCAKE_BLOCK_TOKENS):
-        raise TraceFormatError(f"{path}:1: expected --block-size {MOONCAKE_BLOCK_TOKENS}: Mooncake "
-                               "traces carry only hashes of 512-token blocks, not tokens")
-    b = TraceBuilder(MOONCAKE_BLOCK_TOKENS, "mooncake", str(path))
+@dataclass
+class RequestRecord:
+    """One request of a streamed trace: its chained block keys (int64) in prompt order."""
+
+    keys: np.ndarray
+    prompt_tokens: int
+    arrival_ns: int = -1
+
+
+def _mooncake_records(path: Path) -> Iterator[RequestRecord]:
     for lineno, obj in _json_lines(path):
         if not isinstance(obj, dict) or "hash_ids" not in obj:
             raise TraceFormatError(f"{path}:{lineno}: expected a Mooncake request object with "
@@ -233,14 +238,11 @@ def load_mooncake(path: Path, block_size_tokens: Optional[int] = None) -> Trace:
                                    f"{math.ceil(n_in / MOONCAKE_BLOCK_TOKENS)} hash_ids, "
                                    f"got {len(ids)}")
         ts_ms = _number(obj, "timestamp", path, lineno)
-        b.add(ids, n_in, arrival_ns=int(ts_ms * 1_000_000))
-    return b.build()
+        yield RequestRecord(np.asarray(ids, dtype=np.int64), n_in, int(ts_ms * 1_000_000))
 
 
-def load_tokens(path: Path, block_size_tokens: Optional[int] = None,
-                hash_algorithm: str = "fast") -> Trace:
-    bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
-    b = TraceBuilder(bs, "tokens", str(path))
+def _token_records(path: Path, block_size_tokens: int,
+                   hash_algorithm: str) -> Iterator[RequestRecord]:
     for lineno, obj in _json_lines(path):
         if not isinstance(obj, dict) or "token_ids" not in obj:
             raise TraceFormatError(f"{path}:{lineno}: expected an object with \"token_ids\"")
@@ -251,9 +253,50 @@ def load_tokens(path: Path, block_size_tokens: Optional[int] = None,
         extra = obj.get("extra_keys") or ()
         if not isinstance(extra, (list, tuple)):
             raise TraceFormatError(f"{path}:{lineno}: expected \"extra_keys\" to be a list")
-        keys = chunk_hashes(tokens, bs, extra_keys=tuple(extra), algorithm=hash_algorithm)
-        b.add(keys, len(tokens), arrival_ns=-1 if ts is None else int(ts * 1e9))
+        keys = chunk_hashes(tokens, block_size_tokens, extra_keys=tuple(extra),
+                            algorithm=hash_algorithm)
+        yield RequestRecord(keys, len(tokens), -1 if ts is None else int(ts * 1e9))
+
+
+def _mooncake_block_size(path: Path, block_size_tokens: Optional[int]) -> int:
+    if block_size_tokens not in (None, MOONCAKE_BLOCK_TOKENS):
+        raise TraceFormatError(f"{path}:1: expected --block-size {MOONCAKE_BLOCK_TOKENS}: Mooncake "
+                               "traces carry only hashes of 512-token blocks, not tokens")
+    return MOONCAKE_BLOCK_TOKENS
+
+
+def iter_requests(path: str | Path, format: Optional[str] = None,
+                  block_size_tokens: Optional[int] = None,
+                  hash_algorithm: str = "fast") -> tuple[int, Iterator[RequestRecord]]:
+    """(block size, requests streamed one by one) of a Mooncake or token-id trace: memory for
+    a replay then grows with distinct blocks, not with the trace. Other formats need the whole
+    file (requests are rebuilt from events): use :func:`load_trace`."""
+    path = Path(path)
+    fmt = format or detect_format(path)
+    if fmt == "mooncake":
+        return _mooncake_block_size(path, block_size_tokens), _mooncake_records(path)
+    if fmt == "tokens":
+        bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
+        return bs, _token_records(path, bs, hash_algorithm)
+    raise ValueError(f"{fmt} traces are not streamed")
+
+
+def _build(records: Iterable[RequestRecord], bs: int, fmt: str, path: Path) -> Trace:
+    b = TraceBuilder(bs, fmt, str(path))
+    for rec in records:
+        b.add(rec.keys, rec.prompt_tokens, arrival_ns=rec.arrival_ns)
     return b.build()
+
+
+def load_mooncake(path: Path, block_size_tokens: Optional[int] = None) -> Trace:
+    bs = _mooncake_block_size(path, block_size_tokens)
+    return _build(_mooncake_records(path), bs, "mooncake", path)
+
+
+def load_tokens(path: Path, block_size_tokens: Optional[int] = None,
+                hash_algorithm: str = "fast") -> Trace:
+    bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
+    return _build(_token_records(path, bs, hash_algorithm), bs, "tokens", path)
 
 
 _VLLM_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")

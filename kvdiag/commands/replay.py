@@ -90,48 +90,113 @@ def _grid(distinct: int, points: int = 24) -> list[int]:
     return sorted(set(raw))
 
 
-def _progress(total: int, quiet: bool):
-    """A rich progress bar on stderr for long work (a no-op callback when quiet)."""
-    if quiet or total < 2_000_000 or not sys.stderr.isatty():
+def _progress(total: Optional[int], quiet: bool):
+    """A rich progress bar on stderr for long work (a no-op callback when quiet); ``total``
+    None = unknown (a streamed trace): the bar counts block references."""
+    if quiet or (total is not None and total < 2_000_000) or not sys.stderr.isatty():
         return None, (lambda n: None)
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                   TimeRemainingColumn(), transient=True)
+    bar = Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.completed:,} block refs"),
+                   TimeRemainingColumn(), transient=True, console=Console(stderr=True))
     bar.start()
     task = bar.add_task("replay", total=total)
     return bar, (lambda n: bar.advance(task, n))
 
 
+def _streamable(args, fmt: str, policies: list[str]) -> bool:
+    """Mooncake and token-id traces replay while being read (memory ~ distinct blocks), except
+    for OPT (needs the future) and curves of other policies (need the distinct count first)."""
+    if fmt not in ("mooncake", "tokens") or "opt" in policies:
+        return False
+    return not args.curve or set(policies) == {"lru"}
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvdiag.analysis import sharing
-    from kvdiag.analysis.traces import TraceFormatError, load_trace
+    from kvdiag.analysis.traces import TraceFormatError, detect_format
 
     try:
         caps = [parse_capacity(c) for c in (args.capacity or ["unbounded"])]
     except ValueError as exc:
         print(f"kvdiag replay: {exc}", file=sys.stderr)
         return 2
+    if args.similarity:
+        return _run_similarity(args)
+    policies = args.policy or ["lru"]
+    bar = None
     try:
-        trace = load_trace(args.trace, format=args.format, block_size_tokens=args.block_size,
-                           hash_algorithm=args.hash)
+        fmt = args.format or detect_format(args.trace)
+        if _streamable(args, fmt, policies):
+            rows, info = _replay_streamed(args, fmt, policies, caps)
+        else:
+            rows, info = _replay_loaded(args, fmt, policies, caps)
     except TraceFormatError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    if args.similarity:
-        return _run_similarity(args)
-    bpt = args.bytes_per_token or trace.bytes_per_token
-    capacities = []
+    except _Usage as exc:
+        print(f"{args.trace}:1: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=1, default=float))
+        return 0
+    _print_table(info, rows, args.curve)
+    return 0
+
+
+class _Usage(ValueError):
+    """An option the trace cannot honour."""
+
+
+def _capacities(caps, block_size: int, bpt: Optional[int]) -> list[Optional[int]]:
+    out = []
     for blocks, nbytes in caps:
         if nbytes is not None:
             if not bpt:
-                print(f"{args.trace}:1: expected --bytes-per-token (or a log header with "
-                      "bytes_per_token) for a capacity in bytes", file=sys.stderr)
-                return 2
-            blocks = sharing.capacity_in_blocks(trace, capacity_bytes=nbytes, bytes_per_token=bpt)
-        capacities.append(blocks)
-    policies = args.policy or ["lru"]
+                raise _Usage("expected --bytes-per-token (or a log header with bytes_per_token) "
+                             "for a capacity in bytes")
+            blocks = nbytes // (block_size * bpt)
+        out.append(blocks)
+    return out
 
+
+def _replay_streamed(args, fmt, policies, caps):
+    from kvdiag.analysis import sharing
+    from kvdiag.analysis.traces import iter_requests
+
+    block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash)
+    bpt = args.bytes_per_token
+    capacities = _capacities(caps, block_size, bpt)
+    bar, tick = _progress(None, args.json)
+    try:
+        replay = sharing.replay_stream(records, block_size, policies,
+                                       [] if args.curve else capacities, curve=args.curve,
+                                       concurrency=args.concurrency, bytes_per_token=bpt,
+                                       progress=tick)
+    finally:
+        if bar is not None:
+            bar.stop()
+    if args.curve:
+        curve = replay.curve()
+        grid = [c for c in capacities if c is not None] if args.capacity else _grid(curve.distinct_blocks)
+        rows = [curve.at(c) for c in grid]
+    else:
+        rows = [r.to_json() for r in replay.results()]
+    info = {"source": str(args.trace), "format": fmt, "requests": replay.requests,
+            "block_refs": replay.block_refs, "distinct_blocks": replay.distinct_blocks,
+            "block_size_tokens": block_size, "footprint": replay.footprint(),
+            "engine_hit_rate": None, "notes": []}
+    return rows, info
+
+
+def _replay_loaded(args, fmt, policies, caps):
+    from kvdiag.analysis import sharing
+    from kvdiag.analysis.traces import load_trace
+
+    trace = load_trace(args.trace, format=fmt, block_size_tokens=args.block_size,
+                       hash_algorithm=args.hash)
+    bpt = args.bytes_per_token or trace.bytes_per_token
+    capacities = _capacities(caps, trace.block_size_tokens, bpt)
     if args.curve:
         grid = [c for c in capacities if c is not None] if args.capacity else _grid(trace.num_blocks)
         rows = _curve_rows(trace, policies, grid, bpt, args.json)
@@ -144,12 +209,16 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.stop()
         rows = [r.to_json() for r in results]
-    if args.json:
-        print(json.dumps(rows, indent=1, default=float))
-        return 0
-    footprint = sharing.memory_footprint(trace, args.concurrency, bpt)
-    _print_table(trace, rows, footprint, args.curve)
-    return 0
+    engine = None
+    if trace.engine_cached_tokens is not None:
+        known = trace.engine_cached_tokens >= 0
+        engine = trace.engine_cached_tokens[known].sum() / max(trace.prompt_tokens[known].sum(), 1)
+    info = {"source": trace.source, "format": trace.format, "requests": trace.requests,
+            "block_refs": trace.block_refs, "distinct_blocks": trace.num_blocks,
+            "block_size_tokens": trace.block_size_tokens,
+            "footprint": sharing.memory_footprint(trace, args.concurrency, bpt),
+            "engine_hit_rate": engine, "notes": trace.notes}
+    return rows, info
 
 
 def _run_similarity(args: argparse.Namespace) -> int:
@@ -228,14 +297,14 @@ def _bytes(n) -> str:
         n /= 1024
 
 
-def _print_table(trace, rows, footprint, curve: bool) -> None:
+def _print_table(info: dict, rows, curve: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]{trace.source}[/] ({trace.format}): {trace.requests} requests, "
-                  f"{trace.block_refs} block refs, {trace.num_blocks} distinct blocks of "
-                  f"{trace.block_size_tokens} tokens")
+    console.print(f"[bold]{info['source']}[/] ({info['format']}): {info['requests']} requests, "
+                  f"{info['block_refs']} block refs, {info['distinct_blocks']} distinct blocks of "
+                  f"{info['block_size_tokens']} tokens")
     if not curve:
         table = Table(show_edge=False)
         for col in ("policy", "capacity (blocks)", "block hit", "token hit", "request hit",
@@ -254,14 +323,12 @@ def _print_table(trace, rows, footprint, curve: bool) -> None:
                     bar = "#" * round(40 * r["token_hit_rate"])
                     console.print(f"{r['capacity_blocks']:>9} |{bar:<40}| {_pct(r['token_hit_rate'])}",
                                   markup=False, highlight=False)
-    console.print(f"memory held by live requests ({footprint.concurrency_model}): peak "
-                  f"{footprint.peak_unshared_blocks} blocks without sharing, "
-                  f"{footprint.peak_shared_blocks} with sharing: "
-                  f"{100 * footprint.reduction:.1f}% reduction")
-    if trace.engine_cached_tokens is not None:
-        known = trace.engine_cached_tokens >= 0
-        engine = trace.engine_cached_tokens[known].sum() / max(trace.prompt_tokens[known].sum(), 1)
-        console.print(f"engine's own token hit rate: {_pct(engine)} (cached_prompt_tokens / "
-                      "prompt tokens of finished requests)")
-    for note in trace.notes:
+    fp = info["footprint"]
+    console.print(f"memory held by live requests ({fp.concurrency_model}): peak "
+                  f"{fp.peak_unshared_blocks} blocks without sharing, {fp.peak_shared_blocks} "
+                  f"with sharing: {100 * fp.reduction:.1f}% reduction")
+    if info["engine_hit_rate"] is not None:
+        console.print(f"engine's own token hit rate: {_pct(info['engine_hit_rate'])} "
+                      "(cached_prompt_tokens / prompt tokens of finished requests)")
+    for note in info["notes"]:
         console.print(f"note: {note}")
