@@ -43,6 +43,9 @@ def oracle(requests: list[list[int]], policy: str, capacity: int | None):
     small_cap = max(1, int((capacity or 1) * 0.1))
     ghost_cap = max((capacity or 1) - small_cap, 1)
     hits, evictions, pos = [], 0, 0
+    last_req: dict[int, int] = {}
+    ages: list[int] = []
+    victims: list[int] = []
 
     def cached(b):
         return (b in small or b in main) if policy == "s3fifo" else b in cache
@@ -52,11 +55,13 @@ def oracle(requests: list[list[int]], policy: str, capacity: int | None):
 
     def evict():
         if policy in ("lru", "fifo"):
-            cache.pop(0)
+            victims.append(cache.pop(0))
         elif policy == "lfu":
-            cache.remove(min(cache, key=lambda b: (freq[b], last_use[b])))
+            victims.append(min(cache, key=lambda b: (freq[b], last_use[b])))
+            cache.remove(victims[-1])
         elif policy == "opt":
-            cache.remove(max(cache, key=lambda b: (next_use[b], b)))
+            victims.append(max(cache, key=lambda b: (next_use[b], b)))
+            cache.remove(victims[-1])
         else:
             while True:
                 if small and (len(small) >= small_cap or not main):
@@ -67,6 +72,7 @@ def oracle(requests: list[list[int]], policy: str, capacity: int | None):
                         ghost.append(t)
                         if len(ghost) > ghost_cap:
                             ghost.pop(0)
+                        victims.append(t)
                         return
                 else:
                     t = main.pop(0)
@@ -74,9 +80,10 @@ def oracle(requests: list[list[int]], policy: str, capacity: int | None):
                         s_freq[t] -= 1
                         main.append(t)
                     else:
+                        victims.append(t)
                         return
 
-    for req in requests:
+    for r, req in enumerate(requests):
         h = 0
         while h < len(req) and cached(req[h]):
             h += 1
@@ -94,6 +101,7 @@ def oracle(requests: list[list[int]], policy: str, capacity: int | None):
                 while capacity is not None and held() >= capacity:
                     evict()
                     evictions += 1
+                    ages.append(r - last_req[victims[-1]])
                 if policy == "s3fifo":
                     s_freq[b] = 0
                     if b in ghost:
@@ -105,9 +113,10 @@ def oracle(requests: list[list[int]], policy: str, capacity: int | None):
                     cache.append(b)
                     freq[b] = 1
             last_use[b] = pos
+            last_req[b] = r
             next_use[b] = later[0] if later else math.inf
             pos += 1
-    return hits, evictions
+    return hits, evictions, ages
 
 
 # ---------------------------------------------------------------- hypothesis traces
@@ -124,9 +133,12 @@ def _dense(trace):
 
 def _check_against_oracle(trace, policy, capacity):
     res = simulate(trace, policy, capacity)
-    want_hits, want_evictions = oracle(_dense(trace), policy, capacity)
+    want_hits, want_evictions, want_ages = oracle(_dense(trace), policy, capacity)
     assert res.request_hit_blocks.tolist() == want_hits
     assert res.evictions == want_evictions
+    # eviction idle ages (requests since the victim's last reference), power-of-two bins
+    want_hist = np.bincount([a.bit_length() for a in want_ages], minlength=64)
+    assert res.eviction_age_hist.tolist() == want_hist.tolist()
     csum = np.concatenate([[0], np.cumsum(trace.block_tokens)])
     want_tokens = sum(int(csum[trace.offsets[r] + h] - csum[trace.offsets[r]])
                       for r, h in enumerate(want_hits))
@@ -156,6 +168,17 @@ def test_one_pass_curve_equals_per_capacity_runs(requests, block):
     trace = trace_from_blocks(requests, block_size_tokens=block,
                               prompt_tokens=[len(r) * block - (1 if r else 0) for r in requests])
     curve = lru_curve(trace)
+    # reuse distances: rank in the recency order when the request arrives, by brute force
+    order, want_reuse = [], np.zeros(64, dtype=np.int64)
+    for req in _dense(trace):
+        for b in req:
+            if b in order:
+                want_reuse[(len(order) - order.index(b)).bit_length()] += 1
+        for b in req:
+            if b in order:
+                order.remove(b)
+            order.append(b)
+    assert curve.reuse_hist.tolist() == want_reuse.tolist()
     for cap in list(range(trace.num_blocks + 2)) + [None]:
         run = simulate(trace, "lru", cap)
         at = curve.at(cap)
