@@ -6,8 +6,8 @@ holds. Formats:
 
 - ``kvdiag``: a kvdiag event log. If ``request_arrived`` events carry ``token_ids``, prompts are
   re-chunked by kvdiag at any ``block_size_tokens`` (default: the log header's); otherwise each
-  request's blocks are its ``prefix_hit`` then ``block_stored`` events, in log order, at the
-  engine's block size. ``request_finished.cached_prompt_tokens`` is kept as the engine's hits.
+  request's blocks are its ``prefix_hit``, ``block_stored`` (and ``block_deduplicated``)
+  events, in log order, at the engine's block size. ``request_finished.cached_prompt_tokens`` is kept as the engine's hits.
 - ``mooncake``: JSONL with ``timestamp`` (ms), ``input_length``, ``output_length``,
   ``hash_ids`` (prefix-chained 512-token blocks; the last one may be partial and still counts).
 - ``tokens``: JSONL of ``{"timestamp": ..., "token_ids": [...]}`` (optional ``request_id``,
@@ -386,22 +386,27 @@ def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
     return trace
 
 
+# events that put a block (by chained key) into a request's prompt, in log order; the
+# engine adapter's de-duplication (a request adopting an identical hashed block) counts too
+_BLOCK_REF_TAGS = ("prefix_hit", "block_stored", "block_deduplicated")
+
+
 def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 hash_algorithm: str = "fast") -> Trace:
     from kvdiag import eventlog  # the log reader; imported lazily (only this format needs it)
-    from kvdiag.schema import BlockStored, PrefixHit, RequestArrived, RequestFinished
+    from kvdiag.schema import RequestArrived, RequestFinished, event_tag
 
     try:
         header = eventlog.read_header(path)
         arrived: dict[str, RequestArrived] = {}
-        blocks: dict[str, list[tuple[int, int]]] = {}
+        blocks: dict[str, list[int]] = {}
         finished: dict[str, RequestFinished] = {}
         for ev in eventlog.iter_events(path, strict=True):
             if isinstance(ev, RequestArrived):
                 arrived.setdefault(ev.request_id, ev)
-            elif isinstance(ev, (PrefixHit, BlockStored)) and ev.request_id is not None \
-                    and ev.block_hash is not None:
-                blocks.setdefault(ev.request_id, []).append((int(ev.block_hash), ev.num_tokens))
+            elif event_tag(ev) in _BLOCK_REF_TAGS and getattr(ev, "request_id", None) is not None \
+                    and getattr(ev, "block_hash", None) is not None:
+                blocks.setdefault(ev.request_id, []).append(int(ev.block_hash))
             elif isinstance(ev, RequestFinished):
                 finished[ev.request_id] = ev
     except eventlog.LogFormatError as exc:
@@ -426,7 +431,7 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
         for rid, a in arrived.items():
             refs = blocks.get(rid, [])
             f = finished.get(rid)
-            keys = [k for k, _ in refs]
+            keys = refs
             starts = np.arange(len(keys), dtype=np.int64) * engine_bs
             toks = np.clip(a.prompt_tokens - starts, 0, engine_bs)
             b.add(keys, a.prompt_tokens, block_tokens=toks, arrival_ns=a.ts_ns,
