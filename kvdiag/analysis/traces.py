@@ -411,6 +411,8 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 finished[ev.request_id] = ev
     except eventlog.LogFormatError as exc:
         raise TraceFormatError(str(exc)) from None
+    if not arrived:
+        raise TraceFormatError(f"{path}:1: expected request_arrived events in the log")
     with_tokens = [a for a in arrived.values() if a.token_ids is not None]
     engine_bs = header.block_size_tokens
     if with_tokens and len(with_tokens) == len(arrived):
@@ -429,16 +431,10 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
             raise TraceFormatError(f"{path}:1: expected block_size_tokens in the log header")
         b = TraceBuilder(engine_bs, "kvdiag", str(path))
         for rid, a in arrived.items():
-            refs = blocks.get(rid, [])
             f = finished.get(rid)
-            keys = refs
-            starts = np.arange(len(keys), dtype=np.int64) * engine_bs
-            toks = np.clip(a.prompt_tokens - starts, 0, engine_bs)
-            b.add(keys, a.prompt_tokens, block_tokens=toks, arrival_ns=a.ts_ns,
+            b.add(blocks.get(rid, []), a.prompt_tokens, arrival_ns=a.ts_ns,
                   finish_ns=-1 if f is None else f.ts_ns,
                   engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)
-    if not arrived:
-        raise TraceFormatError(f"{path}:1: expected request_arrived events in the log")
     return b.build(bytes_per_token=header.bytes_per_token)
 
 
