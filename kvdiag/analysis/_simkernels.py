@@ -232,8 +232,8 @@ def _evict_one(policy, small_cap, ghost_cap, r, where, prev, nxt, heads, tails, 
 
 @njit(cache=True)
 def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref, total_refs,
-                 r_begin, r_end, r_base, where, prev, nxt, heads, tails, sizes, heap, hpos, hkey, freq,
-                 last_req, counters, age_hist, hits_out):
+                 r_begin, r_end, r_base, where, prev, nxt, heads, tails, sizes, heap, hpos, hkey,
+                 freq, last_req, counters, age_hist, hits_out):
     """Replay requests ``r_begin..r_end-1`` with prefix-match semantics.
 
     For each request: ``hits_out[r]`` = length of the longest run of its leading blocks that are

@@ -411,11 +411,15 @@ class MemoryFootprint:
 
     @property
     def peak_unshared_bytes(self) -> Optional[int]:
-        return None if self.bytes_per_block is None else self.peak_unshared_blocks * self.bytes_per_block
+        if self.bytes_per_block is None:
+            return None
+        return self.peak_unshared_blocks * self.bytes_per_block
 
     @property
     def peak_shared_bytes(self) -> Optional[int]:
-        return None if self.bytes_per_block is None else self.peak_shared_blocks * self.bytes_per_block
+        if self.bytes_per_block is None:
+            return None
+        return self.peak_shared_blocks * self.bytes_per_block
 
 
 def memory_footprint(trace: Trace, concurrency: int = 8,
@@ -426,7 +430,8 @@ def memory_footprint(trace: Trace, concurrency: int = 8,
     otherwise from its arrival until ``concurrency`` later requests have arrived.
     """
     n = trace.requests
-    if trace.arrival_ns is not None and trace.finish_ns is not None and (trace.finish_ns >= 0).all():
+    timed = trace.arrival_ns is not None and trace.finish_ns is not None
+    if timed and (trace.finish_ns >= 0).all():
         times = np.concatenate([trace.arrival_ns, trace.finish_ns])
         model = "arrival to finish"
     else:

@@ -7,7 +7,8 @@ holds. Formats:
 - ``kvdiag``: a kvdiag event log. If ``request_arrived`` events carry ``token_ids``, prompts are
   re-chunked by kvdiag at any ``block_size_tokens`` (default: the log header's); otherwise each
   request's blocks are its ``prefix_hit``, ``block_stored`` (and ``block_deduplicated``)
-  events, in log order, at the engine's block size. ``request_finished.cached_prompt_tokens`` is kept as the engine's hits.
+  events, in log order, at the engine's block size. ``request_finished.cached_prompt_tokens``
+  is kept as the engine's hits.
 - ``mooncake``: JSONL with ``timestamp`` (ms), ``input_length``, ``output_length``,
   ``hash_ids`` (prefix-chained 512-token blocks; the last one may be partial and still counts).
 - ``tokens``: JSONL of ``{"timestamp": ..., "token_ids": [...]}`` (optional ``request_id``,
@@ -129,7 +130,10 @@ class TraceBuilder:
 
     def build(self, bytes_per_token: Optional[int] = None) -> Trace:
         keys = np.frombuffer(self._keys, dtype=np.int64)
-        codes, uniques = pd.factorize(keys, sort=False) if len(keys) else (np.empty(0, np.int64), [])
+        if len(keys):
+            codes, uniques = pd.factorize(keys, sort=False)
+        else:
+            codes, uniques = np.empty(0, np.int64), []
         arrival = np.frombuffer(self._arrival, dtype=np.int64).copy()
         finish = np.frombuffer(self._finish, dtype=np.int64).copy()
         cached = np.frombuffer(self._cached, dtype=np.int64).copy()
@@ -313,7 +317,8 @@ def _vllm_events(path: Path) -> Iterator[tuple[int, Optional[float], dict]]:
         elif isinstance(obj, dict):
             events = [obj]
         else:
-            raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event batch [ts, [events]]")
+            raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event batch "
+                                   "[ts, [events]]")
         for ev in events:
             yield lineno, ts, _vllm_event_dict(ev, path, lineno)
 
@@ -354,7 +359,8 @@ def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
             continue
         try:
             hashes = [_hash_key(h) for h in ev["block_hashes"]]
-            parent = None if ev.get("parent_block_hash") is None else _hash_key(ev["parent_block_hash"])
+            parent = ev.get("parent_block_hash")
+            parent = None if parent is None else _hash_key(parent)
             tokens = _int_list(ev.get("token_ids"), path, lineno, "token_ids")
             bs = int(ev["block_size"])
         except (KeyError, TypeError, ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from typing import Optional
@@ -90,6 +91,13 @@ def _grid(distinct: int, points: int = 24) -> list[int]:
     return sorted(set(raw))
 
 
+def _curve_grid(args, capacities, distinct: int) -> list[int]:
+    """The capacities a curve is printed at: those given, else log-spaced up to all blocks."""
+    if args.capacity:
+        return [c for c in capacities if c is not None]
+    return _grid(distinct)
+
+
 def _progress(total: Optional[int], quiet: bool):
     """A rich progress bar on stderr for long work (a no-op callback when quiet); ``total``
     None = unknown (a streamed trace): the bar counts block references."""
@@ -137,10 +145,14 @@ def run(args: argparse.Namespace) -> int:
     except _Usage as exc:
         print(f"{args.trace}:1: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(rows, indent=1, default=float))
-        return 0
-    _print_table(info, rows, args.curve)
+    try:
+        if args.json:
+            print(json.dumps(rows, indent=1, default=float))
+        else:
+            _print_table(info, rows, args.curve)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvdiag replay ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -178,7 +190,7 @@ def _replay_streamed(args, fmt, policies, caps):
             bar.stop()
     if args.curve:
         curve = replay.curve()
-        grid = [c for c in capacities if c is not None] if args.capacity else _grid(curve.distinct_blocks)
+        grid = _curve_grid(args, capacities, curve.distinct_blocks)
         rows = [curve.at(c) for c in grid]
     else:
         rows = [r.to_json() for r in replay.results()]
@@ -198,7 +210,7 @@ def _replay_loaded(args, fmt, policies, caps):
     bpt = args.bytes_per_token or trace.bytes_per_token
     capacities = _capacities(caps, trace.block_size_tokens, bpt)
     if args.curve:
-        grid = [c for c in capacities if c is not None] if args.capacity else _grid(trace.num_blocks)
+        grid = _curve_grid(args, capacities, trace.num_blocks)
         rows = _curve_rows(trace, policies, grid, bpt, args.json)
     else:
         bar, tick = _progress(trace.block_refs * len(policies) * len(capacities), args.json)
@@ -260,7 +272,10 @@ def _run_similarity(args: argparse.Namespace) -> int:
         row = [str(layer)]
         for same in (True, False):
             g = f[(f.layer == layer) & (f.same_prompt == same)]
-            row += ["-", "-"] if g.empty else [f"{g.k_cosine.item():.3f}", f"{g.v_cosine.item():.3f}"]
+            if g.empty:
+                row += ["-", "-"]
+            else:
+                row += [f"{g.k_cosine.item():.3f}", f"{g.v_cosine.item():.3f}"]
         table.add_row(*row)
     console = Console()
     console.print(table)
@@ -321,7 +336,8 @@ def _print_table(info: dict, rows, curve: bool) -> None:
             for r in rows:
                 if r["policy"] == policy:
                     bar = "#" * round(40 * r["token_hit_rate"])
-                    console.print(f"{r['capacity_blocks']:>9} |{bar:<40}| {_pct(r['token_hit_rate'])}",
+                    rate = _pct(r["token_hit_rate"])
+                    console.print(f"{r['capacity_blocks']:>9} |{bar:<40}| {rate}",
                                   markup=False, highlight=False)
     fp = info["footprint"]
     console.print(f"memory held by live requests ({fp.concurrency_model}): peak "
