@@ -27,11 +27,11 @@ from typing import Optional
 
 import torch
 
+from kvdiag.analysis.locality import DISTANCE_EDGES
 from kvdiag.schema import ShadowLocality
 
 RECENT_FRAC = 0.2
 SINK_TOKENS = 4
-DISTANCE_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def window_sizes(tokens: int) -> tuple[int, int]:
