@@ -27,10 +27,20 @@ def _row_offsets(pid, n_rows, H, T, sB, sH, sT, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Round fp32 ``y`` to the fp8 grid (MANT mantissa bits, min normal exponent EMIN) in fp32,
+    half away from zero, so that the cast to fp8 is exact on every backend."""
+    a = tl.abs(y)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), EMIN)
+    r = tl.floor(a * tl.exp2(MANT - e) + 0.5) * tl.exp2(e - MANT)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, n_rows, H, T, sB, sH, sT, sD,
                   ROWS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PPB: tl.constexpr,
                   BITS: tl.constexpr, CHANNEL: tl.constexpr, FP8: tl.constexpr,
-                  FMAX: tl.constexpr):
+                  FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     pid = tl.program_id(0)
     rows, ok, base = _row_offsets(pid, n_rows, H, T, sB, sH, sT, ROWS)
     DP: tl.constexpr = D // PPB
@@ -48,7 +58,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, n_rows, H, T, sB, sH, sT,
                 tl.store(scale_ptr + soff, s16)
                 s = s16.to(tl.float32)
                 inv = tl.div_rn(1.0, tl.where(s > 0, s, 1.0))
-                y = tl.minimum(tl.maximum(xj * inv[None, :], -FMAX), FMAX)
+                y = tl.minimum(tl.maximum(_round_fp8(xj * inv[None, :], MANT, EMIN), -FMAX), FMAX)
                 tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty))
             else:
                 mn = tl.min(xj, axis=0)
@@ -89,7 +99,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, n_rows, H, T, sB, sH, sT,
             xj = tl.load(x_ptr + base[:, None] + ((cols * PPB + j) * sD)[None, :], mask=mask2, other=0.0)
             xj = xj.to(tl.float32)
             if FP8:
-                y = tl.minimum(tl.maximum(xj * ib, -FMAX), FMAX)
+                y = tl.minimum(tl.maximum(_round_fp8(xj * ib, MANT, EMIN), -FMAX), FMAX)
                 tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask2)
             else:
                 code = tl.floor((xj - zb) * ib + 0.5)
@@ -178,9 +188,10 @@ def quantize(x: torch.Tensor, spec: QuantSpec, group: int):
     out_dtype = FP8_DTYPES[spec.fmt] if fp8 else torch.uint8
     payload = torch.empty((b, h, t, d // ppb), dtype=out_dtype, device=x.device)
     fmax = float(torch.finfo(FP8_DTYPES[spec.fmt]).max) if fp8 else 1.0
+    mant, emin = (3, -6) if spec.fmt == "fp8_e4m3" else (2, -14)
     _quant_kernel[(grid,)](
         x, payload, scale, scale if zero is None else zero, n_rows, h, t, *x.stride(),
-        ROWS=rows_per_prog, D=d, G=group, PPB=ppb, BITS=bits, CHANNEL=channel, FP8=fp8, FMAX=fmax)
+        ROWS=rows_per_prog, D=d, G=group, PPB=ppb, BITS=bits, CHANNEL=channel, FP8=fp8, FMAX=fmax, MANT=mant, EMIN=emin)
     return payload, scale, zero
 
 
