@@ -7,8 +7,8 @@ sequence of per-layer post-RoPE queries [B, QH, Tq, D] of that step (either may 
 returning the sequence, so an engine gathers paged KV only on sampled steps).
 
 Sampling: a step is sampled with probability ``sample_rate`` and only while the time spent in
-shadow work stays within ``budget_frac`` of the wall time since the runner saw its first step
-(spent_ns <= budget_frac * elapsed_ns). Only the first ``max_batch`` sequences are copied.
+shadow work, plus the cost of the last run, stays within ``budget_frac`` of the wall time since
+the runner saw its first step (spent_ns + last_run_ns <= budget_frac * elapsed_ns). Only the first ``max_batch`` sequences are copied.
 
 Measured per layer and kv head, for each method (a :class:`ShadowCompression` event):
 ``ratio`` = original K+V bytes / stored bytes; ``k_rel_error`` = ||K - K_hat||_F / ||K||_F over
@@ -67,6 +67,7 @@ class ShadowRunner:
         self._rng = random.Random(seed)
         self._t0_ns: Optional[int] = None
         self.spent_ns = 0
+        self.last_run_ns = 0
         self.runs = 0
         self.skipped_budget = 0
         self.errors: Counter[str] = Counter()
@@ -80,7 +81,7 @@ class ShadowRunner:
             self._t0_ns = now
         if self._rng.random() >= self.sample_rate:
             return False
-        if self.spent_ns > self.budget_frac * (now - self._t0_ns):
+        if self.spent_ns + self.last_run_ns > self.budget_frac * (now - self._t0_ns):
             self.skipped_budget += 1
             return False
         return True
@@ -99,7 +100,8 @@ class ShadowRunner:
         except Exception as exc:  # gathering inputs failed: count it, never reach the server
             self._error("shadow", exc)
         finally:
-            self.spent_ns += self.clock() - start
+            self.last_run_ns = self.clock() - start
+            self.spent_ns += self.last_run_ns
         return True
 
     # ------------------------------------------------------------ measurement

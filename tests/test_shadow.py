@@ -45,11 +45,11 @@ def test_time_budget_limits_sampling():
     runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=1.0, budget_frac=0.1,
                           clock=lambda: now[0])
     assert runner.should_sample()  # first step: nothing spent yet
-    runner.spent_ns = 50
-    now[0] = 100
-    assert not runner.should_sample()  # 50 > 0.1 * 100
-    now[0] = 500
-    assert runner.should_sample()  # 50 <= 0.1 * 500
+    runner.spent_ns = runner.last_run_ns = 50
+    now[0] = 900
+    assert not runner.should_sample()  # 50 + 50 > 0.1 * 900
+    now[0] = 1000
+    assert runner.should_sample()  # 50 + 50 <= 0.1 * 1000
     assert runner.skipped_budget == 1
 
 
