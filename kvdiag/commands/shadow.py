@@ -129,11 +129,13 @@ def _print(result, runner, table, rec, loc, logits) -> None:
     console = Console()
     console.print(f"generated {result.decode_tokens} tokens at {result.tokens_per_s():.1f} tok/s; "
                   f"shadow ran on {runner.runs} steps, errors {dict(runner.errors) or 0}")
-    t = Table(title="Shadow compression by layer group (means; errors are relative, us per layer-step)")
-    cols = ["group", "method", "ratio", "k_rel_error", "v_rel_error", "attn_score_error",
-            "attn_out_rel_error", "encode_us", "decode_us", "seq_len_tokens"]
-    for c in cols:
-        t.add_column(c)
+    t = Table(title="Shadow compression by layer group: means of relative errors (K, V, attention "
+                    "output), attention TV distance, microseconds per layer-step")
+    cols = {"group": "group", "method": "method", "ratio": "ratio", "k_rel_error": "K err",
+            "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
+            "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
+    for header in cols.values():
+        t.add_column(header)
     for _, r in table.iterrows():
         t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     console.print(t)
