@@ -8,7 +8,8 @@ returning the sequence, so an engine gathers paged KV only on sampled steps).
 
 Sampling: a step is sampled with probability ``sample_rate`` and only while the time spent in
 shadow work, plus the cost of the last run, stays within ``budget_frac`` of the wall time since
-the runner saw its first step (spent_ns + last_run_ns <= budget_frac * elapsed_ns). Only the first ``max_batch`` sequences are copied.
+the runner saw its first step (spent_ns + last_run_ns <= budget_frac * elapsed_ns);
+``budget_frac=None`` means no time budget. Only the first ``max_batch`` sequences are copied.
 
 Measured per layer and kv head, for each method (a :class:`ShadowCompression` event):
 ``ratio`` = original K+V bytes / stored bytes; ``k_rel_error`` = ||K - K_hat||_F / ||K||_F over
@@ -50,7 +51,7 @@ class ShadowRunner:
     """See the module docstring. ``scaling``: softmax scale (head_dim ** -0.5 when None)."""
 
     def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
-                 sample_rate: float = 0.05, budget_frac: float = 0.02, locality: bool = True,
+                 sample_rate: float = 0.05, budget_frac: Optional[float] = 0.02, locality: bool = True,
                  max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self.sink = sink
@@ -81,7 +82,7 @@ class ShadowRunner:
             self._t0_ns = now
         if self._rng.random() >= self.sample_rate:
             return False
-        if self.spent_ns + self.last_run_ns > self.budget_frac * (now - self._t0_ns):
+        if self.budget_frac is not None and self.spent_ns + self.last_run_ns > self.budget_frac * (now - self._t0_ns):
             self.skipped_budget += 1
             return False
         return True

@@ -24,7 +24,7 @@ def test_raising_compressor_does_not_change_served_output_and_is_counted():
     plain = shadow_generate(model, tok, prompts, None, max_new_tokens=8)
     sink = ListSink()
     runner = ShadowRunner(sink, [Raising("raising", "raising"), parse_method("int8")],
-                          sample_rate=1.0, budget_frac=1.0, locality=False)
+                          sample_rate=1.0, budget_frac=None, locality=False)
     shadowed = shadow_generate(model, tok, prompts, runner, max_new_tokens=8)
     assert shadowed.texts == plain.texts
     assert "Paris" in plain.texts[0]

@@ -38,7 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: all)")
     parser.add_argument("--sample-rate", type=float, default=0.25)
-    parser.add_argument("--budget", type=float, default=1.0, help="shadow time budget as a fraction of wall time")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="shadow time budget as a fraction of wall time (default: none)")
     parser.add_argument("--groups", default="1-6,7-12,13+", help="1-based layer groups")
     parser.add_argument("--error-budget", type=float, default=0.03)
     parser.add_argument("--sparse-min-tokens", type=int, default=512)
