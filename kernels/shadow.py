@@ -6,6 +6,10 @@ sequence of per-layer (K, V) [B, KH, T, D] *after* the step's cache update and `
 sequence of per-layer post-RoPE queries [B, QH, Tq, D] of that step (either may be a callable
 returning the sequence, so an engine gathers paged KV only on sampled steps).
 
+With ``background=True`` the caller's thread only copies the K/V and queries of a sampled step
+(into a one-slot queue; a step sampled while the worker is busy is dropped and counted) and a
+daemon thread measures them; ``wait()`` blocks until it is done, ``close()`` stops it.
+
 Sampling: a step is sampled with probability ``sample_rate`` and only while the time spent in
 shadow work, plus the cost of the last run, stays within ``budget_frac`` of the wall time since
 the runner saw its first step (spent_ns + last_run_ns <= budget_frac * elapsed_ns);
@@ -27,7 +31,9 @@ Live tensors are only read (cloned) and never written.
 
 from __future__ import annotations
 
+import queue
 import random
+import threading
 import time
 from collections import Counter
 from typing import Callable, Optional, Sequence, Union
@@ -53,7 +59,7 @@ class ShadowRunner:
     def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
                  sample_rate: float = 0.05, budget_frac: Optional[float] = 0.02, locality: bool = True,
                  max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
-                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
+                 clock: Callable[[], int] = time.perf_counter_ns, background: bool = False) -> None:
         self.sink = sink
         if isinstance(methods, str):
             self.methods = parse_methods(methods)
@@ -72,6 +78,13 @@ class ShadowRunner:
         self.runs = 0
         self.skipped_budget = 0
         self.errors: Counter[str] = Counter()
+        self.dropped = 0  # sampled steps not measured because the worker was still busy
+        self._lock = threading.Lock()
+        self._queue: Optional[queue.Queue] = queue.Queue(maxsize=1) if background else None
+        self._thread: Optional[threading.Thread] = None
+        if background:
+            self._thread = threading.Thread(target=self._work, name="kvdiag-shadow", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------ sampling
 
@@ -97,25 +110,73 @@ class ShadowRunner:
             return False
         start = self.clock()
         try:
-            self.run(step_id, _resolve(layers_kv), _resolve(queries))
+            snapshot = self._snapshot(_resolve(layers_kv), _resolve(queries))
+            if self._queue is None:
+                self._measure(snapshot)
+            else:
+                try:
+                    self._queue.put_nowait(snapshot)
+                except queue.Full:
+                    self.dropped += 1
         except Exception as exc:  # gathering inputs failed: count it, never reach the server
             self._error("shadow", exc)
         finally:
-            self.last_run_ns = self.clock() - start
-            self.spent_ns += self.last_run_ns
+            self._account(self.clock() - start)
         return True
+
+    def _account(self, ns: int) -> None:
+        with self._lock:
+            self.last_run_ns = ns
+            self.spent_ns += ns
+
+    # ------------------------------------------------------------ background worker
+
+    def _work(self) -> None:
+        while True:
+            snapshot = self._queue.get()
+            try:
+                if snapshot is None:
+                    return
+                start = self.clock()
+                try:
+                    self._measure(snapshot)
+                except Exception as exc:
+                    self._error("shadow", exc)
+                self._account(self.clock() - start)
+            finally:
+                self._queue.task_done()
+
+    def wait(self) -> None:
+        """Block until the background worker has measured every queued step."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Stop the background worker (after the queued work)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     # ------------------------------------------------------------ measurement
 
+    def _snapshot(self, layers_kv: LayersKV, queries: Queries):
+        """Private copies of the first ``max_batch`` sequences' K, V and queries of each layer."""
+        with torch.no_grad():
+            return [(k[: self.max_batch].detach().clone(), v[: self.max_batch].detach().clone(),
+                     q[: self.max_batch].detach().float().clone())
+                    for (k, v), q in zip(layers_kv, queries)]
+
     def run(self, step_id: int, layers_kv: LayersKV, queries: Queries) -> None:
-        """Measure every method on every layer of one step (no sampling, no budget)."""
+        """Measure every method on every layer of one step, in the caller's thread (no
+        sampling, no budget)."""
+        self._measure(self._snapshot(layers_kv, queries))
+
+    def _measure(self, snapshot) -> None:
         self.runs += 1
         ts = time.time_ns()
         with torch.no_grad():
-            for layer, ((k_live, v_live), q_live) in enumerate(zip(layers_kv, queries)):
-                k = k_live[: self.max_batch].detach().clone()
-                v = v_live[: self.max_batch].detach().clone()
-                q = q_live[: self.max_batch].detach().float()
+            for layer, (k, v, q) in enumerate(snapshot):
                 self._layer(layer, k, v, q, ts)
         self.sink.flush()
 
@@ -161,11 +222,12 @@ class ShadowRunner:
                 encode_ns=enc_ns, decode_ns=dec_ns))
 
     def _error(self, collector: str, exc: Exception) -> None:
-        self.errors[collector] += 1
+        with self._lock:
+            self.errors[collector] += 1
+            count = self.errors[collector]
         try:
             self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=collector,
-                                            message=f"{type(exc).__name__}: {exc}"[:500],
-                                            count=self.errors[collector]))
+                                            message=f"{type(exc).__name__}: {exc}"[:500], count=count))
         except Exception:
             pass
 

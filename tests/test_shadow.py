@@ -87,3 +87,28 @@ def test_metrics_on_real_kv_match_direct_computation():
     kept = round(0.5 * t)
     sev = next(e for e in comp if e.method == "streaming:keep=0.5")
     assert abs(sev.ratio - (2 * 3 * t * 64 * 4) / (2 * 3 * kept * 64 * 4 + 3 * kept * 2)) < 1e-9
+
+
+def _key(ev):
+    return (type(ev).__name__, ev.layer, ev.head, getattr(ev, "method", ""),
+            round(getattr(ev, "k_rel_error", getattr(ev, "recent_mass", 0.0)), 12))
+
+
+def test_background_worker_measures_the_same_as_inline_and_copies_first():
+    _, kv = prefill_kv()
+    layers = [(k.clone(), v.clone()) for k, v in kv[:3]]
+    torch.manual_seed(2)
+    queries = [torch.randn(1, 9, 1, 64) for _ in layers]
+    inline, background = ListSink(), ListSink()
+    ShadowRunner(inline, ["int4", "h2o"], budget_frac=None).maybe_run(0, layers, queries, sampled=True)
+    runner = ShadowRunner(background, ["int4", "h2o"], budget_frac=None, background=True)
+    try:
+        runner.maybe_run(0, lambda: layers, lambda: queries, sampled=True)
+        for k, v in layers:  # the server overwrites its cache right after the step
+            k.zero_()
+            v.zero_()
+        runner.wait()
+    finally:
+        runner.close()
+    assert runner.runs == 1 and not runner.errors
+    assert sorted(map(_key, inline.events)) == sorted(map(_key, background.events))
