@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--background", action="store_true", help="measure in the runner's worker thread")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(model_dir(args.model))
@@ -33,7 +34,8 @@ def main() -> None:
     steps = {"off": [], "on": []}
     tokens = {"off": 0, "on": 0}
     paused_ns = [0]
-    runner = ShadowRunner(ListSink(), clock=lambda: time.perf_counter_ns() - paused_ns[0])
+    runner = ShadowRunner(ListSink(), clock=lambda: time.perf_counter_ns() - paused_ns[0],
+                          background=args.background)
     for _ in range(args.rounds):
         for prompt in PROMPTS:
             for arm in ("off", "on"):
@@ -43,6 +45,8 @@ def main() -> None:
                     paused_ns[0] += time.perf_counter_ns() - t0
                 steps[arm] += res.step_ns
                 tokens[arm] += res.decode_tokens
+    runner.wait()
+    runner.close()
     tps = {arm: tokens[arm] / (sum(steps[arm]) / 1e9) for arm in steps}
     print(f"decode steps: off {len(steps['off'])}, on {len(steps['on'])}; shadow runs {runner.runs}, "
           f"shadow time {runner.spent_ns / 1e9:.2f} s, errors {dict(runner.errors)}")
