@@ -2,7 +2,7 @@
 
 A KV tensor is ``[batch, kv_heads, tokens, head_dim]``. Integer formats are asymmetric and
 group-wise: each group of ``group_size`` values gets an fp16 ``scale`` and an fp16 ``zero``
-(the group minimum); code = floor((x - zero) / scale + 0.5) clamped to [0, 2**bits - 1];
+(the group minimum); code = floor((x - zero) * (1 / scale) + 0.5) clamped to [0, 2**bits - 1];
 x_hat = code * scale + zero. fp8 is symmetric and group-wise: one fp16 scale = absmax / fp8 max
 per group. Groups run either along ``head_dim`` within one token (``axis="token"``, KIVI's value
 layout) or along ``tokens`` within one channel (``axis="channel"``, KIVI's key layout). The
@@ -13,7 +13,7 @@ Codes are packed along ``head_dim``: value ``d`` sits in byte ``d // per_byte`` 
 ``(d % per_byte) * bits`` (low bits first). :func:`QuantizedKV.nbytes` counts every tensor that
 is stored (payload, scales, zeros, residual), so ``ratio`` = original bytes / stored bytes is real.
 
-Two implementations with the same layout and arithmetic: a torch reference (``backend="torch"``)
+Two implementations with the same layout and arithmetic (Triton rounds to the fp8 grid in fp32 before its cast): a torch reference (``backend="torch"``)
 and Triton kernels (``backend="triton"``); ``backend="auto"`` uses Triton for CUDA tensors and
 torch otherwise.
 """

@@ -1,5 +1,8 @@
 """Triton kernels for :mod:`kvdiag.kernels.quant`: same layout and arithmetic as the torch
-reference (fp32 math, fp16 scales, floor(x + 0.5) rounding, codes packed low bits first).
+reference (fp32 math, fp16 scales, multiply by the fp32 reciprocal of the scale, floor(y + 0.5)
+rounding, codes packed low bits first). fp8 values are rounded to the fp8 grid in fp32 (half away
+from zero) before the cast, so the cast is exact on every backend; torch rounds half to even, so
+the two can differ by one fp8 step at exact ties.
 
 One program quantizes ``ROWS`` tokens of one (batch, head) stream: with the token axis any
 ``ROWS`` rows, with the channel axis exactly one group of ``G`` tokens. Programs read the input
