@@ -90,7 +90,12 @@ def run(args) -> int:
     except Exception as exc:
         print(f"kvdiag shadow: no model ({exc}); pass --model DIR or run `kvdiag fetch-model`", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(path)
+    try:
+        model, tokenizer = load_model(path)
+    except (OSError, ValueError) as exc:
+        print(f"kvdiag shadow: {path}: expected a converted model folder ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
+        return 2
     memory = ListSink()
     writer = None
     if args.log:
