@@ -36,6 +36,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", help="converted model folder (default: $KVDIAG_MODEL_DIR or the kvdiag cache)")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--document", help="a text file put in front of every prompt (long contexts, "
+                                           "e.g. /usr/share/common-licenses/Apache-2.0)")
+    parser.add_argument("--context-tokens", type=int, default=1024,
+                        help="keep at most this many tokens of --document (default 1024)")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: all)")
     parser.add_argument("--sample-rate", type=float, default=0.25)
     parser.add_argument("--budget", type=float, default=None,
@@ -106,7 +110,16 @@ def run(args) -> int:
                                                  bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4))
     sink = FanoutSink([memory] + ([writer] if writer else []))
     runner = ShadowRunner(sink, methods, sample_rate=args.sample_rate, budget_frac=args.budget)
-    result = shadow_generate(model, tokenizer, PROMPTS[: args.prompts], runner, args.max_new_tokens)
+    prompts = list(PROMPTS[: args.prompts])
+    if args.document:
+        try:
+            text = open(args.document, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"kvdiag shadow: {args.document}: expected a readable UTF-8 text file ({exc})", file=sys.stderr)
+            return 2
+        doc = tokenizer.decode(tokenizer(text)["input_ids"][: args.context_tokens])
+        prompts = [f"{doc}\n\n{p}" for p in prompts]
+    result = shadow_generate(model, tokenizer, prompts, runner, args.max_new_tokens)
     if args.logits:
         shadow_logits(model, tokenizer(LOGITS_TEXT, return_tensors="pt")["input_ids"], methods, sink)
     if writer:
@@ -141,7 +154,7 @@ def _print(result, runner, table, rec, loc, logits) -> None:
             "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
             "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
     for header in cols.values():
-        t.add_column(header)
+        t.add_column(header, overflow="fold")
     for _, r in table.iterrows():
         t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     console.print(t)
