@@ -1,15 +1,12 @@
 """The real SmolLM2 model for the compression/locality tests, loaded once per session.
 
-Where it comes from: $KVDIAG_MODEL_DIR if set, else ``kvdiag.model.ensure_model()``; the tests
-that need it are skipped (with the reason) when neither is available.
+Where it comes from: ``kvdiag.model.ensure_model()`` (the kvdiag cache, fetched on first use).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
-import pytest
 import torch
 
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -20,27 +17,20 @@ TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars i
 
 @functools.lru_cache(maxsize=1)
 def _load():
-    path = os.environ.get("KVDIAG_MODEL_DIR")
-    if not path:
-        try:
-            from kvdiag import model
-        except ImportError:
-            return None, "kvdiag.model not available and KVDIAG_MODEL_DIR not set"
-        path = str(model.ensure_model())
+    from kvdiag.model import ensure_model
+
+    path = str(ensure_model())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     m.eval()
-    return (m, AutoTokenizer.from_pretrained(path)), None
+    return m, AutoTokenizer.from_pretrained(path)
 
 
 def model_and_tokenizer():
-    """(model with eager attention, tokenizer), or skip the test."""
-    loaded, reason = _load()
-    if loaded is None:
-        pytest.skip(reason)
-    return loaded
+    """(model with eager attention, tokenizer)."""
+    return _load()
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,6 +1,7 @@
 """Locality recomputed by kvdiag from captured queries + cached keys == the same metrics from
 transformers' own eager attention weights (output_attentions=True), on the real model."""
 
+import pytest
 import math
 
 import torch
@@ -13,6 +14,8 @@ from kvdiag.schema import ShadowLocality
 from kv_model import model_and_tokenizer, prefill_kv
 
 EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+pytestmark = pytest.mark.model
 
 
 def _brute_force(p_row: list[float]) -> dict:

@@ -55,6 +55,7 @@ def test_packing_low_bits_first():
     assert torch.equal(_unpack(packed, 2), codes)
 
 
+@pytest.mark.model
 def test_real_kv_round_trips_every_format():
     _, kv = prefill_kv()
     k, v = kv[10]
@@ -65,6 +66,7 @@ def test_real_kv_round_trips_every_format():
             assert rel < {"int2": 0.6, "int4": 0.15, "fp8_e5m2": 0.08, "fp8_e4m3": 0.04}.get(fmt, 0.01), (fmt, rel)
 
 
+@pytest.mark.model
 def test_kivi_keys_per_channel_beat_per_token_on_real_model():
     """KIVI: keys have outlier channels, so grouping keys per channel loses less than per token."""
     _, kv = prefill_kv()

@@ -1,6 +1,7 @@
 """The shadow runner: a raising compressor changes nothing served and is counted; sampling
 respects the time budget; metrics agree with a direct computation on real KV."""
 
+import pytest
 import torch
 
 from kvdiag.kernels.methods import Method, parse_method
@@ -10,6 +11,8 @@ from kvdiag.schema import CollectorError, ShadowCompression, ShadowLocality
 from kvdiag.sinks import ListSink
 
 from kv_model import model_and_tokenizer, prefill_kv
+
+pytestmark = pytest.mark.model
 
 
 class Raising(Method):

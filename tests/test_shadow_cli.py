@@ -1,8 +1,8 @@
 """`kvdiag shadow` end to end on the real model: JSON tables, a readable event log, and a
 one-line error for a bad method name."""
 
+import pytest
 import json
-import os
 import subprocess
 import sys
 
@@ -10,10 +10,11 @@ from kvdiag.eventlog import read_log
 
 from kv_model import model_and_tokenizer
 
+pytestmark = pytest.mark.model
 
-def _kvdiag(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+
+def _kvdiag(*args):
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_bad_method_is_one_line_error():
@@ -24,15 +25,10 @@ def test_bad_method_is_one_line_error():
 
 
 def test_shadow_command_end_to_end(tmp_path):
-    model_and_tokenizer()  # skips without the model
-    env = dict(os.environ)
-    if "KVDIAG_MODEL_DIR" not in env:
-        from kvdiag import model
-
-        env["KVDIAG_MODEL_DIR"] = str(model.ensure_model())
+    model_and_tokenizer()  # the model is fetched into the kvdiag cache first
     log = tmp_path / "shadow.kvlog"
     out = _kvdiag("shadow", "--prompts", "1", "--max-new-tokens", "4", "--sample-rate", "1",
-                  "--methods", "int8,int4,streaming", "--log", str(log), "--json", env=env)
+                  "--methods", "int8,int4,streaming", "--log", str(log), "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["shadow_runs"] == 3 and result["shadow_errors"] == {}

@@ -1,6 +1,7 @@
 """Triton kernels (under TRITON_INTERPRET=1, in a subprocess so the variable does not leak) vs
 the torch reference, on random and real KV."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 import torch
 
 from kv_model import prefill_kv
+
+pytestmark = pytest.mark.model
 
 
 def test_triton_kernels_match_torch_reference(tmp_path):

@@ -9,7 +9,6 @@ agreement per method. ``--log FILE`` records every event.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 DESCRIPTION = __doc__
@@ -33,7 +32,7 @@ LOGITS_TEXT = (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", help="converted model folder (default: $KVDIAG_MODEL_DIR or the kvdiag cache)")
+    parser.add_argument("--model", help="converted model folder (default: the kvdiag cache; `kvdiag fetch-model`)")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--document", help="a text file put in front of every prompt (long contexts, "
@@ -50,17 +49,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--logits", action="store_true", help="also teacher-forced KL / top-1 per method")
     parser.add_argument("--log", help="write every event to this event log")
     parser.add_argument("--json", action="store_true", help="print the tables as JSON")
-
-
-def model_dir(explicit: str | None) -> str:
-    """--model, then $KVDIAG_MODEL_DIR, then kvdiag.model.ensure_model()."""
-    if explicit:
-        return explicit
-    if os.environ.get("KVDIAG_MODEL_DIR"):
-        return os.environ["KVDIAG_MODEL_DIR"]
-    from kvdiag import model  # the demo's fetch-and-convert (lands with `kvdiag fetch-model`)
-
-    return str(model.ensure_model())
 
 
 def load_model(path: str):
@@ -89,10 +77,12 @@ def run(args) -> int:
         print(f"kvdiag shadow: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    from kvdiag.model import ModelFetchError, resolve_model
+
     try:
-        path = model_dir(args.model)
-    except Exception as exc:
-        print(f"kvdiag shadow: no model ({exc}); pass --model DIR or run `kvdiag fetch-model`", file=sys.stderr)
+        path = str(resolve_model(args.model))
+    except ModelFetchError as exc:
+        print(f"kvdiag shadow: {exc}", file=sys.stderr)
         return 2
     try:
         model, tokenizer = load_model(path)
