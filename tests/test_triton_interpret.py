@@ -26,3 +26,14 @@ def test_triton_kernels_match_torch_reference(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "ALL OK" in out.stdout
     assert out.stdout.count(" ok") == 3 * 7 * 2
+
+
+def test_gpu_benchmark_script_without_cuda():
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "no CUDA" in out.stdout, out.stderr[-2000:]
+    dry = subprocess.run([sys.executable, str(script), "--interpret-cpu"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+    assert dry.stdout.count("exact") + dry.stdout.count("1step:") == 14 and "MISMATCH" not in dry.stdout
