@@ -34,7 +34,7 @@ StepId = NewType("StepId", int)
 class LogHeader(msgspec.Struct, kw_only=True):
     """First line of every event log: who recorded it and how to interpret its units."""
 
-    schema_version: str = SCHEMA_VERSION
+    schema_version: str  # required: a first line without it is not a kvdiag log
     kvdiag_version: str = ""
     host: str = ""
     pid: int = 0
