@@ -55,7 +55,7 @@ class AllocatorCollector:
                 return self._status(False, "no CUDA device (CPU-only torch or no GPU): allocator stats are N/A")
             self.devices = list(range(torch.cuda.device_count()))
             if self.history_entries:
-                torch.cuda.memory._record_memory_history(max_entries=int(self.history_entries))
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=int(self.history_entries))
             torch._C._cuda_attach_out_of_memory_observer(self._on_oom)
         except Exception as exc:
             return self._status(False, f"CUDA allocator not readable ({type(exc).__name__}: {exc}): N/A")

@@ -200,3 +200,19 @@ def test_replay_free_list():
     s2 = fr.replay_free_list(evs + [BlockReleased(ts_ns=4, request_id="b", block_id=0, cached=True),
                                     BlockEvicted(ts_ns=5, block_id=0)])
     assert s2.free_blocks == 6 and s2.cached_blocks == 0
+
+
+def test_recorded_cuda_snapshot_fixture():
+    """The snapshot recorded by benchmarks/gpu_allocator.py on a CUDA machine (when present):
+    invariants hold and device totals equal torch's own memory_stats of the same moment."""
+    import json
+    from pathlib import Path
+    from kvdiag.snapshot_io import load_snapshot
+    folder = Path(__file__).parent / "data" / "cuda_allocator"
+    if not (folder / "snapshot.json").exists():
+        pytest.skip("no CUDA snapshot recorded yet (run benchmarks/gpu_allocator.py on a GPU)")
+    snap = load_snapshot(folder / "snapshot.json")
+    stats = json.loads((folder / "memory_stats.json").read_text())
+    dev = fr.device_frame(snap).iloc[0]
+    assert dev["reserved_bytes"] == stats["reserved_bytes.all.current"]
+    assert dev["allocated_bytes"] == stats["allocated_bytes.all.current"]
