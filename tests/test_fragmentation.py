@@ -137,7 +137,7 @@ UNIT = 512
 block_st = st.tuples(st.integers(1, 8), st.sampled_from([A, F, fr.AWAITING]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(block_st, min_size=1, max_size=8), min_size=1, max_size=4))
 def test_property_matches_byte_level_oracle(segments):
     """Property test (synthetic segments): external fragmentation and unservable classes equal
