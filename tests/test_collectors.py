@@ -4,11 +4,9 @@ py-spy, a real prometheus_client exposition for the parser."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import textwrap
-import time
 from types import SimpleNamespace
 
 import psutil
@@ -162,7 +160,7 @@ def test_classify_known_stacks():
 
 
 def test_prometheus_parser_against_prometheus_client():
-    prom = pytest.importorskip("prometheus_client")
+    pytest.importorskip("prometheus_client")
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     reg = CollectorRegistry()

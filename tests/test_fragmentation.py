@@ -4,8 +4,6 @@ brute-force oracle (property test) and torch's own ``_memory_viz.segsum`` accoun
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 from hypothesis import given, settings, strategies as st
 

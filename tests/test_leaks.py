@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import kvdiag
 from kvdiag.analysis import leaks
 from kvdiag.collectors.release import ReleaseMonitor, Tracker
-from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, KVPoolSample, PrefixHit,
+from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, PrefixHit,
                            RequestArrived, RequestFinished)
 from kvdiag.sinks import ListSink
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis.findings import Finding
-from kvdiag.schema import BlockAllocated, BlockEvicted, BlockReleased, Event, KVPoolInfo, KVPoolSample, PrefixHit
+from kvdiag.schema import BlockAllocated, BlockEvicted, BlockReleased, Event, KVPoolInfo, PrefixHit
 
 FRAGMENTATION_LIMIT = 0.15
 """The source article's rule of thumb: pool fragmentation should stay under 15%."""
