@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from kvdiag.eventlog import read_log
 
@@ -65,3 +66,37 @@ def test_python_target_without_agent(tmp_path):
     finally:
         target.kill()
         target.wait()
+
+
+def test_agent_stream_reads_the_live_socket(tmp_path):
+    """AgentStream against the agent's real LiveSocketSink: header, then every event in order;
+    the socket is found from the process's own listening Unix sockets."""
+    import os
+    import time
+
+    agent = pytest.importorskip("kvdiag.agent")
+    from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
+    from kvdiag.eventlog import make_header
+    from kvdiag.schema import BlockAllocated, BlockReleased
+    from kvdiag.sinks import ListSink
+
+    path = tmp_path / "agent-77.sock"
+    live = agent.LiveSocketSink(path, make_header(engine="transformers-cb", block_size_tokens=16))
+    try:
+        assert path in candidate_sockets([os.getpid()])
+        got = ListSink()
+        stream = AgentStream(path, got).start()
+        deadline = time.monotonic() + 5
+        while live.num_clients == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sent = [BlockAllocated(ts_ns=i, request_id=f"r{i % 7}", block_id=i) for i in range(500)]
+        sent += [BlockReleased(ts_ns=1000 + i, request_id=f"r{i % 7}", block_id=i, cached=i % 2 == 0)
+                 for i in range(500)]
+        for ev in sent:
+            live.record(ev)
+        live.flush()
+        stream.close(drain_s=1.0)
+    finally:
+        live.close()
+    assert stream.header.engine == "transformers-cb" and stream.header.block_size_tokens == 16
+    assert got.events == sent and stream.bad_lines == 0

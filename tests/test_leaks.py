@@ -51,6 +51,11 @@ def test_known_sequence_accounting():
     b1 = ep[(ep["block_id"] == 1) & (ep["request_id"] == "a")].iloc[0]
     assert b1["lifetime_ns"] == 2 * S and not b1["cached"]
 
+    dist = leaks.distribution_frame(ep).set_index("quantity")
+    lifetimes = ep["lifetime_ns"].dropna()
+    assert dist.loc["lifetime_ns", "count"] == len(lifetimes) == 2
+    assert dist.loc["lifetime_ns", "max_ns"] == lifetimes.max() == 3 * S
+    assert dist.loc["idle_before_evict_ns", "count"] == 1
     f = leaks.finished_holding_finding(ledger, grace_s=5)
     assert f.status == "fail" and f.evidence["requests"] == {"b": [2]}
     # within the grace period it is not (yet) a leak

@@ -96,6 +96,17 @@ def _hit_rate(kv: dict, frames: dict) -> dict:
     return out
 
 
+def _efficiency(kv: dict, frames: dict) -> dict:
+    """Generated tokens per joule: output tokens of requests finished in the window / GPU
+    energy used over the window (NVML energy counter, summed over devices)."""
+    nv = _f(frames, "nvml_sample")
+    if nv.empty or nv["energy_mj"].isna().all():
+        return {"tokens_per_joule": None}
+    per_dev = nv.dropna(subset=["energy_mj"]).groupby("device")["energy_mj"]
+    joules = float((per_dev.max() - per_dev.min()).sum()) / 1000.0
+    return {"tokens_per_joule": kv["output_tokens"] / joules if joules > 0 else None, "energy_j": joules}
+
+
 def _phases(frames: dict) -> dict:
     prof = _f(frames, "phase_profile")
     if prof.empty:
@@ -142,6 +153,7 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         "memory": _memory(frames, block_bytes),
         "kv": kv,
         "hit_rate": _hit_rate(kv, frames),
+        "efficiency": _efficiency(kv, frames),
         "fragmentation": {"kv_empty_slot_share": kv_frag.evidence.get("value"),
                           "allocator": next(f for f in findings if f.rule == "fragmentation.allocator").evidence.get("value")},
         "phases": _phases(frames),

@@ -164,3 +164,19 @@ def outliver_finding(outlivers: list, grace_s: float = 0.0) -> Finding:
                    {"objects": [{"label": o.label, "type": o.type_name, "nbytes": o.nbytes, "owner": o.owner,
                                  "outlived_s": round(o.outlived_s, 3)} for o in outlivers[:MAX_NAMED]],
                     "count": len(outlivers), "bytes": total})
+
+
+DISTRIBUTION_COLUMNS = ["quantity", "count", "mean_ns", "p50_ns", "p90_ns", "p99_ns", "max_ns"]
+
+
+def distribution_frame(episodes: pd.DataFrame) -> pd.DataFrame:
+    """Distributions of block lifetime (allocation -> last release) and idle-before-evict
+    (cached -> evicted) over the episodes where each is known."""
+    rows = []
+    for q in ("lifetime_ns", "idle_before_evict_ns"):
+        v = episodes[q].dropna() if q in episodes else pd.Series(dtype="float64")
+        rows.append({"quantity": q, "count": int(len(v)),
+                     **({"mean_ns": v.mean(), "p50_ns": v.quantile(0.5), "p90_ns": v.quantile(0.9),
+                         "p99_ns": v.quantile(0.99), "max_ns": v.max()} if len(v) else
+                        {k: float("nan") for k in DISTRIBUTION_COLUMNS[2:]})})
+    return pd.DataFrame(rows, columns=DISTRIBUTION_COLUMNS)
