@@ -181,6 +181,10 @@ def test_kv_pool_occupancy_and_rule():
     f = fr.kv_pool_fragmentation_finding(pool)
     assert f.rule == "fragmentation.kv_pool" and f.status == "warn"
     assert f.evidence["value"] == pytest.approx(28 / 128)
+    # more tokens than slots contradicts the definition: N/A, never a negative share
+    over = fr.kv_pool_frame(samples.assign(tokens_held=[200, 0]), block_size_tokens=32)
+    assert pd.isna(over.loc[0, "empty_slots_tokens"]) and pd.isna(over.loc[0, "token_occupancy"])
+    assert fr.kv_pool_fragmentation_finding(over).status == "n/a"
 
 
 def test_replay_free_list():

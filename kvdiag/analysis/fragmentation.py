@@ -296,16 +296,20 @@ def kv_pool_frame(samples: pd.DataFrame, block_size_tokens: int,
     """From ``KVPoolSample`` rows: token slots = blocks used x block size; empty slots =
     token slots - tokens held (internal fragmentation, also in bytes when ``bytes_per_token``
     is known); block occupancy = blocks used / pool blocks; token occupancy = tokens held /
-    token slots (NaN when no block is used)."""
+    token slots (NaN when no block is used). A sample whose tokens held exceed its token slots
+    (an adapter counting a shared prefix block once per request) contradicts that definition:
+    its empty slots and token occupancy are NaN, not negative."""
     if samples is None or samples.empty:
         return pd.DataFrame(columns=KV_POOL_COLUMNS)
     out = samples[["ts_ns", "num_blocks", "blocks_used", "blocks_cached", "blocks_free",
                    "tokens_held", "running_requests"]].copy()
     out["token_slots"] = out["blocks_used"] * block_size_tokens
-    out["empty_slots_tokens"] = out["token_slots"] - out["tokens_held"]
+    out["empty_slots_tokens"] = (out["token_slots"] - out["tokens_held"]).where(
+        out["tokens_held"] <= out["token_slots"]).astype("float64")
     out["empty_slots_bytes"] = (out["empty_slots_tokens"] * bytes_per_token) if bytes_per_token else float("nan")
     out["block_occupancy"] = out["blocks_used"] / out["num_blocks"].where(out["num_blocks"] > 0)
-    out["token_occupancy"] = out["tokens_held"] / out["token_slots"].where(out["token_slots"] > 0)
+    out["token_occupancy"] = (out["tokens_held"] / out["token_slots"].where(out["token_slots"] > 0)).where(
+        out["empty_slots_tokens"].notna())
     return out[KV_POOL_COLUMNS]
 
 
@@ -403,13 +407,20 @@ def kv_pool_fragmentation_finding(pool: pd.DataFrame, limit: float = FRAGMENTATI
     if used.empty:
         return Finding("fragmentation.kv_pool", "n/a", title, "no KV pool samples with blocks in use",
                        {"limit": limit})
+    bad = int(used["empty_slots_tokens"].isna().sum())
+    used = used[used["empty_slots_tokens"].notna()]
+    if used.empty:
+        return Finding("fragmentation.kv_pool", "n/a", title,
+                       f"tokens held exceed the token slots of used blocks in all {bad} samples "
+                       "(shared prefix blocks counted once per request?)", {"limit": limit, "inconsistent_samples": bad})
     slots = int(used["token_slots"].sum())
     empty = int(used["empty_slots_tokens"].sum())
     value = empty / slots
     worst = used.loc[(used["empty_slots_tokens"] / used["token_slots"]).idxmax()]
     evidence = {"value": value, "empty_slots_tokens": empty, "token_slots": slots,
                 "samples": int(len(used)), "worst_ts_ns": int(worst["ts_ns"]),
-                "worst_value": float(worst["empty_slots_tokens"] / worst["token_slots"]), "limit": limit}
+                "worst_value": float(worst["empty_slots_tokens"] / worst["token_slots"]), "limit": limit,
+                "inconsistent_samples": bad}
     status = "pass" if value < limit else "warn"
     return Finding("fragmentation.kv_pool", status, title,
                    f"empty slots {value:.1%} of used token slots over {len(used)} samples (limit {limit:.0%})",
