@@ -19,16 +19,43 @@ from kvdiag.sinks import Sink
 NAME = "agent"
 
 
+def _is_agent_socket(path: str) -> bool:
+    p = Path(path)
+    return p.suffix == ".sock" and (p.name.startswith("agent-") or p.parent.name == "kvdiag"
+                                    or p.parent.name.startswith("kvdiag-"))
+
+
+def _socket_from_cmdline(cmdline: list[str]) -> Optional[str]:
+    """``--socket PATH`` of ``python -m kvdiag.run`` (options before ``--``)."""
+    if "kvdiag.run" not in cmdline:
+        return None
+    opts = cmdline[:cmdline.index("--")] if "--" in cmdline else cmdline
+    for i, arg in enumerate(opts):
+        if arg == "--socket" and i + 1 < len(opts):
+            return opts[i + 1]
+        if arg.startswith("--socket="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def candidate_sockets(pids: list[int]) -> list[Path]:
-    """Agent sockets the target tree listens on (``agent-*.sock``), then the default per-pid
-    paths under the target's runtime dir (``$XDG_RUNTIME_DIR/kvdiag`` of the target's
-    environment, else ``/tmp/kvdiag-<uid>``)."""
+    """Agent sockets of the target tree, most specific first: ``--socket`` on a
+    ``python -m kvdiag.run`` command line; Unix sockets the tree listens on that live in a
+    kvdiag runtime dir or are named ``agent-*.sock``; the default per-pid path under the
+    target's runtime dir (``$XDG_RUNTIME_DIR/kvdiag`` of its environment, else
+    ``/tmp/kvdiag-<uid>``). Only existing paths are returned."""
     found: list[Path] = []
     for pid in pids:
         try:
-            proc = psutil.Process(pid)
-            for c in proc.net_connections(kind="unix"):
-                if c.laddr and os.path.basename(c.laddr).startswith("agent-") and c.laddr.endswith(".sock"):
+            explicit = _socket_from_cmdline(psutil.Process(pid).cmdline())
+        except (psutil.Error, OSError):
+            explicit = None
+        if explicit:
+            found.append(Path(explicit))
+    for pid in pids:
+        try:
+            for c in psutil.Process(pid).net_connections(kind="unix"):
+                if c.laddr and _is_agent_socket(c.laddr):
                     found.append(Path(c.laddr))
         except (psutil.Error, OSError):
             continue

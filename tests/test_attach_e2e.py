@@ -1,9 +1,9 @@
 """End to end: the real demo server (SmolLM2 on transformers' continuous-batching engine with
-the kvdiag agent, fault injection skipping every 3rd finished request's release) runs as a
+the kvdiag agent, fault injection skipping every 2nd finished request's release) runs as a
 separate process under chat traffic; ``kvdiag attach PID --duration 20`` joins it. Checked
 against the demo's own event log for the same period: the streamed events are the demo's,
 the summary's KV numbers equal counts over the demo log, and the leak finding names exactly
-the requests the fault injection leaked (every 3rd finished request, in finishing order)."""
+the requests the fault injection leaked (every 2nd finished request, in finishing order)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import msgspec
 import pytest
@@ -20,10 +21,15 @@ from kvdiag.eventlog import iter_events, read_header
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 PORT = 18450
-LEAK_EVERY = 3
+LEAK_EVERY = 2
 ATTACH_S = 20
 GRACE_S = 1.0
 ATTACH_TAGS = {"process_sample", "nvml_sample", "phase_profile", "engine_metrics", "collector_status"}
+SYSTEM = ("You are the support assistant of the Northwind online store. Answer in one short sentence, "
+          "politely, and mention the order number when the customer gives one.")
+QUESTIONS = ["Where is my order NW1001?", "Can I return shoes from order NW2044?",
+             "My parcel NW3300 arrived damaged, what now?", "How long does shipping to Lyon take?",
+             "Do you ship order NW5123 on weekends?", "Can I change the address of order NW6001?"]
 
 
 def tag(ev) -> str:
@@ -32,29 +38,38 @@ def tag(ev) -> str:
 
 @pytest.fixture(scope="module")
 def attached(tmp_path_factory):
-    from kvdiag.commands.demo import DemoServer
+    from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DemoServer
     from kvdiag.model import default_model_dir, model_ready
-    from kvdiag.traffic import TrafficDriver, TrafficPlan
+    from kvdiag.traffic import chat
     if not model_ready():
         pytest.skip("SmolLM2 not fetched (kvdiag fetch-model)")
     tmp = tmp_path_factory.mktemp("attach")
     model_dir = default_model_dir()
     server = DemoServer(model_dir, tmp / "demo.jsonl", PORT, page_size=32, num_blocks=256,
-                        inject_leak=LEAK_EVERY, threads=1)
+                        max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, inject_leak=LEAK_EVERY, threads=1)
+
+    def ask(i: int) -> None:
+        chat(server.base_url, str(model_dir), [{"role": "system", "content": SYSTEM},
+                                               {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+             max_tokens=8, request_id=f"q{i}", timeout_s=120)
+
     server.start()
     try:
         server.wait_ready()
+        ask(0)  # warm-up, before attaching
         out = tmp / "attach.jsonl"
         attach = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(server.proc.pid), "--duration",
                                    str(ATTACH_S), "--out", str(out), "--json", "--grace", str(GRACE_S),
                                    "--pyspy-window", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
-        driver = TrafficDriver(server.base_url, str(model_dir),
-                               TrafficPlan(seed=3, rate_per_s=0.6, long_share=0.2), max_tokens=12)
-        traffic = threading.Thread(target=driver.run, kwargs={"duration_s": ATTACH_S - 4}, daemon=True)
-        traffic.start()
-        stdout, stderr = attach.communicate(timeout=ATTACH_S + 90)
-        traffic.join(timeout=120)
+        time.sleep(5)  # attach imports, finds the agent and connects
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(1, len(QUESTIONS) + 1)]
+        for c in clients:
+            c.start()
+            time.sleep(0.3)
+        stdout, stderr = attach.communicate(timeout=ATTACH_S + 60)
+        for c in clients:
+            c.join(timeout=60)
     finally:
         server.stop()
     return {"rc": attach.returncode, "stdout": stdout, "stderr": stderr, "out": out,
@@ -105,8 +120,9 @@ def test_injected_leak_is_named(attached):
     demo = list(iter_events(attached["demo"]))  # file order = the order the engine finished them
     finished_order = [e.request_id for e in demo if tag(e) == "request_finished"]
     leaked = set(finished_order[LEAK_EVERY - 1::LEAK_EVERY])
-    streamed = [e for e in iter_events(attached["out"]) if tag(e) not in ATTACH_TAGS]
-    end = max(e.ts_ns for e in streamed)
+    everything = list(iter_events(attached["out"]))
+    end = max(e.ts_ns for e in everything)  # the window ends with attach's last sample
+    streamed = [e for e in everything if tag(e) not in ATTACH_TAGS]
     arrived = {e.request_id for e in streamed if tag(e) == "request_arrived"}
     finished_at = {e.request_id: e.ts_ns for e in streamed if tag(e) == "request_finished"}
     held: dict[str, set] = {}
@@ -117,7 +133,7 @@ def test_injected_leak_is_named(attached):
             held.get(e.request_id, set()).discard(e.block_id)
     expect = {r: sorted(held[r]) for r in leaked
               if r in arrived and r in finished_at and finished_at[r] <= end - GRACE_S * 1e9 and held.get(r)}
-    assert expect, "the traffic should leak at least one request inside the window"
+    assert len(expect) >= 2, "the traffic should leak several requests inside the window"
     finding = next(f for f in json.loads(attached["stdout"])["findings"] if f["rule"] == "leak.finished_holding")
     assert finding["status"] == "fail"
     assert finding["evidence"]["requests"] == expect
