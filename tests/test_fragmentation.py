@@ -4,6 +4,7 @@ brute-force oracle (property test) and torch's own ``_memory_viz.segsum`` accoun
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -202,6 +203,12 @@ def test_replay_free_list():
     s2 = fr.replay_free_list(evs + [BlockReleased(ts_ns=4, request_id="b", block_id=0, cached=True),
                                     BlockEvicted(ts_ns=5, block_id=0)])
     assert s2.free_blocks == 6 and s2.cached_blocks == 0
+    # ids offset by 2 (transformers' trash pages): same answer with every id shifted
+    shifted = [e if not hasattr(e, "block_id") else msgspec.structs.replace(e, block_id=e.block_id + 2)
+               for e in evs + [BlockAllocated(ts_ns=6, request_id="c", block_id=7)]]
+    s3 = fr.replay_free_list(shifted)
+    s4 = fr.replay_free_list(evs + [BlockAllocated(ts_ns=6, request_id="c", block_id=7)])
+    assert s3 == s4
 
 
 def test_recorded_cuda_snapshot_fixture():
@@ -218,3 +225,18 @@ def test_recorded_cuda_snapshot_fixture():
     dev = fr.device_frame(snap).iloc[0]
     assert dev["reserved_bytes"] == stats["reserved_bytes.all.current"]
     assert dev["allocated_bytes"] == stats["allocated_bytes.all.current"]
+
+
+def test_free_list_replay_matches_the_engines_own_counters():
+    """Replaying the recorded demo log's block events ends in the state the engine itself
+    reported in its last KVPoolSample (free, cached and used blocks)."""
+    from pathlib import Path
+    from kvdiag.eventlog import iter_events
+    from kvdiag.schema import KVPoolSample
+    path = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
+    events = list(iter_events(path))
+    state = fr.replay_free_list(events)
+    last = max((e for e in events if isinstance(e, KVPoolSample)), key=lambda e: e.ts_ns)
+    assert (state.free_blocks, state.cached_blocks, state.used_blocks) == \
+        (last.blocks_free, last.blocks_cached, last.blocks_used)
+    assert state.cached_blocks > 0

@@ -143,6 +143,12 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
     alloc = _f(frames, "allocator_sample")
     findings.append(fragmentation.allocator_fragmentation_finding(samples=alloc if not alloc.empty else None))
     kv_frag = next(f for f in findings if f.rule == "fragmentation.kv_pool")
+    free_list = fragmentation.replay_free_list(events)  # needs KVPoolInfo: recorded from pool creation
+    if free_list is not None:
+        kv["free_list"] = {"free_blocks": free_list.free_blocks, "cached_blocks": free_list.cached_blocks,
+                           "used_blocks": free_list.used_blocks,
+                           "longest_free_run_blocks": free_list.longest_free_run_blocks,
+                           "free_list_fragmentation": free_list.free_list_fragmentation}
     status = _f(frames, "collector_status")
     start = events[0].ts_ns if events else header.start_ns
     end = events[-1].ts_ns if events else header.start_ns

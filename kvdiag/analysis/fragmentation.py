@@ -330,11 +330,17 @@ class FreeListState:
 def replay_free_list(events: Iterable[Event]) -> Optional[FreeListState]:
     """Replay ``KVPoolInfo`` + block events: a block is used while some request holds it,
     cached when released with ``cached`` until evicted or hit again, free otherwise. None
-    without a ``KVPoolInfo``."""
+    without a ``KVPoolInfo``. Block ids are taken to be ``num_blocks`` consecutive integers
+    starting at 0, or ending at the largest id seen when that is beyond ``num_blocks - 1``
+    (transformers' paged cache numbers its pages after two reserved "trash" pages)."""
     num_blocks = None
     holders: dict[int, set] = {}
     cached: set[int] = set()
+    max_id = -1
     for ev in events:
+        block_id = getattr(ev, "block_id", None)
+        if block_id is not None:
+            max_id = max(max_id, block_id)
         if isinstance(ev, KVPoolInfo):
             num_blocks, holders, cached = ev.num_blocks, {}, set()
         elif isinstance(ev, BlockAllocated):
@@ -356,8 +362,9 @@ def replay_free_list(events: Iterable[Event]) -> Optional[FreeListState]:
     if num_blocks is None:
         return None
     busy = set(holders) | cached
+    first_id = max(0, max_id + 1 - num_blocks)
     longest = run = 0
-    for b in range(num_blocks):
+    for b in range(first_id, first_id + num_blocks):
         run = 0 if b in busy else run + 1
         longest = max(longest, run)
     free = num_blocks - len(busy)
