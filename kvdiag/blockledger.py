@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockId, BlockReleased, Event, KVPoolInfo,
+from kvdiag.schema import (BlockAllocated, BlockDeduplicated, BlockEvicted, BlockId, BlockReleased, Event, KVPoolInfo,
                            PrefixHit, RequestArrived, RequestFinished, RequestId)
 
 AnomalyKind = Literal["double_release", "release_unheld", "alloc_in_use", "evict_held"]
@@ -29,6 +29,7 @@ class RequestRecord:
     status: Optional[str] = None
     blocks_allocated: int = 0
     blocks_prefix_hit: int = 0
+    blocks_deduplicated: int = 0  # adopted an identical cached block in place of its own
     blocks_released: int = 0
     blocks_released_cached: int = 0
     blocks_evicted_later: int = 0  # released by it as cached, later evicted
@@ -83,9 +84,12 @@ class BlockLedger:
         self.last_ts_ns = max(self.last_ts_ns, ev.ts_ns)
         if isinstance(ev, BlockAllocated):
             self._allocated(ev)
-        elif isinstance(ev, PrefixHit):
+        elif isinstance(ev, (PrefixHit, BlockDeduplicated)):
             rec = self._request(ev.request_id)
-            rec.blocks_prefix_hit += 1
+            if isinstance(ev, PrefixHit):
+                rec.blocks_prefix_hit += 1
+            else:
+                rec.blocks_deduplicated += 1
             rec.held.add(ev.block_id)
             self.holders.setdefault(ev.block_id, set()).add(ev.request_id)
             ep = self.cached.pop(ev.block_id, None) or self._open.get(ev.block_id)

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis.findings import Finding
-from kvdiag.schema import BlockAllocated, BlockEvicted, BlockReleased, Event, KVPoolInfo, PrefixHit
+from kvdiag.schema import BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased, Event, KVPoolInfo, PrefixHit
 
 FRAGMENTATION_LIMIT = 0.15
 """The source article's rule of thumb: pool fragmentation should stay under 15%."""
@@ -346,7 +346,7 @@ def replay_free_list(events: Iterable[Event]) -> Optional[FreeListState]:
         elif isinstance(ev, BlockAllocated):
             holders.setdefault(ev.block_id, set()).add(ev.request_id)
             cached.discard(ev.block_id)
-        elif isinstance(ev, PrefixHit):
+        elif isinstance(ev, (PrefixHit, BlockDeduplicated)):
             holders.setdefault(ev.block_id, set()).add(ev.request_id)
             cached.discard(ev.block_id)
         elif isinstance(ev, BlockReleased):

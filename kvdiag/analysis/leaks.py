@@ -27,7 +27,7 @@ MAX_NAMED = 20  # requests/blocks listed in a finding's evidence
 
 REQUEST_COLUMNS = [
     "request_id", "arrived_ns", "finished_ns", "status", "blocks_allocated", "blocks_prefix_hit",
-    "blocks_released", "blocks_released_cached", "blocks_evicted_later", "blocks_still_held",
+    "blocks_deduplicated", "blocks_released", "blocks_released_cached", "blocks_evicted_later", "blocks_still_held",
     "double_releases",
 ]
 EPISODE_COLUMNS = [
@@ -52,7 +52,8 @@ def request_frame(ledger: BlockLedger) -> pd.DataFrame:
             doubles[a.request_id] = doubles.get(a.request_id, 0) + 1
     rows = [{"request_id": r.request_id, "arrived_ns": r.arrived_ns, "finished_ns": r.finished_ns,
              "status": r.status, "blocks_allocated": r.blocks_allocated,
-             "blocks_prefix_hit": r.blocks_prefix_hit, "blocks_released": r.blocks_released,
+             "blocks_prefix_hit": r.blocks_prefix_hit, "blocks_deduplicated": r.blocks_deduplicated,
+             "blocks_released": r.blocks_released,
              "blocks_released_cached": r.blocks_released_cached,
              "blocks_evicted_later": r.blocks_evicted_later, "blocks_still_held": len(r.held),
              "double_releases": doubles.get(r.request_id, 0)} for r in ledger.requests.values()]
