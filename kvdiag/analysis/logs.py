@@ -1,0 +1,143 @@
+"""Several event logs (one per node) seen as one: every frame gains a ``node`` column.
+
+Timestamps are wall-clock nanoseconds in every log, so rows of several nodes share one time
+axis. A node is named by its header's ``node``, else its ``host``, else the file's stem;
+repeated names get ``#2``, ``#3`` appended so that two logs never fold into one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, NewType, Optional
+
+import pandas as pd
+
+from kvdiag.schema import Event, KVPoolInfo, LogHeader, TAGS, event_tag, fields_of
+
+NodeName = NewType("NodeName", str)
+
+
+def _tag(tag_or_cls: str | type[Event]) -> str:
+    return tag_or_cls if isinstance(tag_or_cls, str) else event_tag(tag_or_cls)
+
+
+def empty_frame(tag_or_cls: str | type[Event]) -> pd.DataFrame:
+    """An empty frame with the event's columns and ``node``."""
+    tag = _tag(tag_or_cls)
+    return pd.DataFrame(columns=[*fields_of(TAGS[tag]), "node"])
+
+
+@dataclass
+class Logs:
+    """Frames of one or more logs. ``frames[tag]`` holds every node's rows of that event type
+    with a ``node`` column; ``headers[node]`` is each log's header."""
+
+    headers: dict[NodeName, LogHeader]
+    frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+    paths: dict[NodeName, str] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> list[NodeName]:
+        return list(self.headers)
+
+    def frame(self, tag_or_cls: str | type[Event]) -> pd.DataFrame:
+        """All nodes' rows of one event type (an empty frame with the right columns if none)."""
+        tag = _tag(tag_or_cls)
+        df = self.frames.get(tag)
+        return empty_frame(tag) if df is None else df
+
+    def has(self, tag_or_cls: str | type[Event]) -> bool:
+        return len(self.frame(tag_or_cls)) > 0
+
+    def time_range_ns(self) -> tuple[int, int]:
+        """First and last event timestamp over all nodes ((0, 0) for no events)."""
+        lo, hi = None, None
+        for df in self.frames.values():
+            if len(df):
+                a, b = int(df["ts_ns"].min()), int(df["ts_ns"].max())
+                lo = a if lo is None else min(lo, a)
+                hi = b if hi is None else max(hi, b)
+        return (lo or 0, hi or 0)
+
+    def last_ts_ns(self) -> dict[NodeName, int]:
+        """The last event timestamp of each node."""
+        last: dict[NodeName, int] = {}
+        for df in self.frames.values():
+            if len(df):
+                for node, t in df.groupby("node")["ts_ns"].max().items():
+                    last[node] = max(last.get(node, 0), int(t))
+        return last
+
+    def num_events(self) -> int:
+        return sum(len(df) for df in self.frames.values())
+
+    def block_bytes(self, node: NodeName) -> Optional[int]:
+        """Bytes of one KV block on ``node``: the pool's own figure, else the header's
+        bytes_per_token x block_size_tokens, else None."""
+        info = self.frame(KVPoolInfo)
+        info = info[info["node"] == node]
+        if len(info):
+            return int(info["block_bytes"].iloc[-1])
+        h = self.headers[node]
+        if h.bytes_per_token and h.block_size_tokens:
+            return int(h.bytes_per_token * h.block_size_tokens)
+        return None
+
+    def block_size_tokens(self, node: NodeName) -> Optional[int]:
+        """Tokens per KV block on ``node`` (the pool's figure, else the header's)."""
+        info = self.frame(KVPoolInfo)
+        info = info[info["node"] == node]
+        if len(info):
+            return int(info["block_size_tokens"].iloc[-1])
+        return self.headers[node].block_size_tokens
+
+    def bytes_per_token(self, node: NodeName) -> Optional[int]:
+        """KV bytes of one token on ``node`` (header, else block bytes / block size)."""
+        h = self.headers[node]
+        if h.bytes_per_token:
+            return int(h.bytes_per_token)
+        bb, bs = self.block_bytes(node), self.block_size_tokens(node)
+        return bb // bs if bb and bs else None
+
+    def window(self, start_ns: int, end_ns: int) -> "Logs":
+        """The events with ``start_ns <= ts_ns < end_ns`` (KVPoolInfo is kept whole: it
+        describes the pool, not a moment)."""
+        pool_tag = event_tag(KVPoolInfo)
+        frames = {
+            tag: df if tag == pool_tag else df[(df["ts_ns"] >= start_ns) & (df["ts_ns"] < end_ns)]
+            for tag, df in self.frames.items()
+        }
+        return Logs(self.headers, frames, self.paths)
+
+
+def node_names(headers: Iterable[LogHeader], paths: Iterable[str | Path]) -> list[NodeName]:
+    """One distinct label per log: header.node, else header.host, else the file stem."""
+    seen: dict[str, int] = {}
+    out = []
+    for h, p in zip(headers, paths):
+        base = h.node or h.host or Path(p).name.split(".")[0]
+        seen[base] = seen.get(base, 0) + 1
+        out.append(NodeName(base if seen[base] == 1 else f"{base}#{seen[base]}"))
+    return out
+
+
+def merge(logs: Iterable[tuple[LogHeader, Mapping[str, pd.DataFrame], str]]) -> Logs:
+    """Merge ``(header, frames, path)`` triples (one per log) into one :class:`Logs`."""
+    items = list(logs)
+    names = node_names([h for h, _, _ in items], [p for _, _, p in items])
+    per_tag: dict[str, list[pd.DataFrame]] = {}
+    for name, (_, frames, _) in zip(names, items):
+        for tag, df in frames.items():
+            if len(df):
+                per_tag.setdefault(tag, []).append(df.assign(node=name))
+    frames = {
+        tag: (pd.concat(dfs, ignore_index=True) if len(dfs) > 1 else dfs[0].reset_index(drop=True))
+        .sort_values("ts_ns", kind="stable", ignore_index=True)
+        for tag, dfs in per_tag.items()
+    }
+    return Logs(
+        headers={n: h for n, (h, _, _) in zip(names, items)},
+        frames=frames,
+        paths={n: str(p) for n, (_, _, p) in zip(names, items)},
+    )

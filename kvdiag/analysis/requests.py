@@ -1,0 +1,67 @@
+"""Per-request table: how much KV each request held and how it was served.
+
+- ``kv_tokens`` = prompt_tokens + output_tokens; ``kv_bytes`` = kv_tokens x KV bytes per token
+  (what the request's cache holds at its end, over all layers, K and V).
+- ``blocks_allocated``: fresh blocks taken for it; ``blocks_reused``: prefix-cache hits;
+  ``blocks_released``: blocks it gave back (BlockReleased), plus blocks freed by preemption.
+- ``block_bytes_held`` = (blocks_allocated + blocks_reused) x block bytes (block granularity,
+  shared blocks counted for every request that holds them).
+- ``hit_rate`` = cached_prompt_tokens / prompt_tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvdiag.analysis.latency import request_latency
+from kvdiag.analysis.logs import Logs
+from kvdiag.schema import BlockAllocated, BlockReleased, PrefixHit, RequestPreempted
+
+COLUMNS = ["node", "request_id", "status", "arrived_ns", "finished_ns", "prompt_tokens",
+           "output_tokens", "cached_prompt_tokens", "hit_rate", "kv_tokens", "kv_bytes",
+           "blocks_allocated", "blocks_reused", "blocks_released", "block_bytes_held",
+           "preemptions", "ttft_ns", "e2e_ns", "per_token_ns"]
+
+
+def _count(df: pd.DataFrame, name: str, weight: str | None = None) -> pd.Series:
+    if df.empty:
+        return pd.Series(dtype="float64", name=name)
+    g = df.groupby(["node", "request_id"])
+    s = g[weight].sum() if weight else g.size()
+    return s.rename(name).astype("float64")
+
+
+def block_counts(logs: Logs) -> pd.DataFrame:
+    """Per (node, request_id): blocks_allocated, blocks_reused, blocks_released (BlockReleased
+    events plus RequestPreempted.blocks_freed), preemptions."""
+    pre = logs.frame(RequestPreempted)
+    rel = pd.concat([_count(logs.frame(BlockReleased), "blocks_released"),
+                     _count(pre, "freed", "blocks_freed")], axis=1).fillna(0).sum(axis=1)
+    df = pd.concat([_count(logs.frame(BlockAllocated), "blocks_allocated"),
+                    _count(logs.frame(PrefixHit), "blocks_reused"),
+                    rel.rename("blocks_released"), _count(pre, "preemptions")], axis=1)
+    for c in ("blocks_allocated", "blocks_reused", "blocks_released", "preemptions"):
+        if c not in df:
+            df[c] = 0.0
+    df = df.fillna(0)
+    df.index = df.index.set_names(["node", "request_id"])
+    return df.reset_index()
+
+
+def request_table(logs: Logs) -> pd.DataFrame:
+    """One row per finished request (columns ``COLUMNS``), in finish order."""
+    lat = request_latency(logs)
+    if lat.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    df = lat.merge(block_counts(logs), on=["node", "request_id"], how="left")
+    for c in ("blocks_allocated", "blocks_reused", "blocks_released", "preemptions"):
+        df[c] = df[c].fillna(0).astype("int64")
+    prompt = df["prompt_tokens"].astype("float64")
+    df["hit_rate"] = np.where(prompt > 0, df["cached_prompt_tokens"] / prompt.where(prompt > 0), np.nan)
+    df["kv_tokens"] = df["prompt_tokens"] + df["output_tokens"]
+    bpt = df["node"].map({n: logs.bytes_per_token(n) for n in logs.nodes}).astype("float64")
+    bb = df["node"].map({n: logs.block_bytes(n) for n in logs.nodes}).astype("float64")
+    df["kv_bytes"] = df["kv_tokens"] * bpt
+    df["block_bytes_held"] = (df["blocks_allocated"] + df["blocks_reused"]) * bb
+    return df[COLUMNS]
