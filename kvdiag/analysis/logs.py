@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, NewType, Optional
+from typing import Callable, Iterable, Mapping, NewType, Optional
+
+import warnings
 
 import pandas as pd
 
+from kvdiag.eventlog import LogFormatError, read_log
 from kvdiag.schema import Event, KVPoolInfo, LogHeader, TAGS, event_tag, fields_of
 
 NodeName = NewType("NodeName", str)
@@ -141,3 +144,29 @@ def merge(logs: Iterable[tuple[LogHeader, Mapping[str, pd.DataFrame], str]]) -> 
         frames=frames,
         paths={n: str(p) for n, (_, _, p) in zip(names, items)},
     )
+
+
+def load(paths: Iterable[str | Path], on_progress: Optional[Callable[[int], None]] = None,
+         allow_truncated: bool = False) -> tuple[Logs, list[str]]:
+    """Read and merge logs. Returns the merged logs and the reader's problems (unreadable
+    lines that were skipped). Raises LogFormatError for a log that is not a kvdiag log, has no
+    events, or (unless ``allow_truncated``) was cut short by a writer that stopped mid-line."""
+    items, problems = [], []
+    for path in paths:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            log = read_log(path, on_progress=on_progress)
+        cut = [str(w.message) for w in caught
+               if "truncated" in str(w.message) or "ends early" in str(w.message)]
+        if cut and not allow_truncated:
+            raise LogFormatError(f"{cut[0]}; expected a complete log (pass --partial to "
+                                 f"use the events before the cut)")
+        if len(log) == 0:
+            where = f"{path}:{2 + len(log.problems)}"
+            raise LogFormatError(f"{where}: expected events after the header, found "
+                                 + (f"only unreadable lines ({log.problems[0]})" if log.problems else "none"))
+        problems += log.problems
+        items.append((log.header, log.frames, str(path)))
+    if not items:
+        raise LogFormatError("no log given: expected at least one kvdiag log")
+    return merge(items), problems

@@ -49,9 +49,10 @@ def block_counts(logs: Logs) -> pd.DataFrame:
     return df.reset_index()
 
 
-def request_table(logs: Logs) -> pd.DataFrame:
-    """One row per finished request (columns ``COLUMNS``), in finish order."""
-    lat = request_latency(logs)
+def request_table(logs: Logs, lat: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per finished request (columns ``COLUMNS``), in finish order. ``lat``: a
+    precomputed :func:`~kvdiag.analysis.latency.request_latency` frame."""
+    lat = request_latency(logs) if lat is None else lat
     if lat.empty:
         return pd.DataFrame(columns=COLUMNS)
     df = lat.merge(block_counts(logs), on=["node", "request_id"], how="left")

@@ -1,0 +1,99 @@
+"""`kvdiag doctor (LOG | --pid PID)`: the memory-leak and P99-spike checklists as rules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from kvdiag.commands._logs import LogFormatError, fail, read_logs
+
+DESCRIPTION = """Run the two checklists on a recorded log (or several: one per node):
+
+memory leak   memory grows without matching KV growth; release paths not firing for finished
+              requests; pool fragmentation >= 15%; OOMs and allocator retries
+P99 spike     a P99 rise beyond +10% (inside the log, or against --baseline), attributed to:
+              compression path active, prefix hit rate dropped, long sequences, memory
+              pressure / preemptions / evictions, fragmentation
+forecast      KV the active requests still need against free blocks: time to full, OOM risk
+
+Each rule is pass, warn, fail or n/a (no data) with its evidence.
+Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="*", metavar="LOG", help="event logs")
+    parser.add_argument("--pid", type=int, default=None, help="diagnose a running server instead")
+    parser.add_argument("--baseline", nargs="+", metavar="LOG", default=None,
+                        help="compare latency against these logs")
+    parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
+    parser.add_argument("--partial", action="store_true",
+                        help="accept a log cut short mid-line (use the events before the cut)")
+
+
+def _clean(x):
+    """JSON-safe: NaN and infinities become null, numpy scalars plain numbers."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.pid is not None and args.logs:
+        return fail("doctor", "give either LOG or --pid PID, not both")
+    if args.pid is not None:
+        return _live(args)
+    if not args.logs:
+        return fail("doctor", "expected a LOG or --pid PID")
+    try:
+        logs, _ = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial)
+        baseline = read_logs(args.baseline, quiet=True, allow_truncated=args.partial)[0] if args.baseline else None
+    except LogFormatError as exc:
+        return fail("doctor", str(exc))
+    from kvdiag.analysis.doctor import run_rules
+    from kvdiag.analysis.findings import worst
+    findings, _ = run_rules(logs, baseline)
+    status = worst(findings)
+    if args.json:
+        print(json.dumps(_clean({"status": status, "logs": list(logs.paths.values()),
+                                 "findings": [f.to_dict() for f in findings]}), indent=1))
+    else:
+        _print(findings)
+    return 1 if status == "fail" else 0
+
+
+def _print(findings) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    style = {"pass": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
+    t = Table(show_lines=False, expand=True)
+    for c in ("status", "rule", "check", "measured"):
+        t.add_column(c, overflow="fold")
+    for f in findings:
+        t.add_row(f"[{style[f.status]}]{f.status.upper()}[/]", f.rule, f.title, f.message)
+    Console(width=max(Console().width, 120)).print(t)
+
+
+def _live(args: argparse.Namespace) -> int:
+    import psutil
+    if not psutil.pid_exists(args.pid):
+        return fail("doctor", f"no process with pid {args.pid}")
+    try:
+        from kvdiag.commands import attach  # records a live server's events into a log
+    except ImportError:
+        attach = None
+    if attach is None or not hasattr(attach, "record_for_doctor"):
+        print(f"kvdiag doctor: live diagnosis needs `kvdiag attach`, which this build lacks; "
+              f"record a log with `kvdiag attach {args.pid} -o LOG` and run `kvdiag doctor LOG`",
+              file=sys.stderr)
+        return 2
+    path = attach.record_for_doctor(args.pid)
+    args.pid, args.logs = None, [str(path)]
+    return run(args)
