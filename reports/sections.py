@@ -353,7 +353,7 @@ def latency_section(logs: Logs, t0: int, lat: pd.DataFrame, comps: list[latency.
     if comps:
         rows = [{"metric": c.metric, "flagged": "REGRESSION" if c.flagged else "no",
                  "P99 before_ms": round(c.p99_baseline_ns / 1e6, 2), "P99 after_ms": round(c.p99_current_ns / 1e6, 2),
-                 "change": f"{c.change:+.1%}", "95% CI": f"{c.ci_low:+.1%} .. {c.ci_high:+.1%}",
+                 "change": f"{c.change:+.1%}", "90% CI": f"{c.ci_low:+.1%} .. {c.ci_high:+.1%}",
                  "threshold": f"{c.threshold:+.0%}", "Cliff's delta": round(c.cliffs_delta, 3),
                  "n before/after": f"{c.n_baseline}/{c.n_current}",
                  "split_at_s": round((c.current_window_ns[0] - t0) / 1e9, 1) if baseline is None else None}

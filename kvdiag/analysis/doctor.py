@@ -200,7 +200,7 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
     what = "against the baseline" if baseline is not None else "after the change point vs before"
     flagged = [c for c in comps if c.flagged]
     desc = "; ".join(f"{c.metric} P99 {c.p99_baseline_ns / 1e6:.1f} -> {c.p99_current_ns / 1e6:.1f} ms "
-                     f"({c.change:+.1%}, 95% CI {c.ci_low:+.1%}..{c.ci_high:+.1%})" for c in comps)
+                     f"({c.change:+.1%}, 90% CI {c.ci_low:+.1%}..{c.ci_high:+.1%})" for c in comps)
     out = [Finding("p99.regression", "fail" if flagged else "pass", title, f"{what}: {desc}",
                    {"comparisons": [c.to_dict() for c in comps]})]
     supported: dict[str, list] = {}
