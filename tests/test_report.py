@@ -118,16 +118,18 @@ def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.parametrize("kind", ["empty", "other format", "json array", "header only", "truncated",
                                   "truncated gzip", "missing"])
 @pytest.mark.parametrize("command", ["report", "doctor"])
-def test_bad_input_clear_error_no_output(tmp_path, kind, command):
+def test_bad_input_clear_error_no_output(tmp_path, kind, command, capsys):
+    from kvdiag.cli import main
     path = _bad_inputs(tmp_path)[kind]
     out = tmp_path / "out" / "report.html"
     out.parent.mkdir()
     out.write_text("previous report")
     args = ["report", path, "-o", out] if command == "report" else ["doctor", path]
-    r = kvdiag(*args)
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    msg = r.stderr.strip().splitlines()
-    assert len(msg) == 1 and "Traceback" not in r.stderr
+    rc = main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    msg = err.strip().splitlines()
+    assert len(msg) == 1
     assert str(path) in msg[0] and "expected" in msg[0] or "no such file" in msg[0]
     assert out.read_text() == "previous report"
     assert os.listdir(out.parent) == ["report.html"]
