@@ -29,3 +29,8 @@ def leak_log() -> str:
 
 def second_log(tmp: Path) -> str:
     return str(C.write(tmp / "node-b.jsonl", C.events(n_requests=60, seed=3), node="node-b"))
+
+
+def leaked_request_ids() -> list[str]:
+    """Requests of leak_log() whose release path was skipped."""
+    return ["req-5", "req-17"]

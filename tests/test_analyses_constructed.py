@@ -8,7 +8,7 @@ import pytest
 
 import constructed as C
 from kvdiag import schema as s
-from kvdiag.analysis import doctor, memory
+from kvdiag.analysis import doctor, latency, memory
 from kvdiag.analysis.latency import request_latency, samples
 from kvdiag.analysis.logs import load
 from kvdiag.analysis.requests import request_table
@@ -89,3 +89,22 @@ def test_forecast_fails_when_demand_exceeds_free_blocks(tmp_path):
     assert fc["needed_blocks"].iloc[-1] == 3 * 9 - 9
     assert fc["free_blocks"].iloc[-1] == 1
     assert doctor.memory_pressure(logs).status == "fail"
+
+
+def test_attribution_finds_long_sequences_injected_halfway(tmp_path):
+    """From request 60 of 120 on, prompts are 8x longer (and TTFT grows with them): the TTFT
+    regression is flagged after a change point near request 60, and long sequences is a
+    supported cause while compression (no runs after the change) is not."""
+    evs = C.events(n_requests=120, long_from=60)
+    logs = load([C.write(tmp_path / "long.jsonl", evs)])[0]
+    comps = {c.metric: c for c in latency.detect(logs)}
+    ttft = comps["ttft"]
+    assert ttft.flagged
+    arrivals = sorted(e.ts_ns for e in evs if isinstance(e, s.RequestArrived))
+    split = ttft.current_window_ns[0]
+    assert arrivals[55] <= split <= arrivals[66]
+    causes = {c.cause: c for c in ttft.causes}
+    assert causes["long_sequences"].supported
+    assert not causes["compression"].supported and not causes["memory_pressure"].supported
+    long_ids = {e.request_id for e in evs if isinstance(e, s.RequestArrived) and e.prompt_tokens > 200}
+    assert set(causes["long_sequences"].evidence["long_request_ids"]) <= long_ids

@@ -26,9 +26,11 @@ def _tag(tag_or_cls: str | type[Event]) -> str:
 
 
 def empty_frame(tag_or_cls: str | type[Event]) -> pd.DataFrame:
-    """An empty frame with the event's columns and ``node``."""
+    """An empty frame with the event's columns and ``node`` (only ts_ns and node for a tag
+    this schema version does not know)."""
     tag = _tag(tag_or_cls)
-    return pd.DataFrame(columns=[*fields_of(TAGS[tag]), "node"])
+    cols = fields_of(TAGS[tag]) if tag in TAGS else ("ts_ns",)
+    return pd.DataFrame(columns=[*cols, "node"])
 
 
 @dataclass

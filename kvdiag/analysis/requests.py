@@ -33,14 +33,14 @@ def _count(df: pd.DataFrame, name: str, weight: str | None = None) -> pd.Series:
 
 
 def block_counts(logs: Logs) -> pd.DataFrame:
-    """Per (node, request_id): blocks_allocated, blocks_reused, blocks_released (BlockReleased
-    events plus RequestPreempted.blocks_freed), preemptions."""
-    pre = logs.frame(RequestPreempted)
-    rel = pd.concat([_count(logs.frame(BlockReleased), "blocks_released"),
-                     _count(pre, "freed", "blocks_freed")], axis=1).fillna(0).sum(axis=1)
+    """Per (node, request_id): blocks_allocated, blocks_reused, blocks_released, preemptions
+    (definitions in the module docstring)."""
+    reused = pd.concat([_count(logs.frame(PrefixHit), "hits"),
+                        _count(logs.frame("block_deduplicated"), "adopted")], axis=1).fillna(0).sum(axis=1)
     df = pd.concat([_count(logs.frame(BlockAllocated), "blocks_allocated"),
-                    _count(logs.frame(PrefixHit), "blocks_reused"),
-                    rel.rename("blocks_released"), _count(pre, "preemptions")], axis=1)
+                    reused.rename("blocks_reused"),
+                    _count(logs.frame(BlockReleased), "blocks_released"),
+                    _count(logs.frame(RequestPreempted), "preemptions")], axis=1)
     for c in ("blocks_allocated", "blocks_reused", "blocks_released", "preemptions"):
         if c not in df:
             df[c] = 0.0
