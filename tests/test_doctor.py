@@ -38,3 +38,36 @@ def test_doctor_pid_of_no_process(capsys):
 def leaked_requests() -> list[str]:
     from logs_for_tests import leaked_request_ids
     return leaked_request_ids()
+
+
+def test_doctor_pid_reads_the_agent_stream(tmp_path, capsys):
+    """A stand-in agent serving the documented stream (header line, then event lines) of the
+    leak log on a Unix socket: doctor --pid records it and fails the release-path rule."""
+    import os
+    import socket
+    import threading
+    from pathlib import Path
+    path = tmp_path / "agent.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(Path(leak_log()).read_bytes())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    rc = main(["doctor", "--pid", str(os.getpid()), "--socket", str(path), "--seconds", "5", "--json"])
+    t.join(5)
+    server.close()
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert {f["rule"]: f["status"] for f in out["findings"]}["leak.release_paths"] == "fail"
+
+
+def test_doctor_pid_without_agent(tmp_path, capsys):
+    import os
+    assert main(["doctor", "--pid", str(os.getpid()), "--socket", str(tmp_path / "none.sock")]) == 2
+    assert "cannot reach a kvdiag agent" in capsys.readouterr().err

@@ -24,7 +24,11 @@ Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="*", metavar="LOG", help="event logs")
-    parser.add_argument("--pid", type=int, default=None, help="diagnose a running server instead")
+    parser.add_argument("--pid", type=int, default=None,
+                        help="diagnose a running server (run under the kvdiag agent) instead")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="with --pid: how long to record its live events (default 30)")
+    parser.add_argument("--socket", default=None, help="with --pid: the agent's socket path")
     parser.add_argument("--baseline", nargs="+", metavar="LOG", default=None,
                         help="compare latency against these logs")
     parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
@@ -82,18 +86,43 @@ def _print(findings) -> None:
 
 
 def _live(args: argparse.Namespace) -> int:
+    """Record ``--seconds`` of the agent's live stream of process PID into a temporary log
+    (the stream's lines are log lines: the header first, then events), then diagnose it."""
     import psutil
+    import socket
+    import tempfile
+    import time
+    from pathlib import Path
     if not psutil.pid_exists(args.pid):
         return fail("doctor", f"no process with pid {args.pid}")
+    path = args.socket
+    if path is None:
+        try:
+            from kvdiag.paths import agent_socket_path
+        except ImportError:
+            return fail("doctor", "this build cannot locate agent sockets; pass --socket PATH")
+        path = agent_socket_path(args.pid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        from kvdiag.commands import attach  # records a live server's events into a log
-    except ImportError:
-        attach = None
-    if attach is None or not hasattr(attach, "record_for_doctor"):
-        print(f"kvdiag doctor: live diagnosis needs `kvdiag attach`, which this build lacks; "
-              f"record a log with `kvdiag attach {args.pid} -o LOG` and run `kvdiag doctor LOG`",
-              file=sys.stderr)
-        return 2
-    path = attach.record_for_doctor(args.pid)
-    args.pid, args.logs = None, [str(path)]
-    return run(args)
+        sock.connect(str(path))
+    except OSError as exc:
+        return fail("doctor", f"{path}: cannot reach a kvdiag agent in process {args.pid} ({exc.strerror or exc}); "
+                    f"start the server under the agent (`python -m kvdiag.run ...`), or record a log "
+                    f"and run `kvdiag doctor LOG`")
+    with tempfile.TemporaryDirectory(prefix="kvdiag-doctor-") as d:
+        log = Path(d) / f"pid{args.pid}.jsonl"
+        deadline = time.monotonic() + args.seconds
+        with sock, open(log, "wb") as f:
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    data = sock.recv(1 << 16)
+                except socket.timeout:
+                    break
+                if not data:
+                    break
+                f.write(data)
+        if not args.json:
+            print(f"recorded {args.seconds:g} s of process {args.pid}", file=sys.stderr)
+        args.pid, args.logs, args.partial = None, [str(log)], True  # the last line may be cut
+        return run(args)
