@@ -68,13 +68,13 @@ def _status_order(f: Finding) -> int:
 
 def summary(logs: Logs, findings: list[Finding], problems: list[str]) -> Section:
     rows = []
+    last, first = logs.last_ts_ns(), logs.first_ts_ns()
     for node in logs.nodes:
         h = logs.headers[node]
-        t = logs.last_ts_ns().get(node, 0)
         n = sum(int((df["node"] == node).sum()) for df in logs.frames.values())
         rows.append({"node": node, "log": logs.paths.get(node, ""), "engine": h.engine,
-                     "model": h.model, "events": n, "start": _fmt_ns(h.start_ns),
-                     "duration_s": round((t - h.start_ns) / 1e9, 1) if h.start_ns and t else None,
+                     "model": h.model, "events": n, "first event": _fmt_ns(first.get(node)),
+                     "duration_s": round((last[node] - first[node]) / 1e9, 1) if node in last else None,
                      "block_size_tokens": logs.block_size_tokens(node),
                      "kv_bytes_per_token": logs.bytes_per_token(node)})
     counts = {s: sum(f.status == s for f in findings) for s in ("fail", "warn", "pass", "n/a")}

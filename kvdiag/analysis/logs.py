@@ -67,12 +67,20 @@ class Logs:
 
     def last_ts_ns(self) -> dict[NodeName, int]:
         """The last event timestamp of each node."""
-        last: dict[NodeName, int] = {}
+        return self._extreme_ts_ns(max)
+
+    def first_ts_ns(self) -> dict[NodeName, int]:
+        """The first event timestamp of each node."""
+        return self._extreme_ts_ns(min)
+
+    def _extreme_ts_ns(self, pick) -> dict[NodeName, int]:
+        out: dict[NodeName, int] = {}
         for df in self.frames.values():
             if len(df):
-                for node, t in df.groupby("node")["ts_ns"].max().items():
-                    last[node] = max(last.get(node, 0), int(t))
-        return last
+                agg = df.groupby("node")["ts_ns"].agg("max" if pick is max else "min")
+                for node, t in agg.items():
+                    out[node] = pick(out.get(node, int(t)), int(t))
+        return out
 
     def num_events(self) -> int:
         return sum(len(df) for df in self.frames.values())
