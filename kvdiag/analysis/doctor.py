@@ -21,9 +21,9 @@ from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import (allocator_fragmentation, growth, kv_pool_bytes,
                                     pool_occupancy)
 from kvdiag.analysis.requests import block_counts
-from kvdiag.schema import (AllocatorSample, BlockAllocated, EngineStep, KVPoolSample,
-                           NvmlSample, PrefixHit, ProcessSample, RequestArrived,
-                           RequestFinished)
+from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockEvicted, BlockReleased,
+                           EngineStep, KVPoolInfo, KVPoolSample, NvmlSample, PrefixHit,
+                           ProcessSample, RequestArrived, RequestFinished)
 
 try:  # richer analyses of the collectors work, used when present
     from kvdiag.analysis import fragmentation as _fragmentation
@@ -113,10 +113,34 @@ def unreleased_blocks(logs: Logs, grace_ns: int = RELEASE_GRACE_NS) -> pd.DataFr
     return df.loc[df["unreleased_blocks"] > 0, cols].reset_index(drop=True)
 
 
-def release_paths(logs: Logs) -> Finding:
-    """Every finished request gave back every block it held."""
-    if _leaks is not None and hasattr(_leaks, "release_path_finding"):
-        return _leaks.release_path_finding(logs)
+_LEDGER_EVENTS = (RequestArrived, RequestFinished, KVPoolInfo, BlockAllocated, PrefixHit,
+                  BlockReleased, BlockEvicted)
+
+
+def _events(logs: Logs, node: str, classes) -> list:
+    """Events of ``node`` rebuilt from its frames, in time order (for analyses that replay
+    events)."""
+    out = []
+    for cls in classes:
+        df = logs.frame(cls)
+        df = df[df["node"] == node].drop(columns="node")
+        fields = list(df.columns)
+        out += [(row[0], cls(**dict(zip(fields, row[1:])))) for row in
+                zip(df["ts_ns"].to_numpy(), *(df[c].tolist() for c in fields))]
+    return [ev for _, ev in sorted(out, key=lambda p: p[0])]
+
+
+def release_paths(logs: Logs) -> list[Finding]:
+    """Every finished request gave back every block it held: the leaks analysis's rules per
+    node when it is installed, else :func:`unreleased_blocks`."""
+    if _leaks is not None and hasattr(_leaks, "leak_findings"):
+        kp = logs.frame(KVPoolSample)
+        return [f for node in logs.nodes for f in _leaks.leak_findings(
+            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node])]
+    return [_release_paths(logs)]
+
+
+def _release_paths(logs: Logs) -> Finding:
     title = "release paths fire for finished requests"
     if not logs.has(BlockAllocated) and not logs.has(PrefixHit):
         return Finding("leak.release_paths", "n/a", title, "no block events in the log")
@@ -332,6 +356,6 @@ def memory_pressure(logs: Logs) -> Finding:
 def run_rules(logs: Logs, baseline: Optional[Logs] = None) -> tuple[list[Finding], list[latency.Comparison]]:
     """All rules of both checklists and the forecast; also the latency comparisons behind
     the P99 rules (for reports)."""
-    findings = [memory_growth(logs), release_paths(logs), *fragmentation(logs), ooms(logs)]
+    findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs)]
     p, comps = p99(logs, baseline)
     return findings + p + [memory_pressure(logs)], comps
