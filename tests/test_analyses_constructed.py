@@ -93,17 +93,17 @@ def test_forecast_fails_when_demand_exceeds_free_blocks(tmp_path):
 
 
 def test_attribution_finds_long_sequences_injected_halfway(tmp_path):
-    """From request 60 of 120 on, prompts are 8x longer (and TTFT grows with them): the TTFT
-    regression is flagged after a change point near request 60, and long sequences is a
+    """From request 150 of 300 on, prompts are 8x longer (and TTFT grows with them): the TTFT
+    regression is flagged after a change point near request 150, and long sequences is a
     supported cause while compression (no runs after the change) is not."""
-    evs = C.events(n_requests=120, long_from=60)
+    evs = C.events(n_requests=300, long_from=150)
     logs = load([C.write(tmp_path / "long.jsonl", evs)])[0]
     comps = {c.metric: c for c in latency.detect(logs)}
     ttft = comps["ttft"]
     assert ttft.flagged
     arrivals = sorted(e.ts_ns for e in evs if isinstance(e, s.RequestArrived))
     split = ttft.current_window_ns[0]
-    assert arrivals[55] <= split <= arrivals[66]
+    assert arrivals[145] <= split <= arrivals[160]
     causes = {c.cause: c for c in ttft.causes}
     assert causes["long_sequences"].supported
     assert not causes["compression"].supported and not causes["memory_pressure"].supported

@@ -53,6 +53,11 @@ def test_change_point_finds_injected_shift():
     assert abs(latency.change_point(v) - 400) <= 25
 
 
+def test_too_few_samples_for_a_p99_comparison():
+    x = np.random.default_rng(7).lognormal(size=latency.MIN_P99_SAMPLES - 1)
+    assert latency.compare(x, x * 2) is None
+
+
 def _trials(n_base: int, n_cur: int, sigma: float, shift: float) -> int:
     flagged = 0
     for seed in range(100):
@@ -73,6 +78,6 @@ def test_detects_plus_20pct_p99_shift(n, sigma):
     assert _trials(n, n, sigma, 1.2) >= 95
 
 
-@pytest.mark.parametrize("n,sigma", DEMO_SIZES + [(100, 0.5), (30, 0.3)])
+@pytest.mark.parametrize("n,sigma", DEMO_SIZES + [(100, 0.5), (100, 0.2), (500, 0.3)])
 def test_flags_nothing_on_identical_distributions(n, sigma):
     assert _trials(n, n, sigma, 1.0) <= 5
