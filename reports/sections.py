@@ -75,7 +75,28 @@ def _status_order(f: Finding) -> int:
 # ---------------------------------------------------------------- sections
 
 
-def summary(logs: Logs, findings: list[Finding], problems: list[str]) -> Section:
+def per_node(logs: Logs, lat: pd.DataFrame) -> pd.DataFrame:
+    """One row per node: requests, token hit rate, TTFT and per-token P50/P99, peak pool
+    occupancy, preemptions."""
+    occ = pool_occupancy(logs)
+    pre = logs.frame("request_preempted")
+    rows = []
+    for node in logs.nodes:
+        r = lat[(lat["node"] == node) & (lat["status"] == "finished")]
+        o = occ[occ["node"] == node]
+        row = {"node": node, "requests": len(r),
+               "hit_rate_pct": round(100 * r["cached_prompt_tokens"].sum() / max(r["prompt_tokens"].sum(), 1), 1)}
+        for col, name in (("ttft_ns", "ttft"), ("per_token_ns", "per_token")):
+            v = r[col].dropna().to_numpy()
+            for q in (0.5, 0.99):
+                row[f"{name}_p{q * 100:g}_ms"] = round(latency.quantile(v, q) / 1e6, 2) if len(v) else None
+        row["peak_block_occupancy_pct"] = round(100 * o["block_occupancy"].max(), 1) if len(o) else None
+        row["preemptions"] = int((pre["node"] == node).sum())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.DataFrame) -> Section:
     rows = []
     last, first = logs.last_ts_ns(), logs.first_ts_ns()
     for node in logs.nodes:
@@ -93,6 +114,8 @@ def summary(logs: Logs, findings: list[Finding], problems: list[str]) -> Section
                    f"checks ({counts['n/a']} without data)."),
               Table("Findings (kvdiag doctor's rules)", ftable),
               Table("Logs", pd.DataFrame(rows))]
+    if len(logs.nodes) > 1:
+        blocks.append(Table("Per node", per_node(logs, lat)))
     if problems:
         blocks.append(Text(f"{len(problems)} unreadable lines were skipped; first: {problems[0]}"))
     return Section("summary", "Summary", "What needs attention?", blocks)
@@ -479,7 +502,7 @@ def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[s
     sub = (f"{len(logs.nodes)} node(s): {', '.join(logs.nodes)}; {logs.num_events():,} events from "
            f"{_fmt_ns(t_lo)} to {_fmt_ns(t_hi)}"
            + (f"; baseline: {', '.join(baseline.paths.values())}" if baseline is not None else ""))
-    sections = [summary(logs, findings, problems), mem, fragmentation(logs, t0, findings),
+    sections = [summary(logs, findings, problems, lat), mem, fragmentation(logs, t0, findings),
                 sharing(logs, t0, req), compression(logs), locality(logs),
                 latency_section(logs, t0, lat, comps, baseline), requests(req), health(logs, problems)]
     return Report(title, sub, sections), findings

@@ -86,13 +86,16 @@ def test_markdown_has_the_same_sections(html_report, tmp_path):
 
 def test_several_logs_merge_with_node_column(tmp_path):
     md = tmp_path / "two.md"
-    r = kvdiag("report", clean_log(), second_log(tmp_path), "-o", md)
+    logs = (clean_log(), second_log(tmp_path))
+    r = kvdiag("report", *logs, "-o", md)
     assert r.returncode == 0, r.stderr
     text = md.read_text()
     assert "2 node(s)" in text
     nodes = re.search(r"2 node\(s\): ([^;]+);", text).group(1).split(", ")
-    for n in nodes:
-        assert f"| {n} |" in text
+    per_node = text[text.index("**Per node**"):]
+    for node, log in zip(nodes, logs):
+        finished = Path(log).read_text().count('"type":"request_finished"')
+        assert re.search(rf"^\| {re.escape(node)} \| {finished} \|", per_node, re.M), (node, finished)
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
