@@ -156,3 +156,20 @@ def test_write_atomic_keeps_old_file_on_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         _logs.write_atomic(target, "new" * 1000)
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["r.html"]
+
+
+def test_sparse_log_says_what_is_absent(tmp_path, capsys):
+    """A log holding only a collector status: every analysis section says its data is absent."""
+    from kvdiag import schema as s
+    from kvdiag.cli import main
+    from kvdiag.eventlog import LogWriter, make_header
+    log = tmp_path / "sparse.jsonl"
+    with LogWriter(log, make_header()) as w:
+        w.record(s.CollectorStatus(ts_ns=1, collector="nvml", available=False, hint="no GPU"))
+    assert main(["report", str(log), "-o", str(tmp_path / "r.md")]) == 0
+    text = (tmp_path / "r.md").read_text()
+    for section in ("Memory over time", "Prefix sharing", "KV compression", "Attention locality",
+                    "Latency and P99 regressions", "Requests"):
+        body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+        assert "Not in these logs" in body, section
+    assert main(["doctor", str(log)]) == 0

@@ -24,29 +24,31 @@ COLUMNS = ["node", "request_id", "status", "arrived_ns", "finished_ns", "prompt_
            "preemptions", "ttft_ns", "e2e_ns", "per_token_ns"]
 
 
-def _count(df: pd.DataFrame, name: str, weight: str | None = None) -> pd.Series:
+_COUNT_COLUMNS = ["blocks_allocated", "blocks_reused", "blocks_released", "preemptions"]
+
+
+def _count(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Events per (node, request_id) as a frame with one column ``name``."""
     if df.empty:
-        return pd.Series(dtype="float64", name=name)
-    g = df.groupby(["node", "request_id"])
-    s = g[weight].sum() if weight else g.size()
-    return s.rename(name).astype("float64")
+        return pd.DataFrame(columns=["node", "request_id", name])
+    return df.groupby(["node", "request_id"]).size().rename(name).reset_index()
 
 
 def block_counts(logs: Logs) -> pd.DataFrame:
     """Per (node, request_id): blocks_allocated, blocks_reused, blocks_released, preemptions
     (definitions in the module docstring)."""
-    reused = pd.concat([_count(logs.frame(PrefixHit), "hits"),
-                        _count(logs.frame("block_deduplicated"), "adopted")], axis=1).fillna(0).sum(axis=1)
-    df = pd.concat([_count(logs.frame(BlockAllocated), "blocks_allocated"),
-                    reused.rename("blocks_reused"),
-                    _count(logs.frame(BlockReleased), "blocks_released"),
-                    _count(logs.frame(RequestPreempted), "preemptions")], axis=1)
-    for c in ("blocks_allocated", "blocks_reused", "blocks_released", "preemptions"):
-        if c not in df:
-            df[c] = 0.0
-    df = df.fillna(0)
-    df.index = df.index.set_names(["node", "request_id"])
-    return df.reset_index()
+    parts = [_count(logs.frame(BlockAllocated), "blocks_allocated"),
+             _count(logs.frame(PrefixHit), "blocks_reused"),
+             _count(logs.frame("block_deduplicated"), "blocks_reused"),
+             _count(logs.frame(BlockReleased), "blocks_released"),
+             _count(logs.frame(RequestPreempted), "preemptions")]
+    long = pd.concat([p.melt(id_vars=["node", "request_id"], var_name="what", value_name="n")
+                      for p in parts if len(p)], ignore_index=True) if any(len(p) for p in parts) else None
+    if long is None:
+        return pd.DataFrame(columns=["node", "request_id", *_COUNT_COLUMNS])
+    df = long.pivot_table(index=["node", "request_id"], columns="what", values="n", aggfunc="sum",
+                          fill_value=0)
+    return df.reindex(columns=_COUNT_COLUMNS, fill_value=0).reset_index().rename_axis(columns=None)
 
 
 def request_table(logs: Logs, lat: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -56,8 +58,8 @@ def request_table(logs: Logs, lat: pd.DataFrame | None = None) -> pd.DataFrame:
     if lat.empty:
         return pd.DataFrame(columns=COLUMNS)
     df = lat.merge(block_counts(logs), on=["node", "request_id"], how="left")
-    for c in ("blocks_allocated", "blocks_reused", "blocks_released", "preemptions"):
-        df[c] = df[c].fillna(0).astype("int64")
+    for c in _COUNT_COLUMNS:
+        df[c] = pd.to_numeric(df[c]).fillna(0).astype("int64")
     prompt = df["prompt_tokens"].astype("float64")
     df["hit_rate"] = np.where(prompt > 0, df["cached_prompt_tokens"] / prompt.where(prompt > 0), np.nan)
     df["kv_tokens"] = df["prompt_tokens"] + df["output_tokens"]
