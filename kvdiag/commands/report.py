@@ -40,13 +40,21 @@ def run(args: argparse.Namespace) -> int:
         baseline = read_logs(args.baseline, allow_truncated=args.partial)[0] if args.baseline else None
     except LogFormatError as exc:
         return fail("report", str(exc))
+    import contextlib
+    import sys
+
+    from rich.console import Console
+
     from kvdiag.reports import sections  # imported after reading: bad input fails fast
-    report, findings = sections.build(logs, baseline, problems, title=args.title)
     if fmt == "md":
         from kvdiag.reports.markdown import render
     else:
         from kvdiag.reports.html import render
-    write_atomic(out, render(report))
+    busy = (Console(stderr=True).status(f"analysing {logs.num_events():,} events")
+            if sys.stderr.isatty() else contextlib.nullcontext())
+    with busy:
+        report, findings = sections.build(logs, baseline, problems, title=args.title)
+        write_atomic(out, render(report))
     n_fail = sum(f.status == "fail" for f in findings)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {len(logs.nodes)} log(s), "
           f"{logs.num_events():,} events, {n_fail} failing check(s)")
