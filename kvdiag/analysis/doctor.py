@@ -18,7 +18,7 @@ import pandas as pd
 from kvdiag.analysis import latency
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.logs import Logs
-from kvdiag.analysis.memory import (allocator_fragmentation, growth, kv_pool_bytes,
+from kvdiag.analysis.memory import (allocator_fragmentation, cum_at, growth, kv_pool_bytes,
                                     pool_occupancy)
 from kvdiag.analysis.requests import block_counts
 from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockEvicted, BlockReleased,
@@ -180,12 +180,12 @@ def fragmentation(logs: Logs) -> list[Finding]:
     if occ.empty or occ["token_occupancy"].isna().all():
         return [Finding("fragmentation.kv_pool", "n/a", title, "no KV pool samples with blocks in use")]
     occ = occ[occ["token_occupancy"].notna()]
-    slots = occ["blocks_used"].astype("float64")  # x block size, constant within a node
-    value = float((occ["fragmentation"] * slots).sum() / slots.sum())
+    value = float(occ["fragmentation"].mean())
+    basis = ", ".join(sorted(occ["basis"].unique()))
     return [Finding("fragmentation.kv_pool", "pass" if value < FRAGMENTATION_LIMIT else "warn", title,
-                    f"empty slots {value:.1%} of used token slots over {len(occ)} samples "
-                    f"(limit {FRAGMENTATION_LIMIT:.0%})",
-                    {"value": value, "samples": len(occ), "limit": FRAGMENTATION_LIMIT,
+                    f"empty slots {value:.1%} of used token slots (mean over {len(occ)} samples, "
+                    f"slots counted {basis}; limit {FRAGMENTATION_LIMIT:.0%})",
+                    {"value": value, "samples": len(occ), "limit": FRAGMENTATION_LIMIT, "basis": basis,
                      "worst_value": float(occ["fragmentation"].max())})]
 
 
@@ -294,18 +294,18 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
         # expected blocks of active requests: + at arrival, - at finish
         ev_t = np.concatenate([a["ts_ns"].to_numpy(dtype="int64"), a["fin_ns"].to_numpy(dtype="int64")])
         ev_v = np.concatenate([a["expected"].to_numpy(), -a["expected"].to_numpy()])
-        expected = _cum_at(ev_t, ev_v, t)
-        active = _cum_at(ev_t, np.concatenate([np.ones(len(a)), -np.ones(len(a))]), t)
+        expected = cum_at(ev_t, ev_v, t)
+        active = cum_at(ev_t, np.concatenate([np.ones(len(a)), -np.ones(len(a))]), t)
         # blocks held by active requests: all allocations so far minus those of finished ones
-        fin_alloc = _cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["allocated"].to_numpy(), t)
-        held = _cum_at(alloc["ts_ns"].to_numpy(dtype="int64"), np.ones(len(alloc)), t) - fin_alloc
+        fin_alloc = cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["allocated"].to_numpy(), t)
+        held = cum_at(alloc["ts_ns"].to_numpy(dtype="int64"), np.ones(len(alloc)), t) - fin_alloc
         needed = np.maximum(expected - held, 0)
         free = (s["blocks_free"] + s["blocks_cached"]).to_numpy(dtype="float64")
         st = logs.frame(EngineStep)
         st = st[st["node"] == node]
-        dec = _cum_at(st["ts_ns"].to_numpy(dtype="int64"),
+        dec = cum_at(st["ts_ns"].to_numpy(dtype="int64"),
                       (st["decode_tokens"] if st["decode_tokens"].sum() else st["num_tokens"]).to_numpy(dtype="float64"), t)
-        dec_before = _cum_at(st["ts_ns"].to_numpy(dtype="int64"),
+        dec_before = cum_at(st["ts_ns"].to_numpy(dtype="int64"),
                              (st["decode_tokens"] if st["decode_tokens"].sum() else st["num_tokens"]).to_numpy(dtype="float64"),
                              t - window_ns)
         rate = (dec - dec_before) / (window_ns / 1e9) / bs
@@ -317,13 +317,6 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
                                  "growth_blocks_per_s": rate, "need_ratio": ratio,
                                  "time_to_full_s": ttf}))
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
-
-
-def _cum_at(ev_t: np.ndarray, ev_v: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Sum of ``ev_v`` over events with ``ev_t <= t``, for each t."""
-    order = np.argsort(ev_t, kind="stable")
-    cs = np.concatenate([[0.0], np.cumsum(np.asarray(ev_v, dtype="float64")[order])])
-    return cs[np.searchsorted(ev_t[order], t, side="right")]
 
 
 def memory_pressure(logs: Logs) -> Finding:

@@ -129,30 +129,66 @@ def breakdown(logs: Logs, node: NodeName) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["component", "bytes", "measure"])
 
 
+def cum_at(ev_t: np.ndarray, ev_v: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Sum of ``ev_v`` over events with ``ev_t <= t``, for each t."""
+    ev_t = np.asarray(ev_t, dtype="int64")
+    order = np.argsort(ev_t, kind="stable")
+    cs = np.concatenate([[0.0], np.cumsum(np.asarray(ev_v, dtype="float64")[order])])
+    return cs[np.searchsorted(ev_t[order], np.asarray(t, dtype="int64"), side="right")]
+
+
+def block_references(logs: Logs, node: NodeName, t: np.ndarray) -> Optional[np.ndarray]:
+    """Blocks held per request, summed over requests, at each time t: blocks taken
+    (allocated, reused from the prefix cache, adopted in place of a duplicate) minus blocks
+    released. A block shared by k requests counts k times. None without block events."""
+    ts, vs = [], []
+    for tag, sign in (("block_allocated", 1), ("prefix_hit", 1), ("block_deduplicated", 1),
+                      ("block_released", -1)):
+        df = logs.frame(tag)
+        df = df[df["node"] == node]
+        ts.append(df["ts_ns"].to_numpy(dtype="int64"))
+        vs.append(np.full(len(df), sign, dtype="float64"))
+    if not sum(len(x) for x in ts):
+        return None
+    return cum_at(np.concatenate(ts), np.concatenate(vs), t)
+
+
 def pool_occupancy(logs: Logs) -> pd.DataFrame:
     """Per KVPoolSample: block_occupancy = blocks_used / num_blocks; token_occupancy =
     tokens_held / (blocks_used x block_size) (NaN when no block is used); fragmentation =
     1 - token_occupancy (token slots allocated but empty, the pool's internal
-    fragmentation); pressure = (blocks_used + blocks_cached) / num_blocks."""
+    fragmentation); pressure = (blocks_used + blocks_cached) / num_blocks.
+
+    Some adapters count ``tokens_held`` per request, so that a prefix block shared by k
+    requests counts its tokens k times while ``blocks_used`` counts it once; then tokens_held
+    exceeds the slots of the blocks used. When any sample shows that, the node's slots are
+    counted the same way, per request (:func:`block_references` x block size), and
+    ``basis`` says "per request" instead of "pool"."""
     kp = logs.frame(KVPoolSample)
     cols = ["ts_ns", "node", "block_occupancy", "token_occupancy", "fragmentation", "pressure",
-            "blocks_used", "blocks_cached", "blocks_free", "num_blocks", "running_requests",
+            "basis", "blocks_used", "blocks_cached", "blocks_free", "num_blocks", "running_requests",
             "waiting_requests"]
     out = []
     for node, g in kp.groupby("node", sort=False):
         bs = logs.block_size_tokens(node)
         used = g["blocks_used"].to_numpy(dtype="float64")
         nb = g["num_blocks"].to_numpy(dtype="float64")
+        held = g["tokens_held"].to_numpy(dtype="float64")
+        slots_blocks, basis = used, "pool"
+        if bs and (held > used * bs).any():
+            refs = block_references(logs, node, g["ts_ns"].to_numpy())
+            if refs is not None:
+                slots_blocks, basis = refs, "per request"
         with np.errstate(divide="ignore", invalid="ignore"):
-            tok = (g["tokens_held"].to_numpy(dtype="float64") / (used * bs)
-                   if bs else np.full(len(g), np.nan))
-            tok = np.where(used > 0, tok, np.nan)
+            tok = held / (slots_blocks * bs) if bs else np.full(len(g), np.nan)
+            tok = np.where(slots_blocks > 0, tok, np.nan)
             d = pd.DataFrame({
                 "ts_ns": g["ts_ns"].to_numpy(), "node": node,
                 "block_occupancy": used / nb, "token_occupancy": tok, "fragmentation": 1 - tok,
                 "pressure": (used + g["blocks_cached"].to_numpy(dtype="float64")) / nb,
+                "basis": basis,
             })
-        for c in cols[6:]:
+        for c in cols[7:]:
             d[c] = g[c].to_numpy()
         out.append(d)
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
