@@ -20,7 +20,7 @@ from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
 from kvdiag.analysis.requests import request_table
 from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
-                           ShadowCompression, ShadowLocality, ShadowSharing)
+                           ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
 from kvdiag.reports.model import Absent, Chart, Report, Section, Table, Text
 
 try:  # the compression/locality analyses, used when installed (richer tables)
@@ -289,6 +289,12 @@ def compression(logs: Logs) -> Section:
                             y_title="relative error (%)",
                             table=pts.groupby("method")[["ratio", "error_pct"]].mean().round(3).reset_index()))
     sec.blocks.append(Table("Recommendation per layer group", rec))
+    lg = logs.frame(ShadowLogits)
+    if len(lg):
+        g = lg.groupby("method")
+        sec.blocks.append(Table("Whole model with compressed KV: next-token agreement (teacher forced)",
+                                pd.DataFrame({"tokens": g["tokens"].sum(), "kl_divergence": g["kl_divergence"].mean(),
+                                              "top1_agreement": g["top1_agreement"].mean()}).round(4).reset_index()))
     dec = sc.dropna(subset=["decode_us"])
     if len(dec):
         dec = dec.assign(seq=np.where(dec["seq_len_tokens"] > 512, "> 512 tokens", "<= 512 tokens"))
