@@ -76,3 +76,38 @@ def test_doctor_pid_without_agent(tmp_path, capsys):
     import os
     assert main(["doctor", "--pid", str(os.getpid()), "--socket", str(tmp_path / "none.sock")]) == 2
     assert "cannot reach a kvdiag agent" in capsys.readouterr().err
+
+
+def test_forecast_matches_a_per_request_loop():
+    """forecast_frame's vectorised sums against a plain loop over requests at every sample."""
+    import math
+
+    import numpy as np
+
+    from kvdiag.analysis.doctor import forecast_frame
+    from kvdiag.analysis.logs import load
+    logs, _ = load([clean_log()])
+    fc = forecast_frame(logs)
+    node = logs.nodes[0]
+    bs = logs.block_size_tokens(node)
+    arr = logs.frame("request_arrived").drop_duplicates("request_id").set_index("request_id")
+    fin = logs.frame("request_finished").drop_duplicates("request_id", keep="last").set_index("request_id")
+    hits = logs.frame("prefix_hit").groupby("request_id").size()
+    alloc = logs.frame("block_allocated")
+    p90 = float(np.quantile(fin["output_tokens"], 0.9))
+    for row in fc.sample(min(len(fc), 40), random_state=0).itertuples():
+        need = 0.0
+        for rid, a in arr.iterrows():
+            done = rid in fin.index and fin.loc[rid, "ts_ns"] <= row.ts_ns
+            if a["ts_ns"] > row.ts_ns or done:
+                continue
+            out = a["max_new_tokens"] if a["max_new_tokens"] is not None and not pd_isna(a["max_new_tokens"]) else p90
+            expected = math.ceil((a["prompt_tokens"] + out) / bs) - hits.get(rid, 0)
+            held = int(((alloc["request_id"] == rid) & (alloc["ts_ns"] <= row.ts_ns)).sum())
+            need += expected - held
+        assert row.needed_blocks == max(need, 0)
+
+
+def pd_isna(x) -> bool:
+    import pandas as pd
+    return bool(pd.isna(x))

@@ -39,6 +39,7 @@ GROWTH_WARN = (0.05, 32 << 20)  # unexplained growth: share of the start and byt
 GROWTH_FAIL = (0.10, 128 << 20)
 RELEASE_GRACE_NS = 2_000_000_000  # a request finished this long before the log's end must have released
 PRESSURE_WARN = 0.8  # blocks the active requests still need / free blocks
+_NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
 
 
 def _process_memory(logs: Logs) -> tuple[str, Optional[pd.DataFrame]]:
@@ -285,7 +286,7 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
                      - a["request_id"].map(hits).fillna(0))
         a = a.merge(f[["request_id", "ts_ns"]].rename(columns={"ts_ns": "fin_ns"}),
                     on="request_id", how="left")
-        a["fin_ns"] = a["fin_ns"].fillna(np.iinfo("int64").max)
+        a["fin_ns"] = a["fin_ns"].fillna(_NEVER_NS).astype("int64")  # not finished in the log
         alloc = logs.frame(BlockAllocated)
         alloc = alloc[alloc["node"] == node]
         per_req = alloc.groupby("request_id").size()
