@@ -111,3 +111,18 @@ def test_forecast_matches_a_per_request_loop():
 def pd_isna(x) -> bool:
     import pandas as pd
     return bool(pd.isna(x))
+
+
+def test_baseline_comparison_flags_slower_steps(tmp_path, capsys):
+    """CONSTRUCTED: the same traffic with every step and token 1.3x slower, against the
+    normal log as --baseline: step and per-token P99 regressions are flagged."""
+    import constructed as C
+    slow = C.write(tmp_path / "slow.jsonl", C.events(n_requests=120, slow_from=0))
+    rc = main(["doctor", str(slow), "--baseline", clean_log(), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    comps = {c["metric"]: c for f in out["findings"] if f["rule"] == "p99.regression"
+             for c in f["evidence"]["comparisons"]}
+    assert rc == 1 and comps["step"]["flagged"]
+    assert 0.2 < comps["step"]["change"] < 0.45
+    assert main(["report", str(slow), "--baseline", clean_log(), "-o", str(tmp_path / "r.md")]) == 0
+    assert "against the baseline log" in (tmp_path / "r.md").read_text()
