@@ -82,7 +82,13 @@ def _print(findings) -> None:
         t.add_column(c, overflow="fold")
     for f in findings:
         t.add_row(f"[{style[f.status]}]{f.status.upper()}[/]", f.rule, f.title, f.message)
-    Console(width=max(Console().width, 120)).print(t)
+    console = Console(width=max(Console().width, 120))
+    console.print(t)
+    for f in findings:  # name what failed: requests, blocks
+        ids = f.evidence.get("requests") if f.status == "fail" else None
+        if ids:
+            console.print(f"[bold red]{f.rule}[/]: requests {', '.join(map(str, list(ids)[:50]))}"
+                          + (" ..." if len(ids) > 50 else ""))
 
 
 def _live(args: argparse.Namespace) -> int:
