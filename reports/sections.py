@@ -42,17 +42,19 @@ def _secs(ts_ns, t0: int) -> np.ndarray:
     return (np.asarray(ts_ns, dtype="float64") - t0) / 1e9
 
 
-def _thin(df: pd.DataFrame, by: Optional[str], n: int = MAX_POINTS) -> pd.DataFrame:
-    """At most ``n`` rows per ``by`` group, evenly spaced, keeping each group's extremes' rows
-    in time order (a light chart of a long series)."""
-    if by is None:
-        groups = [df]
-    else:
-        groups = [g for _, g in df.groupby(by, sort=False)]
+def _thin(df: pd.DataFrame, by: Optional[str], y: str, n: int = MAX_POINTS) -> pd.DataFrame:
+    """At most about ``n`` rows per ``by`` group: the group's rows in ``n / 2`` consecutive
+    buckets, each bucket kept as its lowest and highest ``y`` (so peaks survive thinning)."""
+    groups = [df] if by is None else [g for _, g in df.groupby(by, sort=False)]
     out = []
     for g in groups:
         if len(g) > n:
-            g = g.iloc[np.unique(np.linspace(0, len(g) - 1, n).astype(int))]
+            g = g.reset_index(drop=True)
+            bucket = (np.arange(len(g)) * (n // 2)) // len(g)
+            yv = pd.Series(pd.to_numeric(g[y], errors="coerce").to_numpy(), index=g.index)
+            keys = yv.groupby(bucket)
+            keep = np.unique(np.r_[keys.idxmin().dropna().to_numpy(), keys.idxmax().dropna().to_numpy()]).astype(int)
+            g = g.iloc[keep]
         out.append(g)
     return pd.concat(out, ignore_index=True) if out else df
 
@@ -134,7 +136,7 @@ def memory(logs: Logs, t0: int) -> Section:
                      time_s=_secs(mot["ts_ns"], t0), MiB=mot["bytes"] / MIB)
     summary_tbl = mot.groupby(["node", "source"], sort=False)["MiB"].agg(
         first="first", last="last", peak="max").round(1).reset_index()
-    sec.blocks.append(Chart("Memory by source", "line", _thin(mot, "series"), "time_s", "MiB",
+    sec.blocks.append(Chart("Memory by source", "line", _thin(mot, "series", "MiB"), "time_s", "MiB",
                             color="series", x_title="time (s)", y_title="MiB", table=summary_tbl))
     if not logs.has("nvml_sample"):
         sec.blocks.append(Absent("NVML (GPU) memory", "no GPU or no NVML where the log was recorded"))
@@ -164,7 +166,7 @@ def fragmentation(logs: Logs, t0: int, findings: list[Finding]) -> Section:
         long = long.assign(pct=long["value"] * 100, time_s=_secs(long["ts_ns"], t0),
                            series=(long["node"] + ": " if len(logs.nodes) > 1 else "") + long["measure"])
         tbl = long.groupby(["node", "measure"])["pct"].agg(mean="mean", max="max").round(1).reset_index()
-        sec.blocks.append(Chart("KV pool occupancy (%)", "line", _thin(long, "series"), "time_s", "pct",
+        sec.blocks.append(Chart("KV pool occupancy (%)", "line", _thin(long, "series", "pct"), "time_s", "pct",
                                 color="series", x_title="time (s)", y_title="%", table=tbl))
         sec.blocks.append(Text("block occupancy = blocks held by requests / pool blocks; token "
                                "occupancy = tokens held / (blocks held x block size); "
@@ -176,7 +178,7 @@ def fragmentation(logs: Logs, t0: int, findings: list[Finding]) -> Section:
     else:
         al = al.assign(pct=al["fragmentation"] * 100, time_s=_secs(al["ts_ns"], t0),
                        series=al["node"] + " gpu" + al["device"].astype(str))
-        sec.blocks.append(Chart("Allocator: reserved but not allocated (%)", "line", _thin(al, "series"),
+        sec.blocks.append(Chart("Allocator: reserved but not allocated (%)", "line", _thin(al, "series", "pct"),
                                 "time_s", "pct", color="series", x_title="time (s)", y_title="%",
                                 table=al.groupby("series")["pct"].agg(mean="mean", max="max").round(1).reset_index()))
     frag = [f for f in findings if f.rule.startswith("fragmentation") or f.rule == "leak.fragmentation"]
@@ -233,7 +235,7 @@ def sharing(logs: Logs, t0: int, req: pd.DataFrame) -> Section:
         engine_hit_rate_pct=(pd.to_numeric(last["engine_hit_rate"], errors="coerce") * 100).round(1))
     tbl["gap_pct_points"] = (tbl["token_hit_rate_pct"] - tbl["engine_hit_rate_pct"]).round(1)
     sec.blocks.append(Chart("What-if token hit rate over time, per configuration", "line",
-                            _thin(ot, "config"), "time_s", "token_hit_rate_pct", color="config",
+                            _thin(ot, "config", "token_hit_rate_pct"), "time_s", "token_hit_rate_pct", color="config",
                             x_title="time (s)", y_title="%", table=tbl))
     bounded = last[last["capacity"] != "unbounded"].copy()
     if len(bounded):
@@ -446,7 +448,7 @@ def requests(req: pd.DataFrame) -> Section:
                                 pd.DataFrame({"kv_MiB": x.round(2), "requests": c}), "kv_MiB", "requests",
                                 x_title="MiB", y_title="requests"))
     sec.blocks.append(Chart("Prompt length vs time to first token", "scatter",
-                            _thin(view, None), "prompt_tokens", "ttft_ms", color="node" if view["node"].nunique() > 1 else None,
+                            _thin(view, None, "ttft_ms"), "prompt_tokens", "ttft_ms", color="node" if view["node"].nunique() > 1 else None,
                             x_title="prompt tokens", y_title="TTFT (ms)",
                             table=view[["prompt_tokens", "ttft_ms"]].describe().round(1).reset_index()))
     top = view.sort_values("e2e_ms", ascending=False).head(MAX_REQUEST_ROWS)
@@ -488,7 +490,7 @@ def forecast(logs: Logs, t0: int) -> Optional[Chart]:
     long = long.assign(time_s=_secs(long["ts_ns"], t0),
                        series=(long["node"] + ": " if len(logs.nodes) > 1 else "") + long["blocks"])
     return Chart("Forecast: blocks the active requests still need vs free blocks", "line",
-                 _thin(long, "series"), "time_s", "count", color="series", x_title="time (s)",
+                 _thin(long, "series", "count"), "time_s", "count", color="series", x_title="time (s)",
                  y_title="blocks", table=fc[["needed_blocks", "free_blocks", "need_ratio"]].describe().round(2).reset_index())
 
 

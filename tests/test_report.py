@@ -173,3 +173,17 @@ def test_sparse_log_says_what_is_absent(tmp_path, capsys):
         body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
         assert "Not in these logs" in body, section
     assert main(["doctor", str(log)]) == 0
+
+
+def test_thinning_keeps_peaks_and_order():
+    import numpy as np
+    import pandas as pd
+
+    from kvdiag.reports.sections import _thin
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=200_000)
+    y[123_457] = 50.0  # a one-sample spike (an OOM-like peak)
+    df = pd.DataFrame({"t": np.arange(len(y)), "y": y, "s": "a"})
+    thin = _thin(df, "s", "y", n=1000)
+    assert len(thin) <= 1000 and thin["y"].max() == 50.0 and thin["y"].min() == y.min()
+    assert thin["t"].is_monotonic_increasing
