@@ -68,9 +68,11 @@ def _trials(n_base: int, n_cur: int, sigma: float, shift: float) -> int:
     return flagged
 
 
-# sample sizes and log-dispersions measured on the recorded demo log (see test_real_demo.py,
-# which re-measures them): (n per window, sigma of log latency)
-DEMO_SIZES = [(2000, 0.2)]
+# (samples per side, sigma of log latency) where a +20% P99 shift must be found. The demo logs
+# recorded on this 2-core machine hold ~20 requests and ~100 steps per run with sigma 0.5-1.0,
+# where no valid P99 interval is narrow enough (too few samples: compare() returns None);
+# benchmarks/bench_regression_power.py --log LOG prints the power at a log's own sizes.
+DEMO_SIZES = [(2000, 0.2), (500, 0.1)]
 
 
 @pytest.mark.parametrize("n,sigma", DEMO_SIZES)
