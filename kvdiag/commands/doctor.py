@@ -65,11 +65,15 @@ def run(args: argparse.Namespace) -> int:
     from kvdiag.analysis.findings import worst
     findings, _ = run_rules(logs, baseline)
     status = worst(findings)
-    if args.json:
-        print(json.dumps(_clean({"status": status, "logs": list(logs.paths.values()),
-                                 "findings": [f.to_dict() for f in findings]}), indent=1))
-    else:
-        _print(findings)
+    try:
+        if args.json:
+            print(json.dumps(_clean({"status": status, "logs": list(logs.paths.values()),
+                                     "findings": [f.to_dict() for f in findings]}), indent=1))
+        else:
+            _print(findings)
+    except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
     return 1 if status == "fail" else 0
 
 
