@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvdiag.cli import main
 from logs_for_tests import clean_log, leak_log
 
 
+@pytest.mark.model
 def test_doctor_fails_on_leak_and_names_requests(capsys):
     rc = main(["doctor", leak_log(), "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -24,6 +27,7 @@ def test_doctor_passes_clean_log(capsys):
     assert rc == 0 and bad == []
 
 
+@pytest.mark.model
 def test_doctor_table_output(capsys):
     assert main(["doctor", leak_log()]) == 1
     text = capsys.readouterr().out
@@ -42,9 +46,12 @@ def release_rule(findings: list[dict]) -> dict:
 
 def leaked_requests() -> list[str]:
     from logs_for_tests import leaked_request_ids
-    return leaked_request_ids()
+    ids = leaked_request_ids()
+    assert len(ids) == 3  # 6 requests, every 2nd leaks: the run itself worked
+    return ids
 
 
+@pytest.mark.model
 def test_doctor_pid_reads_the_agent_stream(tmp_path, capsys):
     """A stand-in agent serving the documented stream (header line, then event lines) of the
     leak log on a Unix socket: doctor --pid records it and fails the release-path rule."""
@@ -115,14 +122,15 @@ def pd_isna(x) -> bool:
 
 def test_baseline_comparison_flags_slower_steps(tmp_path, capsys):
     """CONSTRUCTED: the same traffic with every step and token 1.3x slower, against the
-    normal log as --baseline: step and per-token P99 regressions are flagged."""
+    normal traffic as --baseline: the step P99 regression is flagged."""
     import constructed as C
     slow = C.write(tmp_path / "slow.jsonl", C.events(n_requests=120, slow_from=0))
-    rc = main(["doctor", str(slow), "--baseline", clean_log(), "--json"])
+    normal = str(C.write(tmp_path / "normal.jsonl", C.events(n_requests=120)))
+    rc = main(["doctor", str(slow), "--baseline", normal, "--json"])
     out = json.loads(capsys.readouterr().out)
     comps = {c["metric"]: c for f in out["findings"] if f["rule"] == "p99.regression"
              for c in f["evidence"]["comparisons"]}
     assert rc == 1 and comps["step"]["flagged"]
     assert 0.2 < comps["step"]["change"] < 0.45
-    assert main(["report", str(slow), "--baseline", clean_log(), "-o", str(tmp_path / "r.md")]) == 0
+    assert main(["report", str(slow), "--baseline", normal, "-o", str(tmp_path / "r.md")]) == 0
     assert "against the baseline log" in (tmp_path / "r.md").read_text()

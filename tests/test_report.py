@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import browser
-from logs_for_tests import clean_log, second_log
+from logs_for_tests import clean_log, read_bytes, second_log
 
 CLI = [sys.executable, "-m", "kvdiag"]
 
@@ -94,12 +94,12 @@ def test_several_logs_merge_with_node_column(tmp_path):
     nodes = re.search(r"2 node\(s\): ([^;]+);", text).group(1).split(", ")
     per_node = text[text.index("**Per node**"):]
     for node, log in zip(nodes, logs):
-        finished = Path(log).read_text().count('"type":"request_finished"')
+        finished = read_bytes(log).decode().count('"type":"request_finished"')
         assert re.search(rf"^\| {re.escape(node)} \| {finished} \|", per_node, re.M), (node, finished)
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
-    good = Path(clean_log()).read_bytes()
+    good = read_bytes(clean_log())
     lines = good.split(b"\n")
     bad = {
         "empty": b"",
