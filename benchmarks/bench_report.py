@@ -30,9 +30,9 @@ DEFAULT_SOURCE = Path(__file__).resolve().parent.parent / "tests/data/demo_small
 def _source(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    logs = sorted(p for p in DEFAULT_SOURCE.glob("*.jsonl*") if "leak" not in p.name)
+    logs = sorted(p for p in DEFAULT_SOURCE.glob("*.kvlog*") if "leak" not in p.name)
     if not logs:
-        sys.exit(f"no source log: pass one, or record tests/data/demo_small/ first")
+        sys.exit("no source log: pass one, or record tests/data/demo_small/ first")
     return logs[0]
 
 
