@@ -1,0 +1,277 @@
+"""Where ``kvdiag top`` gets its events: a recorded log replayed as if live, the kvdiag agent's
+Unix socket stream of a running server, or a host-level view of a process from outside.
+
+Every source has the same small interface: ``poll()`` returns the events available now,
+``now_ns()`` is the source's event-time clock (wall clock when live, the replay position when
+replaying), ``pause()``/``resume()``/``seek(seconds)``, ``finished``, ``header`` and ``close()``.
+Pure data: no UI library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import msgspec
+
+from kvdiag import schema as s
+
+Clock = Callable[[], float]
+
+
+class ReplaySource:
+    """Replays a recorded log at ``speed`` × real time. The replay position starts at the first
+    event; pausing stops it; ``seek(seconds)`` jumps forward in log time. At the end of the log
+    the position stays on the last event, so the final picture remains on screen."""
+
+    live = False
+
+    def __init__(self, path: str | os.PathLike, speed: float = 1.0, clock: Clock = time.monotonic,
+                 start_paused: bool = False) -> None:
+        from kvdiag.eventlog import iter_events, read_header
+
+        if speed <= 0:
+            raise ValueError(f"--speed must be positive, got {speed}")
+        self.path = Path(path)
+        self.header: Optional[s.LogHeader] = read_header(self.path)
+        self.description = f"log {self.path.name} ×{speed:g}"
+        self.speed = speed
+        self._clock = clock
+        self._events: Iterator[s.Event] = iter_events(self.path)
+        self._next: Optional[s.Event] = next(self._events, None)
+        start = self._next.ts_ns if self._next is not None else (self.header.start_ns if self.header else 0)
+        self._pos_ns = start
+        self._last_ts_ns = start
+        self._last_clock = clock()
+        self.paused = start_paused
+        self.finished = self._next is None
+
+    def _advance(self) -> None:
+        now = self._clock()
+        if not self.paused and not self.finished:
+            self._pos_ns += int((now - self._last_clock) * self.speed * 1e9)
+        self._last_clock = now
+
+    def now_ns(self) -> int:
+        """The replay position (event time)."""
+        self._advance()
+        return self._last_ts_ns if self.finished else self._pos_ns
+
+    def poll(self) -> list[s.Event]:
+        """Events of the log up to the replay position."""
+        self._advance()
+        out = []
+        while self._next is not None and self._next.ts_ns <= self._pos_ns:
+            out.append(self._next)
+            self._last_ts_ns = max(self._last_ts_ns, self._next.ts_ns)
+            self._next = next(self._events, None)
+        if self._next is None:
+            self.finished = True
+        return out
+
+    def pause(self) -> None:
+        self._advance()
+        self.paused = True
+
+    def resume(self) -> None:
+        self._advance()
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """Jump forward ``seconds`` of log time (backwards is not supported: state only grows)."""
+        self._advance()
+        if seconds > 0:
+            self._pos_ns += int(seconds * 1e9)
+
+    def close(self) -> None:
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+
+_DECODER = msgspec.json.Decoder(s.AnyEvent)
+_HEADER_DECODER = msgspec.json.Decoder(s.LogHeader)
+
+
+class SocketSource:
+    """Reads the kvdiag agent's stream: one JSON event per line on a Unix socket (a line
+    without a ``type`` field is the stream's :class:`LogHeader`). A reader thread decodes into a
+    bounded queue; a line that does not decode, a full queue or a lost connection become
+    ``CollectorError``/``CollectorGap``/``CollectorStatus`` events, never exceptions. The
+    connection is retried every ``retry_s`` until :meth:`close`."""
+
+    live = True
+
+    def __init__(self, path: str | os.PathLike, max_queue: int = 200_000, retry_s: float = 1.0,
+                 description: str = "") -> None:
+        self.path = Path(path)
+        self.description = description or f"agent {self.path}"
+        self.header: Optional[s.LogHeader] = None
+        self.paused = False
+        self.finished = False
+        self.connected = False
+        self._queue: deque[s.Event] = deque()
+        self._max_queue = max_queue
+        self._dropped = 0
+        self._drop_start_ns = 0
+        self._retry_s = retry_s
+        self._stop = threading.Event()
+        self._sock: Optional[socket.socket] = None
+        self._thread = threading.Thread(target=self._run, name="kvdiag-agent-reader", daemon=True)
+        self._thread.start()
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def _emit(self, ev: s.Event) -> None:
+        if len(self._queue) >= self._max_queue:
+            if not self._dropped:
+                self._drop_start_ns = ev.ts_ns
+            self._dropped += 1
+            return
+        if self._dropped:
+            self._queue.append(s.CollectorGap(ts_ns=time.time_ns(), collector="agent-stream",
+                                              start_ns=self._drop_start_ns, end_ns=ev.ts_ns,
+                                              dropped_events=self._dropped))
+            self._dropped = 0
+        self._queue.append(ev)
+
+    def _run(self) -> None:
+        was_connected = False
+        while not self._stop.is_set():
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(str(self.path))
+            except OSError as exc:
+                sock.close()
+                if was_connected:
+                    self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream",
+                                                 available=False, hint=f"agent socket lost: {exc}"))
+                    was_connected = False
+                self._stop.wait(self._retry_s)
+                continue
+            self._sock = sock
+            self.connected = was_connected = True
+            self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream", available=True))
+            self._read(sock)
+            self.connected = False
+            sock.close()
+
+    def _read(self, sock: socket.socket) -> None:
+        buffer = b""
+        while not self._stop.is_set():
+            try:
+                chunk = sock.recv(1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    self._decode(line)
+
+    def _decode(self, line: bytes) -> None:
+        try:
+            if b'"type"' not in line:
+                self.header = _HEADER_DECODER.decode(line)
+                return
+            self._emit(_DECODER.decode(line))
+        except msgspec.DecodeError as exc:
+            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
+                                        message=f"{self.path}: expected an event line: {exc}"))
+
+    def poll(self) -> list[s.Event]:
+        out = []
+        queue = self._queue
+        while queue:
+            out.append(queue.popleft())
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live stream cannot seek."""
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2)
+
+
+class ProcessSource:
+    """What is visible of a process from outside without an agent: its RSS, threads and CPU
+    time (and its children's) every ``period_s``, plus one ``CollectorStatus`` saying that KV
+    pool, requests and shadow data need the agent. Read-only: the target is never signalled."""
+
+    live = True
+
+    def __init__(self, pid: int, period_s: float = 1.0) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.process = psutil.Process(pid)  # raises psutil.NoSuchProcess for a bad pid
+        self.description = f"pid {pid} (outside view, no agent)"
+        self.header = s.LogHeader(pid=pid, engine="attach", start_ns=time.time_ns())
+        self.paused = False
+        self.finished = False
+        self._period_ns = int(period_s * 1e9)
+        self._last_ns = 0
+        self._pending: list[s.Event] = [s.CollectorStatus(
+            ts_ns=time.time_ns(), collector="agent-stream", available=False,
+            hint=f"no kvdiag agent in pid {pid}: KV pool, requests and shadow panels need one "
+                 "(start the server under kvdiag)")]
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def poll(self) -> list[s.Event]:
+        out, self._pending = self._pending, []
+        now = time.time_ns()
+        if now - self._last_ns < self._period_ns:
+            return out
+        self._last_ns = now
+        try:
+            procs = [self.process, *self.process.children(recursive=True)]
+        except self._psutil.NoSuchProcess:
+            if not self.finished:
+                out.append(s.CollectorStatus(ts_ns=now, collector="process", available=False,
+                                             hint="target process exited"))
+            self.finished = True
+            return out
+        for p in procs:
+            try:
+                with p.oneshot():
+                    cpu = p.cpu_times()
+                    out.append(s.ProcessSample(
+                        ts_ns=now, pid=p.pid, rss_bytes=p.memory_info().rss, num_threads=p.num_threads(),
+                        cpu_time_ns=int((cpu.user + cpu.system) * 1e9), name=p.name()))
+            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
+                continue
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live view cannot seek."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,364 @@
+"""The panels of ``kvdiag top``. Each renders only from the latest :class:`Snapshot`, fitted
+to its size: ``body(snap, width, height)`` returns at most ``height`` lines, most important
+first; ``detail(snap)`` is the full view behind ``enter``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.text import Text
+from textual.binding import Binding
+from textual.widget import Widget
+
+from kvdiag.snapshot import FRAGMENTATION_LIMIT, LOCALITY_METRICS, Snapshot
+from kvdiag.tui.render import (
+    NA,
+    SHADES,
+    bar,
+    fmt_bytes,
+    fmt_ms,
+    fmt_num,
+    fmt_pct,
+    heat_style,
+    line,
+    markers,
+    sparkline,
+)
+
+DIM = "dim"
+WARN = "bold yellow"
+BAD = "bold red"
+GOOD = "green"
+
+
+class Panel(Widget, can_focus=True):
+    """A bordered, focusable box that renders ``body`` of the current snapshot."""
+
+    TITLE = ""
+    DEFAULT_CSS = """
+    Panel { border: round $primary-darken-2; padding: 0 1; height: 1fr; width: 1fr; }
+    Panel:focus { border: round $accent; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.snapshot: Optional[Snapshot] = None
+        self.border_title = self.TITLE
+
+    def show(self, snap: Snapshot) -> None:
+        self.snapshot = snap
+        self.refresh()
+
+    def render(self) -> Text:
+        width, height = self.content_size.width, self.content_size.height
+        if self.snapshot is None:
+            return Text("waiting for the first snapshot…", style=DIM)
+        lines = self.body(self.snapshot, max(1, width), max(1, height))[:max(1, height)]
+        return Text("\n").join(lines)
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        raise NotImplementedError
+
+    def detail(self, snap: Snapshot) -> Text:
+        return Text("\n").join(self.body(snap, 110, 200))
+
+
+def _reason(text: str) -> list[Text]:
+    return [line((text, DIM))]
+
+
+class MemoryPanel(Panel):
+    TITLE = "Memory"
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        m = snap.memory
+        spark_w = max(0, width - 28)
+        rows = []
+        if m.nvml_used_bytes is not None:
+            rows.append(line(f"{'GPU used':<9}{fmt_bytes(m.nvml_used_bytes):>7}/{fmt_bytes(m.nvml_total_bytes):<7} ",
+                             (sparkline(m.nvml_history, spark_w, lo=0, hi=m.nvml_total_bytes), "cyan")))
+        else:
+            rows.append(line(f"{'GPU used':<9}{NA:>7} ", (m.gpu_hint or "no NVML samples", DIM)))
+        if m.allocator_reserved_bytes is not None:
+            rows.append(line(f"{'alloc':<9}{fmt_bytes(m.allocator_allocated_bytes):>7}/"
+                             f"{fmt_bytes(m.allocator_reserved_bytes):<7} ",
+                             (sparkline(m.allocator_history, spark_w, lo=0), "cyan")))
+        else:
+            rows.append(line(f"{'alloc':<9}{NA:>7} ", ("no CUDA allocator samples", DIM)))
+        if m.kv_pool_total_bytes is not None:
+            rows.append(line(f"{'KV pool':<9}{fmt_bytes(m.kv_pool_used_bytes):>7}/{fmt_bytes(m.kv_pool_total_bytes):<7} ",
+                             (sparkline(m.kv_pool_history, spark_w, lo=0, hi=m.kv_pool_total_bytes), "magenta")))
+        else:
+            rows.append(line(f"{'KV pool':<9}{NA:>7} ", ("no KV pool info", DIM)))
+        if m.host_rss_bytes is not None:
+            rows.append(line(f"{'host RSS':<9}{fmt_bytes(m.host_rss_bytes):>7}{'':8} ",
+                             (sparkline(m.rss_history, spark_w, lo=0), "green")))
+        else:
+            rows.append(line(f"{'host RSS':<9}{NA:>7} ", ("no process samples", DIM)))
+        if m.nvml_process_bytes is not None and height > 4:
+            rows.append(line(f"{'GPU proc':<9}{fmt_bytes(m.nvml_process_bytes):>7}"))
+        return rows
+
+
+class PoolPanel(Panel):
+    TITLE = "KV pool"
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        p = snap.pool
+        if p.reason:
+            return _reason(p.reason)
+        frag_style = BAD if (p.pool_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
+        afrag_style = BAD if (p.allocator_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
+        used = f"{p.blocks_used}/{p.num_blocks}" if p.num_blocks else f"{p.blocks_used}/?"
+        rows = [
+            line(f"blocks {used:>9} {fmt_pct(p.block_occupancy, 0):>4} ",
+                 (sparkline(p.occupancy_history, max(0, width - 22), lo=0, hi=1), "magenta")),
+            line(f"tokens {fmt_pct(p.token_occupancy, 0):>9} of held slots written"),
+            line("frag   ", (f"{fmt_pct(p.pool_fragmentation):>9}", frag_style),
+                 f" pool  (<{FRAGMENTATION_LIMIT:.0%})"),
+            line(f"cached {fmt_num(p.blocks_cached, '{:.0f}'):>9} prefix blocks"),
+            line(f"evict  {fmt_num(p.evictions_per_s, '{:.2f}'):>9}/s  preempt {p.preemptions}"),
+            line(f"reqs   {fmt_num(p.running_requests, '{:.0f}'):>4} run {fmt_num(p.waiting_requests, '{:.0f}'):>4} wait"),
+            line("alloc  ", (f"{fmt_pct(p.allocator_fragmentation):>9}", afrag_style if p.allocator_fragmentation
+                                                                         is not None else DIM), " frag"),
+        ]
+        return rows
+
+
+class SharingPanel(Panel):
+    TITLE = "Prefix sharing"
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        sh = snap.sharing
+        spark_w = max(0, width - 18)
+        rows = [line(f"engine hit {fmt_pct(sh.engine_hit_rate):>6} ",
+                     (sparkline(sh.engine_history, spark_w, lo=0, hi=1), "cyan"))]
+        if sh.reason:
+            rows.append(line((sh.reason, DIM)))
+            rows.append(line((f"finished requests {sh.finished_requests}", DIM)))
+            return rows
+        gap_style = WARN if sh.gap is not None and abs(sh.gap) > 0.10 else GOOD
+        cfg = sh.shadow_config
+        rows.append(line(f"shadow hit {fmt_pct(sh.shadow_hit_rate):>6} ",
+                         (sparkline(sh.shadow_history, spark_w, lo=0, hi=1), "magenta")))
+        rows.append(line("gap        ", (f"{(sh.gap or 0) * 100:+5.1f} pts" if sh.gap is not None else NA, gap_style),
+                         (f"  {cfg.policy} bs{cfg.block_size_tokens} cap {_cap(cfg.capacity_blocks)}", DIM)))
+        curve = [p for p in sh.what_if if p.policy == cfg.policy and p.block_size_tokens == cfg.block_size_tokens]
+        if len(curve) < 2:
+            curve = [p for p in sh.what_if if p.policy == cfg.policy]
+        rows.append(line(("what-if capacity → token hit", "bold")))
+        bar_w = max(4, width - 20)
+        for p in curve[: max(0, height - 4)]:
+            rows.append(line(f"{'bs' + str(p.block_size_tokens):>5} {_cap(p.capacity_blocks):>5} ",
+                             (bar(p.token_hit_rate, bar_w), "magenta"), f" {fmt_pct(p.token_hit_rate, 0):>4}"))
+        return rows
+
+    def detail(self, snap: Snapshot) -> Text:
+        sh = snap.sharing
+        rows = self.body(snap, 110, 4)
+        if sh.what_if:
+            rows.append(line(("policy  block  capacity  token hit  block hit  requests", "bold")))
+            for p in sh.what_if:
+                rows.append(line(f"{p.policy:<7} {p.block_size_tokens:>5}  {_cap(p.capacity_blocks):>8}  "
+                                 f"{fmt_pct(p.token_hit_rate):>9}  {fmt_pct(p.block_hit_rate):>9}  {p.requests:>8}"))
+        return Text("\n").join(rows)
+
+
+def _cap(capacity: Optional[int]) -> str:
+    return "∞" if capacity is None else str(capacity)
+
+
+class CompressionPanel(Panel):
+    TITLE = "Compression"
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        c = snap.compression
+        if c.reason:
+            return _reason(c.reason)
+        rows = [line((f"{'layers':<6}{'method':<8}{'ratio':>6}{'err':>7}{'dec':>7} rec", "bold"))]
+        styles = {"use": GOOD, "check": WARN, "avoid": BAD}
+        for r in c.rows:
+            dec = f"{r.decode_us:.0f}µs" if r.decode_us is not None else NA
+            err = r.attn_out_error if r.attn_out_error is not None else r.error
+            rows.append(line(f"{r.layers:<6}{r.method[:7]:<8}{r.ratio:>5.1f}x{fmt_pct(err):>7}{dec:>7} ",
+                             (r.recommendation, styles.get(r.recommendation, ""))))
+        return rows
+
+    def detail(self, snap: Snapshot) -> Text:
+        c = snap.compression
+        if c.reason:
+            return Text(c.reason)
+        rows = [line(("layers  method      ratio  K/V err  attn-out err  decode   samples  rec", "bold"))]
+        for r in c.rows:
+            dec = f"{r.decode_us:.1f}µs" if r.decode_us is not None else NA
+            rows.append(line(f"{r.layers:<7} {r.method:<10} {r.ratio:>5.2f}x  {fmt_pct(r.error, 2):>7}  "
+                             f"{fmt_pct(r.attn_out_error, 2):>12}  {dec:>7}  {r.samples:>7}  {r.recommendation}"))
+        rows.append(line(("error = attention-output error when measured, else max K/V error; "
+                          "use ≤ 1%, check ≤ 5%, avoid above", DIM)))
+        return Text("\n").join(rows)
+
+
+class LocalityPanel(Panel):
+    TITLE = "Locality"
+    BINDINGS = [Binding("m", "next_metric", "metric")]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.metric = LOCALITY_METRICS[0]
+        self._retitle()
+
+    def _retitle(self) -> None:
+        self.border_title = f"Locality: {self.metric} (m)"
+
+    def action_next_metric(self) -> None:
+        i = LOCALITY_METRICS.index(self.metric)
+        self.metric = LOCALITY_METRICS[(i + 1) % len(LOCALITY_METRICS)]
+        self._retitle()
+        self.refresh()
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        loc = snap.locality
+        if loc.reason:
+            return _reason(loc.reason)
+        grid = loc.cells[self.metric]  # [layer][head]
+        scale = max((v for row in grid for v in row if v is not None), default=1.0) \
+            if self.metric == "entropy" else 1.0
+        label_w = 4
+        layers = min(loc.num_layers, max(1, width - label_w))
+        heads = loc.num_heads
+        groups = _groups(heads, max(1, height - 1))
+        rows = []
+        for g in groups:
+            label = f"h{g[0]}" if len(g) == 1 else f"h{g[0]}-{g[-1]}"
+            text = line(f"{label:<{label_w}}")
+            for layer in range(layers):
+                vals = [grid[layer][h] for h in g if grid[layer][h] is not None]
+                v = sum(vals) / len(vals) if vals else None
+                frac = v / scale if v is not None and scale else None
+                text.append(" ", style=heat_style(frac))
+            rows.append(text)
+        unit = f"0-{scale:.2f} nats" if self.metric == "entropy" else "0→1"
+        rows.append(line((f"layers 0-{layers - 1} → ; {unit}; {loc.samples} samples", DIM)))
+        return rows
+
+    def detail(self, snap: Snapshot) -> Text:
+        loc = snap.locality
+        if loc.reason:
+            return Text(loc.reason)
+        out = []
+        for metric in LOCALITY_METRICS:
+            out.append(line((f"{metric} (rows = layers, columns = heads)", "bold")))
+            for layer, row in enumerate(loc.cells[metric]):
+                out.append(line(f"L{layer:<3}" + " ".join(f"{v:5.2f}" if v is not None else "  N/A" for v in row)))
+        return Text("\n").join(out)
+
+
+def _groups(n: int, rows: int) -> list[list[int]]:
+    """Split heads 0..n-1 into at most ``rows`` contiguous groups."""
+    if n <= rows:
+        return [[i] for i in range(n)]
+    size = -(-n // rows)
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
+class LatencyPanel(Panel):
+    TITLE = "Latency"
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        lat = snap.latency
+        if lat.reason:
+            return _reason(lat.reason)
+        spark_w = max(0, width - 26)
+        n = len(lat.ttft_p99_history)
+        rows = [
+            line(f"TTFT p50 {fmt_ms(lat.ttft_p50_ms):>7} p99 {fmt_ms(lat.ttft_p99_ms):>7} ",
+                 (sparkline(lat.ttft_p99_history, spark_w, lo=0), "yellow")),
+            line(f"TPOT p50 {fmt_ms(lat.tpot_p50_ms):>7} p99 {fmt_ms(lat.tpot_p99_ms):>7} ",
+                 (sparkline(lat.tpot_p99_history, spark_w, lo=0), "yellow")),
+            line(f"tokens/s {fmt_num(lat.tokens_per_s):>7}{'':12} ",
+                 (sparkline(lat.tokens_history, spark_w, lo=0), "green")),
+        ]
+        shown = min(spark_w, n)
+        recent = [i for i in lat.regression_bins if i >= n - shown]
+        if recent:
+            rows.append(line(f"{'P99 jumps':<26}", (markers(n, recent, spark_w), BAD)))
+            ago = [(n - 1 - i) * snap.bin_s for i in recent[-3:]]
+            rows.append(line(("regression " + ", ".join(f"-{a:.0f}s" for a in ago), WARN)))
+        else:
+            rows.append(line(("no P99 regression in view", DIM)))
+        return rows
+
+
+class RequestsPanel(Panel):
+    TITLE = "Requests (by KV bytes)"
+    BINDINGS = [Binding("up", "cursor(-1)", "up", show=False), Binding("down", "cursor(1)", "down", show=False)]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cursor = 0
+
+    def action_cursor(self, delta: int) -> None:
+        n = len(self.snapshot.requests.rows) if self.snapshot else 0
+        self.cursor = max(0, min(n - 1, self.cursor + delta)) if n else 0
+        self.refresh()
+
+    def selected(self):
+        rows = self.snapshot.requests.rows if self.snapshot else ()
+        return rows[min(self.cursor, len(rows) - 1)] if rows else None
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        req = snap.requests
+        if req.reason:
+            return _reason(req.reason)
+        head = line((f"{'request':<16}{'state':<9}{'KV':>7}{'blk':>5}{'hit tok':>8}{'prompt':>7}{'age':>7}", "bold"),
+                    (f"  {req.live} live, {req.finished} done", DIM))
+        rows = [head]
+        visible = max(1, height - 1)
+        cursor = min(self.cursor, len(req.rows) - 1)
+        start = max(0, cursor - visible + 1)
+        for i, r in enumerate(req.rows[start:start + visible], start):
+            style = "reverse" if i == cursor and self.has_focus else ("dim" if r.state not in ("running", "waiting") else "")
+            rows.append(line((f"{r.request_id[:15]:<16}{r.state[:8]:<9}{fmt_bytes(r.kv_bytes):>7}{r.blocks:>5}"
+                              f"{r.hit_tokens:>8}{r.prompt_tokens:>7}{r.age_s:>6.1f}s", style)))
+        return rows
+
+    def detail(self, snap: Snapshot) -> Text:
+        r = self.selected()
+        if r is None:
+            return Text(snap.requests.reason or "no request selected")
+        fields = [("request", r.request_id), ("state", r.state), ("prompt tokens", r.prompt_tokens),
+                  ("output tokens", NA if r.output_tokens is None else r.output_tokens),
+                  ("KV held", fmt_bytes(r.kv_bytes)), ("blocks held", r.blocks),
+                  ("prefix hit tokens", r.hit_tokens), ("prefix hit blocks", r.hit_blocks),
+                  ("age", f"{r.age_s:.1f}s"), ("TTFT", fmt_ms(r.ttft_ms)),
+                  ("block ids", " ".join(map(str, r.block_ids)) or "none")]
+        return Text("\n").join(line((f"{k:<18}", "bold"), str(v)) for k, v in fields)
+
+
+class AlertsPanel(Panel):
+    TITLE = "Alerts"
+    MARKS = {"fail": ("✗", BAD), "warn": ("!", WARN), "n/a": ("·", DIM), "pass": ("✓", GOOD)}
+
+    def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
+        if not snap.alerts:
+            return _reason("no findings yet")
+        rows = []
+        for f in snap.alerts:
+            mark, style = self.MARKS[f.status]
+            rows.append(line((mark + " ", style), (f.title, "bold" if f.status in ("fail", "warn") else ""),
+                             ": ", (f.message, DIM if f.status in ("pass", "n/a") else "")))
+        return rows
+
+    def detail(self, snap: Snapshot) -> Text:
+        rows = []
+        for f in snap.alerts:
+            mark, style = self.MARKS[f.status]
+            rows.append(line((f"{mark} {f.rule}", style), f"  {f.title}"))
+            rows.append(line(f"    {f.message}"))
+            if f.evidence:
+                rows.append(line((f"    evidence: {f.evidence}", DIM)))
+        return Text("\n").join(rows) if rows else Text("no findings yet")
+
+
+PANELS: tuple[type[Panel], ...] = (MemoryPanel, PoolPanel, LatencyPanel, SharingPanel, CompressionPanel,
+                                   LocalityPanel, RequestsPanel, AlertsPanel)
