@@ -664,14 +664,14 @@ class LiveState:
         if pool.pool_fragmentation is not None:
             f = pool.pool_fragmentation
             out.append(Finding("pool.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
-                               "KV pool fragmentation (empty slots in held blocks)",
-                               f"{f:.1%} of held slots empty (rule: < {pct:.0f}%)",
+                               "KV pool fragmentation",
+                               f"{f:.1%} of held slots empty (rule < {pct:.0f}%)",
                                {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
         if pool.allocator_fragmentation is not None:
             f = pool.allocator_fragmentation
             out.append(Finding("allocator.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
-                               "allocator fragmentation (reserved - allocated) / reserved",
-                               f"{f:.1%} reserved but unallocated (rule: < {pct:.0f}%)",
+                               "allocator fragmentation",
+                               f"{f:.1%} of reserved unallocated (rule < {pct:.0f}%)",
                                {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
         leaked = self.leaked_requests(now_ns)
         if leaked:
@@ -682,14 +682,14 @@ class LiveState:
         if sharing.gap is not None:
             bad = abs(sharing.gap) > SHARING_GAP_LIMIT
             out.append(Finding("sharing.consistency", "warn" if bad else "pass",
-                               "engine vs shadow prefix hit rate",
+                               "engine vs shadow hit rate",
                                f"shadow {sharing.shadow_hit_rate:.1%} vs engine {sharing.engine_hit_rate:.1%}"
                                f" (gap {sharing.gap:+.1%}, limit ±{SHARING_GAP_LIMIT:.0%})",
                                {"gap": sharing.gap}))
         recent = [i for i in snap.latency.regression_bins if i >= self.history_bins - self.rate_window_bins * 3]
         if recent:
             out.append(Finding("latency.p99_regression", "warn", "P99 latency regression",
-                               f"P99 above {REGRESSION_FACTOR:g}x its recent median in {len(recent)} recent bins",
+                               f"{len(recent)} recent bins above {REGRESSION_FACTOR:g}x median P99",
                                {"bins": recent}))
         if self.preemptions:
             out.append(Finding("pool.preemptions", "warn", "requests preempted for lack of KV blocks",

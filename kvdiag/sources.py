@@ -10,9 +10,13 @@ Pure data: no UI library is imported here.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -22,6 +26,10 @@ import msgspec
 from kvdiag import schema as s
 
 Clock = Callable[[], float]
+
+
+class SourceError(Exception):
+    """A source that cannot be opened; the message says what to do (one line)."""
 
 
 class ReplaySource:
@@ -43,13 +51,25 @@ class ReplaySource:
         self.speed = speed
         self._clock = clock
         self._events: Iterator[s.Event] = iter_events(self.path)
-        self._next: Optional[s.Event] = next(self._events, None)
+        self._problems: list[s.Event] = []
+        self._next: Optional[s.Event] = self._read()
         start = self._next.ts_ns if self._next is not None else (self.header.start_ns if self.header else 0)
         self._pos_ns = start
         self._last_ts_ns = start
         self._last_clock = clock()
         self.paused = start_paused
         self.finished = self._next is None
+
+    def _read(self) -> Optional[s.Event]:
+        """The next event; the reader's warnings (bad or truncated lines) become
+        CollectorError events instead of text on the terminal."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ev = next(self._events, None)
+        for w in caught:
+            self._problems.append(s.CollectorError(ts_ns=ev.ts_ns if ev else self._last_ts_ns,
+                                                   collector="log-replay", message=str(w.message)))
+        return ev
 
     def _advance(self) -> None:
         now = self._clock()
@@ -65,11 +85,11 @@ class ReplaySource:
     def poll(self) -> list[s.Event]:
         """Events of the log up to the replay position."""
         self._advance()
-        out = []
+        out, self._problems = self._problems, []
         while self._next is not None and self._next.ts_ns <= self._pos_ns:
             out.append(self._next)
             self._last_ts_ns = max(self._last_ts_ns, self._next.ts_ns)
-            self._next = next(self._events, None)
+            self._next = self._read()
         if self._next is None:
             self.finished = True
         return out
@@ -226,7 +246,7 @@ class ProcessSource:
         self._psutil = psutil
         self.process = psutil.Process(pid)  # raises psutil.NoSuchProcess for a bad pid
         self.description = f"pid {pid} (outside view, no agent)"
-        self.header = s.LogHeader(pid=pid, engine="attach", start_ns=time.time_ns())
+        self.header = s.LogHeader(schema_version=s.SCHEMA_VERSION, pid=pid, engine="attach", start_ns=time.time_ns())
         self.paused = False
         self.finished = False
         self._period_ns = int(period_s * 1e9)
@@ -275,3 +295,113 @@ class ProcessSource:
 
     def close(self) -> None:
         pass
+
+
+def find_agent_socket(pid: int) -> Optional[Path]:
+    """The kvdiag agent socket of process ``pid`` if it exists (``kvdiag.paths`` names it)."""
+    try:
+        from kvdiag import paths
+    except ImportError:
+        return None
+    for name in ("agent_socket_path", "agent_socket"):
+        fn = getattr(paths, name, None)
+        if fn is not None:
+            path = Path(fn(pid))
+            return path if path.exists() else None
+    return None
+
+
+def attach(pid: int):
+    """A source for a running server: its agent socket if it has one, else the outside view.
+    Raises SourceError when there is no such process."""
+    import psutil
+
+    if not psutil.pid_exists(pid):
+        raise SourceError(f"no process with pid {pid}")
+    path = find_agent_socket(pid)
+    if path is not None:
+        return SocketSource(path, description=f"pid {pid} agent")
+    try:
+        return ProcessSource(pid)
+    except psutil.AccessDenied:
+        raise SourceError(f"pid {pid}: permission denied reading /proc; run as the same user or root") from None
+    except psutil.NoSuchProcess:
+        raise SourceError(f"no process with pid {pid}") from None
+
+
+class DemoSource:
+    """Starts ``kvdiag demo`` as a child (its own session, output to a file) and reads its
+    agent socket. :meth:`close` stops the child: SIGTERM to its process group, SIGKILL after
+    ``stop_timeout_s``. A child that exits early becomes a CollectorStatus event."""
+
+    live = True
+
+    def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 15.0,
+                 socket_wait_s: float = 300.0) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("kvdiag.commands.demo") is None:
+            raise SourceError("the embedded demo (`kvdiag demo`) is not in this build; "
+                              "use --log FILE or --pid PID")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.output_path = log_dir / "kvdiag-top-demo.out"
+        self._out = open(self.output_path, "ab")
+        self.child = subprocess.Popen([sys.executable, "-m", "kvdiag", "demo", *demo_args],
+                                      stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        self.description = f"demo pid {self.child.pid}"
+        self.header: Optional[s.LogHeader] = None
+        self.paused = False
+        self.finished = False
+        self._stop_timeout_s = stop_timeout_s
+        self._deadline = time.monotonic() + socket_wait_s
+        self._socket: Optional[SocketSource] = None
+        self._pending: list[s.Event] = [s.CollectorStatus(
+            ts_ns=time.time_ns(), collector="agent-stream", available=False,
+            hint=f"starting kvdiag demo (pid {self.child.pid}); output in {self.output_path}")]
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def poll(self) -> list[s.Event]:
+        out, self._pending = self._pending, []
+        if self._socket is None:
+            path = find_agent_socket(self.child.pid)
+            if path is not None:
+                self._socket = SocketSource(path, description=self.description)
+            elif time.monotonic() > self._deadline and not self.finished:
+                out.append(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream", available=False,
+                                             hint=f"demo agent socket did not appear; see {self.output_path}"))
+                self._deadline = float("inf")
+        if self._socket is not None:
+            out.extend(self._socket.poll())
+            self.header = self._socket.header or self.header
+        rc = self.child.poll()
+        if rc is not None and not self.finished:
+            self.finished = True
+            out.append(s.CollectorStatus(ts_ns=time.time_ns(), collector="demo", available=False,
+                                         hint=f"kvdiag demo exited with status {rc}; see {self.output_path}"))
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live demo cannot seek."""
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+        if self.child.poll() is None:
+            try:
+                os.killpg(self.child.pid, signal.SIGTERM)
+                self.child.wait(timeout=self._stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.child.pid, signal.SIGKILL)
+                self.child.wait()
+            except ProcessLookupError:
+                pass
+        self._out.close()

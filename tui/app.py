@@ -23,7 +23,6 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
-from kvdiag import schema as s
 from kvdiag.livestate import LiveState
 from kvdiag.snapshot import Snapshot
 from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
@@ -245,7 +244,7 @@ class KvTopApp(App):
         self.notify(f"screenshot saved: {path}")
 
     def action_toggle_record(self) -> None:
-        from kvdiag.eventlog import LogWriter
+        from kvdiag.eventlog import LogWriter, make_header
 
         with self._lock:
             if self.recorder is not None:
@@ -256,7 +255,7 @@ class KvTopApp(App):
                 self.output_dir.mkdir(parents=True, exist_ok=True)
                 stamp = datetime.fromtimestamp(self._wall_clock(), tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
                 self.record_path = self.output_dir / f"kvdiag-top-{stamp}.jsonl"
-                header = self.source.header or s.LogHeader(start_ns=time.time_ns())
+                header = self.source.header or make_header(engine="top-recording")
                 self.recorder = LogWriter(self.record_path, header)
                 self.notify(f"recording to {self.record_path}")
         self._status()

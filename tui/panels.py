@@ -13,12 +13,12 @@ from textual.widget import Widget
 from kvdiag.snapshot import FRAGMENTATION_LIMIT, LOCALITY_METRICS, Snapshot
 from kvdiag.tui.render import (
     NA,
-    SHADES,
     bar,
     fmt_bytes,
     fmt_ms,
     fmt_num,
     fmt_pct,
+    heat_char,
     heat_style,
     line,
     markers,
@@ -36,7 +36,8 @@ class Panel(Widget, can_focus=True):
 
     TITLE = ""
     DEFAULT_CSS = """
-    Panel { border: round $primary-darken-2; padding: 0 1; height: 1fr; width: 1fr; }
+    Panel { border: round $primary-darken-2; padding: 0 1; height: 1fr; width: 1fr;
+            text-wrap: nowrap; text-overflow: ellipsis; }
     Panel:focus { border: round $accent; }
     """
 
@@ -53,14 +54,28 @@ class Panel(Widget, can_focus=True):
         width, height = self.content_size.width, self.content_size.height
         if self.snapshot is None:
             return Text("waiting for the first snapshot…", style=DIM)
-        lines = self.body(self.snapshot, max(1, width), max(1, height))[:max(1, height)]
-        return Text("\n").join(lines)
+        return _join(self.body(self.snapshot, max(1, width), max(1, height))[:max(1, height)])
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         raise NotImplementedError
 
     def detail(self, snap: Snapshot) -> Text:
-        return Text("\n").join(self.body(snap, 110, 200))
+        return _join(self.body(snap, 110, 200))
+
+
+def _join(lines: list[Text]) -> Text:
+    """Lines into one Text that never wraps (a panel cuts lines at its edge with …)."""
+    out = Text(no_wrap=True, overflow="ellipsis", end="")
+    for i, text in enumerate(lines):
+        if i:
+            out.append("\n")
+        out.append_text(text)
+    return out
+
+
+def _spark(prefix: str, history, width: int, style: str, lo=None, hi=None) -> Text:
+    """``prefix`` then a sparkline filling the rest of the line."""
+    return line(prefix, (sparkline(history, max(0, width - len(prefix)), lo=lo, hi=hi), style))
 
 
 def _reason(text: str) -> list[Text]:
@@ -72,31 +87,29 @@ class MemoryPanel(Panel):
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         m = snap.memory
-        spark_w = max(0, width - 28)
         rows = []
         if m.nvml_used_bytes is not None:
-            rows.append(line(f"{'GPU used':<9}{fmt_bytes(m.nvml_used_bytes):>7}/{fmt_bytes(m.nvml_total_bytes):<7} ",
-                             (sparkline(m.nvml_history, spark_w, lo=0, hi=m.nvml_total_bytes), "cyan")))
+            rows.append(_spark(f"{'GPU used':<9}{fmt_bytes(m.nvml_used_bytes):>6}/{fmt_bytes(m.nvml_total_bytes):<6} ",
+                               m.nvml_history, width, "cyan", lo=0, hi=m.nvml_total_bytes))
         else:
-            rows.append(line(f"{'GPU used':<9}{NA:>7} ", (m.gpu_hint or "no NVML samples", DIM)))
+            rows.append(line(f"{'GPU used':<9}{NA:>6} ", (m.gpu_hint or "no NVML samples", DIM)))
         if m.allocator_reserved_bytes is not None:
-            rows.append(line(f"{'alloc':<9}{fmt_bytes(m.allocator_allocated_bytes):>7}/"
-                             f"{fmt_bytes(m.allocator_reserved_bytes):<7} ",
-                             (sparkline(m.allocator_history, spark_w, lo=0), "cyan")))
+            rows.append(_spark(f"{'alloc':<9}{fmt_bytes(m.allocator_allocated_bytes):>6}/"
+                               f"{fmt_bytes(m.allocator_reserved_bytes):<6} ", m.allocator_history, width, "cyan", lo=0))
         else:
-            rows.append(line(f"{'alloc':<9}{NA:>7} ", ("no CUDA allocator samples", DIM)))
+            rows.append(line(f"{'alloc':<9}{NA:>6} ", ("no CUDA allocator samples", DIM)))
         if m.kv_pool_total_bytes is not None:
-            rows.append(line(f"{'KV pool':<9}{fmt_bytes(m.kv_pool_used_bytes):>7}/{fmt_bytes(m.kv_pool_total_bytes):<7} ",
-                             (sparkline(m.kv_pool_history, spark_w, lo=0, hi=m.kv_pool_total_bytes), "magenta")))
+            rows.append(_spark(f"{'KV pool':<9}{fmt_bytes(m.kv_pool_used_bytes):>6}/{fmt_bytes(m.kv_pool_total_bytes):<6} ",
+                               m.kv_pool_history, width, "magenta", lo=0, hi=m.kv_pool_total_bytes))
         else:
-            rows.append(line(f"{'KV pool':<9}{NA:>7} ", ("no KV pool info", DIM)))
+            rows.append(line(f"{'KV pool':<9}{NA:>6} ", ("no KV pool info", DIM)))
         if m.host_rss_bytes is not None:
-            rows.append(line(f"{'host RSS':<9}{fmt_bytes(m.host_rss_bytes):>7}{'':8} ",
-                             (sparkline(m.rss_history, spark_w, lo=0), "green")))
+            rows.append(_spark(f"{'host RSS':<9}{fmt_bytes(m.host_rss_bytes):>6}{'':8}", m.rss_history, width, "green",
+                               lo=0))
         else:
-            rows.append(line(f"{'host RSS':<9}{NA:>7} ", ("no process samples", DIM)))
-        if m.nvml_process_bytes is not None and height > 4:
-            rows.append(line(f"{'GPU proc':<9}{fmt_bytes(m.nvml_process_bytes):>7}"))
+            rows.append(line(f"{'host RSS':<9}{NA:>6} ", ("no process samples", DIM)))
+        if m.nvml_process_bytes is not None:
+            rows.append(line(f"{'GPU proc':<9}{fmt_bytes(m.nvml_process_bytes):>6}"))
         return rows
 
 
@@ -109,18 +122,20 @@ class PoolPanel(Panel):
             return _reason(p.reason)
         frag_style = BAD if (p.pool_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
         afrag_style = BAD if (p.allocator_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
-        used = f"{p.blocks_used}/{p.num_blocks}" if p.num_blocks else f"{p.blocks_used}/?"
+        used = f"{p.blocks_used}/{p.num_blocks if p.num_blocks else '?'}"
+        rule = lambda f: "✓" if f <= FRAGMENTATION_LIMIT else "✗"  # noqa: E731
         rows = [
-            line(f"blocks {used:>9} {fmt_pct(p.block_occupancy, 0):>4} ",
-                 (sparkline(p.occupancy_history, max(0, width - 22), lo=0, hi=1), "magenta")),
-            line(f"tokens {fmt_pct(p.token_occupancy, 0):>9} of held slots written"),
-            line("frag   ", (f"{fmt_pct(p.pool_fragmentation):>9}", frag_style),
-                 f" pool  (<{FRAGMENTATION_LIMIT:.0%})"),
-            line(f"cached {fmt_num(p.blocks_cached, '{:.0f}'):>9} prefix blocks"),
-            line(f"evict  {fmt_num(p.evictions_per_s, '{:.2f}'):>9}/s  preempt {p.preemptions}"),
-            line(f"reqs   {fmt_num(p.running_requests, '{:.0f}'):>4} run {fmt_num(p.waiting_requests, '{:.0f}'):>4} wait"),
-            line("alloc  ", (f"{fmt_pct(p.allocator_fragmentation):>9}", afrag_style if p.allocator_fragmentation
-                                                                         is not None else DIM), " frag"),
+            _spark(f"blocks  {used:>8} {fmt_pct(p.block_occupancy, 0):>4} ", p.occupancy_history, width,
+                   "magenta", lo=0, hi=1),
+            line(f"tokens  {fmt_pct(p.token_occupancy, 0):>8} of held slots"),
+            line("frag    ", (f"{fmt_pct(p.pool_fragmentation):>8}", frag_style),
+                 f" {rule(p.pool_fragmentation)} <{FRAGMENTATION_LIMIT:.0%}" if p.pool_fragmentation is not None else ""),
+            line(f"cached  {fmt_num(p.blocks_cached, '{:.0f}'):>8} prefix blocks"),
+            line(f"evict   {fmt_num(p.evictions_per_s, '{:.2f}'):>8}/s preempt {p.preemptions}"),
+            line(f"reqs    {fmt_num(p.running_requests, '{:.0f}'):>8} run {fmt_num(p.waiting_requests, '{:.0f}')} wait"),
+            line("alloc   ", (f"{fmt_pct(p.allocator_fragmentation):>8}",
+                             afrag_style if p.allocator_fragmentation is not None else DIM), " frag",
+                 f" {rule(p.allocator_fragmentation)}" if p.allocator_fragmentation is not None else ""),
         ]
         return rows
 
@@ -130,17 +145,15 @@ class SharingPanel(Panel):
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         sh = snap.sharing
-        spark_w = max(0, width - 18)
-        rows = [line(f"engine hit {fmt_pct(sh.engine_hit_rate):>6} ",
-                     (sparkline(sh.engine_history, spark_w, lo=0, hi=1), "cyan"))]
+        rows = [_spark(f"engine hit {fmt_pct(sh.engine_hit_rate):>6} ", sh.engine_history, width, "cyan", lo=0, hi=1)]
         if sh.reason:
             rows.append(line((sh.reason, DIM)))
             rows.append(line((f"finished requests {sh.finished_requests}", DIM)))
             return rows
         gap_style = WARN if sh.gap is not None and abs(sh.gap) > 0.10 else GOOD
         cfg = sh.shadow_config
-        rows.append(line(f"shadow hit {fmt_pct(sh.shadow_hit_rate):>6} ",
-                         (sparkline(sh.shadow_history, spark_w, lo=0, hi=1), "magenta")))
+        rows.append(_spark(f"shadow hit {fmt_pct(sh.shadow_hit_rate):>6} ", sh.shadow_history, width, "magenta",
+                           lo=0, hi=1))
         rows.append(line("gap        ", (f"{(sh.gap or 0) * 100:+5.1f} pts" if sh.gap is not None else NA, gap_style),
                          (f"  {cfg.policy} bs{cfg.block_size_tokens} cap {_cap(cfg.capacity_blocks)}", DIM)))
         curve = [p for p in sh.what_if if p.policy == cfg.policy and p.block_size_tokens == cfg.block_size_tokens]
@@ -161,7 +174,7 @@ class SharingPanel(Panel):
             for p in sh.what_if:
                 rows.append(line(f"{p.policy:<7} {p.block_size_tokens:>5}  {_cap(p.capacity_blocks):>8}  "
                                  f"{fmt_pct(p.token_hit_rate):>9}  {fmt_pct(p.block_hit_rate):>9}  {p.requests:>8}"))
-        return Text("\n").join(rows)
+        return _join(rows)
 
 
 def _cap(capacity: Optional[int]) -> str:
@@ -175,12 +188,12 @@ class CompressionPanel(Panel):
         c = snap.compression
         if c.reason:
             return _reason(c.reason)
-        rows = [line((f"{'layers':<6}{'method':<8}{'ratio':>6}{'err':>7}{'dec':>7} rec", "bold"))]
+        rows = [line((f"{'layer':<6}{'method':<7}{'ratio':>6}{'err':>6}{'dec':>5} rec", "bold"))]
         styles = {"use": GOOD, "check": WARN, "avoid": BAD}
         for r in c.rows:
             dec = f"{r.decode_us:.0f}µs" if r.decode_us is not None else NA
             err = r.attn_out_error if r.attn_out_error is not None else r.error
-            rows.append(line(f"{r.layers:<6}{r.method[:7]:<8}{r.ratio:>5.1f}x{fmt_pct(err):>7}{dec:>7} ",
+            rows.append(line(f"{r.layers:<6}{r.method[:6]:<7}{r.ratio:>5.1f}x{fmt_pct(err):>6}{dec:>5} ",
                              (r.recommendation, styles.get(r.recommendation, ""))))
         return rows
 
@@ -195,7 +208,7 @@ class CompressionPanel(Panel):
                              f"{fmt_pct(r.attn_out_error, 2):>12}  {dec:>7}  {r.samples:>7}  {r.recommendation}"))
         rows.append(line(("error = attention-output error when measured, else max K/V error; "
                           "use ≤ 1%, check ≤ 5%, avoid above", DIM)))
-        return Text("\n").join(rows)
+        return _join(rows)
 
 
 class LocalityPanel(Panel):
@@ -223,7 +236,7 @@ class LocalityPanel(Panel):
         grid = loc.cells[self.metric]  # [layer][head]
         scale = max((v for row in grid for v in row if v is not None), default=1.0) \
             if self.metric == "entropy" else 1.0
-        label_w = 4
+        label_w = 6
         layers = min(loc.num_layers, max(1, width - label_w))
         heads = loc.num_heads
         groups = _groups(heads, max(1, height - 1))
@@ -235,7 +248,7 @@ class LocalityPanel(Panel):
                 vals = [grid[layer][h] for h in g if grid[layer][h] is not None]
                 v = sum(vals) / len(vals) if vals else None
                 frac = v / scale if v is not None and scale else None
-                text.append(" ", style=heat_style(frac))
+                text.append(heat_char(frac), style=heat_style(frac))
             rows.append(text)
         unit = f"0-{scale:.2f} nats" if self.metric == "entropy" else "0→1"
         rows.append(line((f"layers 0-{layers - 1} → ; {unit}; {loc.samples} samples", DIM)))
@@ -250,7 +263,7 @@ class LocalityPanel(Panel):
             out.append(line((f"{metric} (rows = layers, columns = heads)", "bold")))
             for layer, row in enumerate(loc.cells[metric]):
                 out.append(line(f"L{layer:<3}" + " ".join(f"{v:5.2f}" if v is not None else "  N/A" for v in row)))
-        return Text("\n").join(out)
+        return _join(out)
 
 
 def _groups(n: int, rows: int) -> list[list[int]]:
@@ -268,20 +281,20 @@ class LatencyPanel(Panel):
         lat = snap.latency
         if lat.reason:
             return _reason(lat.reason)
-        spark_w = max(0, width - 26)
         n = len(lat.ttft_p99_history)
         rows = [
-            line(f"TTFT p50 {fmt_ms(lat.ttft_p50_ms):>7} p99 {fmt_ms(lat.ttft_p99_ms):>7} ",
-                 (sparkline(lat.ttft_p99_history, spark_w, lo=0), "yellow")),
-            line(f"TPOT p50 {fmt_ms(lat.tpot_p50_ms):>7} p99 {fmt_ms(lat.tpot_p99_ms):>7} ",
-                 (sparkline(lat.tpot_p99_history, spark_w, lo=0), "yellow")),
-            line(f"tokens/s {fmt_num(lat.tokens_per_s):>7}{'':12} ",
-                 (sparkline(lat.tokens_history, spark_w, lo=0), "green")),
+            _spark(f"TTFT p50 {fmt_ms(lat.ttft_p50_ms):>6} p99 {fmt_ms(lat.ttft_p99_ms):>6} ", lat.ttft_p99_history,
+                   width, "yellow", lo=0),
+            _spark(f"TPOT p50 {fmt_ms(lat.tpot_p50_ms):>6} p99 {fmt_ms(lat.tpot_p99_ms):>6} ", lat.tpot_p99_history,
+                   width, "yellow", lo=0),
+            _spark(f"tokens/s {fmt_num(lat.tokens_per_s):>6}{'':12}", lat.tokens_history, width, "green", lo=0),
         ]
+        prefix = len(f"TTFT p50 {'':>6} p99 {'':>6} ")
+        spark_w = max(0, width - prefix)
         shown = min(spark_w, n)
         recent = [i for i in lat.regression_bins if i >= n - shown]
         if recent:
-            rows.append(line(f"{'P99 jumps':<26}", (markers(n, recent, spark_w), BAD)))
+            rows.append(line(f"{'P99 jumps':<{prefix}}", (markers(n, recent, spark_w), BAD)))
             ago = [(n - 1 - i) * snap.bin_s for i in recent[-3:]]
             rows.append(line(("regression " + ", ".join(f"-{a:.0f}s" for a in ago), WARN)))
         else:
@@ -332,7 +345,7 @@ class RequestsPanel(Panel):
                   ("prefix hit tokens", r.hit_tokens), ("prefix hit blocks", r.hit_blocks),
                   ("age", f"{r.age_s:.1f}s"), ("TTFT", fmt_ms(r.ttft_ms)),
                   ("block ids", " ".join(map(str, r.block_ids)) or "none")]
-        return Text("\n").join(line((f"{k:<18}", "bold"), str(v)) for k, v in fields)
+        return _join(line((f"{k:<18}", "bold"), str(v)) for k, v in fields)
 
 
 class AlertsPanel(Panel):
@@ -343,10 +356,13 @@ class AlertsPanel(Panel):
         if not snap.alerts:
             return _reason("no findings yet")
         rows = []
+        two_lines = sum(1 for f in snap.alerts if f.status != "pass") * 2 <= height
         for f in snap.alerts:
             mark, style = self.MARKS[f.status]
-            rows.append(line((mark + " ", style), (f.title, "bold" if f.status in ("fail", "warn") else ""),
-                             ": ", (f.message, DIM if f.status in ("pass", "n/a") else "")))
+            loud = f.status in ("fail", "warn")
+            rows.append(line((mark + " ", style), (f.title, "bold" if loud else "")))
+            if two_lines or loud:
+                rows.append(line("  ", (f.message, "" if loud else DIM)))
         return rows
 
     def detail(self, snap: Snapshot) -> Text:
@@ -357,7 +373,7 @@ class AlertsPanel(Panel):
             rows.append(line(f"    {f.message}"))
             if f.evidence:
                 rows.append(line((f"    evidence: {f.evidence}", DIM)))
-        return Text("\n").join(rows) if rows else Text("no findings yet")
+        return _join(rows) if rows else Text("no findings yet")
 
 
 PANELS: tuple[type[Panel], ...] = (MemoryPanel, PoolPanel, LatencyPanel, SharingPanel, CompressionPanel,

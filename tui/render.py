@@ -83,18 +83,25 @@ def bar(frac: Optional[float], width: int) -> str:
     return "█" * full + "·" * (width - full)
 
 
-def heat_style(frac: Optional[float]) -> Style:
-    """Background from dark blue (0) through green/yellow to red (1); grey when missing."""
+def heat_char(frac: Optional[float]) -> str:
+    """░▒▓█ by value (readable without colour); · when missing."""
     if frac is None:
-        return Style(bgcolor="grey15")
+        return "·"
+    return SHADES[1 + min(3, max(0, int(frac * 4)))]
+
+
+def heat_style(frac: Optional[float]) -> Style:
+    """Colour from dark blue (0) through green/yellow to red (1); grey when missing."""
+    if frac is None:
+        return Style(color="grey35")
     frac = min(1.0, max(0.0, frac))
     stops = [(0.0, (20, 30, 90)), (0.4, (30, 140, 90)), (0.7, (220, 200, 40)), (1.0, (210, 40, 30))]
     for (a, ca), (b, cb) in zip(stops, stops[1:]):
         if frac <= b:
             t = (frac - a) / (b - a) if b > a else 0.0
             rgb = tuple(round(x + (y - x) * t) for x, y in zip(ca, cb))
-            return Style(bgcolor=f"rgb({rgb[0]},{rgb[1]},{rgb[2]})")
-    return Style(bgcolor="rgb(210,40,30)")
+            return Style(color=f"rgb({rgb[0]},{rgb[1]},{rgb[2]})")
+    return Style(color="rgb(210,40,30)")
 
 
 def line(*parts: tuple[str, str] | str) -> Text:
