@@ -450,10 +450,8 @@ class LiveState:
             blocks = self._pool_blocks()
             if blocks is not None:
                 kv_used = (blocks[0] + blocks[1]) * info.block_bytes
-        hints = [st.hint or f"{st.collector} unavailable" for c, st in sorted(self.status.items())
-                 if not st.available and any(k in c.lower() for k in ("nvml", "gpu", "cuda", "allocator"))]
-        if not self.nvml and not hints:
-            hints = ["no NVML samples"]
+        nvml_hint = self._hint(("nvml", "gpu"), "no NVML samples") if not self.nvml else ""
+        alloc_hint = self._hint(("allocator", "cuda"), "no CUDA allocator samples") if not alloc else ""
         carry = 10
         return MemoryView(
             nvml_used_bytes=sum(used) if used else None, nvml_total_bytes=sum(total) if total else None,
@@ -466,7 +464,14 @@ class LiveState:
             allocator_history=self.series["allocator"].history(first, last, carry),
             kv_pool_history=self.series["kv_pool"].history(first, last, carry),
             rss_history=self.series["rss"].history(first, last, carry),
-            gpu_hint="; ".join(hints) if not self.nvml else "")
+            gpu_hint=nvml_hint, allocator_hint=alloc_hint)
+
+    def _hint(self, keys: tuple[str, ...], default: str) -> str:
+        """The hint of an unavailable collector whose name contains one of ``keys``."""
+        for name, st in sorted(self.status.items()):
+            if not st.available and any(k in name.lower() for k in keys):
+                return st.hint or f"{name} unavailable"
+        return default
 
     def _pool_blocks(self) -> Optional[tuple[int, int]]:
         """(blocks held by live requests, blocks held only by the prefix cache)."""

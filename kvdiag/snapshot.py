@@ -39,7 +39,8 @@ class MemoryView:
     allocator_history: History
     kv_pool_history: History
     rss_history: History
-    gpu_hint: str  # why NVML/allocator rows are N/A ("" when they are available)
+    gpu_hint: str  # why the NVML rows are N/A ("" when they are available)
+    allocator_hint: str  # why the allocator rows are N/A
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,16 +88,16 @@ class MemoryPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         m = snap.memory
         rows = []
+        if m.nvml_used_bytes is None and m.allocator_reserved_bytes is None:
+            rows.append(line(f"{'GPU':<9}{NA:>6} ", (m.gpu_hint, DIM)))
         if m.nvml_used_bytes is not None:
             rows.append(_spark(f"{'GPU used':<9}{fmt_bytes(m.nvml_used_bytes):>6}/{fmt_bytes(m.nvml_total_bytes):<6} ",
                                m.nvml_history, width, "cyan", lo=0, hi=m.nvml_total_bytes))
-        else:
-            rows.append(line(f"{'GPU used':<9}{NA:>6} ", (m.gpu_hint or "no NVML samples", DIM)))
         if m.allocator_reserved_bytes is not None:
             rows.append(_spark(f"{'alloc':<9}{fmt_bytes(m.allocator_allocated_bytes):>6}/"
                                f"{fmt_bytes(m.allocator_reserved_bytes):<6} ", m.allocator_history, width, "cyan", lo=0))
-        else:
-            rows.append(line(f"{'alloc':<9}{NA:>6} ", ("no CUDA allocator samples", DIM)))
+        elif m.nvml_used_bytes is not None:
+            rows.append(line(f"{'alloc':<9}{NA:>6} ", (m.allocator_hint, DIM)))
         if m.kv_pool_total_bytes is not None:
             rows.append(_spark(f"{'KV pool':<9}{fmt_bytes(m.kv_pool_used_bytes):>6}/{fmt_bytes(m.kv_pool_total_bytes):<6} ",
                                m.kv_pool_history, width, "magenta", lo=0, hi=m.kv_pool_total_bytes))
@@ -110,6 +110,8 @@ class MemoryPanel(Panel):
             rows.append(line(f"{'host RSS':<9}{NA:>6} ", ("no process samples", DIM)))
         if m.nvml_process_bytes is not None:
             rows.append(line(f"{'GPU proc':<9}{fmt_bytes(m.nvml_process_bytes):>6}"))
+        if m.nvml_used_bytes is None and m.allocator_reserved_bytes is None and height > 4:
+            rows.append(line(("allocator: " + m.allocator_hint, DIM)))
         return rows
 
 
@@ -159,6 +161,8 @@ class SharingPanel(Panel):
         curve = [p for p in sh.what_if if p.policy == cfg.policy and p.block_size_tokens == cfg.block_size_tokens]
         if len(curve) < 2:
             curve = [p for p in sh.what_if if p.policy == cfg.policy]
+        if height < 5:
+            return rows
         rows.append(line(("what-if capacity → token hit", "bold")))
         bar_w = max(4, width - 20)
         for p in curve[: max(0, height - 4)]:
@@ -323,16 +327,22 @@ class RequestsPanel(Panel):
         req = snap.requests
         if req.reason:
             return _reason(req.reason)
-        head = line((f"{'request':<16}{'state':<9}{'KV':>7}{'blk':>5}{'hit tok':>8}{'prompt':>7}{'age':>7}", "bold"),
-                    (f"  {req.live} live, {req.finished} done", DIM))
-        rows = [head]
+        wide = width >= 60
+        id_w, hit_w = (13, 8) if wide else (11, 6)
+        cols = (f"{'request':<{id_w}}{'KV':>7}{'blk':>4}{'hit tok' if wide else 'hit':>{hit_w}}{'age':>7}"
+                + (f"  {'state':<9}{'prompt':>6}{'TTFT':>8}" if wide else ""))
+        rows = [line((cols, "bold"), (f"  {req.live} live, {req.finished} done" if wide else "", DIM))]
         visible = max(1, height - 1)
         cursor = min(self.cursor, len(req.rows) - 1)
         start = max(0, cursor - visible + 1)
         for i, r in enumerate(req.rows[start:start + visible], start):
-            style = "reverse" if i == cursor and self.has_focus else ("dim" if r.state not in ("running", "waiting") else "")
-            rows.append(line((f"{r.request_id[:15]:<16}{r.state[:8]:<9}{fmt_bytes(r.kv_bytes):>7}{r.blocks:>5}"
-                              f"{r.hit_tokens:>8}{r.prompt_tokens:>7}{r.age_s:>6.1f}s", style)))
+            live = r.state in ("running", "waiting")
+            style = "reverse" if i == cursor and self.has_focus else ("" if live else DIM)
+            text = (f"{r.request_id[:id_w - 1]:<{id_w}}{fmt_bytes(r.kv_bytes):>7}{r.blocks:>4}{r.hit_tokens:>{hit_w}}"
+                    f"{r.age_s:>6.1f}s")
+            if wide:
+                text += f"  {r.state[:9]:<9}{r.prompt_tokens:>6}{fmt_ms(r.ttft_ms):>8}"
+            rows.append(line((text, style)))
         return rows
 
     def detail(self, snap: Snapshot) -> Text:
