@@ -193,18 +193,18 @@ class KvTopApp(App):
         snap = self.snapshot
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append("kvdiag top ", style="bold")
+        if snap is not None and snap.paused:
+            text.append("PAUSED ", style="bold black on yellow")
+        if snap is not None and snap.finished_source:
+            text.append("END OF LOG ", style="bold")
+        if self.recorder is not None:
+            text.append(f"● REC {self.record_path.name} ", style="bold red")
+        if self.error:
+            text.append(f"snapshot error: {self.error} ", style="bold red")
         if snap is not None:
             at = datetime.fromtimestamp(snap.now_ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S")
             text.append(f"{snap.source} │ {at} UTC +{(snap.now_ns - snap.start_ns) / 1e9:.0f}s │ "
-                        f"{snap.engine or 'engine ?'} {snap.model} │ {snap.events} ev {snap.events_per_s:.0f}/s")
-            if snap.paused:
-                text.append(" │ PAUSED", style="bold yellow")
-            if snap.finished_source:
-                text.append(" │ end of log", style="bold")
-        if self.recorder is not None:
-            text.append(f" │ ● REC {self.record_path.name}", style="bold red")
-        if self.error:
-            text.append(f" │ snapshot error: {self.error}", style="bold red")
+                        f"{snap.events} ev {snap.events_per_s:.0f}/s │ {snap.engine or 'engine ?'} {snap.model}")
         self.query_one("#status", Static).update(text)
 
     # ------------------------------------------------------------------ actions
