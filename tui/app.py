@@ -125,19 +125,20 @@ class KvTopApp(App):
         self._wall_clock = wall_clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self.status_line = Static(id="status")
+        self.panels: list[Panel] = [cls(id=cls.__name__.lower()) for cls in PANELS]
 
     # ------------------------------------------------------------------ layout
 
     def compose(self) -> ComposeResult:
-        yield Static(id="status")
+        yield self.status_line
         with Container(id="grid"):
-            for cls in PANELS:
-                yield cls(id=cls.__name__.lower())
+            yield from self.panels
         yield Footer()
 
     def on_mount(self) -> None:
         self._fit(self.size.width, self.size.height)
-        self.query_one(Panel).focus()
+        self.panels[0].focus()
         self.build_snapshots()
 
     def on_resize(self, event) -> None:
@@ -181,7 +182,7 @@ class KvTopApp(App):
         self.snapshot = message.snapshot
         self.snapshots_built += 1
         self.error = ""
-        for panel in self.query(Panel):
+        for panel in self.panels:
             panel.show(message.snapshot)
         self._status()
 
@@ -205,7 +206,7 @@ class KvTopApp(App):
             at = datetime.fromtimestamp(snap.now_ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S")
             text.append(f"{snap.source} │ {at} UTC +{(snap.now_ns - snap.start_ns) / 1e9:.0f}s │ "
                         f"{snap.events} ev {snap.events_per_s:.0f}/s │ {snap.engine or 'engine ?'} {snap.model}")
-        self.query_one("#status", Static).update(text)
+        self.status_line.update(text)
 
     # ------------------------------------------------------------------ actions
 
