@@ -119,8 +119,8 @@ _HEADER_DECODER = msgspec.json.Decoder(s.LogHeader)
 
 
 class SocketSource:
-    """Reads the kvdiag agent's stream: one JSON event per line on a Unix socket (a line
-    without a ``type`` field is the stream's :class:`LogHeader`). A reader thread decodes into a
+    """Reads the kvdiag agent's stream: JSON lines on a Unix socket, the agent's
+    :class:`LogHeader` first, then one event per line. A reader thread decodes into a
     bounded queue; a line that does not decode, a full queue or a lost connection become
     ``CollectorError``/``CollectorGap``/``CollectorStatus`` events, never exceptions. The
     connection is retried every ``retry_s`` until :meth:`close`."""
@@ -184,6 +184,7 @@ class SocketSource:
 
     def _read(self, sock: socket.socket) -> None:
         buffer = b""
+        first = True
         while not self._stop.is_set():
             try:
                 chunk = sock.recv(1 << 16)
@@ -194,14 +195,23 @@ class SocketSource:
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                if line.strip():
+                if not line.strip():
+                    continue
+                if first:
+                    first = False
+                    self._decode_header(line)
+                else:
                     self._decode(line)
+
+    def _decode_header(self, line: bytes) -> None:
+        try:
+            self.header = _HEADER_DECODER.decode(line)
+        except msgspec.DecodeError as exc:
+            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
+                                        message=f"{self.path}:1: expected a kvdiag log header line: {exc}"))
 
     def _decode(self, line: bytes) -> None:
         try:
-            if b'"type"' not in line:
-                self.header = _HEADER_DECODER.decode(line)
-                return
             self._emit(_DECODER.decode(line))
         except msgspec.DecodeError as exc:
             self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
@@ -234,24 +244,27 @@ class SocketSource:
 
 
 class ProcessSource:
-    """What is visible of a process from outside without an agent: its RSS, threads and CPU
-    time (and its children's) every ``period_s``, plus one ``CollectorStatus`` saying that KV
-    pool, requests and shadow data need the agent. Read-only: the target is never signalled."""
+    """What is visible of a process from outside without an agent: RSS, threads and CPU time of
+    its process tree and, where NVML works, GPU memory, every ``period_s``; plus one
+    ``CollectorStatus`` saying that KV pool, requests and shadow panels need the agent.
+    Read-only: the target is never signalled. Uses ``kvdiag.collectors`` (procfs, nvml)."""
 
     live = True
 
     def __init__(self, pid: int, period_s: float = 1.0) -> None:
-        import psutil
+        from kvdiag.collectors.nvml import NvmlCollector
+        from kvdiag.collectors.procfs import ProcessCollector
 
-        self._psutil = psutil
-        self.process = psutil.Process(pid)  # raises psutil.NoSuchProcess for a bad pid
+        self.processes = ProcessCollector(pid)  # raises TargetGone / TargetNotAccessible
+        self.nvml = NvmlCollector(pids=self.processes.pids)
         self.description = f"pid {pid} (outside view, no agent)"
-        self.header = s.LogHeader(schema_version=s.SCHEMA_VERSION, pid=pid, engine="attach", start_ns=time.time_ns())
+        self.header = s.LogHeader(schema_version=s.SCHEMA_VERSION, pid=pid, engine="attach",
+                                  start_ns=time.time_ns())
         self.paused = False
         self.finished = False
         self._period_ns = int(period_s * 1e9)
         self._last_ns = 0
-        self._pending: list[s.Event] = [s.CollectorStatus(
+        self._pending: list[s.Event] = [self.nvml.start(), s.CollectorStatus(
             ts_ns=time.time_ns(), collector="agent-stream", available=False,
             hint=f"no kvdiag agent in pid {pid}: KV pool, requests and shadow panels need one "
                  "(start the server under kvdiag)")]
@@ -262,26 +275,16 @@ class ProcessSource:
     def poll(self) -> list[s.Event]:
         out, self._pending = self._pending, []
         now = time.time_ns()
-        if now - self._last_ns < self._period_ns:
+        if self.finished or now - self._last_ns < self._period_ns:
             return out
         self._last_ns = now
         try:
-            procs = [self.process, *self.process.children(recursive=True)]
-        except self._psutil.NoSuchProcess:
-            if not self.finished:
-                out.append(s.CollectorStatus(ts_ns=now, collector="process", available=False,
-                                             hint="target process exited"))
+            out.extend(self.processes.sample())
+        except Exception as exc:  # the target exited (TargetGone) or became unreadable
             self.finished = True
+            out.append(s.CollectorStatus(ts_ns=now, collector="process", available=False, hint=str(exc)))
             return out
-        for p in procs:
-            try:
-                with p.oneshot():
-                    cpu = p.cpu_times()
-                    out.append(s.ProcessSample(
-                        ts_ns=now, pid=p.pid, rss_bytes=p.memory_info().rss, num_threads=p.num_threads(),
-                        cpu_time_ns=int((cpu.user + cpu.system) * 1e9), name=p.name()))
-            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
-                continue
+        out.extend(self.nvml.sample())
         return out
 
     def pause(self) -> None:
@@ -294,26 +297,32 @@ class ProcessSource:
         """A live view cannot seek."""
 
     def close(self) -> None:
-        pass
+        self.nvml.close()
 
 
 def find_agent_socket(pid: int) -> Optional[Path]:
-    """The kvdiag agent socket of process ``pid`` if it exists (``kvdiag.paths`` names it)."""
+    """The kvdiag agent socket of process ``pid`` or of one of its children, if one exists."""
     try:
-        from kvdiag import paths
-    except ImportError:
-        return None
-    for name in ("agent_socket_path", "agent_socket"):
-        fn = getattr(paths, name, None)
-        if fn is not None:
-            path = Path(fn(pid))
-            return path if path.exists() else None
-    return None
+        from kvdiag.collectors.agent_client import candidate_sockets
+        from kvdiag.collectors.procfs import ProcessCollector
+    except ImportError:  # a build without the collectors: the agent's default path only
+        try:
+            from kvdiag.paths import agent_socket_path
+        except ImportError:
+            return None
+        path = agent_socket_path(pid)
+        return path if path.exists() else None
+    try:
+        pids = ProcessCollector(pid).pids()
+    except Exception:
+        pids = [pid]
+    found = candidate_sockets(pids or [pid])
+    return found[0] if found else None
 
 
 def attach(pid: int):
     """A source for a running server: its agent socket if it has one, else the outside view.
-    Raises SourceError when there is no such process."""
+    Raises SourceError when there is no such process or it may not be read."""
     import psutil
 
     if not psutil.pid_exists(pid):
@@ -323,10 +332,11 @@ def attach(pid: int):
         return SocketSource(path, description=f"pid {pid} agent")
     try:
         return ProcessSource(pid)
-    except psutil.AccessDenied:
-        raise SourceError(f"pid {pid}: permission denied reading /proc; run as the same user or root") from None
-    except psutil.NoSuchProcess:
-        raise SourceError(f"no process with pid {pid}") from None
+    except ImportError:
+        raise SourceError(f"pid {pid} has no kvdiag agent socket and this build has no outside "
+                          "collectors (kvdiag.collectors.procfs)") from None
+    except (RuntimeError, PermissionError) as exc:  # collectors' TargetGone / TargetNotAccessible
+        raise SourceError(str(exc)) from None
 
 
 class DemoSource:
