@@ -507,7 +507,7 @@ class LiveState:
             running_requests=sample.running_requests if sample else None,
             waiting_requests=sample.waiting_requests if sample else None,
             occupancy_history=self.series["occupancy"].history(first, last, 10),
-            reason="" if has_pool else "no KV pool events: attach an engine adapter (kvdiag demo)")
+            reason="" if has_pool else "no KV pool events: the server needs the kvdiag agent (kvdiag demo runs one)")
 
     def _engine_hit_rate(self) -> Optional[float]:
         if self.engine_prompt_tokens:

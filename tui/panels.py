@@ -4,6 +4,7 @@ first; ``detail(snap)`` is the full view behind ``enter``."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Optional
 
 from rich.text import Text
@@ -78,8 +79,9 @@ def _spark(prefix: str, history, width: int, style: str, lo=None, hi=None) -> Te
     return line(prefix, (sparkline(history, max(0, width - len(prefix)), lo=lo, hi=hi), style))
 
 
-def _reason(text: str) -> list[Text]:
-    return [line((text, DIM))]
+def _reason(text: str, width: int) -> list[Text]:
+    """Why a panel is empty, wrapped to the panel's width."""
+    return [line((chunk, DIM)) for chunk in textwrap.wrap(text, max(10, width))]
 
 
 class MemoryPanel(Panel):
@@ -88,8 +90,10 @@ class MemoryPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         m = snap.memory
         rows = []
-        if m.nvml_used_bytes is None and m.allocator_reserved_bytes is None:
-            rows.append(line(f"{'GPU':<9}{NA:>6} ", (m.gpu_hint, DIM)))
+        no_gpu = m.nvml_used_bytes is None and m.allocator_reserved_bytes is None
+        explain = no_gpu and height > 5  # room to say why below; otherwise inline, cut at the edge
+        if no_gpu:
+            rows.append(line(f"{'GPU':<9}{NA:>6} ", ("" if explain else m.gpu_hint, DIM)))
         if m.nvml_used_bytes is not None:
             rows.append(_spark(f"{'GPU used':<9}{fmt_bytes(m.nvml_used_bytes):>6}/{fmt_bytes(m.nvml_total_bytes):<6} ",
                                m.nvml_history, width, "cyan", lo=0, hi=m.nvml_total_bytes))
@@ -110,8 +114,8 @@ class MemoryPanel(Panel):
             rows.append(line(f"{'host RSS':<9}{NA:>6} ", ("no process samples", DIM)))
         if m.nvml_process_bytes is not None:
             rows.append(line(f"{'GPU proc':<9}{fmt_bytes(m.nvml_process_bytes):>6}"))
-        if m.nvml_used_bytes is None and m.allocator_reserved_bytes is None and height > 4:
-            rows.append(line(("allocator: " + m.allocator_hint, DIM)))
+        if explain:
+            rows += _reason(f"GPU: {m.gpu_hint}; allocator: {m.allocator_hint}", width)
         return rows
 
 
@@ -121,7 +125,7 @@ class PoolPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         p = snap.pool
         if p.reason:
-            return _reason(p.reason)
+            return _reason(p.reason, width)
         frag_style = BAD if (p.pool_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
         afrag_style = BAD if (p.allocator_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
         used = f"{p.blocks_used}/{p.num_blocks if p.num_blocks else '?'}"
@@ -149,7 +153,7 @@ class SharingPanel(Panel):
         sh = snap.sharing
         rows = [_spark(f"engine hit {fmt_pct(sh.engine_hit_rate):>6} ", sh.engine_history, width, "cyan", lo=0, hi=1)]
         if sh.reason:
-            rows.append(line((sh.reason, DIM)))
+            rows += _reason(sh.reason, width)
             rows.append(line((f"finished requests {sh.finished_requests}", DIM)))
             return rows
         gap_style = WARN if sh.gap is not None and abs(sh.gap) > 0.10 else GOOD
@@ -191,7 +195,7 @@ class CompressionPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         c = snap.compression
         if c.reason:
-            return _reason(c.reason)
+            return _reason(c.reason, width)
         rows = [line((f"{'layer':<6}{'method':<7}{'ratio':>6}{'err':>6}{'dec':>5} rec", "bold"))]
         styles = {"use": GOOD, "check": WARN, "avoid": BAD}
         for r in c.rows:
@@ -236,7 +240,7 @@ class LocalityPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         loc = snap.locality
         if loc.reason:
-            return _reason(loc.reason)
+            return _reason(loc.reason, width)
         grid = loc.cells[self.metric]  # [layer][head]
         scale = max((v for row in grid for v in row if v is not None), default=1.0) \
             if self.metric == "entropy" else 1.0
@@ -284,7 +288,7 @@ class LatencyPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         lat = snap.latency
         if lat.reason:
-            return _reason(lat.reason)
+            return _reason(lat.reason, width)
         n = len(lat.ttft_p99_history)
         rows = [
             _spark(f"TTFT p50 {fmt_ms(lat.ttft_p50_ms):>6} p99 {fmt_ms(lat.ttft_p99_ms):>6} ", lat.ttft_p99_history,
@@ -326,7 +330,7 @@ class RequestsPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         req = snap.requests
         if req.reason:
-            return _reason(req.reason)
+            return _reason(req.reason, width)
         wide = width >= 60
         id_w, hit_w = (13, 8) if wide else (11, 6)
         cols = (f"{'request':<{id_w}}{'KV':>7}{'blk':>4}{'hit tok' if wide else 'hit':>{hit_w}}{'age':>7}"
@@ -364,7 +368,7 @@ class AlertsPanel(Panel):
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         if not snap.alerts:
-            return _reason("no findings yet")
+            return _reason("no findings yet", width)
         rows = []
         two_lines = sum(1 for f in snap.alerts if f.status != "pass") * 2 <= height
         for f in snap.alerts:
