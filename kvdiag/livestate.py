@@ -196,6 +196,7 @@ class LiveState:
         self.gaps = 0
         self.errors: dict[str, list] = {}
         self.status: dict[str, s.CollectorStatus] = {}
+        self.external_findings: tuple[Finding, ...] = ()  # e.g. the doctor's, run elsewhere
 
     # ------------------------------------------------------------------ feeding
 
@@ -669,13 +670,13 @@ class LiveState:
         if pool.pool_fragmentation is not None:
             f = pool.pool_fragmentation
             out.append(Finding("pool.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
-                               "KV pool fragmentation",
+                               "KV pool fragmentation now",
                                f"{f:.1%} of held slots empty (rule < {pct:.0f}%)",
                                {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
         if pool.allocator_fragmentation is not None:
             f = pool.allocator_fragmentation
             out.append(Finding("allocator.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
-                               "allocator fragmentation",
+                               "allocator fragmentation now",
                                f"{f:.1%} of reserved unallocated (rule < {pct:.0f}%)",
                                {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
         leaked = self.leaked_requests(now_ns)
@@ -713,6 +714,8 @@ class LiveState:
         for collector, hint in snap.health.unavailable:
             out.append(Finding(f"collector.unavailable.{collector}", "n/a", f"{collector} unavailable",
                                hint or "not available on this host", {}))
+        external = {f.rule for f in self.external_findings}
+        out = [f for f in out if f.rule not in external] + list(self.external_findings)
         order = {"fail": 0, "warn": 1, "n/a": 2, "pass": 3}
         return tuple(sorted(out, key=lambda f: order[f.status]))
 

@@ -216,3 +216,35 @@ def test_data_layer_does_not_import_ui_libraries():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_live_doctor_findings_reach_the_alerts(tmp_path):
+    pytest.importorskip("kvdiag.analysis.doctor")
+    from kvdiag.livedoctor import LiveDoctor
+
+    path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
+    state, now = _state_at(path, 10_000)
+    t = [0.0]
+    doctor = LiveDoctor(period_s=1.0, max_share=0.05, clock=lambda: t[0])
+    src = ReplaySource(path, clock=lambda: 0.0)
+    src.seek(10_000)
+    doctor.record(src.poll())
+    assert not doctor.due()
+    t[0] = 6.0
+    assert doctor.due()
+    state.external_findings = doctor.run(state.header, doctor.take())
+    snap = state.snapshot(now)
+    leak = [f for f in snap.alerts if f.rule == "leak.release_paths"]
+    assert len(leak) == 1 and leak[0].status == "fail"
+    assert leak[0] in doctor.findings  # the doctor's verdict replaces top's own rule of that name
+    assert doctor.period_s >= doctor.last_run_s / 0.05
+
+
+def test_live_doctor_absent_is_silent():
+    from kvdiag.livedoctor import LiveDoctor
+
+    d = LiveDoctor(clock=lambda: 1e9)
+    if d.available:
+        pytest.skip("this build has the doctor")
+    d.record([])
+    assert not d.due() and d.findings == ()

@@ -23,6 +23,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
+from kvdiag.livedoctor import LiveDoctor
 from kvdiag.livestate import LiveState
 from kvdiag.snapshot import Snapshot
 from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
@@ -116,6 +117,8 @@ class KvTopApp(App):
         if source.header is not None:
             self.state.set_header(source.header)
         self.interval_s = interval_s
+        self.doctor = LiveDoctor()
+        self._doctor_lock = threading.Lock()
         self.output_dir = Path(output_dir)
         self.snapshot: Optional[Snapshot] = None
         self.snapshots_built = 0
@@ -169,6 +172,7 @@ class KvTopApp(App):
                     for ev in events:
                         self.recorder.record(ev)
                 self.state.feed_all(events)
+                self.doctor.record(events)
                 if self.source.paused and self.snapshot is not None and not force:
                     return
                 snap = self.state.snapshot(self.source.now_ns(), paused=self.source.paused,
@@ -177,6 +181,20 @@ class KvTopApp(App):
             self.post_message(SnapshotFailed(f"{type(exc).__name__}: {exc}"))
             return
         self.post_message(SnapshotReady(snap))
+        if self.doctor.due() and self._doctor_lock.acquire(blocking=False):
+            try:
+                self._run_doctor()
+            finally:
+                self._doctor_lock.release()
+
+    def _run_doctor(self) -> None:
+        """The doctor's rules over recent events, outside the lock (its findings show from
+        the next snapshot on)."""
+        with self._lock:
+            events, header = self.doctor.take(), self.state.header
+        findings = self.doctor.run(header, events)
+        with self._lock:
+            self.state.external_findings = findings
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         self.snapshot = message.snapshot
