@@ -30,7 +30,7 @@ def logs(tmp_path_factory):
 def make_app(path, seconds=40.0, tmp_path=None, **kwargs):
     src = ReplaySource(path, clock=lambda: 0.0)
     src.seek(seconds)
-    return KvTopApp(src, interval_s=kwargs.pop("interval_s", 0.2), output_dir=tmp_path or ".",
+    return KvTopApp(src, interval_s=kwargs.pop("interval_s", 1.0), output_dir=tmp_path or ".",
                     wall_clock=lambda: 1_790_000_000.0, **kwargs)
 
 

@@ -47,9 +47,12 @@ class Panel(Widget, can_focus=True):
         self.snapshot: Optional[Snapshot] = None
         self.border_title = self.TITLE
 
+    VIEW = ""  # the Snapshot field this panel renders; unchanged => no repaint
+
     def show(self, snap: Snapshot) -> None:
-        self.snapshot = snap
-        self.refresh()
+        previous, self.snapshot = self.snapshot, snap
+        if previous is None or getattr(previous, self.VIEW) != getattr(snap, self.VIEW):
+            self.refresh()
 
     def render(self) -> Text:
         width, height = self.content_size.width, self.content_size.height
@@ -86,6 +89,7 @@ def _reason(text: str, width: int) -> list[Text]:
 
 class MemoryPanel(Panel):
     TITLE = "Memory"
+    VIEW = "memory"
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         m = snap.memory
@@ -121,6 +125,7 @@ class MemoryPanel(Panel):
 
 class PoolPanel(Panel):
     TITLE = "KV pool"
+    VIEW = "pool"
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         p = snap.pool
@@ -148,6 +153,7 @@ class PoolPanel(Panel):
 
 class SharingPanel(Panel):
     TITLE = "Prefix sharing"
+    VIEW = "sharing"
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         sh = snap.sharing
@@ -191,6 +197,7 @@ def _cap(capacity: Optional[int]) -> str:
 
 class CompressionPanel(Panel):
     TITLE = "Compression"
+    VIEW = "compression"
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         c = snap.compression
@@ -221,6 +228,7 @@ class CompressionPanel(Panel):
 
 class LocalityPanel(Panel):
     TITLE = "Locality"
+    VIEW = "locality"
     BINDINGS = [Binding("m", "next_metric", "metric")]
 
     def __init__(self, **kwargs) -> None:
@@ -284,6 +292,7 @@ def _groups(n: int, rows: int) -> list[list[int]]:
 
 class LatencyPanel(Panel):
     TITLE = "Latency"
+    VIEW = "latency"
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         lat = snap.latency
@@ -312,6 +321,7 @@ class LatencyPanel(Panel):
 
 class RequestsPanel(Panel):
     TITLE = "Requests (by KV bytes)"
+    VIEW = "requests"
     BINDINGS = [Binding("up", "cursor(-1)", "up", show=False), Binding("down", "cursor(1)", "down", show=False)]
 
     def __init__(self, **kwargs) -> None:
@@ -364,6 +374,7 @@ class RequestsPanel(Panel):
 
 class AlertsPanel(Panel):
     TITLE = "Alerts"
+    VIEW = "alerts"
     MARKS = {"fail": ("✗", BAD), "warn": ("!", WARN), "n/a": ("·", DIM), "pass": ("✓", GOOD)}
 
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
