@@ -578,7 +578,7 @@ class LiveState:
                 a[5] += 1
             a[6] += 1
         rows = []
-        for (g, method), a in sorted(acc.items()):
+        for (g, method), a in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[1][0] / kv[1][6], kv[0][1])):
             lo, hi = g * group, min(num_layers, (g + 1) * group) - 1
             attn = a[2] / a[3] if a[3] else None
             rows.append(CompressionRow(

@@ -340,23 +340,23 @@ def attach(pid: int):
 
 
 class DemoSource:
-    """Starts ``kvdiag demo`` as a child (its own session, output to a file) and reads its
-    agent socket. :meth:`close` stops the child: SIGTERM to its process group, SIGKILL after
+    """Starts ``kvdiag demo`` (or ``command``) as a child (its own session, output to a file)
+    and reads its agent socket. :meth:`close` stops the child: SIGTERM to its process group, SIGKILL after
     ``stop_timeout_s``. A child that exits early becomes a CollectorStatus event."""
 
     live = True
 
     def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 15.0,
-                 socket_wait_s: float = 300.0) -> None:
+                 socket_wait_s: float = 300.0, command: Optional[list[str]] = None) -> None:
         import importlib.util
 
-        if importlib.util.find_spec("kvdiag.commands.demo") is None:
+        if command is None and importlib.util.find_spec("kvdiag.commands.demo") is None:
             raise SourceError("the embedded demo (`kvdiag demo`) is not in this build; "
                               "use --log FILE or --pid PID")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.output_path = log_dir / "kvdiag-top-demo.out"
         self._out = open(self.output_path, "ab")
-        self.child = subprocess.Popen([sys.executable, "-m", "kvdiag", "demo", *demo_args],
+        self.child = subprocess.Popen([*(command or [sys.executable, "-m", "kvdiag", "demo"]), *demo_args],
                                       stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         self.description = f"demo pid {self.child.pid}"

@@ -165,3 +165,24 @@ def test_attach_prefers_the_agent_socket(tmp_path):
         target.kill()
         target.wait()
         agent_socket_path(target.pid).unlink(missing_ok=True)
+
+
+def test_demo_child_and_its_children_stop_on_close(tmp_path):
+    from kvdiag.sources import DemoSource
+    import psutil
+
+    # a stand-in for `kvdiag demo` that, like a server, starts a worker process of its own
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
+    src = DemoSource([], log_dir=tmp_path, command=[sys.executable, "-c", code], stop_timeout_s=5)
+    parent = psutil.Process(src.child.pid)
+    for _ in range(100):
+        kids = parent.children(recursive=True)
+        if kids:
+            break
+        time.sleep(0.05)
+    assert kids
+    src.poll()
+    src.close()
+    assert src.child.poll() is not None
+    gone, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive

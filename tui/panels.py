@@ -168,16 +168,18 @@ class SharingPanel(Panel):
                            lo=0, hi=1))
         rows.append(line("gap        ", (f"{(sh.gap or 0) * 100:+5.1f} pts" if sh.gap is not None else NA, gap_style),
                          (f"  {cfg.policy} bs{cfg.block_size_tokens} cap {_cap(cfg.capacity_blocks)}", DIM)))
-        curve = [p for p in sh.what_if if p.policy == cfg.policy and p.block_size_tokens == cfg.block_size_tokens]
-        if len(curve) < 2:
-            curve = [p for p in sh.what_if if p.policy == cfg.policy]
         if height < 5:
             return rows
-        rows.append(line(("what-if capacity → token hit", "bold")))
+        same = [p for p in sh.what_if if p.policy == cfg.policy]
+        by_cap = [p for p in same if p.block_size_tokens == cfg.block_size_tokens]
+        by_size = [p for p in same if p.capacity_blocks == cfg.capacity_blocks and p is not cfg
+                   and p.block_size_tokens != cfg.block_size_tokens]
+        rows.append(line((f"what-if {cfg.policy}: token hit", "bold")))
         bar_w = max(4, width - 20)
-        for p in curve[: max(0, height - 4)]:
+        for p in (by_cap + by_size)[: max(0, height - 4)]:
             rows.append(line(f"{'bs' + str(p.block_size_tokens):>5} {_cap(p.capacity_blocks):>5} ",
-                             (bar(p.token_hit_rate, bar_w), "magenta"), f" {fmt_pct(p.token_hit_rate, 0):>4}"))
+                             (bar(p.token_hit_rate, bar_w), "magenta" if p in by_cap else "cyan"),
+                             f" {fmt_pct(p.token_hit_rate, 0):>4}"))
         return rows
 
     def detail(self, snap: Snapshot) -> Text:
