@@ -308,6 +308,11 @@ class LiveState:
         req.hit_blocks += 1
         self._hold(req, ev.block_id)
 
+    def _on_deduplicated(self, ev, b: _Bin, idx: int) -> None:
+        """``BlockDeduplicated``: the request now holds the cached ``block_id`` (its duplicate
+        is given back by the ``BlockReleased`` that follows)."""
+        self._hold(self._request(ev.request_id, ev.ts_ns), ev.block_id)
+
     def _on_released(self, ev: s.BlockReleased, b: _Bin, idx: int) -> None:
         req = self.live.get(ev.request_id) or self.finished.get(ev.request_id)
         if req is not None and ev.block_id in req.blocks:
@@ -758,3 +763,5 @@ _HANDLERS = {
     s.CollectorError: LiveState._on_error,
     s.CollectorStatus: LiveState._on_status,
 }
+if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter's work
+    _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated

@@ -111,7 +111,7 @@ def test_requests_hold_the_blocks_the_events_say(log_path):
     held: dict[str, set] = {}
     for ev in log.events:
         name = type(ev).__name__
-        if name in ("BlockAllocated", "PrefixHit"):
+        if name in ("BlockAllocated", "PrefixHit", "BlockDeduplicated"):
             held.setdefault(ev.request_id, set()).add(ev.block_id)
         elif name == "BlockReleased":
             held.setdefault(ev.request_id, set()).discard(ev.block_id)

@@ -3,6 +3,7 @@
 Replays CONSTRUCTED TEST DATA (tests/tui_data.py) until a recorded demo log exists.
 """
 
+import importlib.util
 import os
 import re
 import shutil
@@ -128,3 +129,20 @@ def test_bad_log_is_one_line_error(tmp_path):
 def test_pid_that_does_not_exist_is_one_line_error():
     out = subprocess.run([KVDIAG, "top", "--pid", "999999999"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.strip() == "kvdiag top: no process with pid 999999999"
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.skipif(importlib.util.find_spec("kvdiag.commands.demo") is None, reason="`kvdiag demo` not in this build")
+def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
+    import psutil
+
+    tmux.type(f"cd {tmp_path} && {KVDIAG} top; echo TOP-EXIT=$?")
+    screen = tmux.wait_for(r"demo pid (\d+)", timeout_s=60)
+    demo_pid = int(re.search(r"demo pid (\d+)", screen).group(1))
+    screen = tmux.wait_for(r"req-\S+\s+\d", timeout_s=400)  # model load, server start, first requests
+    assert re.search(r"blocks\s+\d+/\d+", screen)
+    assert re.search(r"TTFT p50\s+\d", tmux.wait_for(r"TTFT p50\s+\d", timeout_s=120))
+    tmux.send("q")
+    assert "TOP-EXIT=0" in tmux.wait_for(r"TOP-EXIT=\d+", timeout_s=60)
+    assert not psutil.pid_exists(demo_pid) or psutil.Process(demo_pid).status() == psutil.STATUS_ZOMBIE
