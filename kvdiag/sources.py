@@ -82,11 +82,11 @@ class ReplaySource:
         self._advance()
         return self._last_ts_ns if self.finished else self._pos_ns
 
-    def poll(self) -> list[s.Event]:
-        """Events of the log up to the replay position."""
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        """Events of the log up to the replay position (at most about ``limit``)."""
         self._advance()
         out, self._problems = self._problems, []
-        while self._next is not None and self._next.ts_ns <= self._pos_ns:
+        while self._next is not None and self._next.ts_ns <= self._pos_ns and (limit is None or len(out) < limit):
             out.append(self._next)
             self._last_ts_ns = max(self._last_ts_ns, self._next.ts_ns)
             self._next = self._read()
@@ -217,10 +217,10 @@ class SocketSource:
             self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
                                         message=f"{self.path}: expected an event line: {exc}"))
 
-    def poll(self) -> list[s.Event]:
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         out = []
         queue = self._queue
-        while queue:
+        while queue and (limit is None or len(out) < limit):
             out.append(queue.popleft())
         return out
 
@@ -272,7 +272,8 @@ class ProcessSource:
     def now_ns(self) -> int:
         return time.time_ns()
 
-    def poll(self) -> list[s.Event]:
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        """One sampling of the tree when due (``limit`` is moot: a sampling is small)."""
         out, self._pending = self._pending, []
         now = time.time_ns()
         if self.finished or now - self._last_ns < self._period_ns:
@@ -373,7 +374,7 @@ class DemoSource:
     def now_ns(self) -> int:
         return time.time_ns()
 
-    def poll(self) -> list[s.Event]:
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         out, self._pending = self._pending, []
         if self._socket is None:
             path = find_agent_socket(self.child.pid)
@@ -384,7 +385,7 @@ class DemoSource:
                                              hint=f"demo agent socket did not appear; see {self.output_path}"))
                 self._deadline = float("inf")
         if self._socket is not None:
-            out.extend(self._socket.poll())
+            out.extend(self._socket.poll(limit))
             self.header = self._socket.header or self.header
         rc = self.child.poll()
         if rc is not None and not self.finished:

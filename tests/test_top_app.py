@@ -170,3 +170,17 @@ def test_main_screen_snapshot(snap_compare, logs, kind, size):
     """Main screen: `full` has GPU and shadow data; `bare` has no GPU and no shadow data."""
     app = make_app(logs[kind])
     assert snap_compare(app, terminal_size=size, run_before=_ready(app))
+
+
+async def test_end_key_jumps_to_the_end_of_the_log(logs):
+    app = make_app(logs["full"], seconds=0)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_snapshots(pilot, app)
+        await pilot.press("end")
+        for _ in range(200):
+            if app.snapshot.finished_source:
+                break
+            await pilot.pause(0.05)
+        assert app.snapshot.finished_source
+        assert app.snapshot.events == len(read_log(logs["full"]))
+        assert "END OF LOG" in str(app.status_line.render())

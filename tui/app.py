@@ -28,6 +28,7 @@ from kvdiag.livestate import LiveState
 from kvdiag.snapshot import Snapshot
 from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
 
+CHUNK_EVENTS = 20_000
 COMPACT_WIDTH = 110
 COMPACT_HEIGHT = 30
 
@@ -36,7 +37,7 @@ HELP = """\
 
   q          quit (an attached server keeps running; a demo started by top is stopped)
   p          pause / resume (a replayed log stops; a live view freezes)
-  f / F      seek forward 10 s / 60 s (log replay)
+  f / F      seek forward 10 s / 60 s (log replay); end: to the end of the log
   tab, ←/→   move focus between panels (shift+tab backwards)
   ↑/↓        move focus; in Requests, move the selection
   enter      details of the focused panel (the selected request in Requests)
@@ -105,6 +106,7 @@ class KvTopApp(App):
         Binding("r", "toggle_record", "record"),
         Binding("f", "seek(10)", "+10s"),
         Binding("F", "seek(60)", "+60s", show=False),
+        Binding("end", "seek(1e12)", "end of log", show=False),
         Binding("left,up", "app.focus_previous", "focus", show=False),
         Binding("right,down", "app.focus_next", "focus", show=False),
     ]
@@ -162,17 +164,22 @@ class KvTopApp(App):
             self._wake.clear()
 
     def tick(self, force: bool = False) -> None:
-        """Poll the source, fold its events, post a snapshot (unless paused)."""
+        """Poll the source, fold its events, post a snapshot (unless paused). Events are taken
+        in chunks so that a long seek never holds the lock (and the keys) for long."""
         try:
+            while True:
+                with self._lock:
+                    events = self.source.poll(CHUNK_EVENTS)
+                    if self.source.header is not None and self.state.header is None:
+                        self.state.set_header(self.source.header)
+                    if self.recorder is not None:
+                        for ev in events:
+                            self.recorder.record(ev)
+                    self.state.feed_all(events)
+                    self.doctor.record(events)
+                if len(events) < CHUNK_EVENTS:
+                    break
             with self._lock:
-                events = self.source.poll()
-                if self.source.header is not None and self.state.header is None:
-                    self.state.set_header(self.source.header)
-                if self.recorder is not None:
-                    for ev in events:
-                        self.recorder.record(ev)
-                self.state.feed_all(events)
-                self.doctor.record(events)
                 if self.source.paused and self.snapshot is not None and not force:
                     return
                 snap = self.state.snapshot(self.source.now_ns(), paused=self.source.paused,
