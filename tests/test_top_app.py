@@ -132,8 +132,9 @@ async def test_screenshot_and_recording(logs, tmp_path):
     async with app.run_test(size=(120, 36)) as pilot:
         await wait_snapshots(pilot, app)
         await pilot.press("s")
+        await pilot.press("s")  # same second (the test's clock is frozen): a second file, not an overwrite
         svgs = list(tmp_path.glob("*.svg"))
-        assert len(svgs) == 1 and "<svg" in svgs[0].read_text()[:500]
+        assert len(svgs) == 2 and all("<svg" in p.read_text()[:500] for p in svgs)
         await pilot.press("r")
         assert app.recorder is not None
         await pilot.press("f")  # the seek makes the source yield 10 s of events into the recording

@@ -265,8 +265,7 @@ class KvTopApp(App):
 
     def action_screenshot(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.fromtimestamp(self._wall_clock(), tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
-        path = self.save_screenshot(filename=f"kvdiag-top-{stamp}.svg", path=str(self.output_dir))
+        path = self.save_screenshot(filename=self._fresh_name("svg").name, path=str(self.output_dir))
         self.notify(f"screenshot saved: {path}")
 
     def action_toggle_record(self) -> None:
@@ -279,12 +278,20 @@ class KvTopApp(App):
                 self.recorder = None
             else:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
-                stamp = datetime.fromtimestamp(self._wall_clock(), tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
-                self.record_path = self.output_dir / f"kvdiag-top-{stamp}.jsonl"
+                self.record_path = self._fresh_name("jsonl")
                 header = self.source.header or make_header(engine="top-recording")
                 self.recorder = LogWriter(self.record_path, header)
                 self.notify(f"recording to {self.record_path}")
         self._status()
+
+    def _fresh_name(self, suffix: str) -> Path:
+        """kvdiag-top-<UTC time>[-n].<suffix> in the output folder, never an existing file."""
+        stamp = datetime.fromtimestamp(self._wall_clock(), tz=timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path, n = self.output_dir / f"kvdiag-top-{stamp}.{suffix}", 1
+        while path.exists():
+            n += 1
+            path = self.output_dir / f"kvdiag-top-{stamp}-{n}.{suffix}"
+        return path
 
     def on_unmount(self) -> None:
         self._wake.set()

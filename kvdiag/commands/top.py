@@ -41,6 +41,10 @@ def open_source(args: argparse.Namespace):
     """The event source the arguments ask for; raises SourceError with a one-line message."""
     from kvdiag import sources
 
+    demo_args = [a for a in args.demo_args if a != "--"]
+    if demo_args and (args.log or args.pid or args.socket):
+        raise sources.SourceError(f"unexpected arguments {' '.join(demo_args)!r} (they are for the demo, "
+                                  "which runs only without --log/--pid/--socket)")
     if args.interval <= 0:
         raise sources.SourceError(f"--interval must be positive, got {args.interval}")
     if args.log is not None:
@@ -53,7 +57,6 @@ def open_source(args: argparse.Namespace):
         return sources.SocketSource(args.socket)
     if args.pid is not None:
         return sources.attach(args.pid)
-    demo_args = [a for a in args.demo_args if a != "--"]
     return sources.DemoSource(demo_args, log_dir=args.output_dir)
 
 
