@@ -161,6 +161,18 @@ class PrefixHit(Event, tag="prefix_hit"):
     num_tokens: int = 0
 
 
+class BlockDeduplicated(Event, tag="block_deduplicated"):
+    """Right after its forward pass, a request found that a block it had just filled has the
+    same content key as an already cached block: it adopted ``block_id`` (the cached one) in
+    place of ``duplicate_block_id``, which it releases (a ``BlockReleased`` follows). Held-block
+    accounting: the request holds ``block_id`` from here on."""
+
+    request_id: RequestId
+    block_id: BlockId
+    duplicate_block_id: BlockId
+    block_hash: Optional[BlockHash] = None
+
+
 class BlockReleased(Event, tag="block_released"):
     """A request gave a block back. ``cached``: the block stays in the prefix cache
     (evictable) instead of returning to the free list."""
@@ -360,6 +372,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     BlockAllocated,
     BlockStored,
     PrefixHit,
+    BlockDeduplicated,
     BlockReleased,
     BlockEvicted,
     KVPoolSample,

@@ -1,0 +1,558 @@
+"""Engine adapter for transformers' continuous-batching engine and its paged KV cache.
+
+``install(sink)`` wraps methods of the engine's classes (``PagedAttentionCache``,
+``CacheAllocator`` and its subclasses, ``BlockLedger``, ``Scheduler``, ``RequestState``,
+``ContinuousBatchProcessor``, ``ContinuousBatchingManager``) so that every engine in the
+process, including the one running in the engine's own generation thread, reports schema
+events; ``uninstall()`` puts the original class attributes back (the same objects).
+
+What is observed, and where:
+
+- request lifecycle: ``add_request`` (arrival, with prompt token ids), the ``RequestState.status``
+  setter (leaving PENDING = scheduled), ``update_and_check_completion`` (first token),
+  ``Scheduler.finish_request`` / ``clear_cancelled_requests`` (finished / aborted);
+- KV blocks: ``allocate_cache_to_request`` (fresh blocks), ``search_prefix_match`` and
+  ``acquire_prefix_blocks`` (prefix hits), ``mark_complete_blocks`` (hash registration and
+  on-the-spot de-duplication), ``free_blocks`` (release, cached or not; ``no_cache`` =
+  preemption), ``BlockLedger.evict_cached_blocks`` (eviction);
+- steps: ``ContinuousBatchProcessor._generation_step`` (forward + sampling time, batch
+  composition) and a ``KVPoolSample`` at most every ``sample_interval_s``.
+
+The hooks do no per-token work beyond one wrapper call in ``update_and_check_completion``;
+block-level work happens only when blocks change hands. A hook that fails is counted and
+reported as a ``CollectorError``; it never propagates into the engine.
+
+Fault injection (testing only): with ``inject_leak_every=N`` the adapter really skips the
+engine's release of every N-th finished request's blocks (``Scheduler.finish_request`` drops
+the request without calling ``cache.free_blocks``), so the pool leaks as it would with a
+broken release path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+from kvdiag.schema import (
+    BlockAllocated,
+    BlockDeduplicated,
+    BlockEvicted,
+    BlockReleased,
+    BlockStored,
+    CollectorError,
+    EngineStep,
+    Event,
+    KVPoolInfo,
+    KVPoolSample,
+    PrefixHit,
+    RequestArrived,
+    RequestFinished,
+    RequestFirstToken,
+    RequestPreempted,
+    RequestScheduled,
+)
+from kvdiag.sinks import Sink
+
+COLLECTOR = "transformers-cb"
+_MASK63 = (1 << 63) - 1
+
+
+def fold_hash(block_hash: Optional[int]) -> Optional[int]:
+    """The engine's 64-bit blake2b block hash folded to 63 bits (fits an int64 column)."""
+    if block_hash is None:
+        return None
+    return (block_hash ^ (block_hash >> 63)) & _MASK63
+
+
+def _engine_classes() -> dict[str, type]:
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching import continuous_api, requests, scheduler
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+    from transformers.generation.continuous_batching.cache_allocators import full_attention, sliding_attention
+
+    return {
+        "PagedAttentionCache": cb_cache.PagedAttentionCache,
+        "CacheAllocator": cache_allocator.CacheAllocator,
+        "BlockLedger": cache_allocator.BlockLedger,
+        "FullAttentionCacheAllocator": full_attention.FullAttentionCacheAllocator,
+        "SlidingAttentionCacheAllocator": sliding_attention.SlidingAttentionCacheAllocator,
+        "Scheduler": scheduler.Scheduler,
+        "RequestState": requests.RequestState,
+        "RequestStatus": requests.RequestStatus,
+        "ContinuousBatchProcessor": continuous_api.ContinuousBatchProcessor,
+        "ContinuousBatchingManager": continuous_api.ContinuousBatchingManager,
+    }
+
+
+def patch_points() -> list[tuple[type, str]]:
+    """The (class, attribute) pairs the adapter replaces while installed."""
+    c = _engine_classes()
+    return [
+        (c["PagedAttentionCache"], "__init__"),
+        (c["PagedAttentionCache"], "search_prefix_match"),
+        (c["CacheAllocator"], "acquire_prefix_blocks"),
+        (c["CacheAllocator"], "mark_complete_blocks"),
+        (c["CacheAllocator"], "free_blocks"),
+        (c["FullAttentionCacheAllocator"], "allocate_cache_to_request"),
+        (c["SlidingAttentionCacheAllocator"], "allocate_cache_to_request"),
+        (c["BlockLedger"], "evict_cached_blocks"),
+        (c["Scheduler"], "finish_request"),
+        (c["Scheduler"], "clear_cancelled_requests"),
+        (c["RequestState"], "status"),
+        (c["RequestState"], "update_and_check_completion"),
+        (c["ContinuousBatchProcessor"], "_generation_step"),
+        (c["ContinuousBatchingManager"], "add_request"),
+    ]
+
+
+class _Request:
+    """What the adapter remembers about a live request (times are wall-clock ns)."""
+
+    __slots__ = ("arrived_ns", "first_token_ns", "cached_tokens", "prompt_tokens")
+
+    def __init__(self, arrived_ns: int, prompt_tokens: int) -> None:
+        self.arrived_ns = arrived_ns
+        self.first_token_ns: Optional[int] = None
+        self.cached_tokens = 0
+        self.prompt_tokens = prompt_tokens
+
+
+class TransformersCBAdapter:
+    """Turns the engine's cache and scheduling calls into schema events sent to ``sink``."""
+
+    def __init__(self, sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
+                 record_token_ids: bool = True) -> None:
+        self.sink = sink
+        self.sample_interval_ns = int(sample_interval_s * 1e9)
+        self.inject_leak_every = inject_leak_every
+        self.record_token_ids = record_token_ids
+        self.leaked_requests: list[str] = []
+        self.error_count = 0
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._originals: list[tuple[type, str, Any, bool]] = []
+        self._step_id = 0
+        self._finished_count = 0
+        self._last_sample_ns = 0
+        self._processor_ref: Optional[weakref.ref] = None
+        self._reported_errors: set[str] = set()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def _emit(self, event: Event) -> None:
+        try:
+            self.sink.record(event)
+        except Exception:  # a sink must never break the engine
+            self.error_count += 1
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        self.error_count += 1
+        key = f"{where}: {type(exc).__name__}"
+        if key not in self._reported_errors:
+            self._reported_errors.add(key)
+            self._emit(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
+                                      message=f"{key}: {exc}"))
+
+    def _request(self, request_id: str) -> Optional[_Request]:
+        return self._requests.get(request_id)
+
+    @staticmethod
+    def _free_blocks_of(allocator) -> int:
+        pool = allocator.pool
+        return len(pool.free_sectors) * allocator.blocks_per_sector + pool.count_free_blocks(allocator.index)
+
+    # ------------------------------------------------------------------ install
+
+    def install(self) -> "TransformersCBAdapter":
+        """Wrap the engine's methods; idempotent per adapter, exclusive per process."""
+        if self.installed:
+            return self
+        global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE is not self:
+            raise RuntimeError("another transformers-cb adapter is installed; uninstall it first")
+        c = _engine_classes()
+        wrappers = self._wrappers(c)
+        for cls, name in patch_points():
+            own = name in cls.__dict__
+            original = cls.__dict__[name] if own else getattr(cls, name)
+            self._originals.append((cls, name, original, own))
+            setattr(cls, name, wrappers[(cls.__name__, name)](original))
+        _ACTIVE = self
+        return self
+
+    def uninstall(self) -> None:
+        """Put back the original class attributes, exactly as they were."""
+        global _ACTIVE
+        for cls, name, original, own in reversed(self._originals):
+            if own:
+                setattr(cls, name, original)
+            else:
+                delattr(cls, name)
+        self._originals.clear()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def sample_now(self) -> None:
+        """Emit a ``KVPoolSample`` of the last engine seen (e.g. before the log closes)."""
+        processor = self._processor_ref() if self._processor_ref is not None else None
+        if processor is not None:
+            self._sample(processor, time.time_ns())
+
+    # ------------------------------------------------------------------ wrappers
+
+    def _wrappers(self, c: dict[str, type]) -> dict[tuple[str, str], Callable]:
+        adapter = self
+        status_enum = c["RequestStatus"]
+        pending, finished_min, failed = status_enum.PENDING, status_enum.FINISHED, status_enum.FAILED
+
+        def wrap_cache_init(orig):
+            def __init__(self, *args, **kwargs):
+                orig(self, *args, **kwargs)
+                try:
+                    adapter._on_cache_created(self)
+                except Exception as exc:
+                    adapter._failed("PagedAttentionCache.__init__", exc)
+            return __init__
+
+        def wrap_search_prefix_match(orig):
+            def search_prefix_match(self, request_id, prompt_ids):
+                matched = orig(self, request_id, prompt_ids)
+                if matched:
+                    req = adapter._request(request_id)
+                    if req is not None:
+                        req.cached_tokens = matched
+                return matched
+            return search_prefix_match
+
+        def wrap_acquire_prefix_blocks(orig):
+            def acquire_prefix_blocks(self, request_id, prefix_len, block_ids):
+                orig(self, request_id, prefix_len, block_ids)
+                try:
+                    now = time.time_ns()
+                    block_to_hash = self.ledger.block_to_hash
+                    page = self.tokens_per_page
+                    for block_id in self.block_table.get(request_id, ()):
+                        adapter._emit(PrefixHit(ts_ns=now, request_id=request_id, block_id=block_id,
+                                                block_hash=fold_hash(block_to_hash.get(block_id)),
+                                                num_tokens=page))
+                except Exception as exc:
+                    adapter._failed("acquire_prefix_blocks", exc)
+            return acquire_prefix_blocks
+
+        def wrap_mark_complete_blocks(orig):
+            def mark_complete_blocks(self, request_id, token_ids, new_new_blocks):
+                table = self.block_table.get(request_id)
+                before = list(table) if table is not None else []
+                block_to_hash = self.ledger.block_to_hash
+                hashed_before = 0
+                for block_id in before:
+                    if block_id not in block_to_hash:
+                        break
+                    hashed_before += 1
+                orig(self, request_id, token_ids, new_new_blocks)
+                try:
+                    adapter._on_marked(self, request_id, token_ids, before, hashed_before)
+                except Exception as exc:
+                    adapter._failed("mark_complete_blocks", exc)
+            return mark_complete_blocks
+
+        def wrap_free_blocks(orig):
+            def free_blocks(self, request_id, no_cache=False):
+                held = list(self.block_table.get(request_id, ()))
+                orig(self, request_id, no_cache)
+                if held:
+                    try:
+                        adapter._on_freed(self, request_id, held, no_cache)
+                    except Exception as exc:
+                        adapter._failed("free_blocks", exc)
+            return free_blocks
+
+        def wrap_allocate(orig):
+            def allocate_cache_to_request(self, request_id, past_length, query_length):
+                table = self.block_table.get(request_id)
+                start = len(table) if table is not None else 0
+                orig(self, request_id, past_length, query_length)
+                table = self.block_table.get(request_id)
+                if table is not None and len(table) > start:
+                    try:
+                        now = time.time_ns()
+                        free = adapter._free_blocks_of(self)
+                        fresh = table[start:]
+                        for i, block_id in enumerate(fresh):
+                            adapter._emit(BlockAllocated(ts_ns=now, request_id=request_id, block_id=block_id,
+                                                         num_blocks_free=free + len(fresh) - 1 - i))
+                    except Exception as exc:
+                        adapter._failed("allocate_cache_to_request", exc)
+            return allocate_cache_to_request
+
+        def wrap_evict(orig):
+            def evict_cached_blocks(self):
+                hashes = {block_id: self.block_to_hash.get(block_id) for block_id in self.cached_blocks}
+                evicted = orig(self)
+                try:
+                    now = time.time_ns()
+                    for block_id in evicted:
+                        adapter._emit(BlockEvicted(ts_ns=now, block_id=block_id,
+                                                   block_hash=fold_hash(hashes.get(block_id))))
+                except Exception as exc:
+                    adapter._failed("evict_cached_blocks", exc)
+                return evicted
+            return evict_cached_blocks
+
+        def wrap_finish_request(orig):
+            def finish_request(self, request_id):
+                state = self.active_requests.get(request_id)
+                leak = False
+                if adapter.inject_leak_every > 0:
+                    adapter._finished_count += 1
+                    leak = adapter._finished_count % adapter.inject_leak_every == 0
+                if leak:  # fault injection: really skip the engine's release path
+                    self.active_requests.pop(request_id, None)
+                    adapter.leaked_requests.append(request_id)
+                else:
+                    orig(self, request_id)
+                try:
+                    adapter._on_finished(request_id, state, "failed" if state is not None
+                                         and state.status == failed else "finished")
+                except Exception as exc:
+                    adapter._failed("finish_request", exc)
+            return finish_request
+
+        def wrap_clear_cancelled(orig):
+            def clear_cancelled_requests(self):
+                states = orig(self)
+                try:
+                    for state in states:
+                        adapter._on_finished(state.request_id, state, "aborted")
+                except Exception as exc:
+                    adapter._failed("clear_cancelled_requests", exc)
+                return states
+            return clear_cancelled_requests
+
+        def wrap_status(orig_property):
+            fget, fset = orig_property.fget, orig_property.fset
+
+            def set_status(self, value):
+                old = self._status
+                fset(self, value)
+                if old == pending and value != pending and value < finished_min:
+                    try:
+                        adapter._on_scheduled(self.request_id)
+                    except Exception as exc:
+                        adapter._failed("RequestState.status", exc)
+            return property(fget, set_status, orig_property.fdel, orig_property.__doc__)
+
+        def wrap_update(orig):
+            def update_and_check_completion(self, token_id, logprob):
+                first = not self.generated_tokens
+                done = orig(self, token_id, logprob)
+                if first and self.generated_tokens:
+                    try:
+                        adapter._on_first_token(self.request_id)
+                    except Exception as exc:
+                        adapter._failed("update_and_check_completion", exc)
+                return done
+            return update_and_check_completion
+
+        def wrap_generation_step(orig):
+            def _generation_step(self, model):
+                start_ns = time.time_ns()
+                t0 = time.perf_counter_ns()
+                orig(self, model)
+                duration_ns = time.perf_counter_ns() - t0
+                try:
+                    adapter._on_step(self, start_ns, duration_ns)
+                except Exception as exc:
+                    adapter._failed("_generation_step", exc)
+            return _generation_step
+
+        def wrap_add_request(orig):
+            def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+                now = time.time_ns()
+                if request_id is not None:
+                    adapter._on_arrived(request_id, input_ids, max_new_tokens, now)
+                rid = orig(self, input_ids, request_id, max_new_tokens, *args, **kwargs)
+                try:
+                    if request_id is None and rid is not None:
+                        adapter._on_arrived(rid, input_ids, max_new_tokens, now)
+                    elif rid is None and request_id is not None:  # the engine refused it
+                        adapter._on_finished(request_id, None, "failed")
+                except Exception as exc:
+                    adapter._failed("add_request", exc)
+                return rid
+            return add_request
+
+        return {
+            ("PagedAttentionCache", "__init__"): wrap_cache_init,
+            ("PagedAttentionCache", "search_prefix_match"): wrap_search_prefix_match,
+            ("CacheAllocator", "acquire_prefix_blocks"): wrap_acquire_prefix_blocks,
+            ("CacheAllocator", "mark_complete_blocks"): wrap_mark_complete_blocks,
+            ("CacheAllocator", "free_blocks"): wrap_free_blocks,
+            ("FullAttentionCacheAllocator", "allocate_cache_to_request"): wrap_allocate,
+            ("SlidingAttentionCacheAllocator", "allocate_cache_to_request"): wrap_allocate,
+            ("BlockLedger", "evict_cached_blocks"): wrap_evict,
+            ("Scheduler", "finish_request"): wrap_finish_request,
+            ("Scheduler", "clear_cancelled_requests"): wrap_clear_cancelled,
+            ("RequestState", "status"): wrap_status,
+            ("RequestState", "update_and_check_completion"): wrap_update,
+            ("ContinuousBatchProcessor", "_generation_step"): wrap_generation_step,
+            ("ContinuousBatchingManager", "add_request"): wrap_add_request,
+        }
+
+    # ------------------------------------------------------------------ event builders
+
+    def _on_cache_created(self, cache) -> None:
+        from transformers.generation.continuous_batching.utils import find_head_dim
+
+        allocators = list(cache.cache_allocators.values())
+        first = allocators[0]
+        self._emit(KVPoolInfo(
+            ts_ns=time.time_ns(),
+            num_blocks=int(cache.num_blocks),
+            block_size_tokens=int(first.tokens_per_page),
+            block_bytes=int(sum(a.bytes_per_block for a in allocators)),
+            num_layers=int(cache.config.num_hidden_layers),
+            num_kv_heads=int(getattr(first, "num_key_value_heads", 0)),
+            head_dim=int(find_head_dim(cache.config)),
+            dtype=str(cache.dtype).replace("torch.", ""),
+            prefix_sharing=bool(cache.use_prefix_sharing),
+        ))
+
+    def _on_arrived(self, request_id: str, input_ids, max_new_tokens, now: int) -> None:
+        token_ids = [int(t) for t in input_ids]
+        with self._lock:
+            self._requests[request_id] = _Request(now, len(token_ids))
+        self._emit(RequestArrived(ts_ns=now, request_id=request_id, prompt_tokens=len(token_ids),
+                                  max_new_tokens=max_new_tokens,
+                                  token_ids=token_ids if self.record_token_ids else None))
+
+    def _on_scheduled(self, request_id: str) -> None:
+        now = time.time_ns()
+        req = self._request(request_id)
+        self._emit(RequestScheduled(ts_ns=now, request_id=request_id,
+                                    queue_ns=None if req is None else now - req.arrived_ns))
+
+    def _on_first_token(self, request_id: str) -> None:
+        now = time.time_ns()
+        req = self._request(request_id)
+        if req is None:
+            return
+        req.first_token_ns = now
+        self._emit(RequestFirstToken(ts_ns=now, request_id=request_id, ttft_ns=now - req.arrived_ns))
+
+    def _on_finished(self, request_id: str, state, status: str) -> None:
+        now = time.time_ns()
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        prompt = req.prompt_tokens if req is not None else len(getattr(state, "initial_tokens", ()) or ())
+        output = len(state.generated_tokens) if state is not None else 0
+        self._emit(RequestFinished(
+            ts_ns=now, request_id=request_id, prompt_tokens=prompt, output_tokens=output,
+            cached_prompt_tokens=req.cached_tokens if req is not None else 0, status=status,
+            e2e_ns=None if req is None else now - req.arrived_ns,
+            ttft_ns=None if req is None or req.first_token_ns is None else req.first_token_ns - req.arrived_ns,
+        ))
+
+    def _on_marked(self, allocator, request_id: str, token_ids, before: list, hashed_before: int) -> None:
+        table = allocator.block_table.get(request_id)
+        if table is None:
+            return
+        now = time.time_ns()
+        ledger = allocator.ledger
+        page = allocator.tokens_per_page
+        for i in range(len(before)):
+            old, new = before[i], table[i]
+            if old != new:  # de-duplicated: the request adopted an identical, already hashed block
+                self._emit(BlockDeduplicated(ts_ns=now, request_id=request_id, block_id=new,
+                                             duplicate_block_id=old,
+                                             block_hash=fold_hash(ledger.block_to_hash.get(new))))
+                self._emit(BlockReleased(ts_ns=now, request_id=request_id, block_id=old,
+                                         cached=old in ledger.block_to_hash,
+                                         num_blocks_free=self._free_blocks_of(allocator)))
+        parent = ledger.block_to_hash.get(table[hashed_before - 1]) if hashed_before else None
+        for i in range(hashed_before, len(table)):
+            block_id = table[i]
+            block_hash = ledger.block_to_hash.get(block_id)
+            if block_hash is None:
+                break
+            if i >= len(before) or before[i] == block_id:  # newly registered under its own id
+                self._emit(BlockStored(
+                    ts_ns=now, block_id=block_id, block_hash=fold_hash(block_hash),
+                    parent_hash=fold_hash(parent), num_tokens=page, request_id=request_id,
+                    token_ids=[int(t) for t in token_ids[i * page:(i + 1) * page]]
+                    if self.record_token_ids else None))
+            parent = block_hash
+
+    def _on_freed(self, allocator, request_id: str, held: list, no_cache: bool) -> None:
+        now = time.time_ns()
+        block_to_hash = allocator.ledger.block_to_hash
+        free = self._free_blocks_of(allocator)
+        if no_cache:
+            self._emit(RequestPreempted(ts_ns=now, request_id=request_id, blocks_freed=len(held)))
+        for block_id in held:
+            self._emit(BlockReleased(ts_ns=now, request_id=request_id, block_id=block_id,
+                                     cached=block_id in block_to_hash, num_blocks_free=free))
+
+    def _on_step(self, processor, start_ns: int, duration_ns: int) -> None:
+        prefill = decode = 0
+        batch = getattr(processor.inputs_and_outputs, "requests_in_batch", ()) or ()
+        for future in batch:
+            q = future.query_length
+            if q == 1 and future.state.generated_tokens:
+                decode += 1
+            else:
+                prefill += q
+        phase = "mixed" if prefill and decode else ("decode" if decode else "prefill")
+        self._emit(EngineStep(ts_ns=start_ns, step_id=self._step_id, phase=phase, batch_size=len(batch),
+                              num_tokens=prefill + decode, duration_ns=duration_ns,
+                              prefill_tokens=prefill, decode_tokens=decode))
+        self._step_id += 1
+        now = start_ns + duration_ns
+        if now - self._last_sample_ns >= self.sample_interval_ns:
+            if self._processor_ref is None or self._processor_ref() is not processor:
+                self._processor_ref = weakref.ref(processor)
+            self._sample(processor, now)
+
+    def _sample(self, processor, now: int) -> None:
+        self._last_sample_ns = now
+        cache, scheduler = processor.cache, processor.scheduler
+        free = cached = 0
+        for allocator in cache.cache_allocators.values():
+            free += self._free_blocks_of(allocator)
+            cached += len(allocator.ledger.cached_blocks)
+        # the pool counts free sectors once, not once per allocator
+        num_blocks = int(cache.num_blocks)
+        active = list(scheduler.active_requests.values())
+        self._emit(KVPoolSample(
+            ts_ns=now, num_blocks=num_blocks, blocks_used=max(0, num_blocks - free - cached),
+            blocks_cached=cached, blocks_free=free,
+            tokens_held=sum(s.current_len() for s in active),
+            running_requests=len(active), waiting_requests=len(scheduler.waiting_requests)))
+
+
+_ACTIVE: Optional[TransformersCBAdapter] = None
+
+
+def install(sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
+            record_token_ids: bool = True) -> TransformersCBAdapter:
+    """Install a new adapter that sends events to ``sink``; returns it (call ``.uninstall()``)."""
+    return TransformersCBAdapter(sink, sample_interval_s=sample_interval_s,
+                                 inject_leak_every=inject_leak_every,
+                                 record_token_ids=record_token_ids).install()
+
+
+def installed_adapter() -> Optional[TransformersCBAdapter]:
+    """The adapter currently installed in this process, if any."""
+    return _ACTIVE
+
+
+def uninstall() -> None:
+    """Uninstall the active adapter, if any."""
+    if _ACTIVE is not None:
+        _ACTIVE.uninstall()

@@ -1,0 +1,235 @@
+"""The in-process agent: observes the engine running in this process and records what it sees.
+
+``start()`` installs the transformers continuous-batching adapter, writes the events to an
+event log (``LogWriter``) and serves them live to local clients over a Unix socket.
+
+Live stream protocol: a client connects to the socket (mode 0600, in the runtime dir, path
+``kvdiag.paths.agent_socket_path(pid)`` unless given) and reads JSON lines: first the
+``LogHeader``, then every event as it happens (the same JSON as a log line). A client that
+reads too slowly loses events (counted; the agent never blocks the engine). There is no TCP
+listener.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+
+from kvdiag.paths import agent_socket_path
+from kvdiag.schema import Event, LogHeader
+from kvdiag.sinks import FanoutSink, Sink
+
+ENGINE = "transformers-cb"
+
+
+class LiveSocketSink:
+    """A Sink that streams events as JSON lines to every client of a Unix socket."""
+
+    def __init__(self, path: Path, header: LogHeader, max_pending: int = 50_000) -> None:
+        self.path = Path(path)
+        self.dropped_events = 0
+        self._encoder = msgspec.json.Encoder()
+        self._header_line = self._encoder.encode(header) + b"\n"
+        self._pending: deque[Event] = deque()
+        self._max_pending = max_pending
+        self._clients: list[socket.socket] = []
+        self._clients_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        if self.path.exists() or self.path.is_symlink():
+            self.path.unlink()
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            self._server.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        self._server.listen(8)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvdiag-agent-accept",
+                                               daemon=True)
+        self._send_thread = threading.Thread(target=self._send_loop, name="kvdiag-agent-send", daemon=True)
+        self._accept_thread.start()
+        self._send_thread.start()
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._clients)
+
+    def record(self, event: Event) -> None:
+        if not self._clients:  # nobody listening: nothing to do on the hot path
+            return
+        if len(self._pending) >= self._max_pending:
+            self.dropped_events += 1
+            return
+        self._pending.append(event)
+        self._wake.set()
+
+    def flush(self) -> None:
+        self._wake.set()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                conn.sendall(self._header_line)
+            except OSError:
+                conn.close()
+                continue
+            with self._clients_lock:
+                self._clients.append(conn)
+
+    def _send_loop(self) -> None:
+        while not self._closed or self._pending:
+            self._wake.wait(timeout=0.2)
+            self._wake.clear()
+            if not self._pending:
+                continue
+            lines = []
+            while self._pending:
+                lines.append(self._encoder.encode(self._pending.popleft()))
+            payload = b"\n".join(lines) + b"\n"
+            with self._clients_lock:
+                clients = list(self._clients)
+            for conn in clients:
+                try:
+                    conn.sendall(payload)
+                except OSError:
+                    with self._clients_lock:
+                        if conn in self._clients:
+                            self._clients.remove(conn)
+                    conn.close()
+
+    def close(self) -> None:
+        """Send what is pending, close every client and remove the socket file."""
+        self._closed = True
+        self._wake.set()
+        self._send_thread.join(timeout=2)
+        try:
+            self._server.close()
+        except OSError:
+            pass
+        with self._clients_lock:
+            for conn in self._clients:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                conn.close()
+            self._clients.clear()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def bytes_per_token_of(model_dir: Optional[str]) -> Optional[int]:
+    """KV bytes of one token over all layers, K and V, from a HF folder's config.json (fp32 assumed
+    unless the config says otherwise)."""
+    if not model_dir:
+        return None
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return None
+    cfg = msgspec.json.decode(config_path.read_bytes())
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 2 * layers * kv_heads * head_dim * 4
+
+
+class Agent:
+    """One recording session: adapter + log writer + live socket. Use ``start()``/``stop()``."""
+
+    def __init__(self, log_path: Optional[str] = None, socket_path: Optional[str] = None,
+                 live: bool = True, model: str = "", block_size_tokens: Optional[int] = None,
+                 inject_leak_every: int = 0, sample_interval_s: float = 0.5,
+                 record_token_ids: bool = True, extra: Optional[dict] = None) -> None:
+        self.log_path = Path(log_path) if log_path else None
+        self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
+        from kvdiag.eventlog import make_header
+
+        self.header = make_header(engine=ENGINE, model=str(model), block_size_tokens=block_size_tokens,
+                                  bytes_per_token=bytes_per_token_of(model), extra=dict(extra or {}))
+        self._inject_leak_every = inject_leak_every
+        self._sample_interval_s = sample_interval_s
+        self._record_token_ids = record_token_ids
+        self.writer = None
+        self.live: Optional[LiveSocketSink] = None
+        self.adapter = None
+
+    def start(self) -> "Agent":
+        from kvdiag.collectors.transformers_cb import install
+
+        sinks: list[Sink] = []
+        if self.log_path is not None:
+            from kvdiag.eventlog import LogWriter
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.writer = LogWriter(str(self.log_path), self.header)
+            sinks.append(self.writer)
+        if self.socket_path is not None:
+            self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.live = LiveSocketSink(self.socket_path, self.header)
+            sinks.append(self.live)
+        self.adapter = install(FanoutSink(sinks), sample_interval_s=self._sample_interval_s,
+                               inject_leak_every=self._inject_leak_every,
+                               record_token_ids=self._record_token_ids)
+        return self
+
+    def stop(self) -> None:
+        """Take a last pool sample, uninstall the hooks, flush and close the log and the socket."""
+        if self.adapter is not None:
+            try:
+                self.adapter.sample_now()
+            finally:
+                self.adapter.uninstall()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.live is not None:
+            self.live.close()
+            self.live = None
+
+
+_AGENT: Optional[Agent] = None
+
+
+def start(log_path: Optional[str] = None, socket: bool = True, socket_path: Optional[str] = None,
+          **kwargs) -> Agent:
+    """Start the agent in this process (call before the engine creates its cache).
+
+    ``log_path``: event log to write (``.gz`` for gzip; None = no log); ``socket``: serve live
+    events on a Unix socket (``socket_path`` or the default per-pid path). Other keyword
+    arguments go to :class:`Agent` (``model``, ``block_size_tokens``, ``inject_leak_every``,
+    ``sample_interval_s``, ``record_token_ids``, ``extra``)."""
+    global _AGENT
+    if _AGENT is not None:
+        raise RuntimeError("the kvdiag agent is already running in this process")
+    _AGENT = Agent(log_path=log_path, socket_path=socket_path, live=socket, **kwargs).start()
+    return _AGENT
+
+
+def stop() -> None:
+    """Stop the agent started with :func:`start` (no-op if none)."""
+    global _AGENT
+    if _AGENT is not None:
+        agent, _AGENT = _AGENT, None
+        agent.stop()
+
+
+def current() -> Optional[Agent]:
+    """The running agent of this process, if any."""
+    return _AGENT

@@ -1,0 +1,298 @@
+"""`kvdiag demo`: serve the embedded real model under the kvdiag agent and drive it with chat traffic.
+
+The server is transformers' own continuous-batching engine (``transformers serve
+--continuous-batching``, CPU, fp32) started as a child process under ``python -m kvdiag.run``,
+with its KV cache sized explicitly (``--num-blocks`` blocks of ``--page-size`` tokens). The
+traffic generator sends customer-service chats over the OpenAI-style HTTP API; a live line
+shows requests done, generated tokens/s, KV blocks in use and the prefix-cache hit rate
+(prompt tokens served from the cache / prompt tokens, from the agent's live stream). The
+server is stopped cleanly at the end so that the event log is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from kvdiag.model import ModelFetchError, resolve_model
+from kvdiag.paths import log_dir, runtime_dir
+from kvdiag.traffic import Result, TrafficDriver, TrafficPlan, chat
+
+DESCRIPTION = __doc__
+
+DEFAULT_PAGE_SIZE = 32
+DEFAULT_NUM_BLOCKS = 256
+# On a CPU with SDPA the engine packs a step's prompts into one sequence with a dense mask, so a
+# step's attention costs grow with the square of its tokens: keep steps small
+DEFAULT_MAX_BATCH_TOKENS = 256
+READY_TIMEOUT_S = 180.0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--requests", type=int, metavar="N", help="send N chat requests (default 24)")
+    parser.add_argument("--duration", type=float, metavar="S", help="send requests for S seconds instead")
+    parser.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (Poisson)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the traffic generator")
+    parser.add_argument("--max-tokens", type=int, default=32, help="max generated tokens per answer")
+    parser.add_argument("--long-share", type=float, default=0.3,
+                        help="share of conversations that open with a long (>512 tokens) prompt")
+    parser.add_argument("--model", metavar="DIR", help="a local HF causal-LM folder (default: SmolLM2, "
+                        "see `kvdiag fetch-model`)")
+    parser.add_argument("--log", metavar="PATH", help="event log to write (.gz for gzip; default: "
+                        "<cache>/logs/demo-<time>.kvlog)")
+    parser.add_argument("--port", type=int, default=0, help="HTTP port of the server (default: a free one)")
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="KV block size, tokens")
+    parser.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks in the pool")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="tokens per engine step; long prompts are prefilled in chunks of this size")
+    parser.add_argument("--ask", metavar="TEXT", help="first ask this one question and print the answer")
+    parser.add_argument("--inject-leak", type=int, default=0, metavar="N",
+                        help="FAULT INJECTION for testing leak detection: the agent skips the engine's "
+                             "release of every N-th finished request's KV blocks (a real leak)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the server (default 1: stable on a shared CPU; 0: torch's default)")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the demo process dies, so no server is left behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _default_log_path() -> Path:
+    return log_dir() / time.strftime("demo-%Y%m%d-%H%M%S.kvlog")
+
+
+class LiveStats:
+    """Folds the agent's live event stream into the numbers of the live line."""
+
+    def __init__(self) -> None:
+        self.blocks_used = 0
+        self.blocks_cached = 0
+        self.num_blocks = 0
+        self.peak_blocks_used = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.finished = 0
+        self.connected = False
+        self._sock: Optional[socket.socket] = None
+
+    @property
+    def prefix_hit_rate(self) -> Optional[float]:
+        """Prompt tokens served from the prefix cache / prompt tokens, over finished requests."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    def follow(self, path: Path) -> None:
+        """Read the socket in a daemon thread until it closes."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(path))
+        self._sock = sock
+        self.connected = True
+        threading.Thread(target=self._read, args=(sock,), name="kvdiag-demo-live", daemon=True).start()
+
+    def _read(self, sock: socket.socket) -> None:
+        with sock.makefile("rb") as stream:
+            for line in stream:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                kind = ev.get("type")
+                if kind == "kv_pool_sample":
+                    self.blocks_used = ev["blocks_used"]
+                    self.blocks_cached = ev.get("blocks_cached", 0)
+                    self.num_blocks = ev["num_blocks"]
+                    self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
+                elif kind == "kv_pool_info":
+                    self.num_blocks = ev["num_blocks"]
+                elif kind == "request_finished":
+                    self.finished += 1
+                    self.prompt_tokens += ev["prompt_tokens"]
+                    self.cached_prompt_tokens += ev.get("cached_prompt_tokens", 0)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+
+class DemoServer:
+    """The child process: ``python -m kvdiag.run ... -- transformers serve MODEL ...``."""
+
+    def __init__(self, model_dir: Path, log_path: Path, port: int, page_size: int, num_blocks: int,
+                 max_batch_tokens: int, inject_leak: int, threads: int) -> None:
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.socket_path = runtime_dir() / f"demo-{os.getpid()}-{port}.sock"
+        self.server_log = log_path.with_name(log_path.name + ".server.txt")
+        self.command = [
+            sys.executable, "-m", "kvdiag.run", "--log", str(log_path), "--socket", str(self.socket_path),
+            "--model", str(model_dir), "--page-size", str(page_size),
+            *(["--inject-leak", str(inject_leak)] if inject_leak else []),
+            "--", "transformers", "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
+            "--dtype", "float32", "--attn-implementation", "sdpa", "--host", "127.0.0.1",
+            "--port", str(port), "--cb-block-size", str(page_size), "--cb-num-blocks", str(num_blocks),
+            "--cb-max-batch-tokens", str(max_batch_tokens),
+            "--log-level", "warning",
+        ]
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+        if threads > 0:
+            self.env["OMP_NUM_THREADS"] = self.env["MKL_NUM_THREADS"] = str(threads)
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.server_log, "wb")
+        self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        out.close()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}; "
+                                   f"see {self.server_log}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as resp:
+                    if resp.status == 200 and self.socket_path.exists():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s; see {self.server_log}")
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.server_log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (uvicorn's graceful shutdown, then the agent flushes the log and the wrapper
+        exits 143); escalate to SIGINT (uvicorn's forced exit), then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0)):
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.returncode
+
+
+def _live_line(done: int, total: Optional[int], tokens: int, elapsed_s: float, stats: LiveStats) -> str:
+    rate = stats.prefix_hit_rate
+    pool = f"{stats.blocks_used}/{stats.num_blocks} (+{stats.blocks_cached} cached)" if stats.num_blocks else "-"
+    of = f"/{total}" if total else ""
+    return (f"requests {done}{of} | {tokens / elapsed_s if elapsed_s > 0 else 0.0:5.1f} tok/s | "
+            f"KV blocks {pool} | prefix hit {'-' if rate is None else f'{rate:.0%}'}")
+
+
+def run(args) -> int:
+    if args.requests is not None and args.requests <= 0:
+        print("kvdiag demo: --requests: expected a positive number", file=sys.stderr)
+        return 2
+    if args.requests is None and args.duration is None:
+        args.requests = 24
+    try:
+        model_dir = resolve_model(args.model)
+        plan = TrafficPlan(seed=args.seed, rate_per_s=args.rate, long_share=args.long_share)
+    except (ModelFetchError, ValueError) as exc:
+        print(f"kvdiag demo: {exc}", file=sys.stderr)
+        return 2
+    log_path = Path(args.log).expanduser().resolve() if args.log else _default_log_path()
+    server = DemoServer(model_dir, log_path, args.port or _free_port(), args.page_size, args.num_blocks,
+                        args.max_batch_tokens, args.inject_leak, args.threads)
+    stats = LiveStats()
+    tty = sys.stdout.isatty()
+    print(f"kvdiag demo: starting {model_dir.name} on transformers' continuous-batching engine "
+          f"(KV pool {args.num_blocks} blocks x {args.page_size} tokens), port {server.port}", flush=True)
+    server.start()
+    try:
+        try:
+            server.wait_ready()
+        except RuntimeError as exc:
+            print(f"kvdiag demo: {exc}", file=sys.stderr)
+            return 1
+        stats.follow(server.socket_path)
+        if args.ask:
+            answer = chat(server.base_url, str(model_dir), [{"role": "user", "content": args.ask}],
+                          args.max_tokens, "ask/t0")
+            print(f"Q: {args.ask}\nA: {answer['choices'][0]['message']['content']}", flush=True)
+
+        counters = {"done": 0, "failed": 0, "tokens": 0}
+        start = time.monotonic()
+
+        def on_result(result: Result) -> None:
+            counters["done"] += 1
+            counters["tokens"] += result.completion_tokens
+            if not result.ok:
+                counters["failed"] += 1
+
+        driver = TrafficDriver(server.base_url, str(model_dir), plan, max_tokens=args.max_tokens,
+                               on_result=on_result)
+        worker = threading.Thread(target=driver.run, kwargs={"num_requests": args.requests,
+                                                             "duration_s": args.duration}, daemon=True)
+        worker.start()
+        last_print = 0.0
+        while worker.is_alive():
+            worker.join(timeout=0.5)
+            now = time.monotonic()
+            if tty or now - last_print >= 5.0 or not worker.is_alive():
+                line = _live_line(counters["done"], args.requests, counters["tokens"], now - start, stats)
+                print(("\r" + line + "  ") if tty else line, end="" if tty else "\n", flush=True)
+                last_print = now
+        if tty:
+            print()
+        elapsed = time.monotonic() - start
+    except KeyboardInterrupt:
+        print("\nkvdiag demo: interrupted; stopping the server", file=sys.stderr)
+        server.stop()
+        stats.close()
+        print(f"event log: {log_path}")
+        return 130
+    code = server.stop()
+    stats.close()
+    results = driver.results
+    failed = [r for r in results if not r.ok]
+    long_count = sum(r.is_long for r in results)
+    print(f"done: {len(results) - len(failed)} requests answered ({long_count} long prompts), "
+          f"{len(failed)} failed, {counters['tokens']} tokens in {elapsed:.1f} s "
+          f"({counters['tokens'] / elapsed:.1f} tok/s)")
+    if stats.prefix_hit_rate is not None:
+        print(f"prefix cache: {stats.cached_prompt_tokens}/{stats.prompt_tokens} prompt tokens served from "
+              f"cache ({stats.prefix_hit_rate:.0%}); peak KV blocks used {stats.peak_blocks_used}/{stats.num_blocks}")
+    sample = next((r for r in results if r.ok and r.answer), None)
+    if sample is not None:
+        print(f"sample answer ({sample.request_id}): {sample.answer.strip()[:160]!r}")
+    if failed:
+        print(f"first failure: {failed[0].request_id}: {failed[0].error}", file=sys.stderr)
+    if code not in (0, 128 + signal.SIGTERM):
+        print(f"kvdiag demo: the server exited with code {code}; see {server.server_log}", file=sys.stderr)
+    print(f"event log: {log_path}")
+    return 1 if failed or not results else 0

@@ -1,0 +1,105 @@
+"""Run a Python server command with the kvdiag agent installed before its engine starts.
+
+    python -m kvdiag.run [--log PATH] [--socket PATH | --no-socket] -- transformers serve MODEL ...
+
+The command runs in this process: a console script (``transformers``), ``-m module`` or a
+``script.py`` (a leading ``python`` is dropped). On exit, including SIGINT/SIGTERM, the agent
+takes a last pool sample and flushes the log before the process ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+import threading
+from importlib import metadata
+from typing import Callable, Optional
+
+from kvdiag import agent
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" not in argv:
+        raise SystemExit("kvdiag.run: expected `-- <server command ...>` after the options")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m kvdiag.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log", help="event log to write (.gz for gzip)")
+    parser.add_argument("--socket", help="Unix socket for live events (default: runtime dir, per pid)")
+    parser.add_argument("--no-socket", action="store_true", help="do not serve live events")
+    parser.add_argument("--model", default="", help="model label or folder, recorded in the log header")
+    parser.add_argument("--page-size", type=int, help="KV block size in tokens, recorded in the header")
+    parser.add_argument("--inject-leak", type=int, default=0, metavar="N",
+                        help="FAULT INJECTION for testing: skip the engine's release of every N-th "
+                             "finished request's KV blocks (a real leak)")
+    parser.add_argument("--sample-interval", type=float, default=0.5, help="seconds between pool samples")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if not command:
+        raise SystemExit("kvdiag.run: expected a server command after `--`")
+    return args, command
+
+
+def resolve_command(command: list[str]) -> tuple[Callable[[], object], list[str]]:
+    """The callable that runs ``command`` in-process, and the ``sys.argv`` it should see."""
+    if os.path.basename(command[0]).startswith("python"):
+        command = command[1:]
+        if not command:
+            raise SystemExit("kvdiag.run: expected a module, script or console script after python")
+    head = command[0]
+    if head == "-m":
+        if len(command) < 2:
+            raise SystemExit("kvdiag.run: expected a module name after -m")
+        module = command[1]
+        return (lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)), [module] + command[2:]
+    if head.endswith(".py"):
+        return (lambda: runpy.run_path(head, run_name="__main__")), command
+    name = os.path.basename(head)
+    matches = metadata.entry_points(group="console_scripts", name=name)
+    for entry in matches:
+        return entry.load(), command
+    raise SystemExit(f"kvdiag.run: {head}: expected a Python console script, `-m module` or script.py")
+
+
+def _raise_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _leftover_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+            and t.is_alive()]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    target, target_argv = resolve_command(command)
+    agent.start(log_path=args.log, socket=not args.no_socket, socket_path=args.socket,
+                model=args.model, block_size_tokens=args.page_size,
+                inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
+                extra={"command": command})
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    code = 0
+    sys.argv = target_argv
+    try:
+        result = target()
+        code = result if isinstance(result, int) else 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        agent.stop()
+    if _leftover_threads():
+        # the engine's generation thread is not a daemon and the server does not always stop it;
+        # the log is flushed, so end the process instead of hanging
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

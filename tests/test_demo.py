@@ -1,0 +1,74 @@
+"""`kvdiag demo` end to end: the real server under the agent, real traffic, a consistent log.
+
+The log's events are checked against independent computations: the engine's own prefix
+matcher (transformers' ``compute_block_hash`` on each prompt's token ids, over the ledger
+replayed from the log), block counts from token counts, and the engine's ledger as the agent
+read it when it stopped (the last pool sample).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from demo_invariants import expected_blocks, replay, timestamps_problems
+from kvdiag.eventlog import read_log
+
+NUM_REQUESTS = int(os.environ.get("KVDIAG_TEST_DEMO_REQUESTS", "12"))
+MAX_TOKENS = 12
+PORT = 18150
+
+
+@pytest.fixture(scope="module")
+def demo_run(model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("demo") / "demo.kvlog"
+    cmd = [sys.executable, "-m", "kvdiag", "demo", "--requests", str(NUM_REQUESTS), "--seed", "1",
+           "--rate", "2", "--max-tokens", str(MAX_TOKENS), "--port", str(PORT), "--log", str(log_path),
+           "--ask", "What is the capital of France?"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    return proc, log_path
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_demo_ends_by_itself_and_answers_with_real_text(demo_run):
+    proc, log_path = demo_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    answer = next(line for line in proc.stdout.splitlines() if line.startswith("A: "))
+    assert "Paris" in answer
+    assert f"event log: {log_path}" in proc.stdout
+    assert "prefix hit" in proc.stdout
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_demo_log_is_consistent_with_the_engine(demo_run):
+    _, log_path = demo_run
+    log = read_log(log_path, strict=True)
+    assert not log.problems
+    assert log.header.engine == "transformers-cb" and log.header.bytes_per_token == 46080
+    r = replay(log_path)
+    assert not r.problems, r.problems[:5]
+    assert len(r.finished) == NUM_REQUESTS + 1  # the traffic and the --ask question
+    assert all(f.status == "finished" for f in r.finished.values())
+    # a production-like mix: long prompts, shared prefixes, several turns
+    prompts = log.frame("request_arrived")["prompt_tokens"]
+    assert (prompts > 512).any() and (prompts < 512).any()
+    assert sum(f.cached_prompt_tokens > 0 for f in r.finished.values()) >= NUM_REQUESTS // 3
+    assert any(rid.endswith("/t1") for rid in r.finished)
+    for rid, fin in r.finished.items():
+        # every block the request held is released (cached or not) when it finishes
+        assert r.held_at_finish[rid] == [], rid
+        # blocks per request = ceil(tokens written to the cache / page size)
+        assert r.blocks_at_finish[rid] == expected_blocks(fin.prompt_tokens, fin.output_tokens, r.page_size), rid
+        # prefix-hit tokens = what the engine's own matcher finds on the replayed ledger
+        assert fin.cached_prompt_tokens == r.prefix_hit_tokens.get(rid, 0) == r.expected_cached_tokens[rid], rid
+    # the engine's ledger as the agent read it at shutdown agrees with the replay
+    assert r.last_sample is not None
+    assert r.last_sample.blocks_used == 0
+    assert r.last_sample.blocks_cached == len(r.cached_blocks_at_end)
+    assert r.last_sample.blocks_free + r.last_sample.blocks_cached == r.last_sample.num_blocks
+    assert timestamps_problems(log_path) == []
