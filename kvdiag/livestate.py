@@ -497,8 +497,14 @@ class LiveState:
         used, cached = blocks if blocks else (None, None)
         block_occ = used / num_blocks if used is not None and num_blocks else None
         token_occ = None
+        inconsistency = ""
         if sample is not None and block_size and sample.blocks_used:
-            token_occ = sample.tokens_held / (sample.blocks_used * block_size)
+            slots = sample.blocks_used * block_size
+            token_occ = sample.tokens_held / slots
+            if token_occ > 1:  # more tokens than slots: the sampler counted shared blocks per request
+                inconsistency = (f"pool sample: {sample.tokens_held} tokens held > {slots} slots of "
+                                 f"{sample.blocks_used} used blocks; token occupancy not shown")
+                token_occ = None
         alloc = list(self.allocator.values())
         reserved = sum(a.reserved_bytes for a in alloc)
         alloc_frag = (reserved - sum(a.allocated_bytes for a in alloc)) / reserved if reserved else None
@@ -513,7 +519,8 @@ class LiveState:
             running_requests=sample.running_requests if sample else None,
             waiting_requests=sample.waiting_requests if sample else None,
             occupancy_history=self.series["occupancy"].history(first, last, 10),
-            reason="" if has_pool else "no KV pool events: the server needs the kvdiag agent (kvdiag demo runs one)")
+            reason="" if has_pool else "no KV pool events: the server needs the kvdiag agent (kvdiag demo runs one)",
+            inconsistency=inconsistency)
 
     def _engine_hit_rate(self) -> Optional[float]:
         if self.engine_prompt_tokens:
@@ -684,6 +691,9 @@ class LiveState:
                                "allocator fragmentation now",
                                f"{f:.1%} of reserved unallocated (rule < {pct:.0f}%)",
                                {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
+        if pool.inconsistency:
+            out.append(Finding("pool.sample_consistency", "warn", "KV pool samples inconsistent",
+                               pool.inconsistency, {}))
         leaked = self.leaked_requests(now_ns)
         if leaked:
             out.append(Finding("leak.release_paths", "fail", "blocks held by finished requests",

@@ -63,6 +63,7 @@ class PoolView:
     waiting_requests: Optional[int]
     occupancy_history: History  # block occupancy per bin
     reason: str
+    inconsistency: str = ""  # why a sampled number was rejected ("" when all are plausible)
 
 
 @dataclass(frozen=True, slots=True)

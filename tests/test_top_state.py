@@ -248,3 +248,19 @@ def test_live_doctor_absent_is_silent():
         pytest.skip("this build has the doctor")
     d.record([])
     assert not d.due() and d.findings == ()
+
+
+def test_impossible_token_occupancy_is_rejected_not_shown():
+    from kvdiag import schema as sch
+
+    state = LiveState()
+    state.feed(sch.KVPoolInfo(ts_ns=T0_NS, num_blocks=128, block_size_tokens=32, block_bytes=BLOCK_BYTES,
+                              num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32"))
+    state.feed(sch.KVPoolSample(ts_ns=T0_NS + 1, num_blocks=128, blocks_used=37, tokens_held=3371))
+    snap = state.snapshot(T0_NS + 2)
+    assert snap.pool.token_occupancy is None and snap.pool.pool_fragmentation is None
+    assert "3371 tokens held > 1184 slots" in snap.pool.inconsistency
+    assert any(f.rule == "pool.sample_consistency" and f.status == "warn" for f in snap.alerts)
+    state.feed(sch.KVPoolSample(ts_ns=T0_NS + 3, num_blocks=128, blocks_used=37, tokens_held=1000))
+    snap = state.snapshot(T0_NS + 4)
+    assert snap.pool.token_occupancy == pytest.approx(1000 / 1184) and not snap.pool.inconsistency
