@@ -48,6 +48,9 @@ REGRESSION_MIN_BINS = 5
 REGRESSION_LOOKBACK = 30
 ERROR_USE = 0.01
 ERROR_CHECK = 0.05
+LATENCY_WINDOWS = 6
+"""TTFT/TPOT percentiles cover requests finished in the last 6 rate windows (60 s by default):
+P99 needs more requests than a 10 s window of a small server holds."""
 TOP_REQUESTS = 20
 RECENT_FINISHED = 200
 
@@ -407,10 +410,11 @@ class LiveState:
         self._record_derived(last)
         window = self._bins_window(last, self.rate_window_bins)
         window_s = self.rate_window_bins * self.bin_s
+        latency_window = self._bins_window(last, self.rate_window_bins * LATENCY_WINDOWS)
         pool = self._pool_view(first, last, window, window_s)
         memory = self._memory_view(first, last, now_ns)
         sharing = self._sharing_view(first, last)
-        latency = self._latency_view(first, last, window, window_s)
+        latency = self._latency_view(first, last, window, window_s, latency_window)
         requests = self._requests_view(now_ns)
         health = HealthView(
             dropped_events=self.dropped_events, gaps=self.gaps,
@@ -427,7 +431,7 @@ class LiveState:
         return replace(snap, alerts=self._alerts(snap, now_ns))
 
     def _trim(self, first: int) -> None:
-        for idx in [i for i in self.bins if i < first - self.rate_window_bins]:
+        for idx in [i for i in self.bins if i < first - self.rate_window_bins * LATENCY_WINDOWS]:
             del self.bins[idx]
         for series in (*self.series.values(), *self.shadow_series.values()):
             series.trim(first)
@@ -617,9 +621,10 @@ class LiveState:
             cells[metric] = tuple(grid)
         return LocalityView(num_layers, num_heads, cells, self.locality_samples, "")
 
-    def _latency_view(self, first: int, last: int, window: list[_Bin], window_s: float) -> LatencyView:
-        ttft = [v for b in window for v in b.ttft_ns]
-        tpot = [v for b in window for v in b.tpot_ns]
+    def _latency_view(self, first: int, last: int, window: list[_Bin], window_s: float,
+                      latency_window: list[_Bin]) -> LatencyView:
+        ttft = [v for b in latency_window for v in b.ttft_ns]
+        tpot = [v for b in latency_window for v in b.tpot_ns]
         ms = 1e-6
 
         def scaled(v: Optional[float]) -> Optional[float]:

@@ -135,7 +135,7 @@ class LocalityView:
 @dataclass(frozen=True, slots=True)
 class LatencyView:
     """TTFT and per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) of requests
-    finished over the rate window, per-bin histories of their P50/P99, generated tokens/s,
+    finished in the latency window (livestate.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
     and the bins flagged as P99 regressions (see livestate.regressions)."""
 
     ttft_p50_ms: Optional[float]

@@ -251,7 +251,7 @@ class ProcessSource:
 
     live = True
 
-    def __init__(self, pid: int, period_s: float = 1.0) -> None:
+    def __init__(self, pid: int, period_s: float = 1.0, has_agent: bool = False) -> None:
         from kvdiag.collectors.nvml import NvmlCollector
         from kvdiag.collectors.procfs import ProcessCollector
 
@@ -264,10 +264,12 @@ class ProcessSource:
         self.finished = False
         self._period_ns = int(period_s * 1e9)
         self._last_ns = 0
-        self._pending: list[s.Event] = [self.nvml.start(), s.CollectorStatus(
-            ts_ns=time.time_ns(), collector="agent-stream", available=False,
-            hint=f"no kvdiag agent in pid {pid}: KV pool, requests and shadow panels need one "
-                 "(start the server under kvdiag)")]
+        self._pending: list[s.Event] = [self.nvml.start()]
+        if not has_agent:
+            self._pending.append(s.CollectorStatus(
+                ts_ns=time.time_ns(), collector="agent-stream", available=False,
+                hint=f"no kvdiag agent in pid {pid}: KV pool, requests and shadow panels need one "
+                     "(start the server under kvdiag)"))
 
     def now_ns(self) -> int:
         return time.time_ns()
@@ -321,6 +323,51 @@ def find_agent_socket(pid: int) -> Optional[Path]:
     return found[0] if found else None
 
 
+class MergedSource:
+    """A primary source (agent stream, demo) plus the host view of its process tree (RSS, GPU
+    memory) sampled from outside; clock, header, pause and seek are the primary's."""
+
+    live = True
+
+    def __init__(self, primary, host: "ProcessSource") -> None:
+        self.primary, self.host = primary, host
+
+    description = property(lambda self: self.primary.description)
+    header = property(lambda self: self.primary.header)
+    paused = property(lambda self: self.primary.paused)
+    finished = property(lambda self: self.primary.finished)
+
+    def now_ns(self) -> int:
+        return self.primary.now_ns()
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        return self.primary.poll(limit) + self.host.poll()
+
+    def pause(self) -> None:
+        self.primary.pause()
+
+    def resume(self) -> None:
+        self.primary.resume()
+
+    def seek(self, seconds: float) -> None:
+        self.primary.seek(seconds)
+
+    def close(self) -> None:
+        self.host.close()
+        self.primary.close()
+
+
+def with_host_view(primary, pid: int):
+    """``primary`` merged with the outside view of ``pid`` when this build has the
+    collectors (else ``primary`` alone)."""
+    try:
+        return MergedSource(primary, ProcessSource(pid, has_agent=True))
+    except ImportError:
+        return primary
+    except Exception:  # the process went away or is unreadable: the primary still works
+        return primary
+
+
 def attach(pid: int):
     """A source for a running server: its agent socket if it has one, else the outside view.
     Raises SourceError when there is no such process or it may not be read."""
@@ -330,7 +377,7 @@ def attach(pid: int):
         raise SourceError(f"no process with pid {pid}")
     path = find_agent_socket(pid)
     if path is not None:
-        return SocketSource(path, description=f"pid {pid} agent")
+        return with_host_view(SocketSource(path, description=f"pid {pid} agent"), pid)
     try:
         return ProcessSource(pid)
     except ImportError:

@@ -88,9 +88,9 @@ def test_snapshot_agrees_with_pandas(log_path, fraction):
         assert snap.pool.blocks_used == last["blocks_used"]
         assert snap.pool.blocks_cached == last["blocks_cached"]
 
-    window_start = (now // S - 9) * S
+    latency_start = (now // S - 59) * S  # TTFT/TPOT: the last 60 one-second bins
     first = log.frame("request_first_token").drop_duplicates("request_id", keep="last").set_index("request_id")
-    recent = done[done["ts_ns"] >= window_start]
+    recent = done[done["ts_ns"] >= latency_start]
     ttft = [t if pd.notna(t) else first["ttft_ns"].get(r) for r, t in zip(recent["request_id"], recent["ttft_ns"])]
     ttft = [t / 1e6 for t in ttft if t is not None and pd.notna(t)]
     if ttft:

@@ -139,7 +139,7 @@ class PoolPanel(Panel):
             _spark(f"blocks  {used:>8} {fmt_pct(p.block_occupancy, 0):>4} ", p.occupancy_history, width,
                    "magenta", lo=0, hi=1),
             line(f"tokens  {fmt_pct(p.token_occupancy, 0):>8} ",
-                 ("sample inconsistent (alerts)", WARN) if p.inconsistency else "of held slots"),
+                 ("bad sample: see alerts", WARN) if p.inconsistency else "of held slots"),
             line("frag    ", (f"{fmt_pct(p.pool_fragmentation):>8}", frag_style),
                  f" {rule(p.pool_fragmentation)} <{FRAGMENTATION_LIMIT:.0%}" if p.pool_fragmentation is not None else ""),
             line(f"cached  {fmt_num(p.blocks_cached, '{:.0f}'):>8} prefix blocks"),

@@ -57,7 +57,8 @@ def open_source(args: argparse.Namespace):
         return sources.SocketSource(args.socket)
     if args.pid is not None:
         return sources.attach(args.pid)
-    return sources.DemoSource(demo_args, log_dir=args.output_dir)
+    demo = sources.DemoSource(demo_args, log_dir=args.output_dir)
+    return sources.with_host_view(demo, demo.child.pid)
 
 
 def run(args: argparse.Namespace) -> int:
