@@ -394,7 +394,7 @@ class DemoSource:
 
     live = True
 
-    def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 15.0,
+    def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 30.0,
                  socket_wait_s: float = 300.0, command: Optional[list[str]] = None) -> None:
         import importlib.util
 
@@ -424,7 +424,7 @@ class DemoSource:
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         out, self._pending = self._pending, []
         if self._socket is None:
-            path = find_agent_socket(self.child.pid)
+            path = self._find_socket()
             if path is not None:
                 self._socket = SocketSource(path, description=self.description)
             elif time.monotonic() > self._deadline and not self.finished:
@@ -441,6 +441,17 @@ class DemoSource:
                                          hint=f"kvdiag demo exited with status {rc}; see {self.output_path}"))
         return out
 
+    def _find_socket(self) -> Optional[Path]:
+        """The live socket of the demo's server: ``demo-<demo pid>-<port>.sock`` in the
+        runtime dir (what ``kvdiag demo`` names it), else an agent socket of the tree."""
+        try:
+            from kvdiag.paths import runtime_dir
+
+            found = sorted(runtime_dir().glob(f"demo-{self.child.pid}-*.sock"))
+        except ImportError:
+            found = []
+        return found[0] if found else find_agent_socket(self.child.pid)
+
     def pause(self) -> None:
         self.paused = True
 
@@ -451,15 +462,32 @@ class DemoSource:
         """A live demo cannot seek."""
 
     def close(self) -> None:
+        """Stop the demo and every process of its group (its server): SIGTERM, then SIGKILL
+        to whatever is left after ``stop_timeout_s``."""
         if self._socket is not None:
             self._socket.close()
-        if self.child.poll() is None:
+        pgid = self.child.pid  # start_new_session: the child leads its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + self._stop_timeout_s
+        while _group_alive(pgid, self.child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(pgid, self.child):
             try:
-                os.killpg(self.child.pid, signal.SIGTERM)
-                self.child.wait(timeout=self._stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.child.pid, signal.SIGKILL)
-                self.child.wait()
+                os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.child.wait()
         self._out.close()
+
+
+def _group_alive(pgid: int, child: subprocess.Popen) -> bool:
+    """Whether any process of group ``pgid`` is still running (reaping ``child`` if done)."""
+    child.poll()
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -186,3 +186,26 @@ def test_demo_child_and_its_children_stop_on_close(tmp_path):
     assert src.child.poll() is not None
     gone, alive = psutil.wait_procs(kids, timeout=5)
     assert not alive
+
+
+def test_demo_close_waits_for_a_server_that_outlives_the_demo(tmp_path):
+    """`kvdiag demo` dies at once on SIGTERM while its server shuts down gracefully: close()
+    must wait for the whole group, and SIGKILL what ignores SIGTERM past the timeout."""
+    from kvdiag.sources import DemoSource
+    import psutil
+
+    server = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('up', flush=True); time.sleep(300)")
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {server!r}]); time.sleep(300)"
+    src = DemoSource([], log_dir=tmp_path, command=[sys.executable, "-c", code], stop_timeout_s=2)
+    parent = psutil.Process(src.child.pid)
+    for _ in range(100):
+        kids = parent.children(recursive=True)
+        if kids and "up" in (tmp_path / "kvdiag-top-demo.out").read_text():
+            break
+        time.sleep(0.05)
+    t = time.monotonic()
+    src.close()
+    assert time.monotonic() - t >= 2  # it waited for the SIGTERM-ignoring server...
+    gone, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive  # ...and then killed it

@@ -18,6 +18,9 @@ Quitting never stops a server that top attached to. Press ? inside for the keys.
 """
 
 
+DEMO_DURATION_S = 24 * 3600
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--pid", type=int, help="attach to a running server process")
@@ -57,6 +60,8 @@ def open_source(args: argparse.Namespace):
         return sources.SocketSource(args.socket)
     if args.pid is not None:
         return sources.attach(args.pid)
+    if not any(a.startswith(("--requests", "--duration")) for a in demo_args):
+        demo_args = ["--duration", str(DEMO_DURATION_S), *demo_args]  # run until top quits
     demo = sources.DemoSource(demo_args, log_dir=args.output_dir)
     return sources.with_host_view(demo, demo.child.pid)
 
@@ -77,5 +82,7 @@ def run(args: argparse.Namespace) -> int:
         app = KvTopApp(source, interval_s=args.interval, output_dir=args.output_dir)
         app.run()
     finally:
+        if hasattr(source, "child") or hasattr(getattr(source, "primary", None), "child"):
+            print("kvdiag top: stopping the demo server…", file=sys.stderr)
         source.close()
     return app.return_code or 0
