@@ -389,12 +389,12 @@ def attach(pid: int):
 
 class DemoSource:
     """Starts ``kvdiag demo`` (or ``command``) as a child (its own session, output to a file)
-    and reads its agent socket. :meth:`close` stops the child: SIGTERM to its process group, SIGKILL after
-    ``stop_timeout_s``. A child that exits early becomes a CollectorStatus event."""
+    and reads its agent socket. :meth:`close` stops the child and its server (see there). A
+    child that exits early becomes a CollectorStatus event."""
 
     live = True
 
-    def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 30.0,
+    def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 90.0,
                  socket_wait_s: float = 300.0, command: Optional[list[str]] = None) -> None:
         import importlib.util
 
@@ -462,15 +462,14 @@ class DemoSource:
         """A live demo cannot seek."""
 
     def close(self) -> None:
-        """Stop the demo and every process of its group (its server): SIGTERM, then SIGKILL
-        to whatever is left after ``stop_timeout_s``."""
+        """Stop the demo: SIGINT to it (``kvdiag demo`` then stops its server gracefully, so
+        that the server's log is complete), then SIGKILL to whatever is left of its process
+        group after ``stop_timeout_s``."""
         if self._socket is not None:
             self._socket.close()
         pgid = self.child.pid  # start_new_session: the child leads its own group
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGINT)
         deadline = time.monotonic() + self._stop_timeout_s
         while _group_alive(pgid, self.child) and time.monotonic() < deadline:
             time.sleep(0.1)
