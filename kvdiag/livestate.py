@@ -177,6 +177,7 @@ class LiveState:
         self.holders: dict[int, int] = {}
         self.cached_blocks: set[int] = set()
         self.preemptions = 0
+        self.block_events_seen = False
         # memory
         self.nvml: dict[int, s.NvmlSample] = {}
         self.allocator: dict[int, s.AllocatorSample] = {}
@@ -297,6 +298,7 @@ class LiveState:
         self.pool_info = ev
 
     def _hold(self, req: _Request, block: int) -> None:
+        self.block_events_seen = True
         if block not in req.blocks:
             req.blocks.add(block)
             self.holders[block] = self.holders.get(block, 0) + 1
@@ -660,9 +662,9 @@ class LiveState:
         def kv_bytes(r: _Request) -> Optional[int]:
             if r.blocks and block_bytes:
                 return len(r.blocks) * block_bytes
-            if bpt is not None and r.finished_ns is None:
-                return r.prompt_tokens * bpt
-            return 0 if r.finished_ns is not None else None
+            if self.block_events_seen or r.finished_ns is not None or r.state == "waiting":
+                return 0  # the engine reports blocks and this request holds none
+            return r.prompt_tokens * bpt if bpt is not None else None  # no block events: estimate
 
         live = heapq.nlargest(TOP_REQUESTS, self.live.values(),
                               key=lambda r: (kv_bytes(r) or 0, -r.arrived_ns))

@@ -153,8 +153,9 @@ class LatencyView:
 
 @dataclass(frozen=True, slots=True)
 class RequestRow:
-    """A request and the KV it holds: ``kv_bytes`` = blocks held × block bytes, or, without
-    block events, tokens × bytes per token; ``hit_tokens`` = prompt tokens served from cache."""
+    """A request and the KV it holds: ``kv_bytes`` = blocks held × block bytes, or, for a
+    running request of an engine that reports no block events, prompt tokens × bytes per token
+    (an estimate); ``hit_tokens`` = prompt tokens served from cache."""
 
     request_id: str
     state: str  # "waiting", "running" or the finish status

@@ -265,3 +265,18 @@ def test_impossible_token_occupancy_is_rejected_not_shown():
     state.feed(sch.KVPoolSample(ts_ns=T0_NS + 3, num_blocks=128, blocks_used=37, tokens_held=1000))
     snap = state.snapshot(T0_NS + 4)
     assert snap.pool.token_occupancy == pytest.approx(1000 / 1184) and not snap.pool.inconsistency
+
+
+def test_kv_bytes_without_block_events_is_an_estimate_for_running_requests_only():
+    from kvdiag import schema as sch
+
+    state = LiveState()
+    state.set_header(sch.LogHeader(schema_version=sch.SCHEMA_VERSION, bytes_per_token=46_080))
+    state.feed(sch.RequestArrived(ts_ns=T0_NS, request_id="a", prompt_tokens=100))
+    state.feed(sch.RequestArrived(ts_ns=T0_NS, request_id="b", prompt_tokens=50))
+    state.feed(sch.RequestScheduled(ts_ns=T0_NS + 1, request_id="a"))
+    rows = {r.request_id: r for r in state.snapshot(T0_NS + 2).requests.rows}
+    assert rows["a"].kv_bytes == 100 * 46_080 and rows["b"].kv_bytes == 0  # b waits: holds nothing
+    state.feed(sch.BlockAllocated(ts_ns=T0_NS + 3, request_id="b", block_id=7))
+    rows = {r.request_id: r for r in state.snapshot(T0_NS + 4).requests.rows}
+    assert rows["a"].kv_bytes == 0  # the engine reports blocks, and a holds none
