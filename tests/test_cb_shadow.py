@@ -1,0 +1,159 @@
+"""Shadow compression wired into transformers' continuous-batching engine, in-process, real model."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiag.kernels.methods import Method
+from kvdiag.schema import CollectorError, ShadowCompression, ShadowLocality
+from kvdiag.sinks import ListSink
+
+PAGE = 32
+SYSTEM = "You are a support assistant of a small bookshop. Be brief and kind. " * 3
+
+
+def _prompts(tok, n):
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": f"Question {i}: is order {i} shipped?"}],
+                                      add_generation_prompt=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def real(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    model.eval()
+    return model, tok
+
+
+def _generate(model, prompts, max_new_tokens):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    out = model.generate_batch(
+        prompts, generation_config=GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=PAGE, num_blocks=48, max_batch_tokens=256,
+                                                            allow_block_sharing=True))
+    return {rid: (list(o.prompt_ids), list(o.generated_tokens)) for rid, o in out.items()}
+
+
+class Raising(Method):
+    def compress(self, k, v, attn_mass=None):
+        k.mul_(0)  # must only ever see a copy of the live cache
+        raise RuntimeError("compressor exploded")
+
+
+class _Recording:
+    """Keeps every snapshot (K, V, q per layer) the runner measured, for the independent check."""
+
+    def __init__(self, runner):
+        self.snapshots = []
+        original = runner._snapshot
+
+        def snapshot(layers_kv, queries):
+            snap = original(layers_kv, queries)
+            self.snapshots.append(snap)
+            return snap
+        runner._snapshot = snapshot
+
+
+def _installed(sink, **kwargs):
+    from kvdiag.collectors import transformers_cb as tcb
+    from kvdiag.collectors import transformers_cb_shadow as cbs
+
+    adapter = tcb.install(sink)
+    shadow = cbs.install(sink, background=False, **kwargs)
+    return adapter, shadow
+
+
+@pytest.mark.model
+def test_shadow_gathers_the_requests_paged_kv_and_query(real):
+    """Every sampled step's K/V and query equal those of the same request's tokens recomputed
+    with a plain DynamicCache forward; events carry the request's tokens so far."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvdiag.collectors.attention import QueryCapture
+
+    model, tok = real
+    prompts = _prompts(tok, 3)
+    sink = ListSink()
+    adapter, shadow = _installed(sink, methods="int8,int4", sample_rate=1.0, budget_frac=None)
+    recorder = _Recording(shadow.runner)
+    try:
+        outputs = _generate(model, prompts, max_new_tokens=5)
+    finally:
+        shadow.uninstall()
+        adapter.uninstall()
+    assert shadow.errors == 0 and not shadow.runner.errors
+    assert len(shadow.samples) == len(recorder.snapshots) >= 2
+    comp = [e for e in sink.events if isinstance(e, ShadowCompression)]
+    loc = [e for e in sink.events if isinstance(e, ShadowLocality)]
+    n_layers, kv_heads, q_heads = model.config.num_hidden_layers, model.config.num_key_value_heads, \
+        model.config.num_attention_heads
+    assert len(comp) == len(shadow.samples) * n_layers * kv_heads * 2
+    assert len(loc) == len(shadow.samples) * n_layers * q_heads
+    seq_lens = sorted(s.seq_len_tokens for s in shadow.samples)
+    assert sorted({e.seq_len_tokens for e in comp}) == sorted(set(seq_lens))
+    assert sorted({e.seq_len_tokens for e in loc}) == sorted(set(seq_lens))
+
+    capture = QueryCapture(model)
+    try:
+        for sample, snap in zip(shadow.samples, recorder.snapshots):
+            prompt, generated = outputs[sample.request_id]
+            tokens = (prompt + generated)[: sample.seq_len_tokens]
+            # a decode step: the cache holds the prompt and some generated tokens, the last one new
+            assert len(prompt) < sample.seq_len_tokens < len(prompt) + len(generated)
+            cache = DynamicCache(config=model.config)
+            capture.armed = True
+            with torch.no_grad():
+                model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
+            capture.armed = False
+            queries = capture.queries()
+            for layer, (k, v, q) in enumerate(snap):
+                ref = cache.layers[layer]
+                assert k.shape == ref.keys.shape == (1, kv_heads, sample.seq_len_tokens, k.shape[-1])
+                torch.testing.assert_close(k, ref.keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v, ref.values, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(q, queries[layer][:, :, -1:, :], atol=1e-4, rtol=1e-4)
+    finally:
+        capture.close()
+
+
+@pytest.mark.model
+def test_shadow_never_changes_the_generated_tokens(real):
+    """Same tokens with shadow off, on at every step, and with a compressor that raises
+    (counted and reported as CollectorError)."""
+    model, tok = real
+    prompts = _prompts(tok, 3)
+    off = _generate(model, prompts, max_new_tokens=6)
+
+    sink = ListSink()
+    adapter, shadow = _installed(sink, methods="int4", sample_rate=1.0, budget_frac=None, locality=False)
+    try:
+        on = _generate(model, prompts, max_new_tokens=6)
+    finally:
+        shadow.uninstall()
+        adapter.uninstall()
+    assert on == off
+    assert shadow.samples and shadow.errors == 0
+
+    sink = ListSink()
+    adapter, shadow = _installed(sink, methods=[Raising("raising", "raising")], sample_rate=1.0, budget_frac=None, locality=False)
+    try:
+        broken = _generate(model, prompts, max_new_tokens=6)
+    finally:
+        shadow.uninstall()
+        adapter.uninstall()
+    assert broken == off
+    errors = [e for e in sink.events if isinstance(e, CollectorError) and e.collector.startswith("shadow:")]
+    expected = len(shadow.samples) * model.config.num_hidden_layers
+    assert expected > 0 and sum(shadow.runner.errors.values()) == expected
+    assert len(errors) == expected and all("compressor exploded" in e.message for e in errors)
