@@ -172,8 +172,11 @@ class CBShadow:
                 return gather_request_kv(cache, request_id, seq_len)
 
         def queries():
+            # project only the request's row of the packed hidden states (and its RoPE angles)
+            capture._inputs = [(h[:, row: row + 1], (cos[:, row: row + 1], sin[:, row: row + 1]))
+                               for h, (cos, sin) in capture._inputs]
             with torch.inference_mode(False), torch.no_grad():
-                return [q[:, :, row: row + 1, :].clone() for q in capture.queries()]
+                return capture.queries()
 
         self.runner.maybe_run(step_id, kv, queries, sampled=True)
 

@@ -157,7 +157,8 @@ class Agent:
     def __init__(self, log_path: Optional[str] = None, socket_path: Optional[str] = None,
                  live: bool = True, model: str = "", block_size_tokens: Optional[int] = None,
                  inject_leak_every: int = 0, sample_interval_s: float = 0.5,
-                 record_token_ids: bool = True, extra: Optional[dict] = None) -> None:
+                 record_token_ids: bool = True, extra: Optional[dict] = None,
+                 shadow: Optional[dict] = None) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
         from kvdiag.eventlog import make_header
@@ -170,6 +171,8 @@ class Agent:
         self.writer = None
         self.live: Optional[LiveSocketSink] = None
         self.adapter = None
+        self._shadow_kwargs = shadow  # kvdiag.collectors.transformers_cb_shadow.install kwargs
+        self.shadow = None
 
     def start(self) -> "Agent":
         from kvdiag.collectors.transformers_cb import install
@@ -187,10 +190,15 @@ class Agent:
         self.adapter = install(FanoutSink(sinks), sample_interval_s=self._sample_interval_s,
                                inject_leak_every=self._inject_leak_every,
                                record_token_ids=self._record_token_ids)
+        if self._shadow_kwargs is not None:
+            from kvdiag.collectors.transformers_cb_shadow import install as install_shadow
+            self.shadow = install_shadow(self.adapter.sink, **self._shadow_kwargs)
         return self
 
     def stop(self) -> None:
         """Take a last pool sample, uninstall the hooks, flush and close the log and the socket."""
+        if self.shadow is not None:
+            self.shadow.uninstall()
         if self.adapter is not None:
             try:
                 self.adapter.sample_now()
@@ -214,7 +222,8 @@ def start(log_path: Optional[str] = None, socket: bool = True, socket_path: Opti
     ``log_path``: event log to write (``.gz`` for gzip; None = no log); ``socket``: serve live
     events on a Unix socket (``socket_path`` or the default per-pid path). Other keyword
     arguments go to :class:`Agent` (``model``, ``block_size_tokens``, ``inject_leak_every``,
-    ``sample_interval_s``, ``record_token_ids``, ``extra``)."""
+    ``sample_interval_s``, ``record_token_ids``, ``extra``, ``shadow``: keyword arguments of
+    :func:`kvdiag.collectors.transformers_cb_shadow.install` to run shadow compression)."""
     global _AGENT
     if _AGENT is not None:
         raise RuntimeError("the kvdiag agent is already running in this process")

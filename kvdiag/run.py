@@ -36,7 +36,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="FAULT INJECTION for testing: skip the engine's release of every N-th "
                              "finished request's KV blocks (a real leak)")
     parser.add_argument("--sample-interval", type=float, default=0.5, help="seconds between pool samples")
+    parser.add_argument("--shadow", action="store_true",
+                        help="shadow compression and locality on sampled decode steps of the live KV")
+    parser.add_argument("--shadow-methods", help="comma-separated compression methods (default: all)")
+    parser.add_argument("--shadow-rate", type=float, default=0.05, help="share of decode steps sampled")
+    parser.add_argument("--shadow-budget", type=float, default=0.02,
+                        help="shadow time budget, fraction of wall time (0: none)")
     args = parser.parse_args(argv[:split])
+    if args.shadow:
+        from kvdiag.kernels.methods import parse_methods
+        try:
+            parse_methods(args.shadow_methods) if args.shadow_methods else None
+        except ValueError as exc:
+            raise SystemExit(f"kvdiag.run: --shadow-methods: {exc}")
+        if not 0.0 <= args.shadow_rate <= 1.0:
+            raise SystemExit("kvdiag.run: --shadow-rate: expected a number in [0, 1]")
     command = argv[split + 1:]
     if not command:
         raise SystemExit("kvdiag.run: expected a server command after `--`")
@@ -79,7 +93,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     agent.start(log_path=args.log, socket=not args.no_socket, socket_path=args.socket,
                 model=args.model, block_size_tokens=args.page_size,
                 inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
-                extra={"command": command})
+                extra={"command": command},
+                shadow={"methods": args.shadow_methods, "sample_rate": args.shadow_rate,
+                        "budget_frac": args.shadow_budget or None} if args.shadow else None)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     code = 0
     sys.argv = target_argv

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from kvdiag.commands import _demo_shadow
 from kvdiag.model import ModelFetchError, resolve_model
 from kvdiag.paths import log_dir, runtime_dir
 from kvdiag.traffic import Result, TrafficDriver, TrafficPlan, chat
@@ -60,6 +61,7 @@ def add_arguments(parser) -> None:
                              "release of every N-th finished request's KV blocks (a real leak)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the server (default 1: stable on a shared CPU; 0: torch's default)")
+    _demo_shadow.add_arguments(parser)
 
 
 def _die_with_parent() -> None:
@@ -141,7 +143,7 @@ class DemoServer:
     """The child process: ``python -m kvdiag.run ... -- transformers serve MODEL ...``."""
 
     def __init__(self, model_dir: Path, log_path: Path, port: int, page_size: int, num_blocks: int,
-                 max_batch_tokens: int, inject_leak: int, threads: int) -> None:
+                 max_batch_tokens: int, inject_leak: int, threads: int, agent_args: tuple = ()) -> None:
         self.model_dir = model_dir
         self.log_path = log_path
         self.port = port
@@ -151,7 +153,7 @@ class DemoServer:
         self.command = [
             sys.executable, "-m", "kvdiag.run", "--log", str(log_path), "--socket", str(self.socket_path),
             "--model", str(model_dir), "--page-size", str(page_size),
-            *(["--inject-leak", str(inject_leak)] if inject_leak else []),
+            *(["--inject-leak", str(inject_leak)] if inject_leak else []), *agent_args,
             "--", "transformers", "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
             "--dtype", "float32", "--attn-implementation", "sdpa", "--host", "127.0.0.1",
             "--port", str(port), "--cb-block-size", str(page_size), "--cb-num-blocks", str(num_blocks),
@@ -219,6 +221,10 @@ def run(args) -> int:
         return 2
     if args.requests is None and args.duration is None:
         args.requests = 24
+    problem = _demo_shadow.check(args)
+    if problem:
+        print(f"kvdiag demo: {problem}", file=sys.stderr)
+        return 2
     try:
         model_dir = resolve_model(args.model)
         plan = TrafficPlan(seed=args.seed, rate_per_s=args.rate, long_share=args.long_share)
@@ -227,7 +233,7 @@ def run(args) -> int:
         return 2
     log_path = Path(args.log).expanduser().resolve() if args.log else _default_log_path()
     server = DemoServer(model_dir, log_path, args.port or _free_port(), args.page_size, args.num_blocks,
-                        args.max_batch_tokens, args.inject_leak, args.threads)
+                        args.max_batch_tokens, args.inject_leak, args.threads, _demo_shadow.agent_args(args))
     stats = LiveStats()
     tty = sys.stdout.isatty()
     print(f"kvdiag demo: starting {model_dir.name} on transformers' continuous-batching engine "
@@ -302,5 +308,10 @@ def run(args) -> int:
               f"{server.tail()}", file=sys.stderr)
     if code not in (0, 128 + signal.SIGTERM):
         print(f"kvdiag demo: the server exited with code {code}; see {server.server_log}", file=sys.stderr)
+    if args.shadow_logits:
+        print("shadow logits: loading the model in this process ...", flush=True)
+        _demo_shadow.run_logits(model_dir, log_path, args)
+    if args.shadow or args.shadow_logits:
+        _demo_shadow.print_tables(log_path, args.shadow, args.shadow_logits)
     print(f"event log: {log_path}")
     return 1 if failed or not results else 0

@@ -1,0 +1,127 @@
+"""The shadow parts of `kvdiag demo`: flags, what the server gets, and the closing tables.
+
+``--shadow`` runs shadow compression and locality inside the demo server (passed through
+``python -m kvdiag.run --shadow ...``); at the end the per-layer-group table and the
+recommendation are computed from the ShadowCompression events of the log.
+``--shadow-logits`` loads the model in the demo process after the traffic, runs the
+teacher-forced comparison (:func:`kvdiag.kernels.shadow_hf.shadow_logits`) on a fixed text,
+appends the ShadowLogits events to the log and prints them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shadow", action="store_true",
+                        help="shadow KV compression and attention locality on sampled decode steps of the "
+                             "server's live paged KV; prints the per-layer-group table at the end")
+    parser.add_argument("--shadow-methods", metavar="M", help="comma-separated compression methods "
+                        "(default: fp16,bf16,fp8_e4m3,fp8_e5m2,int8,int4,int2,topk_norm,h2o,streaming)")
+    parser.add_argument("--shadow-rate", type=float, default=0.05, metavar="R",
+                        help="share of decode steps sampled (default 0.05; a 2%% time budget applies)")
+    parser.add_argument("--shadow-logits", action="store_true",
+                        help="after the traffic, teacher-forced KL / top-1 agreement per method on a fixed "
+                             "text (model loaded in the demo process)")
+
+
+def check(args) -> str | None:
+    """An error message for bad shadow flags, or None."""
+    from kvdiag.kernels.methods import parse_methods
+
+    if args.shadow_methods:
+        try:
+            parse_methods(args.shadow_methods)
+        except ValueError as exc:
+            return f"--shadow-methods: {exc}"
+    if not 0.0 <= args.shadow_rate <= 1.0:
+        return "--shadow-rate: expected a number in [0, 1]"
+    return None
+
+
+def agent_args(args) -> list[str]:
+    """Options for ``python -m kvdiag.run``."""
+    if not args.shadow:
+        return []
+    out = ["--shadow", "--shadow-rate", str(args.shadow_rate)]
+    if args.shadow_methods:
+        out += ["--shadow-methods", args.shadow_methods]
+    return out
+
+
+def _methods(args) -> list[str]:
+    from kvdiag.kernels.methods import DEFAULT_METHODS
+
+    return args.shadow_methods.split(",") if args.shadow_methods else list(DEFAULT_METHODS)
+
+
+def run_logits(model_dir: Path, log_path: Path, args) -> int:
+    """Teacher-forced ShadowLogits per method; appended to the log, printed."""
+    import msgspec
+    import torch
+
+    from kvdiag.commands.shadow import LOGITS_TEXT, load_model
+    from kvdiag.kernels.shadow_hf import shadow_logits
+    from kvdiag.sinks import ListSink
+
+    torch.set_num_threads(max(1, args.threads))
+    model, tokenizer = load_model(str(model_dir))
+    sink = ListSink()
+    ids = tokenizer(LOGITS_TEXT, return_tensors="pt")["input_ids"]
+    shadow_logits(model, ids, _methods(args), sink)
+    encoder = msgspec.json.Encoder()
+    if log_path.exists():
+        from kvdiag.eventlog import _open_for_append
+
+        with _open_for_append(log_path) as f:
+            f.write(b"".join(encoder.encode(ev) + b"\n" for ev in sink.events))
+    return len(sink.events)
+
+
+def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
+    """The compression table + recommendation (``shadow``) and the logits table (``logits``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvdiag.analysis import compression, locality
+    from kvdiag.eventlog import read_log
+
+    log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
+                                    "collector_error"])
+    console = Console()
+
+    def show(title, frame):
+        t = Table(title=title)
+        for c in frame.columns:
+            t.add_column(str(c))
+        for row in frame.itertuples(index=False):
+            t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+        console.print(t)
+
+    if shadow:
+        comp = log.frame("shadow_compression")
+        errors = log.frame("collector_error")
+        errors = errors[errors["collector"].str.startswith("shadow")] if not errors.empty else errors
+        steps = comp["ts_ns"].nunique() if not comp.empty else 0
+        print(f"shadow: {steps} sampled decode steps measured, {len(errors)} shadow errors")
+        if comp.empty:
+            print("shadow: no sampled decode step yet (more traffic or a higher --shadow-rate)")
+        else:
+            table = compression.compression_table(comp)
+            cols = {"group": "group", "method": "method", "ratio": "ratio", "k_rel_error": "K err",
+                    "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
+                    "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
+            show("Shadow compression by layer group (1-based): mean relative errors (K, V, attention "
+                 "output), attention TV distance, microseconds per layer-step",
+                 table[list(cols)].rename(columns=cols))
+            show("Recommendation per layer group (attn_out_rel_error <= 0.03)", compression.recommend(table))
+        s = locality.summary(log.frame("shadow_locality"))
+        if s:
+            print(f"attention locality: recent-20% mass {s['recent_mass']:.3f}, sinks {s['sink_mass']:.3f}, "
+                  f"other {s['other_mass']:.3f}")
+    if logits:
+        show("Teacher-forced next-token agreement with compressed prefix KV",
+             compression.logits_table(log.frame("shadow_logits")))
+    sys.stdout.flush()
