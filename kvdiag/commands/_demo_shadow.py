@@ -97,7 +97,7 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
         for c in frame.columns:
             t.add_column(str(c))
         for row in frame.itertuples(index=False):
-            t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
+            t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row])
         console.print(t)
 
     if shadow:
