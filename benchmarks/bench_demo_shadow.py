@@ -4,7 +4,7 @@ The real model serves rounds of chat prompts with ``model.generate_batch`` (page
 prefix sharing on, one torch thread); rounds alternate off, on, off, on, ... in one process so
 machine noise hits both arms. "on" = the engine adapter's shadow glue
 (:mod:`kvdiag.collectors.transformers_cb_shadow`) at the default sampling (rate 0.05, time
-budget 2%, background worker, all methods + locality); the runner's budget clock runs only
+budget 1%, in the engine thread, all methods + locality); the runner's budget clock runs only
 during "on" rounds, as if it were the only server. Printed ratios (goal in parentheses):
 
 - tokens/s: generated tokens / wall time of the arm's ``generate_batch`` calls, on / off (>= 0.98);
@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC
+
 
 def p99(xs):
     xs = sorted(xs)
@@ -33,7 +35,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="requests per round")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--sample-rate", type=float, default=0.05)
-    ap.add_argument("--sync", action="store_true", help="measure in the engine thread (no background worker)")
+    ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_FRAC, help="shadow time budget, fraction")
+    ap.add_argument("--background", action="store_true", help="measure in the runner's worker thread")
     args = ap.parse_args()
     load_before = os.getloadavg()
     torch.set_num_threads(1)
@@ -59,8 +62,8 @@ def main() -> None:
     cb_cfg = ContinuousBatchingConfig(page_size=32, num_blocks=128, max_batch_tokens=256, allow_block_sharing=True)
 
     paused_ns = [0]
-    runner = ShadowRunner(ListSink(), sample_rate=args.sample_rate, budget_frac=0.02, max_batch=1,
-                          clock=lambda: time.perf_counter_ns() - paused_ns[0], background=not args.sync)
+    runner = ShadowRunner(ListSink(), sample_rate=args.sample_rate, budget_frac=args.budget, max_batch=1,
+                          clock=lambda: time.perf_counter_ns() - paused_ns[0], background=args.background)
     shadow = CBShadow(runner).install()
     cls = ContinuousBatchingManager
     shadowed = cls.__dict__["_generation_step"]
@@ -104,7 +107,7 @@ def main() -> None:
           f"decode steps off {len(steps['off'])}, on {len(steps['on'])}; shadow runs {runner.runs} "
           f"(sampled {len(shadow.samples)}, dropped busy {runner.dropped}, skipped by budget {runner.skipped_budget}), "
           f"errors {dict(runner.errors) or 0}/{shadow.errors}")
-    print(f"shadow time / on-arm wall time = {runner.spent_ns / wall['on']:.4f} (budget 0.02)")
+    print(f"shadow time / on-arm wall time = {runner.spent_ns / wall['on']:.4f} (budget {args.budget})")
     print(f"tokens/s off {tps['off']:.2f}, on {tps['on']:.2f}; ratio on/off = {tps['on'] / tps['off']:.3f} (goal >= 0.98)")
     print(f"P99 decode step ms off {p99(steps['off']) / 1e6:.1f}, on {p99(steps['on']) / 1e6:.1f}; ratio = "
           f"{p99(steps['on']) / p99(steps['off']):.3f} (goal <= 1.05); median ratio "

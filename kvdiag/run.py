@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="shadow compression and locality on sampled decode steps of the live KV")
     parser.add_argument("--shadow-methods", help="comma-separated compression methods (default: all)")
     parser.add_argument("--shadow-rate", type=float, default=0.05, help="share of decode steps sampled")
-    parser.add_argument("--shadow-budget", type=float, default=0.02,
+    parser.add_argument("--shadow-budget", type=float, default=0.01,
                         help="shadow time budget, fraction of wall time (0: none)")
     args = parser.parse_args(argv[:split])
     if args.shadow:

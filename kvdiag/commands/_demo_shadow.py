@@ -21,7 +21,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shadow-methods", metavar="M", help="comma-separated compression methods "
                         "(default: fp16,bf16,fp8_e4m3,fp8_e5m2,int8,int4,int2,topk_norm,h2o,streaming)")
     parser.add_argument("--shadow-rate", type=float, default=0.05, metavar="R",
-                        help="share of decode steps sampled (default 0.05; a 2%% time budget applies)")
+                        help="share of decode steps sampled (default 0.05; shadow time stays within 1%% of wall time)")
     parser.add_argument("--shadow-logits", action="store_true",
                         help="after the traffic, teacher-forced KL / top-1 agreement per method on a fixed "
                              "text (model loaded in the demo process)")
