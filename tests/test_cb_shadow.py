@@ -157,3 +157,53 @@ def test_shadow_never_changes_the_generated_tokens(real):
     expected = len(shadow.samples) * model.config.num_hidden_layers
     assert expected > 0 and sum(shadow.runner.errors.values()) == expected
     assert len(errors) == expected and all("compressor exploded" in e.message for e in errors)
+
+
+def test_shadow_flags_reach_the_agent_and_bad_ones_fail_in_one_line():
+    import argparse
+    import subprocess
+    import sys
+
+    from kvdiag.commands import _demo_shadow
+    from kvdiag.run import parse_args
+
+    parser = argparse.ArgumentParser()
+    _demo_shadow.add_arguments(parser)
+    args = parser.parse_args(["--shadow", "--shadow-methods", "int4,h2o", "--shadow-rate", "0.2"])
+    assert _demo_shadow.check(args) is None
+    run_args, command = parse_args(_demo_shadow.agent_args(args) + ["--", "transformers", "serve"])
+    assert (run_args.shadow, run_args.shadow_methods, run_args.shadow_rate) == (True, "int4,h2o", 0.2)
+    assert command == ["transformers", "serve"]
+    assert _demo_shadow.agent_args(parser.parse_args([])) == []
+    assert "unknown method" in _demo_shadow.check(parser.parse_args(["--shadow-methods", "int3"]))
+    proc = subprocess.run([sys.executable, "-m", "kvdiag.run", "--shadow", "--shadow-methods", "int3", "--",
+                           "python", "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("kvdiag.run: --shadow-methods: unknown method 'int3'")
+
+
+@pytest.mark.model
+def test_agent_with_shadow_writes_shadow_events_to_its_log(real, tmp_path):
+    from kvdiag import agent
+    from kvdiag.analysis.compression import compression_table, recommend
+    from kvdiag.eventlog import read_log
+
+    model, tok = real
+    log_path = tmp_path / "shadow.kvlog"
+    agent.start(log_path=str(log_path), socket=False, block_size_tokens=PAGE,
+                shadow={"methods": "int8,int4", "sample_rate": 1.0, "budget_frac": None})
+    try:
+        outputs = _generate(model, _prompts(tok, 2), max_new_tokens=4)
+    finally:
+        agent.stop()
+    log = read_log(log_path)
+    assert not log.problems
+    comp, loc = log.frame("shadow_compression"), log.frame("shadow_locality")
+    # every decode step (tokens 2..4 of each request share steps) was sampled once
+    assert comp["ts_ns"].nunique() == 3 and set(comp["method"]) == {"int8", "int4"}
+    assert len(loc) == 3 * model.config.num_hidden_layers * model.config.num_attention_heads
+    prompt_lens = {len(p) for p, _ in outputs.values()}
+    assert set(comp["seq_len_tokens"]) <= {n + i for n in prompt_lens for i in (1, 2, 3)}
+    table = compression_table(comp)
+    assert set(table["group"]) == {"1-6", "7-12", "13+"}
+    assert list(recommend(table)["group"]) == ["1-6", "7-12", "13+"]
