@@ -357,8 +357,9 @@ def compact(last_time, owner, tree, t):
 
 
 @njit(cache=True)
-def stack_distances(ids, offsets, block_tokens, prompt_tokens, r_begin, r_end, last_time,
-                    owner, tree, state, hist_blocks, hist_tokens, hist_req, reuse_hist):
+def stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, r_begin, r_end,
+                    last_time, owner, tree, state, hist_blocks, hist_tokens, hist_req,
+                    reuse_hist):
     """One pass of LRU stack distances under prefix-match semantics.
 
     For a reference, ``d`` = the block's rank in the recency order when its request arrives (1 =
@@ -367,7 +368,8 @@ def stack_distances(ids, offsets, block_tokens, prompt_tokens, r_begin, r_end, l
     ``<= C``. Histograms are indexed by that prefix maximum (``len - 1`` = never a hit):
     ``hist_blocks`` counts references, ``hist_tokens`` their tokens, ``hist_req`` their share of
     the request's prompt tokens. ``reuse_hist[bin(d)]`` counts re-references by raw ``d``.
-    ``state`` = [next time slot, live blocks].
+    ``state`` = [next time slot, live blocks]. Rows with ``counted[r] == 0`` (blocks a request
+    adds when it finishes) only update the recency order.
     """
     inf = len(hist_blocks) - 1
     for r in range(r_begin, r_end):
@@ -377,7 +379,7 @@ def stack_distances(ids, offsets, block_tokens, prompt_tokens, r_begin, r_end, l
         live = state[1]
         running = 0
         pt = prompt_tokens[r]
-        for i in range(s, e):
+        for i in range(s, e if counted[r] else s):
             p = last_time[ids[i]]
             if p < 0:  # never seen before this request
                 d = inf

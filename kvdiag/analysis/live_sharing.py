@@ -4,6 +4,8 @@ Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids``
 configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
 (policy, block size, capacity) — exactly the offline simulator, one request at a time — and
 every ``interval_s`` records one ``ShadowSharing`` event per configuration into ``out``.
+When a request finishes, the full blocks of its prompt and generated tokens (from the
+adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
 
 Each event also carries ``engine_hit_rate``: the engine's own token hit rate, sum of
 ``RequestFinished.cached_prompt_tokens`` / sum of their ``prompt_tokens``. Compared with the
@@ -23,8 +25,10 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from kvdiag.analysis.sharing import PrefixCacheSim
+from kvdiag.analysis.traces import full_sequence
 from kvdiag.kernels.hashing import chunk_hashes
 from kvdiag.schema import (
+    BlockStored,
     Event,
     KVPoolInfo,
     RequestArrived,
@@ -76,6 +80,7 @@ class ShadowSharingSink:
         self._sims: dict[ShadowConfig, PrefixCacheSim] = {}
         self._counts: dict[ShadowConfig, _Counts] = {}
         self._ids: dict[int, dict[int, int]] = {}  # block size -> chained key -> dense id
+        self._live: dict[str, tuple[list[int], list[list[int]]]] = {}  # prompt, stored blocks
         self._engine_cached_tokens = 0
         self._engine_prompt_tokens = 0
         self._last_emit_ns = clock()
@@ -95,9 +100,16 @@ class ShadowSharingSink:
         try:
             if isinstance(event, RequestArrived) and event.token_ids is not None:
                 self._arrived(event.token_ids)
+                self._live[event.request_id] = (list(event.token_ids), [])
+            elif isinstance(event, BlockStored):
+                if event.request_id in self._live and event.token_ids:
+                    self._live[event.request_id][1].append(event.token_ids)
             elif isinstance(event, RequestFinished):
                 self._engine_cached_tokens += event.cached_prompt_tokens
                 self._engine_prompt_tokens += event.prompt_tokens
+                live = self._live.pop(event.request_id, None)
+                if live is not None:
+                    self._finished(full_sequence(*live))
             elif isinstance(event, KVPoolInfo):
                 if self.bytes_per_token is None and event.block_size_tokens:
                     self.bytes_per_token = event.block_bytes // event.block_size_tokens
@@ -118,11 +130,7 @@ class ShadowSharingSink:
     # ------------------------------------------------------------------ internals
     def _arrived(self, token_ids: list[int]) -> None:
         prompt = len(token_ids)
-        by_size: dict[int, np.ndarray] = {}
-        for bs, table in self._ids.items():
-            keys = chunk_hashes(token_ids, bs, algorithm=self.hash_algorithm).tolist()
-            by_size[bs] = np.fromiter((table.setdefault(k, len(table)) for k in keys),
-                                      dtype=np.int32, count=len(keys))
+        by_size = {bs: self._dense(token_ids, bs) for bs in self._ids}
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
         for cfg, sim in self._sims.items():
@@ -139,6 +147,22 @@ class ShadowSharingSink:
             if prompt:
                 c.requests_with_prompt += 1
                 c.request_rate_sum += h * cfg.block_size_tokens / prompt
+
+    def _finished(self, tokens: list[int]) -> None:
+        """Touch or insert the full blocks of a finished request's prompt and generated tokens
+        (engines cache both); no lookup, nothing counted."""
+        offsets = np.zeros(2, dtype=np.int64)
+        hits = np.zeros(1, dtype=np.int64)
+        ids = {bs: self._dense(tokens, bs) for bs in self._ids}
+        for cfg, sim in self._sims.items():
+            offsets[1] = len(ids[cfg.block_size_tokens])
+            sim.feed(ids[cfg.block_size_tokens], offsets, hits, 0, 1)
+
+    def _dense(self, tokens: list[int], bs: int) -> np.ndarray:
+        table = self._ids[bs]
+        keys = chunk_hashes(tokens, bs, algorithm=self.hash_algorithm).tolist()
+        return np.fromiter((table.setdefault(k, len(table)) for k in keys), dtype=np.int32,
+                           count=len(keys))
 
     @property
     def engine_hit_rate(self) -> Optional[float]:
