@@ -19,14 +19,14 @@ from kvdiag.eventlog import read_log
 
 NUM_REQUESTS = int(os.environ.get("KVDIAG_TEST_DEMO_REQUESTS", "10"))
 MAX_TOKENS = 12
-PORT = 18150
 
 
+# no --port: the demo picks a free one, so several checkouts can run this test at once
 @pytest.fixture(scope="module")
 def demo_run(model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("demo") / "demo.kvlog"
     cmd = [sys.executable, "-m", "kvdiag", "demo", "--requests", str(NUM_REQUESTS), "--seed", "1",
-           "--rate", "2", "--max-tokens", str(MAX_TOKENS), "--port", str(PORT), "--log", str(log_path),
+           "--rate", "2", "--max-tokens", str(MAX_TOKENS), "--log", str(log_path),
            "--ask", "What is the capital of France?"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     return proc, log_path
