@@ -72,3 +72,7 @@ def test_demo_log_is_consistent_with_the_engine(demo_run):
     assert r.last_sample.blocks_cached == len(r.cached_blocks_at_end)
     assert r.last_sample.blocks_free + r.last_sample.blocks_cached == r.last_sample.num_blocks
     assert timestamps_problems(log_path) == []
+    # token occupancy <= 1: a shared prefix block holds its tokens once
+    pool = log.frame("kv_pool_sample")
+    assert (pool["tokens_held"] <= pool["blocks_used"] * r.page_size).all()
+    assert (pool["tokens_held"] > 0).any()
