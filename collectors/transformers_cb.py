@@ -522,11 +522,11 @@ class TransformersCBAdapter:
     def _sample(self, processor, now: int) -> None:
         self._last_sample_ns = now
         cache, scheduler = processor.cache, processor.scheduler
-        free = cached = 0
-        for allocator in cache.cache_allocators.values():
-            free += self._free_blocks_of(allocator)
-            cached += len(allocator.ledger.cached_blocks)
-        # the pool counts free sectors once, not once per allocator
+        allocators = list(cache.cache_allocators.values())
+        # free sectors are shared by all allocators: count them once, in whole-model blocks
+        free = len(cache.pool.free_sectors) * allocators[0].blocks_per_sector
+        free += sum(a.pool.count_free_blocks(a.index) for a in allocators)
+        cached = sum(len(a.ledger.cached_blocks) for a in allocators)
         num_blocks = int(cache.num_blocks)
         active = list(scheduler.active_requests.values())
         self._emit(KVPoolSample(

@@ -17,7 +17,7 @@ import pytest
 from demo_invariants import expected_blocks, replay, timestamps_problems
 from kvdiag.eventlog import read_log
 
-NUM_REQUESTS = int(os.environ.get("KVDIAG_TEST_DEMO_REQUESTS", "12"))
+NUM_REQUESTS = int(os.environ.get("KVDIAG_TEST_DEMO_REQUESTS", "10"))
 MAX_TOKENS = 12
 PORT = 18150
 

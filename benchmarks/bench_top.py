@@ -1,0 +1,116 @@
+"""`kvdiag top` costs, measured side by side in one run.
+
+1. Snapshot build time for a 10,000-request log ÷ the default refresh interval (goal < 1):
+   the log (CONSTRUCTED TEST DATA, tests/tui_data.py) is read and folded into a LiveState,
+   then ``snapshot()`` is timed at the end and at the busiest moment (most live requests).
+2. CPU of the UI process ÷ wall time at the default interval (goal <= 0.10 of one core):
+   ``kvdiag top --log`` runs in a real terminal (tmux) replaying a log at 1x and at 10x, an
+   idle ``sleep`` in the same terminal gives the floor, and (``--demo``, when this build has
+   ``kvdiag demo``) plain ``kvdiag top`` runs the live demo: only the UI process is counted,
+   not the demo server it started.
+
+Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tui_data import write_constructed_log  # noqa: E402
+
+from kvdiag.eventlog import iter_events  # noqa: E402
+from kvdiag.livestate import LiveState  # noqa: E402
+
+INTERVAL_S = 1.0
+
+
+def snapshot_cost(log: Path) -> None:
+    state = LiveState()
+    t0 = time.perf_counter()
+    n = 0
+    busiest, busiest_ts = -1, 0
+    for ev in iter_events(log):
+        state.feed(ev)
+        n += 1
+        if len(state.live) > busiest:
+            busiest, busiest_ts = len(state.live), ev.ts_ns
+    fold_s = time.perf_counter() - t0
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        snap = state.snapshot(ev.ts_ns)
+        times.append(time.perf_counter() - t)
+    end_s = min(times)
+    print(f"log: {n:,} events, {snap.requests.finished:,} finished requests")
+    print(f"read+fold: {fold_s:.2f} s = {n / fold_s:,.0f} events/s (a replay catches up at "
+          f"{n / fold_s / max(1, snap.events_per_s):,.0f}x the log's own rate)")
+    print(f"snapshot at end of log: {end_s * 1e3:.1f} ms = {end_s / INTERVAL_S:.3f} of the {INTERVAL_S:g} s interval")
+
+    state = LiveState()
+    for ev in iter_events(log):
+        if ev.ts_ns > busiest_ts:
+            break
+        state.feed(ev)
+    t = time.perf_counter()
+    snap = state.snapshot(busiest_ts)
+    busy_s = time.perf_counter() - t
+    print(f"snapshot at the busiest moment ({len(state.live)} live requests): {busy_s * 1e3:.1f} ms = "
+          f"{busy_s / INTERVAL_S:.3f} of the interval")
+
+
+def ui_cpu(log: Path, seconds: float, demo: bool) -> None:
+    if shutil.which("tmux") is None:
+        print("tmux not installed: UI CPU share not measured")
+        return
+    kvdiag = str(Path(sys.executable).with_name("kvdiag"))
+    runs = [("idle shell (sleep)", f"sleep {seconds + 30}", 3),
+            ("kvdiag top --log, 1x", f"{kvdiag} top --log {log} --speed 1", 3),
+            ("kvdiag top --log, 10x", f"{kvdiag} top --log {log} --speed 10", 3)]
+    if demo:
+        runs.append(("kvdiag top (live demo)", f"{kvdiag} top", 90))  # after model load and warm-up
+    server = ["tmux", "-L", f"kvdiag-bench-{os.getpid()}", "-f", "/dev/null"]
+    for label, cmd, warmup_s in runs:
+        subprocess.run([*server, "new-session", "-d", "-s", "b", "-x", "120", "-y", "36", cmd], check=True,
+                       env=dict(os.environ, TERM="xterm-256color"))
+        pid = int(subprocess.run([*server, "list-panes", "-t", "b", "-F", "#{pane_pid}"], check=True,
+                                 capture_output=True, text=True).stdout.strip())
+        proc = psutil.Process(pid)
+        time.sleep(warmup_s)  # start-up (imports, first snapshot, demo start) is not the steady state
+        c0, w0 = proc.cpu_times(), time.monotonic()
+        time.sleep(seconds)
+        c1, w1 = proc.cpu_times(), time.monotonic()
+        share = (c1.user + c1.system - c0.user - c0.system) / (w1 - w0)
+        print(f"{label:<24} CPU/wall = {share:.3f} of one core")
+        subprocess.run([*server, "send-keys", "-t", "b", "q"], capture_output=True)  # top stops its demo
+        time.sleep(5 if warmup_s > 10 else 0.5)
+        subprocess.run([*server, "kill-server"], capture_output=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--demo", action="store_true", help="also measure plain `kvdiag top` on the live demo")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        big = write_constructed_log(Path(d) / "big.jsonl", n_requests=args.requests, arrivals_per_s=10.0)
+        print(f"wrote {big.stat().st_size / 1e6:.0f} MB constructed log in {time.perf_counter() - t:.0f} s")
+        snapshot_cost(big)
+        small = write_constructed_log(Path(d) / "small.jsonl", n_requests=400, arrivals_per_s=2.0)
+        ui_cpu(small, args.seconds, args.demo)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""`kvdiag top`: the live terminal UI of a KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+Live terminal UI of a KV cache: memory by source, KV pool occupancy and fragmentation, prefix
+sharing (engine vs shadow), compression, attention locality, latency, requests and alerts.
+
+  kvdiag top                    start the embedded demo server and watch it (stopped on quit)
+  kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside)
+  kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
+
+Quitting never stops a server that top attached to. Press ? inside for the keys.
+"""
+
+
+DEMO_DURATION_S = 24 * 3600
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--pid", type=int, help="attach to a running server process")
+    src.add_argument("--log", type=Path, metavar="FILE", help="replay a recorded event log")
+    src.add_argument("--socket", type=Path, metavar="PATH", help="read a kvdiag agent socket directly")
+    parser.add_argument("--speed", type=float, default=1.0, help="replay speed for --log (default 1.0)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    parser.add_argument("--output-dir", type=Path, default=Path("."),
+                        help="where s (screenshot) and r (recording) write files (default: .)")
+    parser.add_argument("--paused", action="store_true", help="start a replay paused")
+    parser.add_argument("demo_args", nargs=argparse.REMAINDER,
+                        help="without a source: arguments passed to `kvdiag demo` after --")
+
+
+def _error(message: str) -> int:
+    print(f"kvdiag top: {message}", file=sys.stderr)
+    return 2
+
+
+def open_source(args: argparse.Namespace):
+    """The event source the arguments ask for; raises SourceError with a one-line message."""
+    from kvdiag import sources
+
+    demo_args = [a for a in args.demo_args if a != "--"]
+    if demo_args and (args.log or args.pid or args.socket):
+        raise sources.SourceError(f"unexpected arguments {' '.join(demo_args)!r} (they are for the demo, "
+                                  "which runs only without --log/--pid/--socket)")
+    if args.interval <= 0:
+        raise sources.SourceError(f"--interval must be positive, got {args.interval}")
+    if args.log is not None:
+        if not args.log.is_file():
+            raise sources.SourceError(f"{args.log}: no such file")
+        if args.speed <= 0:
+            raise sources.SourceError(f"--speed must be positive, got {args.speed}")
+        return sources.ReplaySource(args.log, speed=args.speed, start_paused=args.paused)
+    if args.socket is not None:
+        return sources.SocketSource(args.socket)
+    if args.pid is not None:
+        return sources.attach(args.pid)
+    if not any(a.startswith(("--requests", "--duration")) for a in demo_args):
+        demo_args = ["--duration", str(DEMO_DURATION_S), *demo_args]  # run until top quits
+    demo = sources.DemoSource(demo_args, log_dir=args.output_dir)
+    return sources.with_host_view(demo, demo.child.pid)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvdiag.eventlog import LogFormatError
+    from kvdiag.sources import SourceError
+
+    try:
+        source = open_source(args)
+    except (SourceError, LogFormatError) as exc:
+        return _error(str(exc))
+    except OSError as exc:
+        return _error(f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
+    try:
+        from kvdiag.tui.app import KvTopApp
+
+        app = KvTopApp(source, interval_s=args.interval, output_dir=args.output_dir)
+        app.run()
+    finally:
+        if hasattr(source, "child") or hasattr(getattr(source, "primary", None), "child"):
+            print("kvdiag top: stopping the demo server…", file=sys.stderr)
+        source.close()
+    return app.return_code or 0

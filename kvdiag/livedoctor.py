@@ -1,0 +1,81 @@
+"""The doctor's rules (``kvdiag.analysis.doctor``, when this build has it) run live over the most
+recent events, for the alerts panel of ``kvdiag top``.
+
+The doctor works on DataFrames of whole logs; live, it gets the last ``max_events`` events
+every ``period_s``. Its cost is measured on each run and the period grows so that it stays
+under ``max_share`` of one core. A failing run becomes a finding, never an exception.
+Pure: no UI library is imported here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import msgspec
+
+from kvdiag import schema as s
+from kvdiag.analysis.findings import Finding
+
+
+class LiveDoctor:
+    def __init__(self, max_events: int = 50_000, period_s: float = 15.0, max_share: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        try:
+            from kvdiag.analysis import doctor, logs
+        except ImportError:
+            doctor = logs = None
+        self._doctor, self._logs = doctor, logs
+        self.available = doctor is not None
+        self.buffer: deque[s.Event] = deque(maxlen=max_events)
+        self.period_s = period_s
+        self.max_share = max_share
+        self.last_run_s: Optional[float] = None  # duration of the last run
+        self.findings: tuple[Finding, ...] = ()
+        self._clock = clock
+        self._next = clock() + min(period_s, 5.0)
+        self._seen = 0
+
+    def record(self, events: list[s.Event]) -> None:
+        if self.available:
+            self.buffer.extend(events)
+            self._seen += len(events)
+
+    def due(self) -> bool:
+        return self.available and self._seen > 0 and self._clock() >= self._next
+
+    def take(self) -> list[s.Event]:
+        """The buffered events to run on (copy them under the caller's lock, run outside it)."""
+        self._seen = 0
+        return list(self.buffer)
+
+    def run(self, header: Optional[s.LogHeader], events: list[s.Event]) -> tuple[Finding, ...]:
+        """Run every rule over ``events``; returns (and keeps) the findings."""
+        start = self._clock()
+        try:
+            findings, _ = self._doctor.run_rules(self._frames(header, events))
+            self.findings = tuple(findings)
+        except Exception as exc:  # a rule that breaks on partial live data must not stop top
+            self.findings = (Finding("doctor.error", "n/a", "doctor rules failed on live data",
+                                     f"{type(exc).__name__}: {exc}"),)
+        self.last_run_s = self._clock() - start
+        self.period_s = max(self.period_s, self.last_run_s / self.max_share)
+        self._next = self._clock() + self.period_s
+        return self.findings
+
+    def _frames(self, header: Optional[s.LogHeader], events: list[s.Event]):
+        import pandas as pd
+
+        node = (header.node or header.host) if header else ""
+        node = node or "live"
+        by_tag: dict[str, list] = {}
+        for ev in events:
+            by_tag.setdefault(s.event_tag(ev), []).append(msgspec.structs.astuple(ev))
+        frames = {}
+        for tag, rows in by_tag.items():
+            df = pd.DataFrame.from_records(rows, columns=s.fields_of(s.TAGS[tag]))
+            df["node"] = node
+            frames[tag] = df
+        hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
+        return self._logs.Logs(headers={node: hdr}, frames=frames)

@@ -1,0 +1,784 @@
+"""Incremental state behind ``kvdiag top``: events in, an immutable :class:`Snapshot` out.
+
+``LiveState.feed(event)`` is O(1) per event (a few dict updates); ``snapshot(now_ns)`` costs
+O(history bins + live requests), independent of how many events were seen, so a log of
+10,000 requests snapshots as fast as a short one. Histories are binned by event time
+(``bin_s``), so a replay at any speed, or a test with a fixed clock, gives the same picture.
+
+Pure: no UI library is imported (the TUI renders what this returns).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional
+
+from kvdiag import schema as s
+from kvdiag.analysis.findings import Finding
+from kvdiag.snapshot import (
+    FRAGMENTATION_LIMIT,
+    LOCALITY_METRICS,
+    CompressionRow,
+    CompressionView,
+    HealthView,
+    History,
+    LatencyView,
+    LocalityView,
+    MemoryView,
+    PoolView,
+    RequestRow,
+    RequestsView,
+    SharingView,
+    Snapshot,
+    WhatIfPoint,
+)
+
+NO_SHADOW = "no shadow data: start with --shadow"
+SHARING_GAP_LIMIT = 0.10
+"""Shadow minus engine hit rate beyond which the two disagree (10 percentage points)."""
+LEAK_GRACE_NS = 5_000_000_000
+"""A finished request may release its blocks up to 5 s after its finish event."""
+REGRESSION_FACTOR = 2.0
+"""A bin's P99 is a regression when it exceeds this multiple of the median P99 of the bins
+before it (at least ``REGRESSION_MIN_BINS`` of them, at most ``REGRESSION_LOOKBACK``)."""
+REGRESSION_MIN_BINS = 5
+REGRESSION_LOOKBACK = 30
+ERROR_USE = 0.01
+ERROR_CHECK = 0.05
+LATENCY_WINDOWS = 6
+"""TTFT/TPOT percentiles cover requests finished in the last 6 rate windows (60 s by default):
+P99 needs more requests than a 10 s window of a small server holds."""
+TOP_REQUESTS = 20
+RECENT_FINISHED = 200
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    """Nearest-rank percentile (``q`` in 0-100) of ``values``: the smallest value with at least
+    q% of the values at or below it; ``None`` for an empty list."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def recommend(error: float) -> str:
+    """kvdiag's default verdict on a compression error: "use" at ≤ 1%, "check" at ≤ 5%
+    (look at the per-head table and the logits test first), "avoid" above."""
+    if error <= ERROR_USE:
+        return "use"
+    if error <= ERROR_CHECK:
+        return "check"
+    return "avoid"
+
+
+def regressions(history: History) -> tuple[int, ...]:
+    """Indexes of bins whose value exceeds ``REGRESSION_FACTOR`` × the median of the
+    previous non-empty bins (needs ``REGRESSION_MIN_BINS`` of them)."""
+    flagged = []
+    previous: deque[float] = deque(maxlen=REGRESSION_LOOKBACK)
+    for i, value in enumerate(history):
+        if value is None:
+            continue
+        if len(previous) >= REGRESSION_MIN_BINS:
+            median = percentile(list(previous), 50)
+            if median and value > REGRESSION_FACTOR * median:
+                flagged.append(i)
+        previous.append(value)
+    return tuple(flagged)
+
+
+class _Series:
+    """One value per bin (the last one observed in it)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: dict[int, float] = {}
+
+    def set(self, bin_idx: int, value: float) -> None:
+        self.values[bin_idx] = value
+
+    def history(self, first: int, last: int, carry_bins: int) -> History:
+        """Values of bins first..last; a gauge carries its last value over at most
+        ``carry_bins`` empty bins (it is still the current reading), then shows a gap."""
+        out: list[Optional[float]] = []
+        current: Optional[float] = None
+        age = 0
+        earlier = [b for b in self.values if b < first]
+        if earlier:
+            b = max(earlier)
+            current, age = self.values[b], first - b - 1
+        for b in range(first, last + 1):
+            if b in self.values:
+                current, age = self.values[b], 0
+            else:
+                age += 1
+            out.append(current if current is not None and age <= carry_bins else None)
+        return tuple(out)
+
+    def trim(self, before: int) -> None:
+        old = [b for b in self.values if b < before]
+        keep = max(old) if old else None
+        for b in old:
+            if b != keep:
+                del self.values[b]
+
+
+@dataclass(slots=True)
+class _Bin:
+    ttft_ns: list = field(default_factory=list)
+    tpot_ns: list = field(default_factory=list)
+    generated_tokens: int = 0
+    finished_output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0
+    events: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    arrived_ns: int
+    prompt_tokens: int = 0
+    state: str = "waiting"
+    blocks: set = field(default_factory=set)
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    output_tokens: Optional[int] = None
+    ttft_ns: Optional[int] = None
+    finished_ns: Optional[int] = None
+
+
+class LiveState:
+    """Accumulates events; :meth:`snapshot` returns an immutable :class:`Snapshot`."""
+
+    def __init__(self, bin_s: float = 1.0, history_bins: int = 120, rate_window_s: float = 10.0,
+                 source: str = "") -> None:
+        self.bin_ns = int(bin_s * 1e9)
+        self.bin_s = bin_s
+        self.history_bins = history_bins
+        self.rate_window_bins = max(1, round(rate_window_s / bin_s))
+        self.source = source
+        self.header: Optional[s.LogHeader] = None
+        self.start_ns: Optional[int] = None
+        self.events = 0
+        self.bins: dict[int, _Bin] = {}
+        self.series: dict[str, _Series] = {k: _Series() for k in (
+            "nvml", "allocator", "kv_pool", "rss", "occupancy")}
+        self.shadow_series: dict[tuple, _Series] = {}
+        # pool
+        self.pool_info: Optional[s.KVPoolInfo] = None
+        self.pool_sample: Optional[s.KVPoolSample] = None
+        self.holders: dict[int, int] = {}
+        self.cached_blocks: set[int] = set()
+        self.preemptions = 0
+        self.block_events_seen = False
+        # memory
+        self.nvml: dict[int, s.NvmlSample] = {}
+        self.allocator: dict[int, s.AllocatorSample] = {}
+        self.processes: dict[int, s.ProcessSample] = {}
+        # requests
+        self.live: dict[str, _Request] = {}
+        self.finished: OrderedDict[str, _Request] = OrderedDict()
+        self.finished_count = 0
+        self.engine_prompt_tokens = 0
+        self.engine_cached_tokens = 0
+        self.engine_metrics: Optional[s.EngineMetrics] = None
+        self.saw_steps = False
+        # shadow
+        self.shadow: dict[tuple, s.ShadowSharing] = {}
+        self.compression: dict[tuple, s.ShadowCompression] = {}
+        self.locality_sum: dict[tuple[int, int], list[float]] = {}
+        self.locality_samples = 0
+        # health
+        self.dropped_events = 0
+        self.gaps = 0
+        self.errors: dict[str, list] = {}
+        self.status: dict[str, s.CollectorStatus] = {}
+        self.external_findings: tuple[Finding, ...] = ()  # e.g. the doctor's, run elsewhere
+
+    # ------------------------------------------------------------------ feeding
+
+    def set_header(self, header: s.LogHeader) -> None:
+        self.header = header
+        if header.start_ns and self.start_ns is None:
+            self.start_ns = header.start_ns
+
+    def feed_all(self, events: Iterable[s.Event]) -> None:
+        for ev in events:
+            self.feed(ev)
+
+    def _bin(self, ts_ns: int) -> _Bin:
+        idx = ts_ns // self.bin_ns
+        b = self.bins.get(idx)
+        if b is None:
+            b = self.bins[idx] = _Bin()
+        return b
+
+    def _request(self, request_id: str, ts_ns: int) -> _Request:
+        req = self.live.get(request_id)
+        if req is None:
+            req = self.finished.get(request_id)
+        if req is None:
+            req = self.live[request_id] = _Request(request_id, ts_ns)
+        return req
+
+    def feed(self, ev: s.Event) -> None:
+        """Fold one event into the state."""
+        ts = ev.ts_ns
+        if self.start_ns is None:
+            self.start_ns = ts
+        self.events += 1
+        b = self._bin(ts)
+        b.events += 1
+        bin_idx = ts // self.bin_ns
+        handler = _HANDLERS.get(type(ev))
+        if handler is not None:
+            handler(self, ev, b, bin_idx)
+
+    def _on_arrived(self, ev: s.RequestArrived, b: _Bin, idx: int) -> None:
+        req = self._request(ev.request_id, ev.ts_ns)
+        req.arrived_ns = ev.ts_ns
+        req.prompt_tokens = ev.prompt_tokens
+
+    def _on_scheduled(self, ev: s.RequestScheduled, b: _Bin, idx: int) -> None:
+        req = self._request(ev.request_id, ev.ts_ns)
+        if req.finished_ns is None:
+            req.state = "running"
+
+    def _on_first_token(self, ev: s.RequestFirstToken, b: _Bin, idx: int) -> None:
+        req = self._request(ev.request_id, ev.ts_ns)
+        req.ttft_ns = ev.ttft_ns
+        if req.finished_ns is None:
+            req.state = "running"
+        b.generated_tokens += 1
+
+    def _on_finished(self, ev: s.RequestFinished, b: _Bin, idx: int) -> None:
+        req = self.live.pop(ev.request_id, None) or self.finished.get(ev.request_id)
+        if req is None:
+            req = _Request(ev.request_id, ev.ts_ns - (ev.e2e_ns or 0))
+        req.prompt_tokens = ev.prompt_tokens
+        req.output_tokens = ev.output_tokens
+        req.state = ev.status
+        req.finished_ns = ev.ts_ns
+        if ev.ttft_ns is not None:
+            req.ttft_ns = ev.ttft_ns
+        self.finished[ev.request_id] = req
+        self.finished.move_to_end(ev.request_id)
+        while len(self.finished) > RECENT_FINISHED:
+            self.finished.popitem(last=False)
+        self.finished_count += 1
+        b.finished_output_tokens += ev.output_tokens
+        if ev.status == "finished":
+            self.engine_prompt_tokens += ev.prompt_tokens
+            self.engine_cached_tokens += ev.cached_prompt_tokens
+            b.prompt_tokens += ev.prompt_tokens
+            b.cached_tokens += ev.cached_prompt_tokens
+            if req.ttft_ns is not None:
+                b.ttft_ns.append(req.ttft_ns)
+                if ev.e2e_ns is not None and ev.output_tokens > 1:
+                    b.tpot_ns.append((ev.e2e_ns - req.ttft_ns) / (ev.output_tokens - 1))
+
+    def _on_preempted(self, ev: s.RequestPreempted, b: _Bin, idx: int) -> None:
+        self.preemptions += 1
+        req = self.live.get(ev.request_id)
+        if req is not None:
+            req.state = "waiting"
+
+    def _on_step(self, ev: s.EngineStep, b: _Bin, idx: int) -> None:
+        self.saw_steps = True
+        b.generated_tokens += ev.decode_tokens
+
+    def _on_pool_info(self, ev: s.KVPoolInfo, b: _Bin, idx: int) -> None:
+        self.pool_info = ev
+
+    def _hold(self, req: _Request, block: int) -> None:
+        self.block_events_seen = True
+        if block not in req.blocks:
+            req.blocks.add(block)
+            self.holders[block] = self.holders.get(block, 0) + 1
+
+    def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
+        self.cached_blocks.discard(ev.block_id)
+        self._hold(self._request(ev.request_id, ev.ts_ns), ev.block_id)
+
+    def _on_hit(self, ev: s.PrefixHit, b: _Bin, idx: int) -> None:
+        req = self._request(ev.request_id, ev.ts_ns)
+        req.hit_tokens += ev.num_tokens
+        req.hit_blocks += 1
+        self._hold(req, ev.block_id)
+
+    def _on_deduplicated(self, ev, b: _Bin, idx: int) -> None:
+        """``BlockDeduplicated``: the request now holds the cached ``block_id`` (its duplicate
+        is given back by the ``BlockReleased`` that follows)."""
+        self._hold(self._request(ev.request_id, ev.ts_ns), ev.block_id)
+
+    def _on_released(self, ev: s.BlockReleased, b: _Bin, idx: int) -> None:
+        req = self.live.get(ev.request_id) or self.finished.get(ev.request_id)
+        if req is not None and ev.block_id in req.blocks:
+            req.blocks.discard(ev.block_id)
+            left = self.holders.get(ev.block_id, 1) - 1
+            if left > 0:
+                self.holders[ev.block_id] = left
+            else:
+                self.holders.pop(ev.block_id, None)
+        if ev.cached:
+            self.cached_blocks.add(ev.block_id)
+
+    def _on_evicted(self, ev: s.BlockEvicted, b: _Bin, idx: int) -> None:
+        self.cached_blocks.discard(ev.block_id)
+        b.evictions += 1
+
+    def _on_pool_sample(self, ev: s.KVPoolSample, b: _Bin, idx: int) -> None:
+        self.pool_sample = ev
+        if ev.num_blocks:
+            self.series["occupancy"].set(idx, ev.blocks_used / ev.num_blocks)
+        if self.pool_info is not None:
+            used = ev.blocks_used + ev.blocks_cached
+            self.series["kv_pool"].set(idx, used * self.pool_info.block_bytes)
+
+    def _on_allocator(self, ev: s.AllocatorSample, b: _Bin, idx: int) -> None:
+        self.allocator[ev.device] = ev
+        self.series["allocator"].set(idx, sum(a.reserved_bytes for a in self.allocator.values()))
+
+    def _on_nvml(self, ev: s.NvmlSample, b: _Bin, idx: int) -> None:
+        self.nvml[ev.device] = ev
+        used = [n.memory_used_bytes for n in self.nvml.values() if n.memory_used_bytes is not None]
+        if used:
+            self.series["nvml"].set(idx, sum(used))
+
+    def _on_process(self, ev: s.ProcessSample, b: _Bin, idx: int) -> None:
+        self.processes[ev.pid] = ev
+        self.series["rss"].set(idx, self._rss(ev.ts_ns))
+
+    def _on_metrics(self, ev: s.EngineMetrics, b: _Bin, idx: int) -> None:
+        self.engine_metrics = ev
+
+    def _on_shadow_sharing(self, ev: s.ShadowSharing, b: _Bin, idx: int) -> None:
+        key = (ev.policy, ev.block_size_tokens, ev.capacity_blocks)
+        self.shadow[key] = ev
+        series = self.shadow_series.get(key)
+        if series is None:
+            series = self.shadow_series[key] = _Series()
+        series.set(idx, ev.token_hit_rate)
+
+    def _on_compression(self, ev: s.ShadowCompression, b: _Bin, idx: int) -> None:
+        self.compression[(ev.layer, ev.head, ev.method)] = ev
+
+    def _on_locality(self, ev: s.ShadowLocality, b: _Bin, idx: int) -> None:
+        sums = self.locality_sum.get((ev.layer, ev.head))
+        if sums is None:
+            sums = self.locality_sum[(ev.layer, ev.head)] = [0.0, 0.0, 0.0, 0.0, 0, 0]
+        sums[0] += ev.recent_mass
+        sums[1] += ev.sink_mass
+        sums[2] += ev.entropy_nats
+        if ev.outside_share is not None:
+            sums[3] += ev.outside_share
+            sums[5] += 1
+        sums[4] += 1
+        self.locality_samples += 1
+
+    def _on_gap(self, ev: s.CollectorGap, b: _Bin, idx: int) -> None:
+        self.gaps += 1
+        self.dropped_events += ev.dropped_events
+
+    def _on_error(self, ev: s.CollectorError, b: _Bin, idx: int) -> None:
+        entry = self.errors.setdefault(ev.collector, [0, ""])
+        entry[0] += ev.count
+        entry[1] = ev.message
+
+    def _on_status(self, ev: s.CollectorStatus, b: _Bin, idx: int) -> None:
+        self.status[ev.collector] = ev
+
+    # ------------------------------------------------------------------ snapshot
+
+    def _rss(self, now_ns: int) -> int:
+        """Sum of the latest RSS of each process seen in the last 30 s."""
+        return sum(p.rss_bytes for p in self.processes.values() if now_ns - p.ts_ns <= 30_000_000_000)
+
+    def _bins_window(self, last: int, n: int) -> list[_Bin]:
+        return [self.bins[i] for i in range(last - n + 1, last + 1) if i in self.bins]
+
+    def snapshot(self, now_ns: int, paused: bool = False, finished_source: bool = False) -> Snapshot:
+        """The state as of ``now_ns`` (bins after ``now_ns`` are not shown)."""
+        last = now_ns // self.bin_ns
+        first = last - self.history_bins + 1
+        self._trim(first)
+        self._record_derived(last)
+        window = self._bins_window(last, self.rate_window_bins)
+        window_s = self.rate_window_bins * self.bin_s
+        latency_window = self._bins_window(last, self.rate_window_bins * LATENCY_WINDOWS)
+        pool = self._pool_view(first, last, window, window_s)
+        memory = self._memory_view(first, last, now_ns)
+        sharing = self._sharing_view(first, last)
+        latency = self._latency_view(first, last, window, window_s, latency_window)
+        requests = self._requests_view(now_ns)
+        health = HealthView(
+            dropped_events=self.dropped_events, gaps=self.gaps,
+            errors=tuple((c, e[0], e[1]) for c, e in sorted(self.errors.items())),
+            unavailable=tuple((c, st.hint) for c, st in sorted(self.status.items()) if not st.available))
+        header = self.header
+        snap = Snapshot(
+            now_ns=now_ns, start_ns=self.start_ns or now_ns, source=self.source, paused=paused,
+            events=self.events, events_per_s=sum(b.events for b in window) / window_s,
+            bin_s=self.bin_s, engine=header.engine if header else "", model=header.model if header else "",
+            memory=memory, pool=pool, sharing=sharing, compression=self._compression_view(),
+            locality=self._locality_view(), latency=latency, requests=requests, health=health,
+            alerts=(), finished_source=finished_source)
+        return replace(snap, alerts=self._alerts(snap, now_ns))
+
+    def _trim(self, first: int) -> None:
+        for idx in [i for i in self.bins if i < first - self.rate_window_bins * LATENCY_WINDOWS]:
+            del self.bins[idx]
+        for series in (*self.series.values(), *self.shadow_series.values()):
+            series.trim(first)
+
+    def _record_derived(self, last: int) -> None:
+        """Without pool samples, the gauges come from block events: record them for this bin."""
+        if self.pool_sample is not None:
+            return
+        blocks = self._pool_blocks()
+        if blocks is None:
+            return
+        if self.pool_info is not None:
+            self.series["kv_pool"].set(last, (blocks[0] + blocks[1]) * self.pool_info.block_bytes)
+            if self.pool_info.num_blocks:
+                self.series["occupancy"].set(last, blocks[0] / self.pool_info.num_blocks)
+
+    def _memory_view(self, first: int, last: int, now_ns: int) -> MemoryView:
+        used = [n.memory_used_bytes for n in self.nvml.values() if n.memory_used_bytes is not None]
+        total = [n.memory_total_bytes for n in self.nvml.values() if n.memory_total_bytes is not None]
+        proc = [n.process_memory_bytes for n in self.nvml.values() if n.process_memory_bytes is not None]
+        alloc = list(self.allocator.values())
+        kv_used = kv_total = None
+        info = self.pool_info
+        if info is not None:
+            kv_total = info.num_blocks * info.block_bytes
+            blocks = self._pool_blocks()
+            if blocks is not None:
+                kv_used = (blocks[0] + blocks[1]) * info.block_bytes
+        nvml_hint = self._hint(("nvml", "gpu"), "no NVML samples") if not self.nvml else ""
+        alloc_hint = self._hint(("allocator", "cuda"), "no CUDA allocator samples") if not alloc else ""
+        carry = 10
+        return MemoryView(
+            nvml_used_bytes=sum(used) if used else None, nvml_total_bytes=sum(total) if total else None,
+            nvml_process_bytes=sum(proc) if proc else None,
+            allocator_reserved_bytes=sum(a.reserved_bytes for a in alloc) if alloc else None,
+            allocator_allocated_bytes=sum(a.allocated_bytes for a in alloc) if alloc else None,
+            kv_pool_used_bytes=kv_used, kv_pool_total_bytes=kv_total,
+            host_rss_bytes=self._rss(now_ns) if self.processes else None,
+            nvml_history=self.series["nvml"].history(first, last, carry),
+            allocator_history=self.series["allocator"].history(first, last, carry),
+            kv_pool_history=self.series["kv_pool"].history(first, last, carry),
+            rss_history=self.series["rss"].history(first, last, carry),
+            gpu_hint=nvml_hint, allocator_hint=alloc_hint)
+
+    def _hint(self, keys: tuple[str, ...], default: str) -> str:
+        """The hint of an unavailable collector whose name contains one of ``keys``."""
+        for name, st in sorted(self.status.items()):
+            if not st.available and any(k in name.lower() for k in keys):
+                return st.hint or f"{name} unavailable"
+        return default
+
+    def _pool_blocks(self) -> Optional[tuple[int, int]]:
+        """(blocks held by live requests, blocks held only by the prefix cache)."""
+        if self.pool_sample is not None:
+            return self.pool_sample.blocks_used, self.pool_sample.blocks_cached
+        if self.pool_info is None and not self.holders and not self.cached_blocks:
+            return None
+        only_cached = sum(1 for blk in self.cached_blocks if blk not in self.holders)
+        return len(self.holders), only_cached
+
+    def _pool_view(self, first: int, last: int, window: list[_Bin], window_s: float) -> PoolView:
+        info, sample = self.pool_info, self.pool_sample
+        blocks = self._pool_blocks()
+        num_blocks = sample.num_blocks if sample else (info.num_blocks if info else None)
+        block_size = info.block_size_tokens if info else (
+            self.header.block_size_tokens if self.header else None)
+        used, cached = blocks if blocks else (None, None)
+        block_occ = used / num_blocks if used is not None and num_blocks else None
+        token_occ = None
+        inconsistency = ""
+        if sample is not None and block_size and sample.blocks_used:
+            slots = sample.blocks_used * block_size
+            token_occ = sample.tokens_held / slots
+            if token_occ > 1:  # more tokens than slots: the sampler counted shared blocks per request
+                inconsistency = (f"pool sample: {sample.tokens_held} tokens held > {slots} slots of "
+                                 f"{sample.blocks_used} used blocks; token occupancy not shown")
+                token_occ = None
+        alloc = list(self.allocator.values())
+        reserved = sum(a.reserved_bytes for a in alloc)
+        alloc_frag = (reserved - sum(a.allocated_bytes for a in alloc)) / reserved if reserved else None
+        has_pool = info is not None or sample is not None or bool(self.holders)
+        return PoolView(
+            num_blocks=num_blocks, block_size_tokens=block_size, blocks_used=used, blocks_cached=cached,
+            block_occupancy=block_occ, token_occupancy=token_occ,
+            pool_fragmentation=1.0 - token_occ if token_occ is not None else None,
+            allocator_fragmentation=alloc_frag,
+            evictions_per_s=sum(b.evictions for b in window) / window_s if has_pool else None,
+            preemptions=self.preemptions,
+            running_requests=sample.running_requests if sample else None,
+            waiting_requests=sample.waiting_requests if sample else None,
+            occupancy_history=self.series["occupancy"].history(first, last, 10),
+            reason="" if has_pool else "no KV pool events: the server needs the kvdiag agent (kvdiag demo runs one)",
+            inconsistency=inconsistency)
+
+    def _engine_hit_rate(self) -> Optional[float]:
+        if self.engine_prompt_tokens:
+            return self.engine_cached_tokens / self.engine_prompt_tokens
+        m = self.engine_metrics
+        if m is not None and m.prefix_cache_queries_tokens:
+            return (m.prefix_cache_hits_tokens or 0.0) / m.prefix_cache_queries_tokens
+        return None
+
+    def _headline_key(self) -> Optional[tuple]:
+        """The shadow configuration closest to the engine's: same block size, capacity equal to
+        the engine's pool (else unbounded, else the largest), LRU preferred."""
+        if not self.shadow:
+            return None
+        info = self.pool_info
+        bs = info.block_size_tokens if info else None
+        cap = info.num_blocks if info else None
+
+        def score(key: tuple) -> tuple:
+            policy, block_size, capacity = key
+            return (block_size == bs, capacity == cap, capacity is None,
+                    capacity or 0, policy.lower() == "lru", policy)
+        return max(self.shadow, key=score)
+
+    def _sharing_view(self, first: int, last: int) -> SharingView:
+        engine = self._engine_hit_rate()
+        engine_hist = []
+        for idx in range(first, last + 1):
+            b = self.bins.get(idx)
+            engine_hist.append(b.cached_tokens / b.prompt_tokens if b and b.prompt_tokens else None)
+        key = self._headline_key()
+        head = self.shadow.get(key) if key else None
+        shadow_cfg = _point(head) if head else None
+        if engine is None and head is not None and head.engine_hit_rate is not None:
+            engine = head.engine_hit_rate
+        what_if = tuple(sorted((_point(ev) for ev in self.shadow.values()), key=lambda p: (
+            p.policy, p.block_size_tokens, p.capacity_blocks if p.capacity_blocks is not None else math.inf)))
+        return SharingView(
+            engine_hit_rate=engine, shadow_hit_rate=head.token_hit_rate if head else None,
+            shadow_config=shadow_cfg,
+            gap=head.token_hit_rate - engine if head is not None and engine is not None else None,
+            engine_history=tuple(engine_hist),
+            shadow_history=self.shadow_series[key].history(first, last, 30) if key else (None,) * (last - first + 1),
+            what_if=what_if, finished_requests=self.finished_count,
+            reason="" if head else NO_SHADOW)
+
+    def _num_layers(self) -> int:
+        layers = [k[0] for k in self.compression] + [k[0] for k in self.locality_sum]
+        seen = max(layers) + 1 if layers else 0
+        return max(self.pool_info.num_layers if self.pool_info else 0, seen)
+
+    def _compression_view(self) -> CompressionView:
+        if not self.compression:
+            return CompressionView(rows=(), reason=NO_SHADOW)
+        num_layers = self._num_layers()
+        group = max(1, math.ceil(num_layers / 3))
+        acc: dict[tuple[int, str], list] = {}
+        for (layer, _head, method), ev in self.compression.items():
+            a = acc.setdefault((layer // group, method), [0.0, 0.0, 0.0, 0, 0.0, 0, 0])
+            a[0] += ev.ratio
+            a[1] = max(a[1], ev.k_rel_error, ev.v_rel_error)
+            if ev.attn_out_rel_error is not None:
+                a[2] += ev.attn_out_rel_error
+                a[3] += 1
+            if ev.decode_ns is not None:
+                a[4] += ev.decode_ns
+                a[5] += 1
+            a[6] += 1
+        rows = []
+        for (g, method), a in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[1][0] / kv[1][6], kv[0][1])):
+            lo, hi = g * group, min(num_layers, (g + 1) * group) - 1
+            attn = a[2] / a[3] if a[3] else None
+            rows.append(CompressionRow(
+                layers=f"{lo}-{hi}" if hi > lo else str(lo), method=method, ratio=a[0] / a[6], error=a[1],
+                attn_out_error=attn, decode_us=a[4] / a[5] / 1e3 if a[5] else None, samples=a[6],
+                recommendation=recommend(attn if attn is not None else a[1])))
+        return CompressionView(rows=tuple(rows), reason="")
+
+    def _locality_view(self) -> LocalityView:
+        if not self.locality_sum:
+            return LocalityView(0, 0, {m: () for m in LOCALITY_METRICS}, 0, NO_SHADOW)
+        num_layers = max(k[0] for k in self.locality_sum) + 1
+        num_heads = max(k[1] for k in self.locality_sum) + 1
+        cells = {}
+        for i, metric in enumerate(LOCALITY_METRICS):
+            grid = []
+            for layer in range(num_layers):
+                row = []
+                for head in range(num_heads):
+                    sums = self.locality_sum.get((layer, head))
+                    count = (sums[5] if i == 3 else sums[4]) if sums else 0
+                    row.append(sums[i] / count if count else None)
+                grid.append(tuple(row))
+            cells[metric] = tuple(grid)
+        return LocalityView(num_layers, num_heads, cells, self.locality_samples, "")
+
+    def _latency_view(self, first: int, last: int, window: list[_Bin], window_s: float,
+                      latency_window: list[_Bin]) -> LatencyView:
+        ttft = [v for b in latency_window for v in b.ttft_ns]
+        tpot = [v for b in latency_window for v in b.tpot_ns]
+        ms = 1e-6
+
+        def scaled(v: Optional[float]) -> Optional[float]:
+            return v * ms if v is not None else None
+
+        p50s, p99s, tp99s, toks = [], [], [], []
+        for idx in range(first, last + 1):
+            b = self.bins.get(idx)
+            p50s.append(scaled(percentile(b.ttft_ns, 50)) if b else None)
+            p99s.append(scaled(percentile(b.ttft_ns, 99)) if b else None)
+            tp99s.append(scaled(percentile(b.tpot_ns, 99)) if b else None)
+            toks.append(self._generated(b) / self.bin_s if b else (0.0 if self.finished_count else None))
+        seen = self.finished_count or self.saw_steps
+        flagged = sorted(set(regressions(tuple(p99s))) | set(regressions(tuple(tp99s))))
+        return LatencyView(
+            ttft_p50_ms=scaled(percentile(ttft, 50)), ttft_p99_ms=scaled(percentile(ttft, 99)),
+            tpot_p50_ms=scaled(percentile(tpot, 50)), tpot_p99_ms=scaled(percentile(tpot, 99)),
+            tokens_per_s=sum(self._generated(b) for b in window) / window_s if seen else None,
+            ttft_p50_history=tuple(p50s), ttft_p99_history=tuple(p99s), tpot_p99_history=tuple(tp99s),
+            tokens_history=tuple(toks), regression_bins=tuple(flagged),
+            reason="" if seen else "no finished requests yet")
+
+    def _generated(self, b: _Bin) -> float:
+        """Generated tokens in a bin: first tokens + decode tokens of engine steps when the
+        engine reports steps, else output tokens of requests finished in the bin."""
+        return b.generated_tokens if self.saw_steps else b.finished_output_tokens
+
+    def _requests_view(self, now_ns: int) -> RequestsView:
+        info, header = self.pool_info, self.header
+        block_bytes = info.block_bytes if info else None
+        bpt = header.bytes_per_token if header and header.bytes_per_token else None
+
+        def kv_bytes(r: _Request) -> Optional[int]:
+            if r.blocks and block_bytes:
+                return len(r.blocks) * block_bytes
+            if self.block_events_seen or r.finished_ns is not None or r.state == "waiting":
+                return 0  # the engine reports blocks and this request holds none
+            return r.prompt_tokens * bpt if bpt is not None else None  # no block events: estimate
+
+        live = heapq.nlargest(TOP_REQUESTS, self.live.values(),
+                              key=lambda r: (kv_bytes(r) or 0, -r.arrived_ns))
+        rows = [_row(r, kv_bytes(r), now_ns) for r in live]
+        for r in reversed(self.finished.values()):
+            if len(rows) >= TOP_REQUESTS:
+                break
+            rows.append(_row(r, kv_bytes(r), now_ns))
+        reason = "" if rows else "no requests seen yet"
+        return RequestsView(rows=tuple(rows), live=len(self.live), finished=self.finished_count, reason=reason)
+
+    def leaked_requests(self, now_ns: int) -> list[str]:
+        """Requests that finished more than ``LEAK_GRACE_NS`` ago and still hold blocks: the
+        engine's release path did not fire for them."""
+        return [r.request_id for r in self.finished.values()
+                if r.blocks and r.finished_ns is not None and now_ns - r.finished_ns > LEAK_GRACE_NS]
+
+    def _alerts(self, snap: Snapshot, now_ns: int) -> tuple[Finding, ...]:
+        out: list[Finding] = []
+        pool, mem = snap.pool, snap.memory
+        pct = FRAGMENTATION_LIMIT * 100
+        if pool.pool_fragmentation is not None:
+            f = pool.pool_fragmentation
+            out.append(Finding("pool.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
+                               "KV pool fragmentation now",
+                               f"{f:.1%} of held slots empty (rule < {pct:.0f}%)",
+                               {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
+        if pool.allocator_fragmentation is not None:
+            f = pool.allocator_fragmentation
+            out.append(Finding("allocator.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
+                               "allocator fragmentation now",
+                               f"{f:.1%} of reserved unallocated (rule < {pct:.0f}%)",
+                               {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
+        if pool.inconsistency:
+            out.append(Finding("pool.sample_consistency", "warn", "KV pool samples inconsistent",
+                               pool.inconsistency, {}))
+        leaked = self.leaked_requests(now_ns)
+        if leaked:
+            out.append(Finding("leak.release_paths", "fail", "blocks held by finished requests",
+                               f"{len(leaked)} finished requests still hold blocks",
+                               {"request_ids": leaked[:20]}))
+        sharing = snap.sharing
+        if sharing.gap is not None:
+            bad = abs(sharing.gap) > SHARING_GAP_LIMIT
+            out.append(Finding("sharing.consistency", "warn" if bad else "pass",
+                               "engine vs shadow hit rate",
+                               f"shadow {sharing.shadow_hit_rate:.1%} vs engine {sharing.engine_hit_rate:.1%}"
+                               f" (gap {sharing.gap:+.1%}, limit ±{SHARING_GAP_LIMIT:.0%})",
+                               {"gap": sharing.gap}))
+        recent = [i for i in snap.latency.regression_bins if i >= self.history_bins - self.rate_window_bins * 3]
+        if recent:
+            out.append(Finding("latency.p99_regression", "warn", "P99 latency regression",
+                               f"{len(recent)} recent bins above {REGRESSION_FACTOR:g}x median P99",
+                               {"bins": recent}))
+        if self.preemptions:
+            out.append(Finding("pool.preemptions", "warn", "requests preempted for lack of KV blocks",
+                               f"{self.preemptions} preemptions", {"preemptions": self.preemptions}))
+        ooms = sum(a.num_ooms for a in self.allocator.values())
+        if ooms:
+            out.append(Finding("allocator.oom", "fail", "allocator out-of-memory", f"{ooms} OOMs",
+                               {"num_ooms": ooms}))
+        if snap.health.dropped_events or snap.health.gaps:
+            out.append(Finding("collector.gaps", "warn", "collector gaps",
+                               f"{snap.health.dropped_events} events dropped in {snap.health.gaps} gaps",
+                               {"dropped_events": snap.health.dropped_events}))
+        for collector, count, message in snap.health.errors:
+            out.append(Finding(f"collector.errors.{collector}", "warn", f"{collector} errors",
+                               f"{count} errors; last: {message}", {"count": count}))
+        for collector, hint in snap.health.unavailable:
+            out.append(Finding(f"collector.unavailable.{collector}", "n/a", f"{collector} unavailable",
+                               hint or "not available on this host", {}))
+        external = {f.rule for f in self.external_findings}
+        out = [f for f in out if f.rule not in external] + list(self.external_findings)
+        order = {"fail": 0, "warn": 1, "n/a": 2, "pass": 3}
+        return tuple(sorted(out, key=lambda f: order[f.status]))
+
+
+def _point(ev: s.ShadowSharing) -> WhatIfPoint:
+    return WhatIfPoint(ev.policy, ev.block_size_tokens, ev.capacity_blocks, ev.token_hit_rate,
+                       ev.block_hit_rate, ev.requests)
+
+
+def _row(r: _Request, kv: Optional[int], now_ns: int) -> RequestRow:
+    end = r.finished_ns if r.finished_ns is not None else now_ns
+    return RequestRow(
+        request_id=r.request_id, state=r.state, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
+        blocks=len(r.blocks), kv_bytes=kv, hit_tokens=r.hit_tokens, hit_blocks=r.hit_blocks,
+        age_s=max(0.0, (end - r.arrived_ns) / 1e9),
+        ttft_ms=r.ttft_ns / 1e6 if r.ttft_ns is not None else None, block_ids=tuple(sorted(r.blocks)))
+
+
+_HANDLERS = {
+    s.RequestArrived: LiveState._on_arrived,
+    s.RequestScheduled: LiveState._on_scheduled,
+    s.RequestFirstToken: LiveState._on_first_token,
+    s.RequestFinished: LiveState._on_finished,
+    s.RequestPreempted: LiveState._on_preempted,
+    s.EngineStep: LiveState._on_step,
+    s.KVPoolInfo: LiveState._on_pool_info,
+    s.BlockAllocated: LiveState._on_allocated,
+    s.PrefixHit: LiveState._on_hit,
+    s.BlockReleased: LiveState._on_released,
+    s.BlockEvicted: LiveState._on_evicted,
+    s.KVPoolSample: LiveState._on_pool_sample,
+    s.AllocatorSample: LiveState._on_allocator,
+    s.NvmlSample: LiveState._on_nvml,
+    s.ProcessSample: LiveState._on_process,
+    s.EngineMetrics: LiveState._on_metrics,
+    s.ShadowSharing: LiveState._on_shadow_sharing,
+    s.ShadowCompression: LiveState._on_compression,
+    s.ShadowLocality: LiveState._on_locality,
+    s.CollectorGap: LiveState._on_gap,
+    s.CollectorError: LiveState._on_error,
+    s.CollectorStatus: LiveState._on_status,
+}
+if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter's work
+    _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated

@@ -1,0 +1,214 @@
+"""The immutable picture of a KV cache at one moment, built by :mod:`kvdiag.livestate`.
+
+Every panel of ``kvdiag top`` renders from one :class:`Snapshot` and nothing else. A value that
+was not observed is ``None`` (rendered "N/A"); a view with no data at all carries a ``reason``
+that tells the user what to start to get it. Histories hold one value per time bin (``bin_s``
+seconds of event time), oldest first, ``None`` where the bin had no observation.
+
+Pure data: no UI library is imported here (a test checks it in a subprocess).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvdiag.analysis.findings import Finding
+
+History = tuple[Optional[float], ...]
+
+FRAGMENTATION_LIMIT = 0.15
+"""The rule of thumb under test: fragmentation should stay under 15%."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryView:
+    """Device and host memory by source. ``kv_pool_used_bytes`` = blocks held (live + cached)
+    × block bytes (``KVPoolInfo.block_bytes``); ``host_rss_bytes`` = sum of the latest RSS of
+    each process of the target."""
+
+    nvml_used_bytes: Optional[int]
+    nvml_total_bytes: Optional[int]
+    nvml_process_bytes: Optional[int]
+    allocator_reserved_bytes: Optional[int]
+    allocator_allocated_bytes: Optional[int]
+    kv_pool_used_bytes: Optional[int]
+    kv_pool_total_bytes: Optional[int]
+    host_rss_bytes: Optional[int]
+    nvml_history: History
+    allocator_history: History
+    kv_pool_history: History
+    rss_history: History
+    gpu_hint: str  # why the NVML rows are N/A ("" when they are available)
+    allocator_hint: str  # why the allocator rows are N/A
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The engine's KV block pool. Block occupancy = used / total; token occupancy = tokens
+    written / (blocks used × block size); pool fragmentation = 1 - token occupancy (slots held
+    but empty); allocator fragmentation = (reserved - allocated) / reserved."""
+
+    num_blocks: Optional[int]
+    block_size_tokens: Optional[int]
+    blocks_used: Optional[int]
+    blocks_cached: Optional[int]
+    block_occupancy: Optional[float]
+    token_occupancy: Optional[float]
+    pool_fragmentation: Optional[float]
+    allocator_fragmentation: Optional[float]
+    evictions_per_s: Optional[float]  # BlockEvicted events per second over the rate window
+    preemptions: int
+    running_requests: Optional[int]
+    waiting_requests: Optional[int]
+    occupancy_history: History  # block occupancy per bin
+    reason: str
+    inconsistency: str = ""  # why a sampled number was rejected ("" when all are plausible)
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIfPoint:
+    """One shadow prefix-cache configuration and its token hit rate so far."""
+
+    policy: str
+    block_size_tokens: int
+    capacity_blocks: Optional[int]  # None = unbounded
+    token_hit_rate: float
+    block_hit_rate: float
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class SharingView:
+    """Prefix sharing. Engine hit rate = cached prompt tokens / prompt tokens over finished
+    requests (or the engine's own prefix-cache counters, hits / queries). Shadow hit rate =
+    token hit rate of the shadow cache at the engine's configuration. Gap = shadow - engine."""
+
+    engine_hit_rate: Optional[float]
+    shadow_hit_rate: Optional[float]
+    shadow_config: Optional[WhatIfPoint]
+    gap: Optional[float]
+    engine_history: History  # per-bin engine token hit rate of requests finished in that bin
+    shadow_history: History
+    what_if: tuple[WhatIfPoint, ...]  # every latest shadow configuration, sorted
+    finished_requests: int
+    reason: str  # why the shadow half is empty ("" when it is there)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionRow:
+    """One compression method on one group of layers (means over the sampled layer/heads;
+    error = max of the K and V relative Frobenius errors)."""
+
+    layers: str  # e.g. "0-9"
+    method: str
+    ratio: float
+    error: float
+    attn_out_error: Optional[float]
+    decode_us: Optional[float]
+    samples: int
+    recommendation: str  # "use", "check" or "avoid" (see livestate.recommend)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionView:
+    rows: tuple[CompressionRow, ...]
+    reason: str
+
+
+LOCALITY_METRICS = ("recent", "sink", "entropy", "share")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalityView:
+    """Mean attention locality per (layer, head): ``cells[metric][layer][head]``; metrics are
+    recent-window mass, sink mass, entropy (nats) and the head's share of the layer's
+    non-recent mass. ``None`` where that head was never sampled."""
+
+    num_layers: int
+    num_heads: int
+    cells: dict[str, tuple[tuple[Optional[float], ...], ...]]
+    samples: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyView:
+    """TTFT and per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) of requests
+    finished in the latency window (livestate.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
+    and the bins flagged as P99 regressions (see livestate.regressions)."""
+
+    ttft_p50_ms: Optional[float]
+    ttft_p99_ms: Optional[float]
+    tpot_p50_ms: Optional[float]
+    tpot_p99_ms: Optional[float]
+    tokens_per_s: Optional[float]
+    ttft_p50_history: History
+    ttft_p99_history: History
+    tpot_p99_history: History
+    tokens_history: History
+    regression_bins: tuple[int, ...]  # indexes into the histories
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """A request and the KV it holds: ``kv_bytes`` = blocks held × block bytes, or, for a
+    running request of an engine that reports no block events, prompt tokens × bytes per token
+    (an estimate); ``hit_tokens`` = prompt tokens served from cache."""
+
+    request_id: str
+    state: str  # "waiting", "running" or the finish status
+    prompt_tokens: int
+    output_tokens: Optional[int]
+    blocks: int
+    kv_bytes: Optional[int]
+    hit_tokens: int
+    hit_blocks: int
+    age_s: float
+    ttft_ms: Optional[float]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestsView:
+    rows: tuple[RequestRow, ...]  # live requests by KV bytes, then recently finished ones
+    live: int
+    finished: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HealthView:
+    """Collector health: dropped events, errors by collector, unavailable collectors."""
+
+    dropped_events: int
+    gaps: int
+    errors: tuple[tuple[str, int, str], ...]  # (collector, count, last message)
+    unavailable: tuple[tuple[str, str], ...]  # (collector, hint)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything ``kvdiag top`` shows at ``now_ns`` (event time: wall clock when live,
+    the replay position when replaying a log)."""
+
+    now_ns: int
+    start_ns: int
+    source: str
+    paused: bool
+    events: int
+    events_per_s: float
+    bin_s: float
+    engine: str
+    model: str
+    memory: MemoryView
+    pool: PoolView
+    sharing: SharingView
+    compression: CompressionView
+    locality: LocalityView
+    latency: LatencyView
+    requests: RequestsView
+    health: HealthView
+    alerts: tuple[Finding, ...]
+    finished_source: bool = False  # a replayed log reached its end

@@ -1,0 +1,492 @@
+"""Where ``kvdiag top`` gets its events: a recorded log replayed as if live, the kvdiag agent's
+Unix socket stream of a running server, or a host-level view of a process from outside.
+
+Every source has the same small interface: ``poll()`` returns the events available now,
+``now_ns()`` is the source's event-time clock (wall clock when live, the replay position when
+replaying), ``pause()``/``resume()``/``seek(seconds)``, ``finished``, ``header`` and ``close()``.
+Pure data: no UI library is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import msgspec
+
+from kvdiag import schema as s
+
+Clock = Callable[[], float]
+
+
+class SourceError(Exception):
+    """A source that cannot be opened; the message says what to do (one line)."""
+
+
+class ReplaySource:
+    """Replays a recorded log at ``speed`` × real time. The replay position starts at the first
+    event; pausing stops it; ``seek(seconds)`` jumps forward in log time. At the end of the log
+    the position stays on the last event, so the final picture remains on screen."""
+
+    live = False
+
+    def __init__(self, path: str | os.PathLike, speed: float = 1.0, clock: Clock = time.monotonic,
+                 start_paused: bool = False) -> None:
+        from kvdiag.eventlog import iter_events, read_header
+
+        if speed <= 0:
+            raise ValueError(f"--speed must be positive, got {speed}")
+        self.path = Path(path)
+        self.header: Optional[s.LogHeader] = read_header(self.path)
+        self.description = f"log {self.path.name} ×{speed:g}"
+        self.speed = speed
+        self._clock = clock
+        self._events: Iterator[s.Event] = iter_events(self.path)
+        self._problems: list[s.Event] = []
+        self._next: Optional[s.Event] = self._read()
+        start = self._next.ts_ns if self._next is not None else (self.header.start_ns if self.header else 0)
+        self._pos_ns = start
+        self._last_ts_ns = start
+        self._last_clock = clock()
+        self.paused = start_paused
+        self.finished = self._next is None
+
+    def _read(self) -> Optional[s.Event]:
+        """The next event; the reader's warnings (bad or truncated lines) become
+        CollectorError events instead of text on the terminal."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ev = next(self._events, None)
+        for w in caught:
+            self._problems.append(s.CollectorError(ts_ns=ev.ts_ns if ev else self._last_ts_ns,
+                                                   collector="log-replay", message=str(w.message)))
+        return ev
+
+    def _advance(self) -> None:
+        now = self._clock()
+        if not self.paused and not self.finished:
+            self._pos_ns += int((now - self._last_clock) * self.speed * 1e9)
+        self._last_clock = now
+
+    def now_ns(self) -> int:
+        """The replay position (event time)."""
+        self._advance()
+        return self._last_ts_ns if self.finished else self._pos_ns
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        """Events of the log up to the replay position (at most about ``limit``)."""
+        self._advance()
+        out, self._problems = self._problems, []
+        while self._next is not None and self._next.ts_ns <= self._pos_ns and (limit is None or len(out) < limit):
+            out.append(self._next)
+            self._last_ts_ns = max(self._last_ts_ns, self._next.ts_ns)
+            self._next = self._read()
+        if self._next is None:
+            self.finished = True
+        return out
+
+    def pause(self) -> None:
+        self._advance()
+        self.paused = True
+
+    def resume(self) -> None:
+        self._advance()
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """Jump forward ``seconds`` of log time (backwards is not supported: state only grows)."""
+        self._advance()
+        if seconds > 0:
+            self._pos_ns += int(seconds * 1e9)
+
+    def close(self) -> None:
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+
+_DECODER = msgspec.json.Decoder(s.AnyEvent)
+_HEADER_DECODER = msgspec.json.Decoder(s.LogHeader)
+
+
+class SocketSource:
+    """Reads the kvdiag agent's stream: JSON lines on a Unix socket, the agent's
+    :class:`LogHeader` first, then one event per line. A reader thread decodes into a
+    bounded queue; a line that does not decode, a full queue or a lost connection become
+    ``CollectorError``/``CollectorGap``/``CollectorStatus`` events, never exceptions. The
+    connection is retried every ``retry_s`` until :meth:`close`."""
+
+    live = True
+
+    def __init__(self, path: str | os.PathLike, max_queue: int = 200_000, retry_s: float = 1.0,
+                 description: str = "") -> None:
+        self.path = Path(path)
+        self.description = description or f"agent {self.path}"
+        self.header: Optional[s.LogHeader] = None
+        self.paused = False
+        self.finished = False
+        self.connected = False
+        self._queue: deque[s.Event] = deque()
+        self._max_queue = max_queue
+        self._dropped = 0
+        self._drop_start_ns = 0
+        self._retry_s = retry_s
+        self._stop = threading.Event()
+        self._sock: Optional[socket.socket] = None
+        self._thread = threading.Thread(target=self._run, name="kvdiag-agent-reader", daemon=True)
+        self._thread.start()
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def _emit(self, ev: s.Event) -> None:
+        if len(self._queue) >= self._max_queue:
+            if not self._dropped:
+                self._drop_start_ns = ev.ts_ns
+            self._dropped += 1
+            return
+        if self._dropped:
+            self._queue.append(s.CollectorGap(ts_ns=time.time_ns(), collector="agent-stream",
+                                              start_ns=self._drop_start_ns, end_ns=ev.ts_ns,
+                                              dropped_events=self._dropped))
+            self._dropped = 0
+        self._queue.append(ev)
+
+    def _run(self) -> None:
+        was_connected = False
+        while not self._stop.is_set():
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(str(self.path))
+            except OSError as exc:
+                sock.close()
+                if was_connected:
+                    self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream",
+                                                 available=False, hint=f"agent socket lost: {exc}"))
+                    was_connected = False
+                self._stop.wait(self._retry_s)
+                continue
+            self._sock = sock
+            self.connected = was_connected = True
+            self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream", available=True))
+            self._read(sock)
+            self.connected = False
+            sock.close()
+
+    def _read(self, sock: socket.socket) -> None:
+        buffer = b""
+        first = True
+        while not self._stop.is_set():
+            try:
+                chunk = sock.recv(1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                if first:
+                    first = False
+                    self._decode_header(line)
+                else:
+                    self._decode(line)
+
+    def _decode_header(self, line: bytes) -> None:
+        try:
+            self.header = _HEADER_DECODER.decode(line)
+        except msgspec.DecodeError as exc:
+            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
+                                        message=f"{self.path}:1: expected a kvdiag log header line: {exc}"))
+
+    def _decode(self, line: bytes) -> None:
+        try:
+            self._emit(_DECODER.decode(line))
+        except msgspec.DecodeError as exc:
+            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
+                                        message=f"{self.path}: expected an event line: {exc}"))
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        out = []
+        queue = self._queue
+        while queue and (limit is None or len(out) < limit):
+            out.append(queue.popleft())
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live stream cannot seek."""
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2)
+
+
+class ProcessSource:
+    """What is visible of a process from outside without an agent: RSS, threads and CPU time of
+    its process tree and, where NVML works, GPU memory, every ``period_s``; plus one
+    ``CollectorStatus`` saying that KV pool, requests and shadow panels need the agent.
+    Read-only: the target is never signalled. Uses ``kvdiag.collectors`` (procfs, nvml)."""
+
+    live = True
+
+    def __init__(self, pid: int, period_s: float = 1.0, has_agent: bool = False) -> None:
+        from kvdiag.collectors.nvml import NvmlCollector
+        from kvdiag.collectors.procfs import ProcessCollector
+
+        self.processes = ProcessCollector(pid)  # raises TargetGone / TargetNotAccessible
+        self.nvml = NvmlCollector(pids=self.processes.pids)
+        self.description = f"pid {pid} (outside view, no agent)"
+        self.header = s.LogHeader(schema_version=s.SCHEMA_VERSION, pid=pid, engine="attach",
+                                  start_ns=time.time_ns())
+        self.paused = False
+        self.finished = False
+        self._period_ns = int(period_s * 1e9)
+        self._last_ns = 0
+        self._pending: list[s.Event] = [self.nvml.start()]
+        if not has_agent:
+            self._pending.append(s.CollectorStatus(
+                ts_ns=time.time_ns(), collector="agent-stream", available=False,
+                hint=f"no kvdiag agent in pid {pid}: KV pool, requests and shadow panels need one "
+                     "(start the server under kvdiag)"))
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        """One sampling of the tree when due (``limit`` is moot: a sampling is small)."""
+        out, self._pending = self._pending, []
+        now = time.time_ns()
+        if self.finished or now - self._last_ns < self._period_ns:
+            return out
+        self._last_ns = now
+        try:
+            out.extend(self.processes.sample())
+        except Exception as exc:  # the target exited (TargetGone) or became unreadable
+            self.finished = True
+            out.append(s.CollectorStatus(ts_ns=now, collector="process", available=False, hint=str(exc)))
+            return out
+        out.extend(self.nvml.sample())
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live view cannot seek."""
+
+    def close(self) -> None:
+        self.nvml.close()
+
+
+def find_agent_socket(pid: int) -> Optional[Path]:
+    """The kvdiag agent socket of process ``pid`` or of one of its children, if one exists."""
+    try:
+        from kvdiag.collectors.agent_client import candidate_sockets
+        from kvdiag.collectors.procfs import ProcessCollector
+    except ImportError:  # a build without the collectors: the agent's default path only
+        try:
+            from kvdiag.paths import agent_socket_path
+        except ImportError:
+            return None
+        path = agent_socket_path(pid)
+        return path if path.exists() else None
+    try:
+        pids = ProcessCollector(pid).pids()
+    except Exception:
+        pids = [pid]
+    found = candidate_sockets(pids or [pid])
+    return found[0] if found else None
+
+
+class MergedSource:
+    """A primary source (agent stream, demo) plus the host view of its process tree (RSS, GPU
+    memory) sampled from outside; clock, header, pause and seek are the primary's."""
+
+    live = True
+
+    def __init__(self, primary, host: "ProcessSource") -> None:
+        self.primary, self.host = primary, host
+
+    description = property(lambda self: self.primary.description)
+    header = property(lambda self: self.primary.header)
+    paused = property(lambda self: self.primary.paused)
+    finished = property(lambda self: self.primary.finished)
+
+    def now_ns(self) -> int:
+        return self.primary.now_ns()
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        return self.primary.poll(limit) + self.host.poll()
+
+    def pause(self) -> None:
+        self.primary.pause()
+
+    def resume(self) -> None:
+        self.primary.resume()
+
+    def seek(self, seconds: float) -> None:
+        self.primary.seek(seconds)
+
+    def close(self) -> None:
+        self.host.close()
+        self.primary.close()
+
+
+def with_host_view(primary, pid: int):
+    """``primary`` merged with the outside view of ``pid`` when this build has the
+    collectors (else ``primary`` alone)."""
+    try:
+        return MergedSource(primary, ProcessSource(pid, has_agent=True))
+    except ImportError:
+        return primary
+    except Exception:  # the process went away or is unreadable: the primary still works
+        return primary
+
+
+def attach(pid: int):
+    """A source for a running server: its agent socket if it has one, else the outside view.
+    Raises SourceError when there is no such process or it may not be read."""
+    import psutil
+
+    if not psutil.pid_exists(pid):
+        raise SourceError(f"no process with pid {pid}")
+    path = find_agent_socket(pid)
+    if path is not None:
+        return with_host_view(SocketSource(path, description=f"pid {pid} agent"), pid)
+    try:
+        return ProcessSource(pid)
+    except ImportError:
+        raise SourceError(f"pid {pid} has no kvdiag agent socket and this build has no outside "
+                          "collectors (kvdiag.collectors.procfs)") from None
+    except (RuntimeError, PermissionError) as exc:  # collectors' TargetGone / TargetNotAccessible
+        raise SourceError(str(exc)) from None
+
+
+class DemoSource:
+    """Starts ``kvdiag demo`` (or ``command``) as a child (its own session, output to a file)
+    and reads its agent socket. :meth:`close` stops the child and its server (see there). A
+    child that exits early becomes a CollectorStatus event."""
+
+    live = True
+
+    def __init__(self, demo_args: list[str], log_dir: Path = Path("."), stop_timeout_s: float = 90.0,
+                 socket_wait_s: float = 300.0, command: Optional[list[str]] = None) -> None:
+        import importlib.util
+
+        if command is None and importlib.util.find_spec("kvdiag.commands.demo") is None:
+            raise SourceError("the embedded demo (`kvdiag demo`) is not in this build; "
+                              "use --log FILE or --pid PID")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.output_path = log_dir / "kvdiag-top-demo.out"
+        self._out = open(self.output_path, "ab")
+        self.child = subprocess.Popen([*(command or [sys.executable, "-m", "kvdiag", "demo"]), *demo_args],
+                                      stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        self.description = f"demo pid {self.child.pid}"
+        self.header: Optional[s.LogHeader] = None
+        self.paused = False
+        self.finished = False
+        self._stop_timeout_s = stop_timeout_s
+        self._deadline = time.monotonic() + socket_wait_s
+        self._socket: Optional[SocketSource] = None
+        self._pending: list[s.Event] = [s.CollectorStatus(
+            ts_ns=time.time_ns(), collector="agent-stream", available=False,
+            hint=f"starting kvdiag demo (pid {self.child.pid}); output in {self.output_path}")]
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        out, self._pending = self._pending, []
+        if self._socket is None:
+            path = self._find_socket()
+            if path is not None:
+                self._socket = SocketSource(path, description=self.description)
+            elif time.monotonic() > self._deadline and not self.finished:
+                out.append(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream", available=False,
+                                             hint=f"demo agent socket did not appear; see {self.output_path}"))
+                self._deadline = float("inf")
+        if self._socket is not None:
+            out.extend(self._socket.poll(limit))
+            self.header = self._socket.header or self.header
+        rc = self.child.poll()
+        if rc is not None and not self.finished:
+            self.finished = True
+            out.append(s.CollectorStatus(ts_ns=time.time_ns(), collector="demo", available=False,
+                                         hint=f"kvdiag demo exited with status {rc}; see {self.output_path}"))
+        return out
+
+    def _find_socket(self) -> Optional[Path]:
+        """The live socket of the demo's server: ``demo-<demo pid>-<port>.sock`` in the
+        runtime dir (what ``kvdiag demo`` names it), else an agent socket of the tree."""
+        try:
+            from kvdiag.paths import runtime_dir
+
+            found = sorted(runtime_dir().glob(f"demo-{self.child.pid}-*.sock"))
+        except ImportError:
+            found = []
+        return found[0] if found else find_agent_socket(self.child.pid)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live demo cannot seek."""
+
+    def close(self) -> None:
+        """Stop the demo: SIGINT to it (``kvdiag demo`` then stops its server gracefully, so
+        that the server's log is complete), then SIGKILL to whatever is left of its process
+        group after ``stop_timeout_s``."""
+        if self._socket is not None:
+            self._socket.close()
+        pgid = self.child.pid  # start_new_session: the child leads its own group
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + self._stop_timeout_s
+        while _group_alive(pgid, self.child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(pgid, self.child):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.child.wait()
+        self._out.close()
+
+
+def _group_alive(pgid: int, child: subprocess.Popen) -> bool:
+    """Whether any process of group ``pgid`` is still running (reaping ``child`` if done)."""
+    child.poll()
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

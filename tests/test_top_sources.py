@@ -1,0 +1,211 @@
+"""`kvdiag top`'s live sources: the agent's Unix-socket stream (header line, then one event per
+line), the outside view of a process, and attaching without touching the target.
+
+The streamed events are CONSTRUCTED TEST DATA (tests/tui_data.py), sent by a socket server in
+the test that speaks the agent's documented protocol.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgspec
+import pytest
+
+from kvdiag.sources import SocketSource
+from kvdiag.tui.app import KvTopApp
+from tui_data import T0_NS, constructed_events, header
+
+pytestmark = pytest.mark.anyio
+ENC = msgspec.json.Encoder()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class AgentServer:
+    """Accepts one client at a time and sends it the header then ``lines`` in odd-sized chunks."""
+
+    def __init__(self, path, lines: list[bytes], hdr=None) -> None:
+        self.path = str(path)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(1)
+        self.payload = ENC.encode(hdr or header()) + b"\n" + b"".join(line + b"\n" for line in lines)
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        self.connections += 1
+        for i in range(0, len(self.payload), 997):  # chunks that cut lines in the middle
+            conn.sendall(self.payload[i:i + 997])
+        time.sleep(0.3)
+        conn.close()
+        self.server.close()
+        os.unlink(self.path)
+
+
+def _drain(source, until, timeout_s=10.0):
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got += source.poll()
+        if until(got):
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"stream incomplete: {len(got)} events")
+
+
+def test_socket_source_reads_header_events_bad_lines_and_loss(tmp_path):
+    events = constructed_events(n_requests=15)
+    lines = [ENC.encode(e) for e in events]
+    lines.insert(100, b'{"type": "block_allocated", "ts_ns": "soon"}')
+    server = AgentServer(tmp_path / "agent-1.sock", lines)
+    src = SocketSource(tmp_path / "agent-1.sock", retry_s=0.1)
+    try:
+        got = _drain(src, lambda g: any(getattr(e, "available", True) is False for e in g))
+    finally:
+        src.close()
+    assert src.header == header()
+    data = [e for e in got if type(e).__name__ not in ("CollectorStatus", "CollectorError")]
+    assert data == events  # every event, in order, despite lines cut across reads
+    errors = [e for e in got if type(e).__name__ == "CollectorError"]
+    assert len(errors) == 1 and "expected an event line" in errors[0].message
+    assert server.connections == 1
+
+
+async def test_app_renders_a_live_stream(tmp_path):
+    now = time.time_ns()
+    events = [msgspec.structs.replace(e, ts_ns=e.ts_ns - T0_NS + now - 20 * 10**9)
+              for e in constructed_events(n_requests=40)]
+    events = [e for e in events if e.ts_ns <= now]
+    AgentServer(tmp_path / "agent-2.sock", [ENC.encode(e) for e in events])
+    src = SocketSource(tmp_path / "agent-2.sock", retry_s=0.1)
+    app = KvTopApp(src, interval_s=0.2)
+    try:
+        async with app.run_test(size=(120, 36)) as pilot:
+            for _ in range(200):
+                if app.snapshot is not None and app.snapshot.events >= len(events):
+                    break
+                await pilot.pause(0.05)
+            snap = app.snapshot
+            assert snap.events >= len(events)
+            pools = [e for e in events if type(e).__name__ == "KVPoolSample"]
+            assert snap.pool.blocks_used == pools[-1].blocks_used
+            assert f"{pools[-1].blocks_used}/256" in str(app.query_one("#poolpanel").render())
+            assert any(snap.latency.ttft_p99_history)  # live events land in the history bins
+    finally:
+        src.close()
+
+
+def _tmux_top(args: list[str], name: str):
+    from test_top_tmux import KVDIAG, Tmux
+
+    tmux = Tmux(name)
+    tmux.type(f"{KVDIAG} top {' '.join(args)}; echo TOP-EXIT=$?")
+    return tmux
+
+
+def test_attach_outside_view_then_quit_leaves_target_running():
+    pytest.importorskip("kvdiag.collectors.procfs")
+    target = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(50_000_000); time.sleep(120)"])
+    tmux = _tmux_top(["--pid", str(target.pid)], "attach-outside")
+    try:
+        screen = tmux.wait_for(r"host RSS\s+\d", timeout_s=60)
+        assert "no kvdiag agent" in screen or "agent" in screen
+        tmux.send("q")
+        screen = tmux.wait_for(r"TOP-EXIT=\d+")
+        assert "TOP-EXIT=0" in screen
+        time.sleep(0.5)
+        assert target.poll() is None  # quitting never signals an attached target
+    finally:
+        tmux.close()
+        target.send_signal(signal.SIGKILL)
+        target.wait()
+
+
+def test_attach_prefers_the_agent_socket(tmp_path):
+    pytest.importorskip("kvdiag.collectors.agent_client")
+    from kvdiag.paths import agent_socket_path
+
+    events = constructed_events(n_requests=10)
+    payload = tmp_path / "events.jsonl"
+    payload.write_bytes(ENC.encode(header()) + b"\n" + b"".join(ENC.encode(e) + b"\n" for e in events))
+    code = textwrap.dedent(f"""
+        import os, socket, time
+        from kvdiag.paths import agent_socket_path
+        path = agent_socket_path(os.getpid())
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(str(path)); srv.listen(1)
+        print("READY", flush=True)
+        conn, _ = srv.accept()
+        conn.sendall(open({str(payload)!r}, "rb").read())
+        time.sleep(120)
+    """)
+    target = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert target.stdout.readline().strip() == "READY"
+    tmux = _tmux_top(["--pid", str(target.pid)], "attach-agent")
+    try:
+        tmux.wait_for(rf"pid {target.pid} agent", timeout_s=60)
+        tmux.wait_for(r"req-\d{5}", timeout_s=30)
+        tmux.send("q")
+        assert "TOP-EXIT=0" in tmux.wait_for(r"TOP-EXIT=\d+")
+        assert target.poll() is None
+    finally:
+        tmux.close()
+        target.kill()
+        target.wait()
+        agent_socket_path(target.pid).unlink(missing_ok=True)
+
+
+def test_demo_child_and_its_children_stop_on_close(tmp_path):
+    from kvdiag.sources import DemoSource
+    import psutil
+
+    # a stand-in for `kvdiag demo` that, like a server, starts a worker process of its own
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
+    src = DemoSource([], log_dir=tmp_path, command=[sys.executable, "-c", code], stop_timeout_s=5)
+    parent = psutil.Process(src.child.pid)
+    for _ in range(100):
+        kids = parent.children(recursive=True)
+        if kids:
+            break
+        time.sleep(0.05)
+    assert kids
+    src.poll()
+    src.close()
+    assert src.child.poll() is not None
+    gone, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive
+
+
+def test_demo_close_waits_for_a_server_that_outlives_the_demo(tmp_path):
+    """`kvdiag demo` dies at once on SIGTERM while its server shuts down gracefully: close()
+    must wait for the whole group, and SIGKILL what ignores SIGTERM past the timeout."""
+    from kvdiag.sources import DemoSource
+    import psutil
+
+    server = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "print('up', flush=True); time.sleep(300)")
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {server!r}]); time.sleep(300)"
+    src = DemoSource([], log_dir=tmp_path, command=[sys.executable, "-c", code], stop_timeout_s=2)
+    parent = psutil.Process(src.child.pid)
+    for _ in range(100):
+        kids = parent.children(recursive=True)
+        if kids and "up" in (tmp_path / "kvdiag-top-demo.out").read_text():
+            break
+        time.sleep(0.05)
+    t = time.monotonic()
+    src.close()
+    assert time.monotonic() - t >= 2  # it waited for the SIGTERM-ignoring server...
+    gone, alive = psutil.wait_procs(kids, timeout=5)
+    assert not alive  # ...and then killed it

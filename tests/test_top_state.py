@@ -1,0 +1,282 @@
+"""`kvdiag top`'s data layer: snapshots checked against independent pandas/numpy computations
+over the same log, replay clock semantics, and the no-UI-import rule.
+
+The log is CONSTRUCTED TEST DATA (tests/tui_data.py) until a recorded demo log exists.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvdiag.eventlog import read_log
+from kvdiag.livestate import LiveState, percentile, regressions
+from kvdiag.sources import ReplaySource
+from tui_data import BLOCK_BYTES, BLOCK_TOKENS, T0_NS, write_constructed_log
+
+S = 1_000_000_000
+
+
+@pytest.fixture(scope="module")
+def full_log(tmp_path_factory):
+    return write_constructed_log(tmp_path_factory.mktemp("top") / "full.jsonl")
+
+
+@pytest.fixture(scope="module")
+def bare_log(tmp_path_factory):
+    return write_constructed_log(tmp_path_factory.mktemp("top") / "bare.jsonl", gpu=False, shadow=False)
+
+
+def _state_at(path, seconds):
+    src = ReplaySource(path, clock=lambda: 0.0)
+    src.seek(seconds)
+    state = LiveState(source=src.description)
+    state.set_header(src.header)
+    state.feed_all(src.poll())
+    return state, src.now_ns()
+
+
+def test_snapshot_numbers_match_independent_computation(full_log):
+    state, now = _state_at(full_log, 40)
+    snap = state.snapshot(now)
+    log = read_log(full_log)
+    upto = lambda df: df[df["ts_ns"] <= now]  # noqa: E731
+
+    fin = upto(log.frame("request_finished"))
+    fin = fin[fin["status"] == "finished"]
+    assert snap.sharing.engine_hit_rate == pytest.approx(fin["cached_prompt_tokens"].sum() / fin["prompt_tokens"].sum())
+
+    pool = upto(log.frame("kv_pool_sample")).iloc[-1]
+    assert snap.pool.blocks_used == pool["blocks_used"]
+    assert snap.pool.token_occupancy == pytest.approx(pool["tokens_held"] / (pool["blocks_used"] * BLOCK_TOKENS))
+    assert snap.memory.kv_pool_used_bytes == (pool["blocks_used"] + pool["blocks_cached"]) * BLOCK_BYTES
+
+    window_start = (now // S - 9) * S  # the 10 one-second bins ending with the current one
+    latency_start = (now // S - 59) * S  # TTFT/TPOT: the last 60 bins
+    ev = log.frame("block_evicted")
+    assert snap.pool.evictions_per_s == pytest.approx(((ev["ts_ns"] >= window_start) & (ev["ts_ns"] <= now)).sum() / 10)
+    recent = fin[fin["ts_ns"] >= latency_start]
+    ttft_ms = recent["ttft_ns"].to_numpy() / 1e6
+    assert snap.latency.ttft_p99_ms == pytest.approx(np.percentile(ttft_ms, 99, method="inverted_cdf"))
+    assert snap.latency.ttft_p50_ms == pytest.approx(np.percentile(ttft_ms, 50, method="inverted_cdf"))
+
+    nvml = upto(log.frame("nvml_sample")).iloc[-1]
+    assert snap.memory.nvml_used_bytes == nvml["memory_used_bytes"]
+
+    comp = upto(log.frame("shadow_compression"))
+    latest = comp.sort_values("ts_ns").groupby(["layer", "head", "method"]).tail(1)
+    g = latest[(latest["layer"] < 10) & (latest["method"] == "int8")]
+    row = next(r for r in snap.compression.rows if r.layers == "0-9" and r.method == "int8")
+    assert row.ratio == pytest.approx(g["ratio"].mean())
+    assert row.error == pytest.approx(max(g["k_rel_error"].max(), g["v_rel_error"].max()))
+    assert row.attn_out_error == pytest.approx(g["attn_out_rel_error"].mean())
+
+    loc = upto(log.frame("shadow_locality"))
+    means = loc.groupby(["layer", "head"])["recent_mass"].mean()
+    assert snap.locality.cells["recent"][12][4] == pytest.approx(means[(12, 4)])
+    assert snap.locality.samples == len(loc)
+
+
+def test_request_kv_bytes_follow_block_events(full_log):
+    state, now = _state_at(full_log, 30)
+    snap = state.snapshot(now)
+    log = read_log(full_log)
+    held: dict[str, set] = {}
+    for tag, sign in (("block_allocated", 1), ("prefix_hit", 1), ("block_released", -1)):
+        df = log.frame(tag)
+        for ts, rid, block in df[df["ts_ns"] <= now][["ts_ns", "request_id", "block_id"]].itertuples(index=False):
+            held.setdefault(rid, []).append((ts, sign, block))
+    live = [r for r in snap.requests.rows if r.state in ("running", "waiting")]
+    assert live, "the constructed log has requests in flight at 30 s"
+    for r in live:
+        blocks = set()
+        for _, sign, block in sorted(held[r.request_id], key=lambda x: (x[0], -x[1])):
+            (blocks.add if sign > 0 else blocks.discard)(block)
+        assert set(r.block_ids) == blocks
+        assert r.kv_bytes == len(blocks) * BLOCK_BYTES
+    assert [r.kv_bytes for r in live] == sorted((r.kv_bytes for r in live), reverse=True)
+
+
+def test_shadow_headline_matches_engine_block_size_and_gap(full_log):
+    state, now = _state_at(full_log, 60)
+    sh = state.snapshot(now).sharing
+    df = read_log(full_log).frame("shadow_sharing")
+    df = df[df["ts_ns"] <= now].sort_values("ts_ns").groupby(["block_size_tokens", "capacity_blocks"], dropna=False).tail(1)
+    assert sh.shadow_config.block_size_tokens == BLOCK_TOKENS
+    # the engine pool has 256 blocks; no shadow config has exactly that, so the unbounded one is used
+    assert sh.shadow_config.capacity_blocks is None
+    unbounded = df[(df["block_size_tokens"] == BLOCK_TOKENS) & df["capacity_blocks"].isna()].iloc[-1]
+    assert sh.shadow_hit_rate == pytest.approx(unbounded["token_hit_rate"])
+    assert sh.gap == pytest.approx(sh.shadow_hit_rate - sh.engine_hit_rate)
+    assert len(sh.what_if) == len(df)
+
+
+def test_absent_sources_are_reasons_not_zeros(bare_log):
+    state, now = _state_at(bare_log, 30)
+    snap = state.snapshot(now)
+    assert snap.memory.nvml_used_bytes is None and snap.memory.allocator_reserved_bytes is None
+    assert "no GPU" in snap.memory.gpu_hint
+    assert snap.sharing.shadow_hit_rate is None and "--shadow" in snap.sharing.reason
+    assert snap.compression.rows == () and "--shadow" in snap.compression.reason
+    assert "--shadow" in snap.locality.reason
+    assert snap.sharing.engine_hit_rate is not None  # the engine's own number is still there
+    assert {f.rule for f in snap.alerts} >= {"collector.unavailable.nvml", "collector.unavailable.cuda-allocator"}
+
+
+def test_leak_rule_flags_requests_that_never_release(tmp_path):
+    path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
+    state, now = _state_at(path, 40)
+    snap = state.snapshot(now)
+    leak = next(f for f in snap.alerts if f.rule == "leak.release_paths")
+    df = read_log(path).frame("request_finished")
+    expected = {r for r, ts in zip(df["request_id"], df["ts_ns"])
+                if int(r[4:]) % 5 == 0 and now - ts > 5 * S}
+    assert set(leak.evidence["request_ids"]) == expected and expected
+
+
+def test_regression_marker_on_the_ttft_spike(full_log):
+    log = read_log(full_log)
+    fin = log.frame("request_finished")
+    arrived = log.frame("request_arrived").set_index("request_id")["ts_ns"]
+    slow = fin[fin["ttft_ns"] > 2 * fin["ttft_ns"].median()]
+    assert len(slow), "the constructed log has a TTFT spike"
+    spike_end = int(slow["ts_ns"].max())
+    src = ReplaySource(full_log, clock=lambda: 0.0)
+    src.seek((spike_end - arrived.min()) / S + 1)
+    state = LiveState()
+    state.feed_all(src.poll())
+    snap = state.snapshot(src.now_ns())
+    assert snap.latency.regression_bins
+    bins = snap.latency.ttft_p99_history
+    for i in snap.latency.regression_bins:
+        if bins[i] is not None and bins[i] > 2 * np.median([b for b in bins[:i] if b is not None]):
+            break
+    else:
+        pytest.fail("no flagged bin exceeds twice the median of earlier bins")
+    assert any(f.rule == "latency.p99_regression" for f in snap.alerts)
+
+
+def test_replay_clock_speed_pause_seek(full_log):
+    t = [0.0]
+    src = ReplaySource(full_log, speed=4.0, clock=lambda: t[0])
+    start = src.now_ns()
+    t[0] = 2.0
+    assert src.now_ns() - start == 8 * S
+    events = src.poll()
+    assert events and all(e.ts_ns <= start + 8 * S for e in events)
+    src.pause()
+    t[0] = 10.0
+    assert src.now_ns() - start == 8 * S and src.poll() == []
+    src.seek(30)
+    assert src.now_ns() - start == 38 * S
+    src.resume()
+    t[0] = 11.0
+    assert src.now_ns() - start == 42 * S
+    src.seek(10_000)
+    rest = src.poll()
+    assert src.finished and len(events) + len(rest) == len(read_log(full_log))
+
+
+def test_snapshot_is_immutable(full_log):
+    state, now = _state_at(full_log, 20)
+    snap = state.snapshot(now)
+    with pytest.raises(AttributeError):
+        snap.events = 0  # type: ignore[misc]
+    before = snap.requests.rows
+    state.feed_all(ReplaySource(full_log, clock=lambda: 0.0).poll())
+    assert snap.requests.rows is before
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=200),
+       st.sampled_from([1, 50, 90, 99, 100]))
+def test_percentile_is_nearest_rank(values, q):
+    assert percentile(values, q) == np.percentile(values, q, method="inverted_cdf")
+
+
+def test_regressions_brute_force():
+    hist = (10.0, 11.0, None, 9.0, 10.0, 10.0, 35.0, 10.0, None, 12.0, 50.0)
+    flagged = []
+    for i, v in enumerate(hist):
+        prev = [x for x in hist[:i] if x is not None][-30:]
+        if v is not None and len(prev) >= 5 and v > 2 * np.percentile(prev, 50, method="inverted_cdf"):
+            flagged.append(i)
+    assert regressions(hist) == tuple(flagged) == (6, 10)
+
+
+def test_data_layer_does_not_import_ui_libraries():
+    code = textwrap.dedent("""
+        import sys
+        import kvdiag.snapshot, kvdiag.livestate, kvdiag.sources, kvdiag.commands.top
+        bad = [m for m in ("textual", "plotly", "rich") if m in sys.modules]
+        print(bad)
+        sys.exit(1 if bad else 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_live_doctor_findings_reach_the_alerts(tmp_path):
+    pytest.importorskip("kvdiag.analysis.doctor")
+    from kvdiag.livedoctor import LiveDoctor
+
+    path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
+    state, now = _state_at(path, 10_000)
+    t = [0.0]
+    doctor = LiveDoctor(period_s=1.0, max_share=0.05, clock=lambda: t[0])
+    src = ReplaySource(path, clock=lambda: 0.0)
+    src.seek(10_000)
+    doctor.record(src.poll())
+    assert not doctor.due()
+    t[0] = 6.0
+    assert doctor.due()
+    state.external_findings = doctor.run(state.header, doctor.take())
+    snap = state.snapshot(now)
+    leak = [f for f in snap.alerts if f.rule == "leak.release_paths"]
+    assert len(leak) == 1 and leak[0].status == "fail"
+    assert leak[0] in doctor.findings  # the doctor's verdict replaces top's own rule of that name
+    assert doctor.period_s >= doctor.last_run_s / 0.05
+
+
+def test_live_doctor_absent_is_silent():
+    from kvdiag.livedoctor import LiveDoctor
+
+    d = LiveDoctor(clock=lambda: 1e9)
+    if d.available:
+        pytest.skip("this build has the doctor")
+    d.record([])
+    assert not d.due() and d.findings == ()
+
+
+def test_impossible_token_occupancy_is_rejected_not_shown():
+    from kvdiag import schema as sch
+
+    state = LiveState()
+    state.feed(sch.KVPoolInfo(ts_ns=T0_NS, num_blocks=128, block_size_tokens=32, block_bytes=BLOCK_BYTES,
+                              num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32"))
+    state.feed(sch.KVPoolSample(ts_ns=T0_NS + 1, num_blocks=128, blocks_used=37, tokens_held=3371))
+    snap = state.snapshot(T0_NS + 2)
+    assert snap.pool.token_occupancy is None and snap.pool.pool_fragmentation is None
+    assert "3371 tokens held > 1184 slots" in snap.pool.inconsistency
+    assert any(f.rule == "pool.sample_consistency" and f.status == "warn" for f in snap.alerts)
+    state.feed(sch.KVPoolSample(ts_ns=T0_NS + 3, num_blocks=128, blocks_used=37, tokens_held=1000))
+    snap = state.snapshot(T0_NS + 4)
+    assert snap.pool.token_occupancy == pytest.approx(1000 / 1184) and not snap.pool.inconsistency
+
+
+def test_kv_bytes_without_block_events_is_an_estimate_for_running_requests_only():
+    from kvdiag import schema as sch
+
+    state = LiveState()
+    state.set_header(sch.LogHeader(schema_version=sch.SCHEMA_VERSION, bytes_per_token=46_080))
+    state.feed(sch.RequestArrived(ts_ns=T0_NS, request_id="a", prompt_tokens=100))
+    state.feed(sch.RequestArrived(ts_ns=T0_NS, request_id="b", prompt_tokens=50))
+    state.feed(sch.RequestScheduled(ts_ns=T0_NS + 1, request_id="a"))
+    rows = {r.request_id: r for r in state.snapshot(T0_NS + 2).requests.rows}
+    assert rows["a"].kv_bytes == 100 * 46_080 and rows["b"].kv_bytes == 0  # b waits: holds nothing
+    state.feed(sch.BlockAllocated(ts_ns=T0_NS + 3, request_id="b", block_id=7))
+    rows = {r.request_id: r for r in state.snapshot(T0_NS + 4).requests.rows}
+    assert rows["a"].kv_bytes == 0  # the engine reports blocks, and a holds none
