@@ -135,9 +135,10 @@ def release_paths(logs: Logs) -> list[Finding]:
     """Every finished request gave back every block it held: the leaks analysis's rules per
     node when it is installed, else :func:`unreleased_blocks`."""
     if _leaks is not None and hasattr(_leaks, "leak_findings"):
-        kp = logs.frame(KVPoolSample)
+        kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
         return [f for node in logs.nodes for f in _leaks.leak_findings(
-            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node])]
+            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node],
+            now_ns=last[node])]  # judged at the log's end, not at the last block event
     return [_release_paths(logs)]
 
 
