@@ -10,6 +10,7 @@ Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs fre
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -136,9 +137,12 @@ def release_paths(logs: Logs) -> list[Finding]:
     node when it is installed, else :func:`unreleased_blocks`."""
     if _leaks is not None and hasattr(_leaks, "leak_findings"):
         kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
-        return [f for node in logs.nodes for f in _leaks.leak_findings(
+        found = [f for node in logs.nodes for f in _leaks.leak_findings(
             _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node],
             now_ns=last[node])]  # judged at the log's end, not at the last block event
+        # the checklist's rule keeps its id (top's alerts and scripts key on it)
+        return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
+                for f in found]
     return [_release_paths(logs)]
 
 
