@@ -18,6 +18,7 @@ overlap in time the engine can also miss blocks that are not complete yet.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -36,6 +37,9 @@ from kvdiag.schema import (
     ShadowSharing,
 )
 from kvdiag.sinks import NullSink, Sink
+
+
+_MAX_BEFORE_POOL = 1024
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,11 @@ class ShadowSharingSink:
         self._engine_cached_tokens = 0
         self._engine_prompt_tokens = 0
         self._last_emit_ns = clock()
+        # what arrived and finished before the engine's pool was announced, replayed into the
+        # engine-settings cache when it is (the pool is created with the first request)
+        self._before_pool: Optional[list[tuple[bool, list[int]]]] = [] if engine_settings else None
         self.errors = 0
+        self._lock = threading.Lock()
         for cfg in configs:
             self.add(cfg)
 
@@ -97,9 +105,16 @@ class ShadowSharingSink:
 
     # ------------------------------------------------------------------ Sink
     def record(self, event: Event) -> None:
+        # engines emit from several threads (HTTP handlers add requests, the generation loop
+        # announces the pool and finishes them): one event at a time
+        with self._lock:
+            self._record(event)
+
+    def _record(self, event: Event) -> None:
         try:
             if isinstance(event, RequestArrived) and event.token_ids is not None:
                 self._arrived(event.token_ids)
+                self._remember_before_pool(True, list(event.token_ids))
                 self._live[event.request_id] = (list(event.token_ids), [])
             elif isinstance(event, BlockStored):
                 if event.request_id in self._live and event.token_ids:
@@ -109,7 +124,9 @@ class ShadowSharingSink:
                 self._engine_prompt_tokens += event.prompt_tokens
                 live = self._live.pop(event.request_id, None)
                 if live is not None:
-                    self._finished(full_sequence(*live))
+                    tokens = full_sequence(*live)
+                    self._finished(tokens)
+                    self._remember_before_pool(False, tokens)
             elif isinstance(event, KVPoolInfo):
                 if self.bytes_per_token is None and event.block_size_tokens:
                     self.bytes_per_token = event.block_bytes // event.block_size_tokens
@@ -117,6 +134,9 @@ class ShadowSharingSink:
                     self.engine_config = ShadowConfig("lru", event.block_size_tokens,
                                                       event.num_blocks)
                     self.add(self.engine_config)
+                    for arrived, tokens in self._before_pool or ():
+                        (self._arrived if arrived else self._finished)(tokens, only=self.engine_config)
+                self._before_pool = None
             now = self.clock()
             if now - self._last_emit_ns >= self.interval_ns:
                 self._emit(now)
@@ -124,16 +144,26 @@ class ShadowSharingSink:
             self.errors += 1
 
     def flush(self) -> None:
-        self._emit(self.clock())
+        with self._lock:
+            self._emit(self.clock())
         self.out.flush()
 
     # ------------------------------------------------------------------ internals
-    def _arrived(self, token_ids: list[int]) -> None:
+    def _remember_before_pool(self, arrived: bool, tokens: list[int]) -> None:
+        if self._before_pool is not None:
+            self._before_pool.append((arrived, tokens))
+            if len(self._before_pool) > _MAX_BEFORE_POOL:  # no pool announced: stop waiting
+                self._before_pool = None
+
+    def _selected(self, only: Optional[ShadowConfig]):
+        return self._sims.items() if only is None else [(only, self._sims[only])]
+
+    def _arrived(self, token_ids: list[int], only: Optional[ShadowConfig] = None) -> None:
         prompt = len(token_ids)
         by_size = {bs: self._dense(token_ids, bs) for bs in self._ids}
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
-        for cfg, sim in self._sims.items():
+        for cfg, sim in self._selected(only):
             ids = by_size[cfg.block_size_tokens]
             offsets[1] = len(ids)
             sim.feed(ids, offsets, hits, 0, 1)
@@ -148,13 +178,13 @@ class ShadowSharingSink:
                 c.requests_with_prompt += 1
                 c.request_rate_sum += h * cfg.block_size_tokens / prompt
 
-    def _finished(self, tokens: list[int]) -> None:
+    def _finished(self, tokens: list[int], only: Optional[ShadowConfig] = None) -> None:
         """Touch or insert the full blocks of a finished request's prompt and generated tokens
         (engines cache both); no lookup, nothing counted."""
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
         ids = {bs: self._dense(tokens, bs) for bs in self._ids}
-        for cfg, sim in self._sims.items():
+        for cfg, sim in self._selected(only):
             offsets[1] = len(ids[cfg.block_size_tokens])
             sim.feed(ids[cfg.block_size_tokens], offsets, hits, 0, 1)
 
