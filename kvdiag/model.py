@@ -78,9 +78,8 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     folder, name = str(gguf.parent), gguf.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    for attr in ("quantization_config",):
-        if hasattr(config, attr):
-            delattr(config, attr)
+    if hasattr(config, "quantization_config"):  # save_pretrained refuses gguf-quantized models
+        delattr(config, "quantization_config")
     config.dtype = torch.float32
     model = type(loaded)(config)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)

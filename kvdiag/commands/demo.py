@@ -241,8 +241,15 @@ def run(args) -> int:
             return 1
         stats.follow(server.socket_path)
         if args.ask:
-            answer = chat(server.base_url, str(model_dir), [{"role": "user", "content": args.ask}],
-                          args.max_tokens, "ask/t0")
+            try:
+                answer = chat(server.base_url, str(model_dir), [{"role": "user", "content": args.ask}],
+                              args.max_tokens, "ask/t0")
+            except OSError as exc:
+                print(f"kvdiag demo: the server failed to answer ({exc}); server log {server.server_log}:\n"
+                      f"{server.tail()}", file=sys.stderr)
+                server.stop()
+                stats.close()
+                return 1
             print(f"Q: {args.ask}\nA: {answer['choices'][0]['message']['content']}", flush=True)
 
         counters = {"done": 0, "failed": 0, "tokens": 0}
@@ -291,7 +298,8 @@ def run(args) -> int:
     if sample is not None:
         print(f"sample answer ({sample.request_id}): {sample.answer.strip()[:160]!r}")
     if failed:
-        print(f"first failure: {failed[0].request_id}: {failed[0].error}", file=sys.stderr)
+        print(f"first failure: {failed[0].request_id}: {failed[0].error}; server log {server.server_log}:\n"
+              f"{server.tail()}", file=sys.stderr)
     if code not in (0, 128 + signal.SIGTERM):
         print(f"kvdiag demo: the server exited with code {code}; see {server.server_log}", file=sys.stderr)
     print(f"event log: {log_path}")

@@ -1,0 +1,62 @@
+"""Shadow on vs off on the real model in-process (DynamicCache, greedy, one torch thread):
+generated tokens/s ratio (goal >= 0.98) and P99 decode-step latency ratio (goal <= 1.05) at the
+default sampling (ShadowRunner defaults: sample_rate 0.05, budget_frac 0.02). The arms alternate
+prompt by prompt (off, on, off, on, ...) in one process so that machine noise hits both; the
+runner's budget clock runs only during the "on" arm, as if it were the only server."""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvdiag.commands.shadow import PROMPTS, load_model
+from kvdiag.model import resolve_model
+from kvdiag.kernels.shadow import ShadowRunner
+from kvdiag.kernels.shadow_hf import shadow_generate
+from kvdiag.sinks import ListSink
+
+
+def p99(xs):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--background", action="store_true", help="measure in the runner's worker thread")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_model(str(resolve_model(args.model)))
+    shadow_generate(model, tok, PROMPTS[:1], None, 8)  # warm-up
+    steps = {"off": [], "on": []}
+    tokens = {"off": 0, "on": 0}
+    paused_ns = [0]
+    runner = ShadowRunner(ListSink(), clock=lambda: time.perf_counter_ns() - paused_ns[0],
+                          background=args.background)
+    for _ in range(args.rounds):
+        for prompt in PROMPTS:
+            for arm in ("off", "on"):
+                t0 = time.perf_counter_ns()
+                res = shadow_generate(model, tok, [prompt], runner if arm == "on" else None, args.max_new_tokens)
+                if arm == "off":
+                    paused_ns[0] += time.perf_counter_ns() - t0
+                steps[arm] += res.step_ns
+                tokens[arm] += res.decode_tokens
+    runner.wait()
+    runner.close()
+    tps = {arm: tokens[arm] / (sum(steps[arm]) / 1e9) for arm in steps}
+    print(f"decode steps: off {len(steps['off'])}, on {len(steps['on'])}; shadow runs {runner.runs}, "
+          f"shadow time {runner.spent_ns / 1e9:.2f} s, errors {dict(runner.errors)}")
+    print(f"shadow time / on-arm decode time = {runner.spent_ns / sum(steps['on']):.4f} (budget {runner.budget_frac})")
+    print(f"tokens/s off {tps['off']:.2f}, on {tps['on']:.2f}; ratio on/off = {tps['on'] / tps['off']:.3f} (goal >= 0.98)")
+    print(f"P99 step ms off {p99(steps['off']) / 1e6:.1f}, on {p99(steps['on']) / 1e6:.1f}; ratio = "
+          f"{p99(steps['on']) / p99(steps['off']):.3f} (goal <= 1.05); median ratio "
+          f"{statistics.median(steps['on']) / statistics.median(steps['off']):.3f}")
+
+
+if __name__ == "__main__":
+    main()

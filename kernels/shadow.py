@@ -1,0 +1,239 @@
+"""Shadow compression: measure KV compressors on copies of live KV, on sampled decode steps.
+
+Entry point for any engine: ``ShadowRunner(sink, methods, sample_rate, budget_frac)`` and, after
+each decode forward, ``runner.maybe_run(step_id, layers_kv, queries)`` where ``layers_kv`` is a
+sequence of per-layer (K, V) [B, KH, T, D] *after* the step's cache update and ``queries`` a
+sequence of per-layer post-RoPE queries [B, QH, Tq, D] of that step (either may be a callable
+returning the sequence, so an engine gathers paged KV only on sampled steps).
+
+With ``background=True`` the caller's thread only copies the K/V and queries of a sampled step
+(into a one-slot queue; a step sampled while the worker is busy is dropped and counted) and a
+daemon thread measures them; ``wait()`` blocks until it is done, ``close()`` stops it.
+
+Sampling: a step is sampled with probability ``sample_rate`` and only while the time spent in
+shadow work, plus the cost of the last run, stays within ``budget_frac`` of the wall time since
+the runner saw its first step (spent_ns + last_run_ns <= budget_frac * elapsed_ns);
+``budget_frac=None`` means no time budget. Only the first ``max_batch`` sequences are copied.
+
+Measured per layer and kv head, for each method (a :class:`ShadowCompression` event):
+``ratio`` = original K+V bytes / stored bytes; ``k_rel_error`` = ||K - K_hat||_F / ||K||_F over
+the head's tokens and channels (same for V); ``attn_score_error`` = mean over the head's query
+heads and queries of the total variation distance 0.5 * sum |p - p_hat| between exact and
+compressed attention probabilities; ``attn_out_rel_error`` = ||O - O_hat||_F / ||O||_F over the
+head's query heads, O = p V; ``encode_ns``/``decode_ns`` = the layer's encode/decode wall time
+divided by the number of kv heads. Locality of the exact probabilities (last query) is emitted
+as :class:`ShadowLocality` events when ``locality`` is on.
+
+Exceptions inside shadow work are caught per method and layer, counted in ``errors`` and
+emitted as :class:`CollectorError` (``collector="shadow:<method>"``); they never propagate.
+Live tensors are only read (cloned) and never written.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from kvdiag.collectors.attention import attention_probs, locality_events
+from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
+from kvdiag.schema import CollectorError, ShadowCompression
+from kvdiag.sinks import Sink
+
+LayersKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
+Queries = Sequence[torch.Tensor]
+
+
+def _resolve(x):
+    return x() if callable(x) else x
+
+
+class ShadowRunner:
+    """See the module docstring. ``scaling``: softmax scale (head_dim ** -0.5 when None)."""
+
+    def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
+                 sample_rate: float = 0.05, budget_frac: Optional[float] = 0.02, locality: bool = True,
+                 max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
+                 clock: Callable[[], int] = time.perf_counter_ns, background: bool = False) -> None:
+        self.sink = sink
+        if isinstance(methods, str):
+            self.methods = parse_methods(methods)
+        else:
+            self.methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
+        self.sample_rate = sample_rate
+        self.budget_frac = budget_frac
+        self.locality = locality
+        self.max_batch = max_batch
+        self.scaling = scaling
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._t0_ns: Optional[int] = None
+        self.spent_ns = 0
+        self.last_run_ns = 0
+        self.runs = 0
+        self.skipped_budget = 0
+        self.errors: Counter[str] = Counter()
+        self.dropped = 0  # sampled steps not measured because the worker was still busy
+        self._lock = threading.Lock()
+        self._queue: Optional[queue.Queue] = queue.Queue(maxsize=1) if background else None
+        self._thread: Optional[threading.Thread] = None
+        if background:
+            self._thread = threading.Thread(target=self._work, name="kvdiag-shadow", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------ sampling
+
+    def should_sample(self) -> bool:
+        """Decide whether the coming step is sampled (rate, then time budget)."""
+        now = self.clock()
+        if self._t0_ns is None:
+            self._t0_ns = now
+        if self._rng.random() >= self.sample_rate:
+            return False
+        if self.budget_frac is not None and self.spent_ns + self.last_run_ns > self.budget_frac * (now - self._t0_ns):
+            self.skipped_budget += 1
+            return False
+        return True
+
+    def maybe_run(self, step_id: int, layers_kv: Union[LayersKV, Callable[[], LayersKV]],
+                  queries: Union[Queries, Callable[[], Queries]], sampled: Optional[bool] = None) -> bool:
+        """Run the shadow measurements if this step is sampled (``sampled`` overrides the draw,
+        for callers that decided earlier with :meth:`should_sample`). Never raises."""
+        if sampled is None:
+            sampled = self.should_sample()
+        if not sampled:
+            return False
+        start = self.clock()
+        try:
+            snapshot = self._snapshot(_resolve(layers_kv), _resolve(queries))
+            if self._queue is None:
+                self._measure(snapshot)
+            else:
+                try:
+                    self._queue.put_nowait(snapshot)
+                except queue.Full:
+                    self.dropped += 1
+        except Exception as exc:  # gathering inputs failed: count it, never reach the server
+            self._error("shadow", exc)
+        finally:
+            self._account(self.clock() - start)
+        return True
+
+    def _account(self, ns: int) -> None:
+        with self._lock:
+            self.last_run_ns = ns
+            self.spent_ns += ns
+
+    # ------------------------------------------------------------ background worker
+
+    def _work(self) -> None:
+        while True:
+            snapshot = self._queue.get()
+            try:
+                if snapshot is None:
+                    return
+                start = self.clock()
+                try:
+                    self._measure(snapshot)
+                except Exception as exc:
+                    self._error("shadow", exc)
+                self._account(self.clock() - start)
+            finally:
+                self._queue.task_done()
+
+    def wait(self) -> None:
+        """Block until the background worker has measured every queued step."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Stop the background worker (after the queued work)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------ measurement
+
+    def _snapshot(self, layers_kv: LayersKV, queries: Queries):
+        """Private copies of the first ``max_batch`` sequences' K, V and queries of each layer."""
+        with torch.no_grad():
+            return [(k[: self.max_batch].detach().clone(), v[: self.max_batch].detach().clone(),
+                     q[: self.max_batch].detach().float().clone())
+                    for (k, v), q in zip(layers_kv, queries)]
+
+    def run(self, step_id: int, layers_kv: LayersKV, queries: Queries) -> None:
+        """Measure every method on every layer of one step, in the caller's thread (no
+        sampling, no budget)."""
+        self._measure(self._snapshot(layers_kv, queries))
+
+    def _measure(self, snapshot) -> None:
+        self.runs += 1
+        ts = time.time_ns()
+        with torch.no_grad():
+            for layer, (k, v, q) in enumerate(snapshot):
+                self._layer(layer, k, v, q, ts)
+        self.sink.flush()
+
+    def _layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, ts: int) -> None:
+        scaling = self.scaling if self.scaling is not None else k.shape[-1] ** -0.5
+        kh, qh = k.shape[1], q.shape[1]
+        group = qh // kh
+        p = attention_probs(q, k, scaling)
+        out = torch.matmul(p, v.float().repeat_interleave(group, dim=1))
+        if self.locality:
+            for ev in locality_events(layer, p[:, :, -1, :], ts):
+                self.sink.record(ev)
+        attn_mass = p.sum(2).reshape(p.shape[0], kh, group, -1).sum(2)
+        kf, vf = k.float(), v.float()
+        for method in self.methods:
+            try:
+                self._method(layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts)
+            except Exception as exc:
+                self._error(f"shadow:{method.name}", exc)
+
+    def _method(self, layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts) -> None:
+        kh, group = k.shape[1], q.shape[1] // k.shape[1]
+        t0 = time.perf_counter_ns()
+        compressed = method.compress(k, v, attn_mass)
+        t1 = time.perf_counter_ns()
+        k_hat, v_hat, keep = compressed.decode()
+        t2 = time.perf_counter_ns()
+        p_hat = attention_probs(q, k_hat, scaling, keep)
+        out_hat = torch.matmul(p_hat, v_hat.float().repeat_interleave(group, dim=1))
+        ratio = compressed.ratio()
+        k_err = _rel_err(kf, k_hat.float(), dims=(0, 2, 3))
+        v_err = _rel_err(vf, v_hat.float(), dims=(0, 2, 3))
+        tv = 0.5 * (p - p_hat).abs().sum(-1)  # [B, QH, Tq]
+        tv = tv.reshape(tv.shape[0], kh, group, -1).mean(dim=(0, 2, 3))
+        o_err = _rel_err(out.reshape(out.shape[0], kh, group, *out.shape[2:]),
+                         out_hat.reshape(out.shape[0], kh, group, *out.shape[2:]), dims=(0, 2, 3, 4))
+        enc_ns, dec_ns = (t1 - t0) // kh, (t2 - t1) // kh
+        for h in range(kh):
+            self.sink.record(ShadowCompression(
+                ts_ns=ts, layer=layer, head=h, method=method.name, seq_len_tokens=k.shape[2],
+                ratio=ratio, k_rel_error=float(k_err[h]), v_rel_error=float(v_err[h]),
+                attn_score_error=float(tv[h]), attn_out_rel_error=float(o_err[h]),
+                encode_ns=enc_ns, decode_ns=dec_ns))
+
+    def _error(self, collector: str, exc: Exception) -> None:
+        with self._lock:
+            self.errors[collector] += 1
+            count = self.errors[collector]
+        try:
+            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=collector,
+                                            message=f"{type(exc).__name__}: {exc}"[:500], count=count))
+        except Exception:
+            pass
+
+
+def _rel_err(x: torch.Tensor, x_hat: torch.Tensor, dims) -> torch.Tensor:
+    """||x - x_hat|| / ||x|| per head (dim 1), norms over ``dims``."""
+    num = (x - x_hat).double().pow(2).sum(dims).sqrt()
+    den = x.double().pow(2).sum(dims).sqrt()
+    return num / den.clamp_min(1e-300)

@@ -1,0 +1,170 @@
+"""The summary of an attach session (or any log): memory by source, KV pool use, prefix hit
+rate, fragmentation, phase breakdown and findings, as plain JSON-ready values.
+
+Definitions: token hit rate = cached prompt tokens / prompt tokens over requests finished in
+the window (``RequestFinished``); engine hit rate = increase of the engine's prefix-cache hit
+counter / increase of its query counter between the first and last ``EngineMetrics``; phase
+shares = py-spy samples per phase / all samples, pooled over windows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Optional
+
+import pandas as pd
+
+from kvdiag.analysis import fragmentation, leaks
+from kvdiag.eventlog import events_to_frames
+from kvdiag.schema import SCHEMA_VERSION, Event, LogHeader
+
+
+def _f(frames: dict, tag: str) -> pd.DataFrame:
+    return frames.get(tag, pd.DataFrame())
+
+
+def _num(x: Any) -> Any:
+    if x is None or (isinstance(x, float) and x != x):
+        return None
+    if hasattr(x, "item"):
+        x = x.item()
+    return x
+
+
+def _memory(frames: dict, block_bytes: Optional[int]) -> dict:
+    out: dict[str, Any] = {}
+    proc = _f(frames, "process_sample")
+    if not proc.empty:
+        per_ts = proc.groupby("ts_ns")["rss_bytes"].sum()
+        out["process_rss_bytes"] = int(per_ts.iloc[-1])
+        out["process_rss_peak_bytes"] = int(per_ts.max())
+        out["processes"] = int(proc[proc["ts_ns"] == proc["ts_ns"].max()]["pid"].nunique())
+    nv = _f(frames, "nvml_sample")
+    if not nv.empty:
+        last = nv[nv["ts_ns"] == nv["ts_ns"].max()]
+        out["gpu_used_bytes"] = _num(last["memory_used_bytes"].sum(min_count=1))
+        out["gpu_process_bytes"] = _num(last["process_memory_bytes"].sum(min_count=1))
+    alloc = _f(frames, "allocator_sample")
+    if not alloc.empty:
+        last = alloc[alloc["ts_ns"] == alloc["ts_ns"].max()]
+        out["allocator_reserved_bytes"] = int(last["reserved_bytes"].sum())
+        out["allocator_allocated_bytes"] = int(last["allocated_bytes"].sum())
+    pool = _f(frames, "kv_pool_sample")
+    if not pool.empty and block_bytes:
+        last = pool.iloc[-1]
+        out["kv_pool_bytes"] = int(last["num_blocks"]) * block_bytes
+        out["kv_used_bytes"] = int(last["blocks_used"]) * block_bytes
+        out["kv_cached_bytes"] = int(last["blocks_cached"]) * block_bytes
+    return out
+
+
+def _kv(frames: dict, block_size: Optional[int], bytes_per_token: Optional[int]) -> tuple[dict, pd.DataFrame]:
+    out: dict[str, Any] = {"block_size_tokens": block_size}
+    pool_samples = _f(frames, "kv_pool_sample")
+    pool = pd.DataFrame()
+    if not pool_samples.empty:
+        last = pool_samples.iloc[-1]
+        out.update({k: int(last[k]) for k in ("num_blocks", "blocks_used", "blocks_cached", "blocks_free",
+                                               "tokens_held", "running_requests", "waiting_requests")})
+        out["samples"] = int(len(pool_samples))
+        if block_size:
+            pool = fragmentation.kv_pool_frame(pool_samples, block_size, bytes_per_token)
+            out["block_occupancy"] = _num(pool["block_occupancy"].iloc[-1])
+            out["token_occupancy"] = _num(pool["token_occupancy"].iloc[-1])
+            out["mean_block_occupancy"] = _num(pool["block_occupancy"].mean())
+            out["mean_token_occupancy"] = _num(pool["token_occupancy"].mean())
+    for tag, key in (("block_allocated", "blocks_allocated"), ("block_released", "blocks_released"),
+                     ("block_evicted", "blocks_evicted"), ("block_stored", "blocks_stored"),
+                     ("prefix_hit", "prefix_hits"), ("request_arrived", "requests_arrived"),
+                     ("request_finished", "requests_finished")):
+        out[key] = int(len(_f(frames, tag)))
+    fin = _f(frames, "request_finished")
+    out["prompt_tokens"] = int(fin["prompt_tokens"].sum()) if not fin.empty else 0
+    out["cached_prompt_tokens"] = int(fin["cached_prompt_tokens"].sum()) if not fin.empty else 0
+    out["output_tokens"] = int(fin["output_tokens"].sum()) if not fin.empty else 0
+    return out, pool
+
+
+def _hit_rate(kv: dict, frames: dict) -> dict:
+    out: dict[str, Any] = {"token_hit_rate": (kv["cached_prompt_tokens"] / kv["prompt_tokens"])
+                           if kv["prompt_tokens"] else None}
+    em = _f(frames, "engine_metrics")
+    if len(em) >= 2:
+        dq = em["prefix_cache_queries_tokens"].iloc[-1] - em["prefix_cache_queries_tokens"].iloc[0]
+        dh = em["prefix_cache_hits_tokens"].iloc[-1] - em["prefix_cache_hits_tokens"].iloc[0]
+        out["engine_hit_rate"] = _num(dh / dq) if dq and dq == dq else None
+    return out
+
+
+def _efficiency(kv: dict, frames: dict) -> dict:
+    """Generated tokens per joule: output tokens of requests finished in the window / GPU
+    energy used over the window (NVML energy counter, summed over devices)."""
+    nv = _f(frames, "nvml_sample")
+    if nv.empty or nv["energy_mj"].isna().all():
+        return {"tokens_per_joule": None}
+    per_dev = nv.dropna(subset=["energy_mj"]).groupby("device")["energy_mj"]
+    joules = float((per_dev.max() - per_dev.min()).sum()) / 1000.0
+    return {"tokens_per_joule": kv["output_tokens"] / joules if joules > 0 else None, "energy_j": joules}
+
+
+def _phases(frames: dict) -> dict:
+    prof = _f(frames, "phase_profile")
+    if prof.empty:
+        return {"samples": 0, "shares": {}, "top_functions": []}
+    counts: Counter = Counter()
+    hot: Counter = Counter()
+    total = 0
+    for n, shares, top in zip(prof["num_samples"], prof["shares"], prof["top_functions"]):
+        total += int(n)
+        for phase, s in (shares or {}).items():
+            counts[phase] += s * n
+        for fn, s in (top or []):
+            hot[fn] += s * n
+    return {"samples": total,
+            "shares": {p: c / total for p, c in counts.most_common()} if total else {},
+            "top_functions": [[fn, c / total] for fn, c in hot.most_common(10)] if total else []}
+
+
+def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
+              grace_s: float = leaks.DEFAULT_GRACE_S) -> dict[str, Any]:
+    """Everything ``kvdiag attach`` prints, from one time-ordered event sequence."""
+    events = sorted(events, key=lambda e: e.ts_ns)
+    frames = events_to_frames(events)
+    header = header or LogHeader(schema_version=SCHEMA_VERSION)
+    info = _f(frames, "kv_pool_info")
+    block_size = header.block_size_tokens or (int(info["block_size_tokens"].iloc[-1]) if not info.empty else None)
+    block_bytes = int(info["block_bytes"].iloc[-1]) if not info.empty else (
+        block_size * header.bytes_per_token if block_size and header.bytes_per_token else None)
+    kv, pool = _kv(frames, block_size, header.bytes_per_token)
+    pool_samples = _f(frames, "kv_pool_sample")
+    findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s)
+    findings.append(fragmentation.kv_pool_fragmentation_finding(
+        pool if not pool.empty else pd.DataFrame(columns=fragmentation.KV_POOL_COLUMNS)))
+    alloc = _f(frames, "allocator_sample")
+    findings.append(fragmentation.allocator_fragmentation_finding(samples=alloc if not alloc.empty else None))
+    kv_frag = next(f for f in findings if f.rule == "fragmentation.kv_pool")
+    free_list = fragmentation.replay_free_list(events)  # needs KVPoolInfo: recorded from pool creation
+    if free_list is not None:
+        kv["free_list"] = {"free_blocks": free_list.free_blocks, "cached_blocks": free_list.cached_blocks,
+                           "used_blocks": free_list.used_blocks,
+                           "longest_free_run_blocks": free_list.longest_free_run_blocks,
+                           "free_list_fragmentation": free_list.free_list_fragmentation}
+    status = _f(frames, "collector_status")
+    start = events[0].ts_ns if events else header.start_ns
+    end = events[-1].ts_ns if events else header.start_ns
+    return {
+        "target_pid": header.pid,
+        "window": {"start_ns": start, "end_ns": end, "duration_s": (end - start) / 1e9},
+        "events": len(events),
+        "memory": _memory(frames, block_bytes),
+        "kv": kv,
+        "hit_rate": _hit_rate(kv, frames),
+        "efficiency": _efficiency(kv, frames),
+        "fragmentation": {"kv_empty_slot_share": kv_frag.evidence.get("value"),
+                          "allocator": next(f for f in findings if f.rule == "fragmentation.allocator").evidence.get("value")},
+        "phases": _phases(frames),
+        "collectors": [] if status.empty else [
+            {"collector": c, "available": bool(a), "hint": h}
+            for c, a, h in zip(status["collector"], status["available"], status["hint"])],
+        "findings": [f.to_dict() for f in findings],
+    }

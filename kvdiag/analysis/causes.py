@@ -1,0 +1,202 @@
+"""Candidate causes of a P99 latency regression, with the evidence for each.
+
+The article's checklist for P99 spikes, each compared between a baseline window and the
+window where latency regressed (rates are per second of the window):
+
+- ``compression``: the compression/decompression path was active (ShadowCompression events).
+- ``prefix_hit_rate``: the prefix hit rate (cached prompt tokens / prompt tokens of finished
+  requests) dropped, or fluctuated (std of the hit rate over sub-windows).
+- ``long_sequences``: abnormally long prompts arrived: the share of prompts longer than the
+  baseline's P90 at least doubled and reached 5%.
+- ``memory_pressure``: preemptions, prefix-cache evictions, pool usage or allocator retries rose.
+- ``fragmentation``: the pool's internal fragmentation (or the allocator's) rose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvdiag.analysis.logs import Logs
+from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
+from kvdiag.schema import (BlockEvicted, EngineMetrics, RequestArrived, RequestFinished,
+                           RequestPreempted, ShadowCompression)
+
+# what counts as "rose" or "dropped": absolute changes of fractions, ratios of rates
+HIT_RATE_DROP = 0.05
+HIT_RATE_FLUCTUATION = 0.05
+LONG_SHARE = 0.05
+RATE_RATIO = 1.5
+PRESSURE_HIGH = 0.90
+FRAGMENTATION_RISE = 0.05
+
+
+@dataclass
+class Cause:
+    """``supported``: the evidence meets the cause's rule; ``score``: its strength for
+    ranking (the factor or change by which the cause's measure moved)."""
+
+    cause: str
+    title: str
+    supported: bool
+    message: str
+    score: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "title": self.title, "supported": self.supported,
+                "message": self.message, "score": self.score, "evidence": self.evidence}
+
+
+def _duration_s(logs: Logs) -> float:
+    t0, t1 = logs.time_range_ns()
+    return max((t1 - t0) / 1e9, 1e-9)
+
+
+def _hit_rates(logs: Logs, n_sub: int = 8) -> tuple[float, float, int]:
+    """Token hit rate of finished requests, its std over ``n_sub`` sub-windows (by finish
+    time, at least 3 requests each), and the number of requests."""
+    fin = logs.frame(RequestFinished)
+    if fin.empty or fin["prompt_tokens"].sum() == 0:
+        return float("nan"), float("nan"), len(fin)
+    rate = fin["cached_prompt_tokens"].sum() / fin["prompt_tokens"].sum()
+    parts = np.array_split(np.arange(len(fin)), min(n_sub, max(len(fin) // 3, 1)))
+    sub = [fin["cached_prompt_tokens"].iloc[p].sum() / max(fin["prompt_tokens"].iloc[p].sum(), 1)
+           for p in parts if len(p)]
+    return float(rate), float(np.std(sub)) if len(sub) > 1 else 0.0, len(fin)
+
+
+def _prompt_lengths(logs: Logs) -> np.ndarray:
+    arr = logs.frame(RequestArrived)
+    src = arr if len(arr) else logs.frame(RequestFinished)
+    return src["prompt_tokens"].to_numpy(dtype="float64")
+
+
+def _counter_delta(logs: Logs, col: str) -> float:
+    em = logs.frame(EngineMetrics)
+    if col not in em or em[col].dropna().empty:
+        return 0.0
+    return float(sum(g[col].dropna().iloc[-1] - g[col].dropna().iloc[0]
+                     for _, g in em.groupby("node") if g[col].notna().any()))
+
+
+def _pressure(logs: Logs) -> dict[str, float]:
+    occ = pool_occupancy(logs)
+    preempt = max(len(logs.frame(RequestPreempted)), _counter_delta(logs, "num_preemptions"))
+    al = allocator_fragmentation(logs)
+    retries = float(sum(g["alloc_retries"].max() - g["alloc_retries"].min()
+                        for _, g in al.groupby(["node", "device"]))) if len(al) else 0.0
+    d = _duration_s(logs)
+    return {
+        "preemptions": float(preempt), "preemptions_per_s": preempt / d,
+        "evictions": float(len(logs.frame(BlockEvicted))),
+        "evictions_per_s": len(logs.frame(BlockEvicted)) / d,
+        "peak_block_occupancy": float(occ["block_occupancy"].max()) if len(occ) else float("nan"),
+        "mean_waiting_requests": float(occ["waiting_requests"].mean()) if len(occ) else float("nan"),
+        "alloc_retries": retries,
+    }
+
+
+def _fragmentation(logs: Logs) -> tuple[float, float]:
+    occ = pool_occupancy(logs)
+    al = allocator_fragmentation(logs)
+    pool = float(occ["fragmentation"].mean()) if occ["fragmentation"].notna().any() else float("nan")
+    alloc = float(al["fragmentation"].mean()) if al["fragmentation"].notna().any() else float("nan")
+    return pool, alloc
+
+
+def _rose(before: float, after: float, ratio: float = RATE_RATIO) -> bool:
+    return after > 0 and (before <= 0 or after >= ratio * before)
+
+
+def _window(logs: Logs) -> list[int]:
+    return list(logs.time_range_ns())
+
+
+def attribute(baseline: Logs, current: Logs) -> list[Cause]:
+    """Evaluate every candidate cause between the two windows; supported causes first,
+    strongest first."""
+    wb, wc = _window(baseline), _window(current)
+    out = []
+
+    comp = current.frame(ShadowCompression)
+    rb = len(baseline.frame(ShadowCompression)) / _duration_s(baseline)
+    rc = len(comp) / _duration_s(current)
+    busy_ns = float(comp[["encode_ns", "decode_ns"]].fillna(0).to_numpy().sum()) if len(comp) else 0.0
+    out.append(Cause(
+        "compression", "compression/decompression path active", _rose(rb, rc),
+        f"{len(comp)} compression runs in the regressed window ({rc:.2f}/s vs {rb:.2f}/s before)",
+        score=rc / rb if rb > 0 else float(rc > 0) * 10,
+        evidence={"events_per_s_baseline": rb, "events_per_s_current": rc,
+                  "events_current": len(comp), "busy_s_current": busy_ns / 1e9,
+                  "methods": sorted(comp["method"].unique().tolist()) if len(comp) else [],
+                  "baseline_window_ns": wb, "current_window_ns": wc}))
+
+    hb, sb, nb = _hit_rates(baseline)
+    hc, sc, nc = _hit_rates(current)
+    dropped = bool(np.isfinite(hb) and np.isfinite(hc) and hb - hc >= HIT_RATE_DROP)
+    fluct = bool(np.isfinite(sc) and sc >= max(HIT_RATE_FLUCTUATION, 2 * (sb if np.isfinite(sb) else 0)))
+    out.append(Cause(
+        "prefix_hit_rate", "prefix hit rate dropped or fluctuated", dropped or fluct,
+        f"token hit rate {hb:.1%} -> {hc:.1%} (std over sub-windows {sb:.1%} -> {sc:.1%})",
+        score=float(max(hb - hc, sc - (sb if np.isfinite(sb) else 0), 0) * 10) if np.isfinite(hc) else 0.0,
+        evidence={"hit_rate_baseline": hb, "hit_rate_current": hc, "hit_rate_std_baseline": sb,
+                  "hit_rate_std_current": sc, "requests_baseline": nb, "requests_current": nc,
+                  "baseline_window_ns": wb, "current_window_ns": wc}))
+
+    lb, lc = _prompt_lengths(baseline), _prompt_lengths(current)
+    if len(lb) and len(lc):
+        # the baseline's P90, not its P99: a few stragglers of the new traffic that fall
+        # before the change point must not set the bar
+        p90b = float(np.quantile(lb, 0.90, method="inverted_cdf"))
+        long_c = lc > p90b
+        share_b, share = float((lb > p90b).mean()), float(long_c.mean())
+        arr = current.frame(RequestArrived)
+        ids = arr["request_id"][arr["prompt_tokens"] > p90b].tolist()[:20] if len(arr) else []
+        out.append(Cause(
+            "long_sequences", "abnormally long sequences arrived",
+            share >= max(LONG_SHARE, 2 * share_b),
+            f"{int(long_c.sum())} of {len(lc)} prompts ({share:.1%}) longer than the baseline's "
+            f"P90 of {p90b:.0f} tokens, against {share_b:.1%} before (longest {lc.max():.0f})",
+            score=share / max(share_b, 0.01),
+            evidence={"baseline_p90_prompt_tokens": p90b, "long_requests": int(long_c.sum()),
+                      "long_share_baseline": share_b, "long_share_current": share,
+                      "requests_current": len(lc), "max_prompt_tokens_current": float(lc.max()),
+                      "long_request_ids": ids, "baseline_window_ns": wb, "current_window_ns": wc}))
+    else:
+        out.append(Cause("long_sequences", "abnormally long sequences arrived", False,
+                         "no request arrivals in one of the windows", evidence={}))
+
+    pb, pc = _pressure(baseline), _pressure(current)
+    reasons = []
+    if _rose(pb["preemptions_per_s"], pc["preemptions_per_s"]):
+        reasons.append(f"preemptions {pb['preemptions']:.0f} -> {pc['preemptions']:.0f}")
+    if _rose(pb["evictions_per_s"], pc["evictions_per_s"], 2.0):
+        reasons.append(f"evictions {pb['evictions_per_s']:.2f}/s -> {pc['evictions_per_s']:.2f}/s")
+    if pc["peak_block_occupancy"] >= PRESSURE_HIGH > pb["peak_block_occupancy"]:
+        reasons.append(f"peak pool occupancy {pb['peak_block_occupancy']:.0%} -> "
+                       f"{pc['peak_block_occupancy']:.0%}")
+    if pc["alloc_retries"] > pb["alloc_retries"]:
+        reasons.append(f"allocator retries {pb['alloc_retries']:.0f} -> {pc['alloc_retries']:.0f}")
+    out.append(Cause(
+        "memory_pressure", "memory pressure, preemptions or evictions rose", bool(reasons),
+        "; ".join(reasons) or (f"preemptions {pc['preemptions']:.0f}, evictions "
+                               f"{pc['evictions_per_s']:.2f}/s, peak occupancy "
+                               f"{pc['peak_block_occupancy']:.0%}: no rise"),
+        score=float(len(reasons)),
+        evidence={"baseline": pb, "current": pc, "baseline_window_ns": wb, "current_window_ns": wc}))
+
+    (fb, ab), (fc, ac) = _fragmentation(baseline), _fragmentation(current)
+    rise = [x for x in (fc - fb, ac - ab) if np.isfinite(x)]
+    up = max(rise) if rise else float("nan")
+    out.append(Cause(
+        "fragmentation", "fragmentation rose", bool(rise) and up >= FRAGMENTATION_RISE,
+        f"pool fragmentation {fb:.1%} -> {fc:.1%}, allocator {ab:.1%} -> {ac:.1%}",
+        score=float(up * 10) if rise else 0.0,
+        evidence={"pool_baseline": fb, "pool_current": fc, "allocator_baseline": ab,
+                  "allocator_current": ac, "baseline_window_ns": wb, "current_window_ns": wc}))
+
+    return sorted(out, key=lambda c: (not c.supported, -c.score))

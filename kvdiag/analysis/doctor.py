@@ -1,0 +1,360 @@
+"""The article's two checklists as rules over a log, each a :class:`Finding`.
+
+Memory leak: ``leak.memory_growth`` (process memory grows without matching KV growth),
+``leak.release_paths`` (finished requests whose blocks were never given back),
+``leak.fragmentation`` (pool fragmentation >= 15%), ``leak.oom`` (OOMs, allocator retries).
+P99 spike: ``p99.regression`` (a P99 shift inside the log or against a baseline) and one
+``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.analysis.causes`).
+Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs free blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from kvdiag.analysis import latency
+from kvdiag.analysis.findings import Finding
+from kvdiag.analysis.logs import Logs
+from kvdiag.analysis.memory import (allocator_fragmentation, cum_at, growth, kv_pool_bytes,
+                                    pool_occupancy)
+from kvdiag.analysis.requests import block_counts
+from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockEvicted, BlockReleased,
+                           EngineStep, KVPoolInfo, KVPoolSample, NvmlSample, PrefixHit,
+                           ProcessSample, RequestArrived, RequestFinished)
+
+try:  # richer analyses of the collectors work, used when present
+    from kvdiag.analysis import fragmentation as _fragmentation
+except ImportError:
+    _fragmentation = None
+try:
+    from kvdiag.analysis import leaks as _leaks
+except ImportError:
+    _leaks = None
+
+FRAGMENTATION_LIMIT = 0.15
+GROWTH_WARN = (0.05, 32 << 20)  # unexplained growth: share of the start and bytes, both met
+GROWTH_FAIL = (0.10, 128 << 20)
+RELEASE_GRACE_NS = 2_000_000_000  # a request finished this long before the log's end must have released
+PRESSURE_WARN = 0.8  # blocks the active requests still need / free blocks
+_NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
+
+
+def _process_memory(logs: Logs) -> tuple[str, Optional[pd.DataFrame]]:
+    """The best measure of the process's memory: NVML per-process, NVML device, torch
+    reserved, else host RSS summed over processes. Returns (label, frame ts_ns/node/key/bytes)."""
+    nv = logs.frame(NvmlSample)
+    for col, label in (("process_memory_bytes", "NVML process memory"),
+                       ("memory_used_bytes", "NVML device memory")):
+        if len(nv) and nv[col].notna().any():
+            d = nv[nv[col].notna()]
+            return label, pd.DataFrame({"ts_ns": d["ts_ns"], "node": d["node"],
+                                        "key": d["device"], "bytes": d[col].astype("float64")})
+    al = logs.frame(AllocatorSample)
+    if len(al):
+        return "torch reserved", pd.DataFrame({"ts_ns": al["ts_ns"], "node": al["node"],
+                                               "key": al["device"], "bytes": al["reserved_bytes"]})
+    ps = logs.frame(ProcessSample)
+    if len(ps):
+        return "host RSS", pd.DataFrame({"ts_ns": ps["ts_ns"], "node": ps["node"],
+                                         "key": ps["pid"], "bytes": ps["rss_bytes"]})
+    return "", None
+
+
+def memory_growth(logs: Logs) -> Finding:
+    """Growth of process memory (median of the last 10% of samples minus the first 10%,
+    summed over devices/processes) minus the KV pool's growth (blocks held by requests and
+    the prefix cache x block bytes) over the same log."""
+    title = "memory grows only with the KV cache"
+    label, mem = _process_memory(logs)
+    if mem is None or mem.empty:
+        return Finding("leak.memory_growth", "n/a", title, "no memory samples (NVML, allocator, RSS)")
+    mem_growth = start = 0.0
+    for _, g in mem.groupby(["node", "key"]):
+        gr = growth(g["ts_ns"].to_numpy(), g["bytes"].to_numpy())
+        if gr is not None:
+            mem_growth += gr
+            start += float(np.median(g.sort_values("ts_ns")["bytes"].to_numpy()[:max(2, len(g) // 10)]))
+    kv = kv_pool_bytes(logs)
+    kv_growth = 0.0
+    for _, g in kv.groupby("node"):
+        kv_growth += growth(g["ts_ns"].to_numpy(), (g["used_bytes"] + g["cached_bytes"]).to_numpy()) or 0.0
+    unexplained = mem_growth - max(kv_growth, 0.0)
+    share = unexplained / start if start > 0 else 0.0
+    status = "pass"
+    if share >= GROWTH_FAIL[0] and unexplained >= GROWTH_FAIL[1]:
+        status = "fail"
+    elif share >= GROWTH_WARN[0] and unexplained >= GROWTH_WARN[1]:
+        status = "warn"
+    return Finding("leak.memory_growth", status, title,
+                   f"{label} grew {mem_growth / 2**20:+.1f} MiB, KV cache {kv_growth / 2**20:+.1f} MiB: "
+                   f"{unexplained / 2**20:+.1f} MiB ({share:+.1%}) unexplained "
+                   f"(fail at >= {GROWTH_FAIL[0]:.0%} and {GROWTH_FAIL[1] >> 20} MiB)",
+                   {"source": label, "memory_growth_bytes": mem_growth, "kv_growth_bytes": kv_growth,
+                    "unexplained_bytes": unexplained, "start_bytes": start, "share": share})
+
+
+def unreleased_blocks(logs: Logs, grace_ns: int = RELEASE_GRACE_NS) -> pd.DataFrame:
+    """Finished requests (finished at least ``grace_ns`` before their node's last event)
+    that hold more blocks (allocated + reused) than they released: node, request_id,
+    finished_ns, blocks_held, blocks_released, unreleased_blocks."""
+    fin = logs.frame(RequestFinished)
+    cols = ["node", "request_id", "finished_ns", "blocks_held", "blocks_released", "unreleased_blocks"]
+    if fin.empty:
+        return pd.DataFrame(columns=cols)
+    last = logs.last_ts_ns()
+    fin = fin[["node", "request_id", "ts_ns"]].drop_duplicates(["node", "request_id"], keep="last")
+    fin = fin[fin["ts_ns"] <= fin["node"].map(last) - grace_ns]
+    df = fin.rename(columns={"ts_ns": "finished_ns"}).merge(
+        block_counts(logs), on=["node", "request_id"], how="left").fillna(0)
+    df["blocks_held"] = df["blocks_allocated"] + df["blocks_reused"]
+    df["unreleased_blocks"] = df["blocks_held"] - df["blocks_released"]
+    return df.loc[df["unreleased_blocks"] > 0, cols].reset_index(drop=True)
+
+
+_LEDGER_EVENTS = (RequestArrived, RequestFinished, KVPoolInfo, BlockAllocated, PrefixHit,
+                  BlockReleased, BlockEvicted)
+
+
+def _events(logs: Logs, node: str, classes) -> list:
+    """Events of ``node`` rebuilt from its frames, in time order (for analyses that replay
+    events)."""
+    out = []
+    for cls in classes:
+        df = logs.frame(cls)
+        df = df[df["node"] == node].drop(columns="node")
+        fields = list(df.columns)
+        out += [(row[0], cls(**dict(zip(fields, row[1:])))) for row in
+                zip(df["ts_ns"].to_numpy(), *(df[c].tolist() for c in fields))]
+    return [ev for _, ev in sorted(out, key=lambda p: p[0])]
+
+
+def release_paths(logs: Logs) -> list[Finding]:
+    """Every finished request gave back every block it held: the leaks analysis's rules per
+    node when it is installed, else :func:`unreleased_blocks`."""
+    if _leaks is not None and hasattr(_leaks, "leak_findings"):
+        kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
+        found = [f for node in logs.nodes for f in _leaks.leak_findings(
+            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node],
+            now_ns=last[node])]  # judged at the log's end, not at the last block event
+        # the checklist's rule keeps its id (top's alerts and scripts key on it)
+        return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
+                for f in found]
+    return [_release_paths(logs)]
+
+
+def _release_paths(logs: Logs) -> Finding:
+    title = "release paths fire for finished requests"
+    if not logs.has(BlockAllocated) and not logs.has(PrefixHit):
+        return Finding("leak.release_paths", "n/a", title, "no block events in the log")
+    bad = unreleased_blocks(logs)
+    n_fin = len(logs.frame(RequestFinished))
+    if bad.empty:
+        return Finding("leak.release_paths", "pass", title,
+                       f"all {n_fin} finished requests released their blocks",
+                       {"finished_requests": n_fin})
+    ids = bad["request_id"].tolist()
+    return Finding("leak.release_paths", "fail", title,
+                   f"{len(bad)} of {n_fin} finished requests never released "
+                   f"{int(bad['unreleased_blocks'].sum())} blocks: {', '.join(map(str, ids[:10]))}"
+                   + (" ..." if len(ids) > 10 else ""),
+                   {"requests": ids, "unreleased_blocks": int(bad["unreleased_blocks"].sum()),
+                    "per_request": bad.to_dict("records")[:100], "finished_requests": n_fin})
+
+
+def fragmentation(logs: Logs) -> list[Finding]:
+    """Pool fragmentation (empty token slots / token slots of used blocks, over all samples)
+    and the allocator's, against 15%."""
+    out = []
+    if _fragmentation is not None:
+        kp, al = logs.frame(KVPoolSample), logs.frame(AllocatorSample)
+        for node in logs.nodes:
+            bs = logs.block_size_tokens(node)
+            if bs and (kp["node"] == node).any():
+                pool = _fragmentation.kv_pool_frame(kp[kp["node"] == node], bs, logs.bytes_per_token(node))
+                out.append(_fragmentation.kv_pool_fragmentation_finding(pool))
+            if (al["node"] == node).any():
+                out.append(_fragmentation.allocator_fragmentation_finding(samples=al[al["node"] == node]))
+        if out:
+            return out
+    title = f"KV pool fragmentation under {FRAGMENTATION_LIMIT:.0%}"
+    occ = pool_occupancy(logs)
+    occ = occ[occ["blocks_used"] > 0]
+    if occ.empty or occ["token_occupancy"].isna().all():
+        return [Finding("fragmentation.kv_pool", "n/a", title, "no KV pool samples with blocks in use")]
+    occ = occ[occ["token_occupancy"].notna()]
+    value = float(occ["fragmentation"].mean())
+    basis = ", ".join(sorted(occ["basis"].unique()))
+    return [Finding("fragmentation.kv_pool", "pass" if value < FRAGMENTATION_LIMIT else "warn", title,
+                    f"empty slots {value:.1%} of used token slots (mean over {len(occ)} samples, "
+                    f"slots counted {basis}; limit {FRAGMENTATION_LIMIT:.0%})",
+                    {"value": value, "samples": len(occ), "limit": FRAGMENTATION_LIMIT, "basis": basis,
+                     "worst_value": float(occ["fragmentation"].max())})]
+
+
+def ooms(logs: Logs) -> Finding:
+    """No out-of-memory errors and no allocator retries (cudaMalloc failed, cache flushed)."""
+    title = "no OOMs or allocator retries"
+    al = allocator_fragmentation(logs)
+    failed = logs.frame(RequestFinished)
+    failed = failed[failed["status"] == "failed"]
+    if al.empty:
+        msg = "no allocator samples (no CUDA allocator)"
+        if len(failed):
+            return Finding("leak.oom", "warn", title, f"{msg}; {len(failed)} requests failed",
+                           {"failed_requests": failed["request_id"].tolist()[:100]})
+        return Finding("leak.oom", "n/a", title, msg)
+    g = al.groupby(["node", "device"])
+    n_oom = int((g["num_ooms"].max() - g["num_ooms"].min()).sum())
+    n_retry = int((g["alloc_retries"].max() - g["alloc_retries"].min()).sum())
+    status = "fail" if n_oom else "warn" if n_retry or len(failed) else "pass"
+    first = al[al["num_ooms"] > al.groupby(["node", "device"])["num_ooms"].transform("min")]
+    return Finding("leak.oom", status, title,
+                   f"{n_oom} OOMs, {n_retry} allocator retries, {len(failed)} failed requests",
+                   {"ooms": n_oom, "alloc_retries": n_retry, "failed_requests": len(failed),
+                    "first_oom_ts_ns": int(first["ts_ns"].min()) if len(first) else None})
+
+
+def p99(logs: Logs, baseline: Optional[Logs] = None,
+        threshold: float = latency.DEFAULT_THRESHOLD) -> tuple[list[Finding], list[latency.Comparison]]:
+    """``p99.regression``: fail when any latency's P99 regressed past ``threshold`` (module
+    :mod:`kvdiag.analysis.latency`); one ``p99.<cause>`` per candidate cause: warn when it
+    is supported for a flagged regression, pass otherwise."""
+    comps = latency.detect(logs, baseline, threshold)
+    title = f"P99 latency stable (no rise beyond {threshold:+.0%})"
+    if not comps:
+        return [Finding("p99.regression", "n/a", title, "too few latency samples to compare")], comps
+    what = "against the baseline" if baseline is not None else "after the change point vs before"
+    flagged = [c for c in comps if c.flagged]
+    desc = "; ".join(f"{c.metric} P99 {c.p99_baseline_ns / 1e6:.1f} -> {c.p99_current_ns / 1e6:.1f} ms "
+                     f"({c.change:+.1%}, 90% CI {c.ci_low:+.1%}..{c.ci_high:+.1%})" for c in comps)
+    out = [Finding("p99.regression", "fail" if flagged else "pass", title, f"{what}: {desc}",
+                   {"comparisons": [c.to_dict() for c in comps]})]
+    supported: dict[str, list] = {}
+    titles: dict[str, str] = {}
+    for c in flagged:
+        for cause in c.causes:
+            titles[cause.cause] = cause.title
+            if cause.supported:
+                supported.setdefault(cause.cause, []).append((c.metric, cause))
+    for name, ttl in _CAUSE_TITLES.items():
+        hits = supported.get(name, [])
+        if hits:
+            out.append(Finding(f"p99.{name}", "warn", ttl,
+                               "; ".join(f"{m}: {c.message}" for m, c in hits),
+                               {m: c.evidence for m, c in hits}))
+        else:
+            msg = ("not behind the regression" if flagged else "no P99 regression to explain")
+            out.append(Finding(f"p99.{name}", "pass", ttl, msg))
+    return out, comps
+
+
+_CAUSE_TITLES = {
+    "compression": "compression path not behind a P99 rise",
+    "prefix_hit_rate": "prefix hit rate steady",
+    "long_sequences": "no burst of abnormally long sequences",
+    "memory_pressure": "no rise in memory pressure, preemptions or evictions",
+    "fragmentation": "no rise in fragmentation",
+}
+
+
+def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
+    """Per KVPoolSample: the blocks the active requests will still need, against free blocks.
+
+    Active requests at t: arrived <= t < finished. A request's expected blocks are
+    ceil((prompt + expected output) / block size) minus its prefix-cache hits, with expected
+    output = its max_new_tokens, else the log's P90 output length. Blocks already held =
+    blocks allocated so far to requests still active. ``needed_blocks`` = expected -
+    held; ``free_blocks`` = free + evictable cached blocks; ``growth_blocks_per_s`` = decode
+    tokens per second over the last ``window_ns`` / block size; ``time_to_full_s`` =
+    free / growth when the need exceeds the free blocks, else inf."""
+    cols = ["ts_ns", "node", "active_requests", "needed_blocks", "free_blocks",
+            "growth_blocks_per_s", "need_ratio", "time_to_full_s"]
+    kp = logs.frame(KVPoolSample)
+    arr, fin = logs.frame(RequestArrived), logs.frame(RequestFinished)
+    out = []
+    for node in logs.nodes:
+        s = kp[kp["node"] == node]
+        bs = logs.block_size_tokens(node)
+        a = arr[arr["node"] == node].drop_duplicates("request_id")
+        if s.empty or not bs or a.empty:
+            continue
+        f = fin[fin["node"] == node].drop_duplicates("request_id", keep="last")
+        p90_out = float(np.quantile(f["output_tokens"], 0.9)) if len(f) else 0.0
+        exp_out = pd.to_numeric(a["max_new_tokens"], errors="coerce").fillna(p90_out)
+        hits = logs.frame(PrefixHit)
+        hits = hits[hits["node"] == node].groupby("request_id").size()
+        a = a.assign(expected=np.ceil((a["prompt_tokens"] + exp_out) / bs)
+                     - a["request_id"].map(hits).fillna(0))
+        a = a.merge(f[["request_id", "ts_ns"]].rename(columns={"ts_ns": "fin_ns"}),
+                    on="request_id", how="left")
+        a["fin_ns"] = a["fin_ns"].fillna(_NEVER_NS).astype("int64")  # not finished in the log
+        alloc = logs.frame(BlockAllocated)
+        alloc = alloc[alloc["node"] == node]
+        per_req = alloc.groupby("request_id").size()
+        a["allocated"] = a["request_id"].map(per_req).fillna(0)
+        t = s["ts_ns"].to_numpy(dtype="int64")
+        # expected blocks of active requests: + at arrival, - at finish
+        ev_t = np.concatenate([a["ts_ns"].to_numpy(dtype="int64"), a["fin_ns"].to_numpy(dtype="int64")])
+        ev_v = np.concatenate([a["expected"].to_numpy(), -a["expected"].to_numpy()])
+        expected = cum_at(ev_t, ev_v, t)
+        active = cum_at(ev_t, np.concatenate([np.ones(len(a)), -np.ones(len(a))]), t)
+        # blocks held by active requests: all allocations so far minus those of finished ones
+        fin_alloc = cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["allocated"].to_numpy(), t)
+        held = cum_at(alloc["ts_ns"].to_numpy(dtype="int64"), np.ones(len(alloc)), t) - fin_alloc
+        needed = np.maximum(expected - held, 0)
+        free = (s["blocks_free"] + s["blocks_cached"]).to_numpy(dtype="float64")
+        st = logs.frame(EngineStep)
+        st = st[st["node"] == node]
+        dec = cum_at(st["ts_ns"].to_numpy(dtype="int64"),
+                      (st["decode_tokens"] if st["decode_tokens"].sum() else st["num_tokens"]).to_numpy(dtype="float64"), t)
+        dec_before = cum_at(st["ts_ns"].to_numpy(dtype="int64"),
+                             (st["decode_tokens"] if st["decode_tokens"].sum() else st["num_tokens"]).to_numpy(dtype="float64"),
+                             t - window_ns)
+        rate = (dec - dec_before) / (window_ns / 1e9) / bs
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(free > 0, needed / free, np.where(needed > 0, np.inf, 0.0))
+            ttf = np.where((needed >= free) & (rate > 0), free / rate, np.inf)
+        out.append(pd.DataFrame({"ts_ns": t, "node": node, "active_requests": active,
+                                 "needed_blocks": needed, "free_blocks": free,
+                                 "growth_blocks_per_s": rate, "need_ratio": ratio,
+                                 "time_to_full_s": ttf}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
+
+
+def memory_pressure(logs: Logs) -> Finding:
+    """Worst moment of :func:`forecast_frame`: fail when the active requests needed more
+    blocks than were free (preemption or OOM ahead), warn above 80%."""
+    title = "KV demand of active requests fits the free blocks"
+    fc = forecast_frame(logs)
+    if fc.empty:
+        return Finding("forecast.memory_pressure", "n/a", title,
+                       "needs KV pool samples, request arrivals and the block size")
+    worst = fc.loc[fc["need_ratio"].idxmax()]
+    last = fc.iloc[-1]
+    r = float(worst["need_ratio"])
+    status = "fail" if r > 1 else "warn" if r > PRESSURE_WARN else "pass"
+    ttf = float(fc["time_to_full_s"].min())
+    return Finding("forecast.memory_pressure", status, title,
+                   f"peak need {worst['needed_blocks']:.0f} blocks vs {worst['free_blocks']:.0f} free "
+                   f"({r:.0%}) with {worst['active_requests']:.0f} active requests; "
+                   + (f"time to full {ttf:.1f} s" if np.isfinite(ttf) else "the pool never fills")
+                   + f"; at the end: {last['needed_blocks']:.0f} needed, {last['free_blocks']:.0f} free",
+                   {"peak_need_ratio": r, "peak_ts_ns": int(worst["ts_ns"]),
+                    "peak_needed_blocks": float(worst["needed_blocks"]),
+                    "peak_free_blocks": float(worst["free_blocks"]),
+                    "min_time_to_full_s": ttf if np.isfinite(ttf) else None,
+                    "last_needed_blocks": float(last["needed_blocks"]),
+                    "last_free_blocks": float(last["free_blocks"]),
+                    "last_active_requests": float(last["active_requests"])})
+
+
+def run_rules(logs: Logs, baseline: Optional[Logs] = None) -> tuple[list[Finding], list[latency.Comparison]]:
+    """All rules of both checklists and the forecast; also the latency comparisons behind
+    the P99 rules (for reports)."""
+    findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs)]
+    p, comps = p99(logs, baseline)
+    return findings + p + [memory_pressure(logs)], comps

@@ -1,0 +1,202 @@
+"""Live shadow prefix sharing: a Sink that replays arriving prompts through what-if caches.
+
+Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids`` at each
+configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
+(policy, block size, capacity) — exactly the offline simulator, one request at a time — and
+every ``interval_s`` records one ``ShadowSharing`` event per configuration into ``out``.
+When a request finishes, the full blocks of its prompt and generated tokens (from the
+adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
+
+Each event also carries ``engine_hit_rate``: the engine's own token hit rate, sum of
+``RequestFinished.cached_prompt_tokens`` / sum of their ``prompt_tokens``. Compared with the
+shadow token hit rate at the engine's own settings (LRU, its page size, its pool's block
+count; added automatically when ``KVPoolInfo`` arrives), a gap shows prefix sharing that the
+content allows but the engine did not deliver (a silent prefix-cache failure), or the other
+way round. Shadow rates count requests at arrival, the engine's at finish; with requests that
+overlap in time the engine can also miss blocks that are not complete yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+from kvdiag.analysis.sharing import PrefixCacheSim
+from kvdiag.analysis.traces import full_sequence
+from kvdiag.kernels.hashing import chunk_hashes
+from kvdiag.schema import (
+    BlockStored,
+    Event,
+    KVPoolInfo,
+    RequestArrived,
+    RequestFinished,
+    ShadowSharing,
+)
+from kvdiag.sinks import NullSink, Sink
+
+
+@dataclass(frozen=True)
+class ShadowConfig:
+    """One what-if cache: policy (not ``opt``: the future is unknown live), block size in
+    tokens, capacity in blocks (None = unbounded)."""
+
+    policy: str
+    block_size_tokens: int
+    capacity_blocks: Optional[int] = None
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    block_refs: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    request_rate_sum: float = 0.0
+    requests_with_prompt: int = 0
+
+
+class ShadowSharingSink:
+    """A Sink (``record``/``flush``) that turns arriving prompts into ``ShadowSharing`` events.
+
+    ``engine_settings=True`` adds the engine's own configuration (LRU, its page size, its
+    pool's ``num_blocks``) when a ``KVPoolInfo`` event arrives.
+    """
+
+    def __init__(self, configs: Iterable[ShadowConfig] = (), out: Optional[Sink] = None, *,
+                 interval_s: float = 1.0, engine_settings: bool = True,
+                 bytes_per_token: Optional[int] = None, hash_algorithm: str = "fast",
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self.out: Sink = out if out is not None else NullSink()
+        self.interval_ns = int(interval_s * 1e9)
+        self.engine_settings = engine_settings
+        self.bytes_per_token = bytes_per_token
+        self.hash_algorithm = hash_algorithm
+        self.clock = clock
+        self.engine_config: Optional[ShadowConfig] = None
+        self._sims: dict[ShadowConfig, PrefixCacheSim] = {}
+        self._counts: dict[ShadowConfig, _Counts] = {}
+        self._ids: dict[int, dict[int, int]] = {}  # block size -> chained key -> dense id
+        self._live: dict[str, tuple[list[int], list[list[int]]]] = {}  # prompt, stored blocks
+        self._engine_cached_tokens = 0
+        self._engine_prompt_tokens = 0
+        self._last_emit_ns = clock()
+        self.errors = 0
+        for cfg in configs:
+            self.add(cfg)
+
+    def add(self, cfg: ShadowConfig) -> None:
+        """Start a what-if cache (it sees requests from now on)."""
+        if cfg not in self._sims:
+            self._sims[cfg] = PrefixCacheSim(cfg.policy, cfg.capacity_blocks)
+            self._counts[cfg] = _Counts()
+            self._ids.setdefault(cfg.block_size_tokens, {})
+
+    # ------------------------------------------------------------------ Sink
+    def record(self, event: Event) -> None:
+        try:
+            if isinstance(event, RequestArrived) and event.token_ids is not None:
+                self._arrived(event.token_ids)
+                self._live[event.request_id] = (list(event.token_ids), [])
+            elif isinstance(event, BlockStored):
+                if event.request_id in self._live and event.token_ids:
+                    self._live[event.request_id][1].append(event.token_ids)
+            elif isinstance(event, RequestFinished):
+                self._engine_cached_tokens += event.cached_prompt_tokens
+                self._engine_prompt_tokens += event.prompt_tokens
+                live = self._live.pop(event.request_id, None)
+                if live is not None:
+                    self._finished(full_sequence(*live))
+            elif isinstance(event, KVPoolInfo):
+                if self.bytes_per_token is None and event.block_size_tokens:
+                    self.bytes_per_token = event.block_bytes // event.block_size_tokens
+                if self.engine_settings and event.prefix_sharing:
+                    self.engine_config = ShadowConfig("lru", event.block_size_tokens,
+                                                      event.num_blocks)
+                    self.add(self.engine_config)
+            now = self.clock()
+            if now - self._last_emit_ns >= self.interval_ns:
+                self._emit(now)
+        except Exception:  # a shadow analysis never breaks the observed process
+            self.errors += 1
+
+    def flush(self) -> None:
+        self._emit(self.clock())
+        self.out.flush()
+
+    # ------------------------------------------------------------------ internals
+    def _arrived(self, token_ids: list[int]) -> None:
+        prompt = len(token_ids)
+        by_size = {bs: self._dense(token_ids, bs) for bs in self._ids}
+        offsets = np.zeros(2, dtype=np.int64)
+        hits = np.zeros(1, dtype=np.int64)
+        for cfg, sim in self._sims.items():
+            ids = by_size[cfg.block_size_tokens]
+            offsets[1] = len(ids)
+            sim.feed(ids, offsets, hits, 0, 1)
+            c = self._counts[cfg]
+            h = int(hits[0])
+            c.requests += 1
+            c.block_refs += len(ids)
+            c.hit_blocks += h
+            c.hit_tokens += h * cfg.block_size_tokens  # only full blocks have keys
+            c.prompt_tokens += prompt
+            if prompt:
+                c.requests_with_prompt += 1
+                c.request_rate_sum += h * cfg.block_size_tokens / prompt
+
+    def _finished(self, tokens: list[int]) -> None:
+        """Touch or insert the full blocks of a finished request's prompt and generated tokens
+        (engines cache both); no lookup, nothing counted."""
+        offsets = np.zeros(2, dtype=np.int64)
+        hits = np.zeros(1, dtype=np.int64)
+        ids = {bs: self._dense(tokens, bs) for bs in self._ids}
+        for cfg, sim in self._sims.items():
+            offsets[1] = len(ids[cfg.block_size_tokens])
+            sim.feed(ids[cfg.block_size_tokens], offsets, hits, 0, 1)
+
+    def _dense(self, tokens: list[int], bs: int) -> np.ndarray:
+        table = self._ids[bs]
+        keys = chunk_hashes(tokens, bs, algorithm=self.hash_algorithm).tolist()
+        return np.fromiter((table.setdefault(k, len(table)) for k in keys), dtype=np.int32,
+                           count=len(keys))
+
+    @property
+    def engine_hit_rate(self) -> Optional[float]:
+        """Engine's token hit rate: cached prompt tokens / prompt tokens of finished requests."""
+        if not self._engine_prompt_tokens:
+            return None
+        return self._engine_cached_tokens / self._engine_prompt_tokens
+
+    def snapshot(self, ts_ns: Optional[int] = None) -> list[ShadowSharing]:
+        """One ``ShadowSharing`` per configuration, over all requests seen so far."""
+        ts = self.clock() if ts_ns is None else ts_ns
+        out = []
+        for cfg, c in self._counts.items():
+            out.append(ShadowSharing(
+                ts_ns=ts, policy=cfg.policy, block_size_tokens=cfg.block_size_tokens,
+                capacity_blocks=cfg.capacity_blocks, requests=c.requests,
+                block_hit_rate=c.hit_blocks / c.block_refs if c.block_refs else 0.0,
+                token_hit_rate=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+                request_hit_rate=(c.request_rate_sum / c.requests_with_prompt
+                                  if c.requests_with_prompt else None),
+                bytes_saved=(c.hit_tokens * self.bytes_per_token
+                             if self.bytes_per_token else None),
+                engine_hit_rate=self.engine_hit_rate))
+        return out
+
+    def gap(self) -> Optional[float]:
+        """Shadow token hit rate at the engine's own settings minus the engine's hit rate."""
+        if self.engine_config is None or self.engine_hit_rate is None:
+            return None
+        c = self._counts[self.engine_config]
+        shadow = c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+        return shadow - self.engine_hit_rate
+
+    def _emit(self, now: int) -> None:
+        self._last_emit_ns = now
+        for ev in self.snapshot(now):
+            self.out.record(ev)

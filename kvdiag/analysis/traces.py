@@ -1,0 +1,587 @@
+"""Request traces for prefix-sharing replay: one loader per input format, auto-detected.
+
+Every loader produces a :class:`Trace`: for each request, in arrival order, the chained keys of
+its prompt's blocks (remapped to dense ids ``0..D-1``) and how many prompt tokens each block
+holds. Formats:
+
+- ``kvdiag``: a kvdiag event log. If ``request_arrived`` events carry ``token_ids``, prompts are
+  re-chunked by kvdiag at any ``block_size_tokens`` (default: the log header's); otherwise each
+  request's blocks are its ``prefix_hit``, ``block_stored`` (and ``block_deduplicated``)
+  events, in log order, at the engine's block size. ``request_finished.cached_prompt_tokens``
+  is kept as the engine's hits.
+- ``mooncake``: JSONL with ``timestamp`` (ms), ``input_length``, ``output_length``,
+  ``hash_ids`` (prefix-chained 512-token blocks; the last one may be partial and still counts).
+- ``tokens``: JSONL of ``{"timestamp": ..., "token_ids": [...]}`` (optional ``request_id``,
+  ``extra_keys``), chunked at ``block_size_tokens`` (default 16); only full blocks get keys.
+- ``vllm``: vLLM KV events recorded as JSONL, one ZMQ batch ``[ts, [event, ...]]`` (or
+  ``{"ts":..., "events": [...]}``, or one event) a line; events as vLLM's array form
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, ...]`` or as
+  objects with a ``type``. KV events carry no request ids: each ``BlockStored`` is replayed as
+  one request whose prompt is its parent chain (served from cache, hence not stored again)
+  followed by the stored blocks. Token ids make the prompts re-chunkable at any block size.
+
+Errors are :class:`TraceFormatError` with ``file:line: expected ...``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import pandas as pd
+
+from kvdiag.kernels.hashing import chunk_hashes
+
+FORMATS = ("kvdiag", "mooncake", "tokens", "vllm")
+MOONCAKE_BLOCK_TOKENS = 512
+DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
+
+
+class TraceFormatError(ValueError):
+    """An unreadable trace; the message is ``file:line: expected ...``."""
+
+
+@dataclass
+class Trace:
+    """Requests as block-reference sequences (CSR layout over dense block ids).
+
+    ``block_ids[offsets[r]:offsets[r+1]]`` are request ``r``'s blocks in prompt order;
+    ``block_tokens[i]`` = prompt tokens the block at reference ``i`` holds
+    (``min(block_size, remaining prompt)``), which a hit on it saves.
+    """
+
+    block_ids: np.ndarray  # int32 [refs]
+    offsets: np.ndarray  # int64 [requests + 1]
+    block_tokens: np.ndarray  # int32 [refs]
+    prompt_tokens: np.ndarray  # int64 [requests]
+    num_blocks: int  # distinct blocks
+    block_size_tokens: int
+    format: str
+    source: str = ""
+    arrival_ns: Optional[np.ndarray] = None  # int64 [requests]
+    finish_ns: Optional[np.ndarray] = None  # int64 [requests], -1 unknown
+    engine_cached_tokens: Optional[np.ndarray] = None  # int64 [requests], -1 unknown
+    bytes_per_token: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+    # rows that are requests (1) or the blocks a request adds when it finishes (0: prompt and
+    # generated tokens, as engines cache them); None = every row is a request
+    counted: Optional[np.ndarray] = None  # uint8 [rows]
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def counted_rows(self) -> np.ndarray:
+        return np.ones(self.rows, np.uint8) if self.counted is None else self.counted
+
+    @property
+    def requests(self) -> int:
+        return self.rows if self.counted is None else int(self.counted.sum())
+
+    @property
+    def block_refs(self) -> int:
+        """Block references of requests' prompts (not the blocks added at finish)."""
+        if self.counted is None:
+            return len(self.block_ids)
+        return int((np.diff(self.offsets) * self.counted).sum())
+
+    def requests_only(self) -> "Trace":
+        """The trace without the rows of blocks added at finish."""
+        if self.counted is None:
+            return self
+        keep = np.nonzero(self.counted)[0]
+        lens = np.diff(self.offsets)[keep]
+        take = np.concatenate([np.arange(self.offsets[r], self.offsets[r + 1]) for r in keep]) \
+            if len(keep) else np.zeros(0, np.int64)
+        pick = (lambda a: None if a is None else a[keep])
+        return Trace(self.block_ids[take], np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+                     self.block_tokens[take], self.prompt_tokens[keep], self.num_blocks,
+                     self.block_size_tokens, self.format, self.source, pick(self.arrival_ns),
+                     pick(self.finish_ns), pick(self.engine_cached_tokens), self.bytes_per_token,
+                     list(self.notes))
+
+    def plain(self) -> "Trace":
+        """Plain cache semantics: every block reference becomes a request of one block, so a
+        lookup no longer depends on the blocks before it (what libCacheSim simulates)."""
+        n = self.block_refs
+        return Trace(self.block_ids, np.arange(n + 1, dtype=np.int64), self.block_tokens,
+                     self.block_tokens.astype(np.int64), self.num_blocks,
+                     self.block_size_tokens, self.format + "+plain", self.source,
+                     bytes_per_token=self.bytes_per_token)
+
+    def repeated(self, times: int) -> "Trace":
+        """The trace played ``times`` times back to back (same blocks)."""
+        n = self.block_refs
+        offsets = np.concatenate([self.offsets[:-1] + k * n for k in range(times)] + [[n * times]])
+        return Trace(np.tile(self.block_ids, times), offsets.astype(np.int64),
+                     np.tile(self.block_tokens, times), np.tile(self.prompt_tokens, times),
+                     self.num_blocks, self.block_size_tokens, self.format, self.source,
+                     bytes_per_token=self.bytes_per_token)
+
+
+class TraceBuilder:
+    """Accumulates requests (raw 64-bit keys) compactly; :meth:`build` remaps keys to dense ids."""
+
+    def __init__(self, block_size_tokens: int, fmt: str, source: str) -> None:
+        self.block_size_tokens = block_size_tokens
+        self.format = fmt
+        self.source = source
+        self._keys = array("q")
+        self._tokens = array("i")
+        self._offsets = array("q", [0])
+        self._prompt = array("q")
+        self._arrival = array("q")
+        self._finish = array("q")
+        self._cached = array("q")
+        self._counted = array("B")
+
+    def add(self, keys, prompt_tokens: int, *, block_tokens=None, arrival_ns: int = -1,
+            finish_ns: int = -1, engine_cached_tokens: int = -1, counted: bool = True) -> None:
+        """One request: its block keys in prompt order. ``block_tokens`` defaults to
+        ``min(block_size, remaining prompt)`` per block. ``counted=False``: not a request but
+        the blocks one adds to the cache when it finishes (no lookup, no tokens)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if block_tokens is None:
+            starts = np.arange(len(keys), dtype=np.int64) * self.block_size_tokens
+            block_tokens = np.clip(prompt_tokens - starts, 0, self.block_size_tokens)
+        self._keys.frombytes(keys.tobytes())
+        self._tokens.frombytes(np.asarray(block_tokens, dtype=np.int32).tobytes())
+        self._offsets.append(self._offsets[-1] + len(keys))
+        self._prompt.append(int(prompt_tokens))
+        self._arrival.append(int(arrival_ns))
+        self._finish.append(int(finish_ns))
+        self._cached.append(int(engine_cached_tokens))
+        self._counted.append(1 if counted else 0)
+
+    def build(self, bytes_per_token: Optional[int] = None) -> Trace:
+        keys = np.frombuffer(self._keys, dtype=np.int64)
+        if len(keys):
+            codes, uniques = pd.factorize(keys, sort=False)
+        else:
+            codes, uniques = np.empty(0, np.int64), []
+        arrival = np.frombuffer(self._arrival, dtype=np.int64).copy()
+        finish = np.frombuffer(self._finish, dtype=np.int64).copy()
+        cached = np.frombuffer(self._cached, dtype=np.int64).copy()
+        counted = np.frombuffer(self._counted, dtype=np.uint8).copy()
+        return Trace(
+            block_ids=codes.astype(np.int32),
+            offsets=np.frombuffer(self._offsets, dtype=np.int64).copy(),
+            block_tokens=np.frombuffer(self._tokens, dtype=np.int32).copy(),
+            prompt_tokens=np.frombuffer(self._prompt, dtype=np.int64).copy(),
+            num_blocks=len(uniques),
+            block_size_tokens=self.block_size_tokens,
+            format=self.format,
+            source=self.source,
+            arrival_ns=arrival if (arrival >= 0).any() else None,
+            finish_ns=finish if (finish >= 0).any() else None,
+            engine_cached_tokens=cached if (cached >= 0).any() else None,
+            bytes_per_token=bytes_per_token,
+            counted=None if counted.all() else counted,
+        )
+
+
+# ---------------------------------------------------------------- reading lines
+
+
+def _open_text(path: Path):
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else open(path, "r", encoding="utf-8")
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) for each non-empty line; bad JSON is a TraceFormatError."""
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceFormatError(f"{path}:{lineno}: expected one JSON value per line "
+                                           f"({exc.msg})") from None
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise TraceFormatError(f"{path}:1: expected a readable JSONL trace ({exc})") from None
+
+
+def _int_list(value, path: Path, lineno: int, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                              for v in value):
+        raise TraceFormatError(f"{path}:{lineno}: expected \"{name}\" to be a list of integers")
+    return value
+
+
+def _number(obj: dict, name: str, path: Path, lineno: int, default=None):
+    value = obj.get(name, default)
+    if value is None and default is None and name not in obj:
+        raise TraceFormatError(f"{path}:{lineno}: expected field \"{name}\"")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise TraceFormatError(f"{path}:{lineno}: expected \"{name}\" to be a non-negative number")
+    return value
+
+
+# ---------------------------------------------------------------- detection
+
+
+def detect_format(path: str | Path) -> str:
+    """Guess a trace's format from its first line (see the module docstring)."""
+    path = Path(path)
+    for lineno, obj in _json_lines(path):
+        if isinstance(obj, dict):
+            if "schema_version" in obj or obj.get("type") == "log_header" or "header" in obj:
+                return "kvdiag"
+            if "hash_ids" in obj:
+                return "mooncake"
+            if "token_ids" in obj and "type" not in obj:
+                return "tokens"
+            if "events" in obj or obj.get("type") in _VLLM_TAGS:
+                return "vllm"
+        if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
+            return "vllm"
+        raise TraceFormatError(
+            f"{path}:{lineno}: expected a kvdiag log header, a Mooncake request (\"hash_ids\"), "
+            "a token-id request (\"token_ids\") or a vLLM KV event batch")
+    raise TraceFormatError(f"{path}:1: expected at least one request, found an empty file")
+
+
+# ---------------------------------------------------------------- loaders
+
+
+@dataclass
+class RequestRecord:
+    """One request of a streamed trace: its chained block keys (int64) in prompt order."""
+
+    keys: np.ndarray
+    prompt_tokens: int
+    arrival_ns: int = -1
+
+
+def _mooncake_records(path: Path) -> Iterator[RequestRecord]:
+    for lineno, obj in _json_lines(path):
+        if not isinstance(obj, dict) or "hash_ids" not in obj:
+            raise TraceFormatError(f"{path}:{lineno}: expected a Mooncake request object with "
+                                   "\"hash_ids\"")
+        ids = _int_list(obj["hash_ids"], path, lineno, "hash_ids")
+        n_in = int(_number(obj, "input_length", path, lineno))
+        if len(ids) != math.ceil(n_in / MOONCAKE_BLOCK_TOKENS):
+            raise TraceFormatError(f"{path}:{lineno}: expected ceil(input_length/512) = "
+                                   f"{math.ceil(n_in / MOONCAKE_BLOCK_TOKENS)} hash_ids, "
+                                   f"got {len(ids)}")
+        ts_ms = _number(obj, "timestamp", path, lineno)
+        yield RequestRecord(np.asarray(ids, dtype=np.int64), n_in, int(ts_ms * 1_000_000))
+
+
+def _token_records(path: Path, block_size_tokens: int,
+                   hash_algorithm: str) -> Iterator[RequestRecord]:
+    for lineno, obj in _json_lines(path):
+        if not isinstance(obj, dict) or "token_ids" not in obj:
+            raise TraceFormatError(f"{path}:{lineno}: expected an object with \"token_ids\"")
+        tokens = _int_list(obj["token_ids"], path, lineno, "token_ids")
+        ts = obj.get("timestamp")
+        if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)):
+            raise TraceFormatError(f"{path}:{lineno}: expected \"timestamp\" to be a number")
+        extra = obj.get("extra_keys") or ()
+        if not isinstance(extra, (list, tuple)):
+            raise TraceFormatError(f"{path}:{lineno}: expected \"extra_keys\" to be a list")
+        keys = chunk_hashes(tokens, block_size_tokens, extra_keys=tuple(extra),
+                            algorithm=hash_algorithm)
+        yield RequestRecord(keys, len(tokens), -1 if ts is None else int(ts * 1e9))
+
+
+def _mooncake_block_size(path: Path, block_size_tokens: Optional[int]) -> int:
+    if block_size_tokens not in (None, MOONCAKE_BLOCK_TOKENS):
+        raise TraceFormatError(f"{path}:1: expected --block-size {MOONCAKE_BLOCK_TOKENS}: Mooncake "
+                               "traces carry only hashes of 512-token blocks, not tokens")
+    return MOONCAKE_BLOCK_TOKENS
+
+
+def iter_requests(path: str | Path, format: Optional[str] = None,
+                  block_size_tokens: Optional[int] = None,
+                  hash_algorithm: str = "fast") -> tuple[int, Iterator[RequestRecord]]:
+    """(block size, requests streamed one by one) of a Mooncake or token-id trace: memory for
+    a replay then grows with distinct blocks, not with the trace. Other formats need the whole
+    file (requests are rebuilt from events): use :func:`load_trace`."""
+    path = Path(path)
+    fmt = format or detect_format(path)
+    if fmt == "mooncake":
+        return _mooncake_block_size(path, block_size_tokens), _mooncake_records(path)
+    if fmt == "tokens":
+        bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
+        return bs, _token_records(path, bs, hash_algorithm)
+    raise ValueError(f"{fmt} traces are not streamed")
+
+
+def _build(records: Iterable[RequestRecord], bs: int, fmt: str, path: Path) -> Trace:
+    b = TraceBuilder(bs, fmt, str(path))
+    for rec in records:
+        b.add(rec.keys, rec.prompt_tokens, arrival_ns=rec.arrival_ns)
+    return b.build()
+
+
+def load_mooncake(path: Path, block_size_tokens: Optional[int] = None) -> Trace:
+    bs = _mooncake_block_size(path, block_size_tokens)
+    return _build(_mooncake_records(path), bs, "mooncake", path)
+
+
+def load_tokens(path: Path, block_size_tokens: Optional[int] = None,
+                hash_algorithm: str = "fast") -> Trace:
+    bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
+    return _build(_token_records(path, bs, hash_algorithm), bs, "tokens", path)
+
+
+_VLLM_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+
+
+def _vllm_events(path: Path) -> Iterator[tuple[int, Optional[float], dict]]:
+    """(line, batch timestamp, event as dict) for each event of a vLLM KV event JSONL."""
+    for lineno, obj in _json_lines(path):
+        ts = None
+        if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
+            ts, events = obj
+        elif isinstance(obj, dict) and "events" in obj:
+            ts, events = obj.get("ts"), obj["events"]
+        elif isinstance(obj, dict):
+            events = [obj]
+        else:
+            raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event batch "
+                                   "[ts, [events]]")
+        for ev in events:
+            yield lineno, ts, _vllm_event_dict(ev, path, lineno)
+
+
+def _vllm_event_dict(ev, path: Path, lineno: int) -> dict:
+    if isinstance(ev, list) and ev and ev[0] in _VLLM_TAGS:
+        names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                                 "lora_id", "medium"),
+                 "BlockRemoved": ("block_hashes", "medium"),
+                 "AllBlocksCleared": ()}[ev[0]]
+        out = dict(zip(names, ev[1:]))
+        out["type"] = ev[0]
+        return out
+    if isinstance(ev, dict) and ev.get("type") in _VLLM_TAGS:
+        return ev
+    raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event (BlockStored, "
+                           "BlockRemoved or AllBlocksCleared)")
+
+
+def _hash_key(h) -> int:
+    """vLLM block hashes are ints or bytes (sha256); fold to a 63-bit int."""
+    if isinstance(h, int):
+        return h & ((1 << 63) - 1)
+    if isinstance(h, str):
+        return int.from_bytes(h.encode()[:8].ljust(8, b"\0"), "little") & ((1 << 63) - 1)
+    if isinstance(h, list):  # bytes encoded as a list of ints
+        return int.from_bytes(bytes(h)[:8], "little") & ((1 << 63) - 1)
+    raise TypeError
+
+
+def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
+              hash_algorithm: str = "fast") -> Trace:
+    chains: dict[int, tuple[Optional[int], list[int]]] = {}  # key -> (parent key, its tokens)
+    prompts: list[tuple[list[int], Optional[float], int]] = []  # (token ids, ts, line)
+    engine_bs = None
+    for lineno, ts, ev in _vllm_events(path):
+        if ev["type"] != "BlockStored":
+            continue
+        try:
+            hashes = [_hash_key(h) for h in ev["block_hashes"]]
+            parent = ev.get("parent_block_hash")
+            parent = None if parent is None else _hash_key(parent)
+            tokens = _int_list(ev.get("token_ids"), path, lineno, "token_ids")
+            bs = int(ev["block_size"])
+        except (KeyError, TypeError, ValueError):
+            raise TraceFormatError(f"{path}:{lineno}: expected BlockStored with block_hashes, "
+                                   "parent_block_hash, token_ids and block_size") from None
+        if bs <= 0 or len(tokens) != bs * len(hashes):
+            raise TraceFormatError(f"{path}:{lineno}: expected len(token_ids) = block_size x "
+                                   f"len(block_hashes) = {bs * len(hashes)}, got {len(tokens)}")
+        engine_bs = engine_bs or bs
+        prefix: list[int] = []
+        p = parent
+        seen = 0
+        while p is not None and p in chains and seen < 1_000_000:
+            pp, toks = chains[p]
+            prefix[:0] = toks
+            p = pp
+            seen += 1
+        for i, h in enumerate(hashes):
+            chains[h] = (parent if i == 0 else hashes[i - 1], tokens[i * bs:(i + 1) * bs])
+        prompts.append((prefix + tokens, ts, lineno))
+    bs = block_size_tokens or engine_bs or DEFAULT_BLOCK_TOKENS
+    b = TraceBuilder(bs, "vllm", str(path))
+    for tokens, ts, _ in prompts:
+        b.add(chunk_hashes(tokens, bs, algorithm=hash_algorithm), len(tokens),
+              arrival_ns=-1 if ts is None else int(float(ts) * 1e9))
+    trace = b.build()
+    trace.notes.append("vLLM KV events: each BlockStored is one request (its parent chain + "
+                       "the stored blocks); requests served wholly from cache are not visible")
+    return trace
+
+
+# events that put a block (by chained key) into a request's prompt, in log order; the
+# engine adapter's de-duplication (a request adopting an identical hashed block) counts too
+_BLOCK_REF_TAGS = ("prefix_hit", "block_stored", "block_deduplicated")
+
+
+def full_sequence(prompt: list[int], stored_blocks: list[list[int]]) -> list[int]:
+    """A finished request's prompt and generated tokens, as far as its engine stored full
+    blocks: ``stored_blocks`` (token ids of the request's ``block_stored`` events, in order)
+    that are not full blocks of the prompt continue it, the first one starting with the prompt's
+    partial tail. Without such blocks (or if they do not fit) the prompt alone."""
+    sizes = {len(blk) for blk in stored_blocks}
+    if len(sizes) != 1:
+        return list(prompt)
+    bs = sizes.pop()
+    k = len(prompt) // bs
+    own = {tuple(prompt[j * bs:(j + 1) * bs]) for j in range(k)}
+    generated = [blk for blk in stored_blocks if tuple(blk) not in own]
+    tail = list(prompt[k * bs:])
+    if not generated or list(generated[0][:len(tail)]) != tail:
+        return list(prompt)
+    return list(prompt[:k * bs]) + [t for blk in generated for t in blk]
+
+
+def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
+                hash_algorithm: str = "fast") -> Trace:
+    """Each request is a row at its arrival; when it finishes, a second, uncounted row touches
+    or inserts the full blocks of its prompt and generated tokens (engines cache both, so a
+    later turn of a chat can reuse the previous answer)."""
+    from kvdiag import eventlog  # the log reader; imported lazily (only this format needs it)
+    from kvdiag.schema import RequestArrived, RequestFinished, event_tag
+
+    try:
+        header = eventlog.read_header(path)
+        arrived: dict[str, RequestArrived] = {}
+        blocks: dict[str, list[tuple[int, int]]] = {}  # (chained key, tokens in block)
+        stored: dict[str, list[list[int]]] = {}
+        finished: dict[str, RequestFinished] = {}
+        for ev in eventlog.iter_events(path, strict=True):
+            if isinstance(ev, RequestArrived):
+                arrived.setdefault(ev.request_id, ev)
+            elif isinstance(ev, RequestFinished):
+                finished[ev.request_id] = ev
+            elif event_tag(ev) in _BLOCK_REF_TAGS and getattr(ev, "request_id", None) is not None \
+                    and getattr(ev, "block_hash", None) is not None:
+                blocks.setdefault(ev.request_id, []).append(
+                    (int(ev.block_hash), int(getattr(ev, "num_tokens", 0) or 0)))
+                if event_tag(ev) == "block_stored" and ev.token_ids:
+                    stored.setdefault(ev.request_id, []).append(ev.token_ids)
+    except eventlog.LogFormatError as exc:
+        raise TraceFormatError(str(exc)) from None
+    if not arrived:
+        raise TraceFormatError(f"{path}:1: expected request_arrived events in the log")
+    engine_bs = header.block_size_tokens
+    rows: list[tuple[int, int, dict]] = []  # (time, order, TraceBuilder.add kwargs)
+    if all(a.token_ids is not None for a in arrived.values()):
+        bs = block_size_tokens or engine_bs or DEFAULT_BLOCK_TOKENS
+        for a in arrived.values():
+            f = finished.get(a.request_id)
+            rows.append((a.ts_ns, len(rows), dict(
+                keys=chunk_hashes(a.token_ids, bs, algorithm=hash_algorithm),
+                prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
+                finish_ns=-1 if f is None else f.ts_ns,
+                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+            if f is not None:
+                seq = full_sequence(a.token_ids, stored.get(a.request_id, []))
+                rows.append((f.ts_ns, len(rows), dict(
+                    keys=chunk_hashes(seq, bs, algorithm=hash_algorithm), prompt_tokens=0,
+                    counted=False)))
+    else:
+        if block_size_tokens not in (None, engine_bs):
+            raise TraceFormatError(f"{path}:1: expected --block-size {engine_bs}: this log has "
+                                   "no token ids to re-chunk, only the engine's block events")
+        if not engine_bs:
+            raise TraceFormatError(f"{path}:1: expected block_size_tokens in the log header")
+        bs = engine_bs
+        for rid, a in arrived.items():
+            f = finished.get(rid)
+            refs = blocks.get(rid, [])
+            # the prompt's blocks: leading blocks whose tokens fit in the prompt; the rest
+            # hold generated tokens and are only added when the request finishes
+            n_prompt = int(np.searchsorted(np.cumsum([n or bs for _, n in refs]),
+                                           a.prompt_tokens, side="right"))
+            keys = [k for k, _ in refs]
+            rows.append((a.ts_ns, len(rows), dict(
+                keys=keys[:n_prompt], prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
+                finish_ns=-1 if f is None else f.ts_ns,
+                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+            if f is not None:
+                rows.append((f.ts_ns, len(rows), dict(keys=keys, prompt_tokens=0,
+                                                       counted=False)))
+    b = TraceBuilder(bs, "kvdiag", str(path))
+    for _, _, kwargs in sorted(rows, key=lambda row: row[:2]):
+        if not kwargs.get("counted", True):
+            kwargs["block_tokens"] = np.zeros(len(kwargs["keys"]), np.int32)
+        b.add(**kwargs)
+    return b.build(bytes_per_token=header.bytes_per_token)
+
+
+def load_trace(path: str | Path, format: Optional[str] = None,
+               block_size_tokens: Optional[int] = None, hash_algorithm: str = "fast") -> Trace:
+    """Read a trace of any supported format (auto-detected unless ``format`` is given)."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceFormatError(f"{path}:0: expected an existing trace file")
+    fmt = format or detect_format(path)
+    if fmt not in FORMATS:
+        raise TraceFormatError(f"{path}:0: expected --format to be one of {', '.join(FORMATS)}")
+    if block_size_tokens is not None and block_size_tokens <= 0:
+        raise TraceFormatError(f"{path}:0: expected a positive block size")
+    loaders: dict[str, Callable[..., Trace]] = {
+        "mooncake": lambda: load_mooncake(path, block_size_tokens),
+        "tokens": lambda: load_tokens(path, block_size_tokens, hash_algorithm),
+        "vllm": lambda: load_vllm(path, block_size_tokens, hash_algorithm),
+        "kvdiag": lambda: load_kvdiag(path, block_size_tokens, hash_algorithm),
+    }
+    return loaders[fmt]()
+
+
+def trace_from_blocks(requests: list[list[int]], block_size_tokens: int = 1,
+                      prompt_tokens: Optional[list[int]] = None, fmt: str = "blocks") -> Trace:
+    """A trace from per-request lists of block keys (prompt = whole blocks unless given)."""
+    b = TraceBuilder(block_size_tokens, fmt, "")
+    for i, keys in enumerate(requests):
+        n = len(keys) * block_size_tokens if prompt_tokens is None else prompt_tokens[i]
+        b.add(np.asarray(keys, dtype=np.int64), n)
+    return b.build()
+
+
+def trace_from_tokens(requests: list[list[int]], block_size_tokens: int,
+                      hash_algorithm: str = "fast") -> Trace:
+    """A trace from per-request token ids, chunked and chain-hashed like the ``tokens`` format."""
+    b = TraceBuilder(block_size_tokens, "tokens", "")
+    for tokens in requests:
+        b.add(chunk_hashes(tokens, block_size_tokens, algorithm=hash_algorithm), len(tokens))
+    return b.build()
+
+
+def prompt_token_ids(path: str | Path, format: Optional[str] = None) -> list[list[int]]:
+    """The prompts' token ids of a kvdiag log (``request_arrived.token_ids``) or a token-id
+    trace, in arrival order; other formats carry no tokens."""
+    path = Path(path)
+    fmt = format or detect_format(path)
+    if fmt == "tokens":
+        return [_int_list(obj.get("token_ids") if isinstance(obj, dict) else None, path, lineno,
+                          "token_ids") for lineno, obj in _json_lines(path)]
+    if fmt != "kvdiag":
+        raise TraceFormatError(f"{path}:1: expected a kvdiag log or token-id trace with token ids "
+                               f"(a {fmt} trace has none)")
+    from kvdiag import eventlog
+    from kvdiag.schema import RequestArrived
+
+    try:
+        prompts = [ev.token_ids for ev in eventlog.iter_events(path, strict=True)
+                   if isinstance(ev, RequestArrived) and ev.token_ids is not None]
+    except eventlog.LogFormatError as exc:
+        raise TraceFormatError(str(exc)) from None
+    if not prompts:
+        raise TraceFormatError(f"{path}:1: expected request_arrived events with token_ids")
+    return prompts

@@ -1,0 +1,284 @@
+"""`kvdiag attach PID`: join a running server from outside and record what is visible."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+DESCRIPTION = """\
+Join a running server from outside: its process tree (RSS, threads, CPU time), NVIDIA GPUs
+(NVML), Python stacks by phase (py-spy, non-blocking), its Prometheus /metrics if it serves
+one, and, if it runs the kvdiag agent, the agent's live KV events. Everything goes into one
+kvdiag log; a summary is printed at the end (--json for machine-readable output).
+
+Exit status: 0 done; 1 no such process / not ours to trace; 2 bad arguments; 3 the target
+exited while attached (the log recorded so far is kept).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("pid", type=int, help="process id of the server")
+    parser.add_argument("--duration", type=float, default=30.0, metavar="S",
+                        help="seconds to stay attached (default 30; Ctrl-C ends early)")
+    parser.add_argument("--out", metavar="LOG", help="event log to write (default: kvdiag log dir)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--interval", type=float, default=1.0, metavar="S",
+                        help="seconds between process/NVML/metrics samples (default 1)")
+    parser.add_argument("--pyspy-rate", type=int, default=20, metavar="HZ",
+                        help="py-spy samples per second (default 20)")
+    parser.add_argument("--pyspy-window", type=float, default=10.0, metavar="S",
+                        help="seconds per phase profile (default 10)")
+    parser.add_argument("--no-pyspy", action="store_true", help="do not sample Python stacks")
+    parser.add_argument("--metrics-url", help="Prometheus endpoint (default: probe the target's ports)")
+    parser.add_argument("--socket", help="agent socket (default: found from the target)")
+    parser.add_argument("--grace", type=float, default=5.0, metavar="S",
+                        help="seconds after which a finished request's held blocks count as leaked")
+
+
+def _err(msg: str) -> None:
+    print(f"kvdiag attach: {msg}", file=sys.stderr)
+
+
+def _default_out(pid: int) -> Path:
+    try:
+        from kvdiag.paths import log_dir
+        base = log_dir()
+    except ImportError:
+        base = Path.cwd()
+    return base / f"attach-{pid}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+
+
+class _Session:
+    """The collectors of one attach, sampled from the main loop."""
+
+    def __init__(self, args, procs, writer) -> None:
+        from kvdiag.collectors import metrics, nvml
+        self.args, self.procs, self.writer = args, procs, writer
+        self.nvml = nvml.NvmlCollector(pids=procs.pids)
+        writer.record(self.nvml.start())
+        self.metrics_url: Optional[str] = args.metrics_url
+        self.metrics_mod = metrics
+        self.next_probe = 0.0
+        self.recorder = None
+        self.pyspy_failed: Optional[str] = None
+
+    def probe_metrics(self) -> None:
+        from kvdiag.collectors.procfs import connect_host
+        if self.metrics_url or time.monotonic() < self.next_probe:
+            return
+        self.next_probe = time.monotonic() + 5.0
+        ports = [(connect_host(ip), port) for _, ip, port in self.procs.listening_ports()]
+        self.metrics_url = self.metrics_mod.find_metrics_url(ports, timeout_s=1.0)
+        if self.metrics_url:
+            from kvdiag.schema import CollectorStatus
+            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="metrics", available=True,
+                                               hint=self.metrics_url))
+
+    def sample(self) -> None:
+        for ev in self.procs.sample():  # raises TargetGone
+            self.writer.record(ev)
+        for ev in self.nvml.sample():
+            self.writer.record(ev)
+        self.probe_metrics()
+        if self.metrics_url:
+            try:
+                text = self.metrics_mod.fetch_metrics_text(self.metrics_url, timeout_s=2.0)
+                self.writer.record(self.metrics_mod.engine_metrics(self.metrics_mod.parse_prometheus(text)))
+            except (OSError, ValueError) as exc:
+                from kvdiag.schema import CollectorError
+                self.writer.record(CollectorError(ts_ns=time.time_ns(), collector="metrics", message=str(exc)))
+
+    def pyspy_tick(self, remaining_s: float) -> None:
+        from kvdiag.collectors import pyspy
+        if self.args.no_pyspy or self.pyspy_failed:
+            return
+        if self.recorder is not None and self.recorder.done():
+            self._finish_window(self.recorder.result)
+        if self.recorder is None and remaining_s >= 1.0:
+            window = min(self.args.pyspy_window, remaining_s)
+            self.recorder = pyspy.PySpyRecorder(self.args.pid, window, rate_hz=self.args.pyspy_rate)
+
+    def _finish_window(self, get) -> None:
+        from kvdiag.collectors import pyspy
+        from kvdiag.schema import CollectorError
+        try:
+            raw = get()
+            if raw.stacks:
+                self.writer.record(pyspy.phase_profile(raw))
+        except pyspy.PySpyError as exc:
+            self.pyspy_failed = str(exc)
+            self.writer.record(CollectorError(ts_ns=time.time_ns(), collector=pyspy.NAME, message=str(exc)))
+        self.recorder = None
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self._finish_window(self.recorder.stop)
+        self.nvml.close()
+
+
+def _check_pyspy(pid: int, writer) -> Optional[str]:
+    """Record py-spy's status; returns a fatal message (no permission) or None."""
+    from kvdiag.collectors import pyspy
+    from kvdiag.schema import CollectorStatus
+    st = pyspy.status()
+    if not st.available:
+        writer.record(st)
+        return None
+    try:
+        pyspy.dump(pid)
+    except pyspy.PySpyError as exc:
+        msg = str(exc)
+        writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=False, hint=msg))
+        return msg if "may not read" in msg else None
+    writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=True,
+                                  hint="non-blocking sampling"))
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvdiag.collectors import procfs
+    from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
+    from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
+    from kvdiag.schema import CollectorStatus
+
+    if args.duration <= 0 or args.interval <= 0:
+        _err("expected --duration and --interval > 0")
+        return 2
+    try:
+        procs = procfs.ProcessCollector(args.pid)
+    except procfs.TargetGone as exc:
+        _err(str(exc))
+        return 1
+    except procfs.TargetNotAccessible as exc:
+        _err(str(exc))
+        return 1
+    if args.pid == os.getpid():
+        _err("cannot attach to kvdiag itself")
+        return 2
+    out = Path(args.out) if args.out else _default_out(args.pid)
+    if out.exists():
+        _err(f"{out}: already exists; choose another --out")
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    agent = None
+    socks = [Path(args.socket)] if args.socket else candidate_sockets(procs.pids())
+    agent_problem = "the target runs no kvdiag agent (start it with python -m kvdiag.run)"
+    for path in socks:
+        try:
+            agent = AgentStream(path, sink=None)  # sink set once the writer exists
+            break
+        except (OSError, ConnectionError) as exc:
+            agent_problem = f"{path}: {exc}"
+    try:
+        cmdline = " ".join(procs.root.cmdline())
+    except Exception:
+        cmdline = ""
+    ah = agent.header if agent else make_header()
+    header = make_header(pid=args.pid, engine="attach", model=ah.model, block_size_tokens=ah.block_size_tokens,
+                         bytes_per_token=ah.bytes_per_token, node=socket.gethostname(),
+                         extra={"target_cmdline": cmdline, "agent_engine": ah.engine,
+                                "agent_socket": str(agent.path) if agent else None})
+    code = 0
+    writer = LogWriter(out, header, interval_s=0.5)
+    session = None
+    try:
+        writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="agent", available=agent is not None,
+                                      hint=str(agent.path) if agent else agent_problem))
+        if agent is not None:
+            agent.sink = writer
+            agent.start()
+        fatal = None if args.no_pyspy else _check_pyspy(args.pid, writer)
+        if fatal:
+            _err(fatal)
+            return 1
+        session = _Session(args, procs, writer)
+        deadline = time.monotonic() + args.duration
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                session.pyspy_tick(deadline - now)
+                session.sample()
+                time.sleep(max(0.0, min(args.interval, deadline - time.monotonic())))
+        except procfs.TargetGone as exc:
+            _err(f"{exc} while attached; the log recorded so far is kept in {out}")
+            code = 3
+        except KeyboardInterrupt:
+            _err("interrupted; summarising what was recorded")
+    finally:
+        if session is not None:
+            try:
+                session.close()
+            except Exception as exc:  # never lose the log because a collector failed to stop
+                _err(f"py-spy did not stop cleanly: {exc}")
+        if agent is not None:
+            agent.close(drain_s=0.5 if code == 0 else 0.0)
+        writer.close()
+
+    from kvdiag.analysis.attach_summary import summarize
+    summary = summarize(iter_events(out), read_header(out), grace_s=args.grace)
+    summary["log"] = str(out)
+    if session is not None and session.pyspy_failed and code != 3:
+        summary["pyspy_error"] = session.pyspy_failed
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print(format_summary(summary))
+    return code
+
+
+def _mib(x) -> str:
+    return "N/A" if x is None else f"{x / 2**20:,.1f} MiB"
+
+
+def _pct(x) -> str:
+    return "N/A" if x is None else f"{x:.1%}"
+
+
+def format_summary(s: dict) -> str:
+    """The human-readable summary (what --json prints as data)."""
+    m, kv, hr, ph = s["memory"], s["kv"], s["hit_rate"], s["phases"]
+    lines = [f"kvdiag attach: PID {s['target_pid']}, {s['window']['duration_s']:.1f} s, "
+             f"{s['events']} events -> {s['log']}", "",
+             "memory by source",
+             f"  process tree RSS   {_mib(m.get('process_rss_bytes'))} (peak {_mib(m.get('process_rss_peak_bytes'))},"
+             f" {m.get('processes', 'N/A')} processes)",
+             f"  GPU (NVML)         {_mib(m.get('gpu_process_bytes'))} of target, {_mib(m.get('gpu_used_bytes'))} device",
+             f"  CUDA allocator     {_mib(m.get('allocator_reserved_bytes'))} reserved,"
+             f" {_mib(m.get('allocator_allocated_bytes'))} allocated",
+             f"  KV pool            {_mib(m.get('kv_used_bytes'))} used, {_mib(m.get('kv_cached_bytes'))} cached,"
+             f" {_mib(m.get('kv_pool_bytes'))} total", "",
+             "KV pool"]
+    if "num_blocks" in kv:
+        lines += [f"  blocks             {kv['blocks_used']} used, {kv['blocks_cached']} cached, {kv['blocks_free']} free"
+                  f" of {kv['num_blocks']} (block {kv['block_size_tokens']} tokens)",
+                  f"  occupancy          blocks {_pct(kv.get('block_occupancy'))}, tokens {_pct(kv.get('token_occupancy'))}"
+                  f" (mean {_pct(kv.get('mean_block_occupancy'))} / {_pct(kv.get('mean_token_occupancy'))})"]
+    else:
+        lines.append("  N/A (no kvdiag agent events)")
+    lines += [f"  block events       {kv['blocks_allocated']} allocated, {kv['blocks_released']} released,"
+              f" {kv['blocks_evicted']} evicted, {kv['prefix_hits']} prefix hits",
+              f"  requests finished  {kv['requests_finished']} ({kv['prompt_tokens']} prompt tokens,"
+              f" {kv['output_tokens']} generated)",
+              f"  prefix hit rate    {_pct(hr.get('token_hit_rate'))} of prompt tokens"
+              + (f"; engine counters {_pct(hr.get('engine_hit_rate'))}" if "engine_hit_rate" in hr else ""),
+              f"  fragmentation      {_pct(s['fragmentation']['kv_empty_slot_share'])} empty slots in used blocks;"
+              f" allocator {_pct(s['fragmentation']['allocator'])}", "",
+              f"phases (py-spy, {ph['samples']} samples)"]
+    if ph["shares"]:
+        lines += [f"  {p:<18} {v:6.1%}" for p, v in ph["shares"].items()]
+        lines += ["  hottest: " + "; ".join(f"{fn} {v:.1%}" for fn, v in ph["top_functions"][:3])]
+    else:
+        lines.append("  N/A" + (f" ({s['pyspy_error']})" if s.get("pyspy_error") else ""))
+    lines += ["", "collectors"] + [f"  {c['collector']:<18} {'ok' if c['available'] else 'N/A'}  {c['hint']}"
+                                   for c in s["collectors"]]
+    lines += ["", "findings"] + [f"  [{f['status']:>4}] {f['rule']}: {f['message']}" for f in s["findings"]]
+    return "\n".join(lines)

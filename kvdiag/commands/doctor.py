@@ -1,0 +1,138 @@
+"""`kvdiag doctor (LOG | --pid PID)`: the memory-leak and P99-spike checklists as rules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from kvdiag.commands._logs import LogFormatError, fail, read_logs
+
+DESCRIPTION = """Run the two checklists on a recorded log (or several: one per node):
+
+memory leak   memory grows without matching KV growth; release paths not firing for finished
+              requests; pool fragmentation >= 15%; OOMs and allocator retries
+P99 spike     a P99 rise beyond +10% (inside the log, or against --baseline), attributed to:
+              compression path active, prefix hit rate dropped, long sequences, memory
+              pressure / preemptions / evictions, fragmentation
+forecast      KV the active requests still need against free blocks: time to full, OOM risk
+
+Each rule is pass, warn, fail or n/a (no data) with its evidence.
+Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="*", metavar="LOG", help="event logs")
+    parser.add_argument("--pid", type=int, default=None,
+                        help="diagnose a running server (run under the kvdiag agent) instead")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="with --pid: how long to record its live events (default 30)")
+    parser.add_argument("--socket", default=None, help="with --pid: the agent's socket path")
+    parser.add_argument("--baseline", nargs="+", metavar="LOG", default=None,
+                        help="compare latency against these logs")
+    parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
+    parser.add_argument("--partial", action="store_true",
+                        help="accept a log cut short mid-line (use the events before the cut)")
+
+
+def _clean(x):
+    """JSON-safe: NaN and infinities become null, numpy scalars plain numbers."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.pid is not None and args.logs:
+        return fail("doctor", "give either LOG or --pid PID, not both")
+    if args.pid is not None:
+        return _live(args)
+    if not args.logs:
+        return fail("doctor", "expected a LOG or --pid PID")
+    try:
+        logs, _ = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial)
+        baseline = read_logs(args.baseline, quiet=True, allow_truncated=args.partial)[0] if args.baseline else None
+    except LogFormatError as exc:
+        return fail("doctor", str(exc))
+    from kvdiag.analysis.doctor import run_rules
+    from kvdiag.analysis.findings import worst
+    findings, _ = run_rules(logs, baseline)
+    status = worst(findings)
+    try:
+        if args.json:
+            print(json.dumps(_clean({"status": status, "logs": list(logs.paths.values()),
+                                     "findings": [f.to_dict() for f in findings]}), indent=1))
+        else:
+            _print(findings)
+    except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
+    return 1 if status == "fail" else 0
+
+
+def _print(findings) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    style = {"pass": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
+    t = Table(show_lines=False, expand=True)
+    for c in ("status", "rule", "check", "measured"):
+        t.add_column(c, overflow="fold")
+    for f in findings:
+        t.add_row(f"[{style[f.status]}]{f.status.upper()}[/]", f.rule, f.title, f.message)
+    console = Console(width=max(Console().width, 120))
+    console.print(t)
+    for f in findings:  # name what failed: requests, blocks
+        ids = f.evidence.get("requests") if f.status == "fail" else None
+        if ids:
+            console.print(f"[bold red]{f.rule}[/]: requests {', '.join(map(str, list(ids)[:50]))}"
+                          + (" ..." if len(ids) > 50 else ""))
+
+
+def _live(args: argparse.Namespace) -> int:
+    """Record ``--seconds`` of the agent's live stream of process PID into a temporary log
+    (the stream's lines are log lines: the header first, then events), then diagnose it."""
+    import psutil
+    import socket
+    import tempfile
+    import time
+    from pathlib import Path
+    if not psutil.pid_exists(args.pid):
+        return fail("doctor", f"no process with pid {args.pid}")
+    path = args.socket
+    if path is None:
+        try:
+            from kvdiag.paths import agent_socket_path
+        except ImportError:
+            return fail("doctor", "this build cannot locate agent sockets; pass --socket PATH")
+        path = agent_socket_path(args.pid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        return fail("doctor", f"{path}: cannot reach a kvdiag agent in process {args.pid} ({exc.strerror or exc}); "
+                    f"start the server under the agent (`python -m kvdiag.run ...`), or record a log "
+                    f"and run `kvdiag doctor LOG`")
+    with tempfile.TemporaryDirectory(prefix="kvdiag-doctor-") as d:
+        log = Path(d) / f"pid{args.pid}.jsonl"
+        deadline = time.monotonic() + args.seconds
+        with sock, open(log, "wb") as f:
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    data = sock.recv(1 << 16)
+                except socket.timeout:
+                    break
+                if not data:
+                    break
+                f.write(data)
+        if not args.json:
+            print(f"recorded {args.seconds:g} s of process {args.pid}", file=sys.stderr)
+        args.pid, args.logs, args.partial = None, [str(log)], True  # the last line may be cut
+        return run(args)

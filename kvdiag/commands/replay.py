@@ -1,0 +1,350 @@
+"""`kvdiag replay`: a recorded trace through shadow prefix caches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from typing import Optional
+
+DESCRIPTION = """\
+Replay a trace through shadow prefix caches and print hit rates per policy and capacity.
+
+A request reuses the longest run of its leading blocks that are cached (chained content keys:
+equal keys = equal prefixes) and stops at the first miss; then all its blocks are touched or
+inserted and the cache evicts to its capacity.
+
+  block hit rate   = prefix-hit blocks / referenced blocks
+  token hit rate   = hit tokens / prompt tokens (a hit block counts min(block size,
+                     remaining prompt) tokens; prompt tails shorter than a block never hit)
+  request hit rate = mean over requests of (request's hit tokens / its prompt tokens)
+  bytes saved      = hit tokens x KV bytes per token (KV not recomputed)
+  memory reduction = 1 - peak blocks held by live requests with sharing / without
+
+Policies: lru, fifo, lfu, s3fifo, opt (Belady, the upper bound).
+Formats (auto-detected): kvdiag (event log), mooncake, tokens ({"timestamp", "token_ids"}
+JSONL), vllm (KV events JSONL).
+"""
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", metavar="TRACE", help="trace file (.gz too)")
+    parser.add_argument("--format", choices=("kvdiag", "mooncake", "tokens", "vllm"),
+                        help="input format (default: detected from the first line)")
+    parser.add_argument("--block-size", type=int, metavar="N",
+                        help="block size in tokens to re-chunk token ids at (default: the "
+                             "engine's, 16 for token-id traces, 512 for Mooncake)")
+    parser.add_argument("--policy", action="append", metavar="P",
+                        choices=("lru", "fifo", "lfu", "s3fifo", "opt"),
+                        help="eviction policy; repeat for several (default: lru)")
+    parser.add_argument("--capacity", action="append", metavar="C",
+                        help="cache capacity: blocks (1000), bytes (4GiB, 500MB) or "
+                             "'unbounded'; repeat for several (default: unbounded)")
+    parser.add_argument("--bytes-per-token", type=int, metavar="B",
+                        help="KV bytes per token over all layers, K and V (default: the log "
+                             "header's); needed for capacities in bytes and bytes saved")
+    parser.add_argument("--hash", choices=("fast", "blake2b", "sha256"), default="fast",
+                        help="chunk hash for token ids (default: fast)")
+    parser.add_argument("--concurrency", type=int, default=8, metavar="N",
+                        help="for traces without finish times: a request holds its blocks "
+                             "until N later requests arrived (memory reduction; default 8)")
+    parser.add_argument("--curve", action="store_true",
+                        help="hit rate vs capacity (LRU in one pass; other policies per point)")
+    parser.add_argument("--similarity", action="store_true",
+                        help="cosine similarity of K/V at the first positions of requests "
+                             "with and without a shared prompt, on the real model (kvdiag logs)")
+    parser.add_argument("--positions", type=int, default=10, metavar="N",
+                        help="positions compared by --similarity (default 10)")
+    parser.add_argument("--offset", type=int, default=0, metavar="N",
+                        help="--similarity compares positions N..N+positions-1 (default 0)")
+    parser.add_argument("--min-shared-tokens", type=int, default=16, metavar="N",
+                        help="--similarity: two requests share a system prompt when their first "
+                             "N tokens are equal (default 16)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def parse_capacity(text: str) -> tuple[Optional[int], Optional[int]]:
+    """'1000' -> (1000 blocks, None); '4GiB' -> (None, bytes); 'unbounded' -> (None, None)."""
+    t = text.strip().lower()
+    if t in ("unbounded", "none", "inf", "infinite"):
+        return None, None
+    if re.fullmatch(r"\d+", t):
+        return int(t), None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b|b)", t)
+    if not m:
+        raise ValueError(f"expected a capacity like 1000 (blocks), 4GiB, 500MB or unbounded, "
+                         f"got {text!r}")
+    return None, int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _grid(distinct: int, points: int = 24) -> list[int]:
+    """Log-spaced capacities 0..distinct (exact integers, deduplicated)."""
+    if distinct <= 0:
+        return [0]
+    raw = [0] + [round(math.exp(math.log(distinct) * k / (points - 1))) for k in range(points)]
+    return sorted(set(raw))
+
+
+def _curve_grid(args, capacities, distinct: int) -> list[int]:
+    """The capacities a curve is printed at: those given, else log-spaced up to all blocks."""
+    if args.capacity:
+        return [c for c in capacities if c is not None]
+    return _grid(distinct)
+
+
+def _progress(total: Optional[int], quiet: bool):
+    """A rich progress bar on stderr for long work (a no-op callback when quiet); ``total``
+    None = unknown (a streamed trace): the bar counts block references."""
+    if quiet or (total is not None and total < 2_000_000) or not sys.stderr.isatty():
+        return None, (lambda n: None)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("replay"), BarColumn(), TextColumn("{task.completed:,} block refs"),
+                   TimeRemainingColumn(), transient=True, console=Console(stderr=True))
+    bar.start()
+    task = bar.add_task("replay", total=total)
+    return bar, (lambda n: bar.advance(task, n))
+
+
+def _streamable(args, fmt: str, policies: list[str]) -> bool:
+    """Mooncake and token-id traces replay while being read (memory ~ distinct blocks), except
+    for OPT (needs the future) and curves of other policies (need the distinct count first)."""
+    if fmt not in ("mooncake", "tokens") or "opt" in policies:
+        return False
+    return not args.curve or set(policies) == {"lru"}
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvdiag.analysis.traces import TraceFormatError, detect_format
+
+    try:
+        caps = [parse_capacity(c) for c in (args.capacity or ["unbounded"])]
+    except ValueError as exc:
+        print(f"kvdiag replay: {exc}", file=sys.stderr)
+        return 2
+    if args.similarity:
+        return _run_similarity(args)
+    policies = args.policy or ["lru"]
+    bar = None
+    try:
+        fmt = args.format or detect_format(args.trace)
+        if _streamable(args, fmt, policies):
+            rows, info = _replay_streamed(args, fmt, policies, caps)
+        else:
+            rows, info = _replay_loaded(args, fmt, policies, caps)
+    except TraceFormatError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except _Usage as exc:
+        print(f"{args.trace}:1: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.json:
+            print(json.dumps(rows, indent=1, default=float))
+        else:
+            _print_table(info, rows, args.curve)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvdiag replay ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+class _Usage(ValueError):
+    """An option the trace cannot honour."""
+
+
+def _capacities(caps, block_size: int, bpt: Optional[int]) -> list[Optional[int]]:
+    out = []
+    for blocks, nbytes in caps:
+        if nbytes is not None:
+            if not bpt:
+                raise _Usage("expected --bytes-per-token (or a log header with bytes_per_token) "
+                             "for a capacity in bytes")
+            blocks = nbytes // (block_size * bpt)
+        out.append(blocks)
+    return out
+
+
+def _replay_streamed(args, fmt, policies, caps):
+    from kvdiag.analysis import sharing
+    from kvdiag.analysis.traces import iter_requests
+
+    block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash)
+    bpt = args.bytes_per_token
+    capacities = _capacities(caps, block_size, bpt)
+    bar, tick = _progress(None, args.json)
+    try:
+        replay = sharing.replay_stream(records, block_size, policies,
+                                       [] if args.curve else capacities, curve=args.curve,
+                                       concurrency=args.concurrency, bytes_per_token=bpt,
+                                       progress=tick)
+    finally:
+        if bar is not None:
+            bar.stop()
+    if args.curve:
+        curve = replay.curve()
+        grid = _curve_grid(args, capacities, curve.distinct_blocks)
+        rows = [curve.at(c) for c in grid]
+    else:
+        rows = [r.to_json() for r in replay.results()]
+    info = {"source": str(args.trace), "format": fmt, "requests": replay.requests,
+            "block_refs": replay.block_refs, "distinct_blocks": replay.distinct_blocks,
+            "block_size_tokens": block_size, "footprint": replay.footprint(),
+            "engine_hit_rate": None, "notes": []}
+    return rows, info
+
+
+def _replay_loaded(args, fmt, policies, caps):
+    from kvdiag.analysis import sharing
+    from kvdiag.analysis.traces import load_trace
+
+    trace = load_trace(args.trace, format=fmt, block_size_tokens=args.block_size,
+                       hash_algorithm=args.hash)
+    bpt = args.bytes_per_token or trace.bytes_per_token
+    capacities = _capacities(caps, trace.block_size_tokens, bpt)
+    if args.curve:
+        grid = _curve_grid(args, capacities, trace.num_blocks)
+        rows = _curve_rows(trace, policies, grid, bpt, args.json)
+    else:
+        bar, tick = _progress(trace.block_refs * len(policies) * len(capacities), args.json)
+        try:
+            results = sharing.simulate_many(trace, policies, capacities, bytes_per_token=bpt,
+                                            progress=tick)
+        finally:
+            if bar is not None:
+                bar.stop()
+        rows = [r.to_json() for r in results]
+    engine = None
+    if trace.engine_cached_tokens is not None:
+        known = trace.engine_cached_tokens >= 0
+        engine = trace.engine_cached_tokens[known].sum() / max(trace.prompt_tokens[known].sum(), 1)
+    info = {"source": trace.source, "format": trace.format, "requests": trace.requests,
+            "block_refs": trace.block_refs, "distinct_blocks": trace.num_blocks,
+            "block_size_tokens": trace.block_size_tokens,
+            "footprint": sharing.memory_footprint(trace, args.concurrency, bpt),
+            "engine_hit_rate": engine, "notes": trace.notes}
+    return rows, info
+
+
+def _run_similarity(args: argparse.Namespace) -> int:
+    """K/V cosine similarity of the trace's prompts on the real model (module docstring of
+    kvdiag.analysis.similarity has the definition)."""
+    import msgspec
+
+    from kvdiag.analysis.similarity import kv_similarity, load_model
+    from kvdiag.analysis.traces import TraceFormatError, prompt_token_ids
+
+    try:
+        prompts = prompt_token_ids(args.trace, args.format)
+    except TraceFormatError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load_model()
+    except (ImportError, OSError) as exc:
+        print(f"kvdiag replay --similarity: the real model is not available ({exc}); "
+              "run `kvdiag fetch-model`", file=sys.stderr)
+        return 2
+    import time
+
+    res = kv_similarity(model, tokenizer, prompts, positions=args.positions, offset=args.offset,
+                        min_shared_tokens=args.min_shared_tokens)
+    events = res.events(time.time_ns())
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(events), indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    f = res.frame
+    table = Table(show_edge=False, title=f"K/V cosine similarity at positions {args.offset}.."
+                  f"{args.offset + args.positions - 1} (mean over KV heads, positions and pairs)")
+    for col in ("layer", "same prompt K", "same prompt V", "different K", "different V"):
+        table.add_column(col, justify="right")
+    for layer in sorted(f.layer.unique()):
+        row = [str(layer)]
+        for same in (True, False):
+            g = f[(f.layer == layer) & (f.same_prompt == same)]
+            if g.empty:
+                row += ["-", "-"]
+            else:
+                row += [f"{g.k_cosine.item():.3f}", f"{g.v_cosine.item():.3f}"]
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    pairs = f.groupby("same_prompt").pairs.first().to_dict()
+    console.print(f"pairs: {pairs.get(True, 0)} sharing >= {res.min_shared_tokens} leading tokens "
+                  f"(a system prompt), {pairs.get(False, 0)} not")
+    return 0
+
+
+def _curve_rows(trace, policies, grid, bpt, quiet) -> list[dict]:
+    from kvdiag.analysis import sharing
+
+    rows: list[dict] = []
+    curve = sharing.lru_curve(trace, bytes_per_token=bpt)
+    for policy in policies:
+        if policy == "lru":
+            rows += [curve.at(c) for c in grid]
+        else:
+            rows += [r.to_json() for r in sharing.simulate_many(trace, [policy], grid,
+                                                                bytes_per_token=bpt)]
+    return rows
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:5.1f}%"
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "N/A"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _print_table(info: dict, rows, curve: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{info['source']}[/] ({info['format']}): {info['requests']} requests, "
+                  f"{info['block_refs']} block refs, {info['distinct_blocks']} distinct blocks of "
+                  f"{info['block_size_tokens']} tokens")
+    if not curve:
+        table = Table(show_edge=False)
+        for col in ("policy", "capacity (blocks)", "block hit", "token hit", "request hit",
+                    "bytes saved"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for r in rows:
+            cap = "unbounded" if r["capacity_blocks"] is None else str(r["capacity_blocks"])
+            table.add_row(r["policy"], cap, _pct(r["block_hit_rate"]), _pct(r["token_hit_rate"]),
+                          _pct(r["request_hit_rate"]), _bytes(r["bytes_saved"]))
+        console.print(table)
+    else:
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            console.print(f"\n[bold]{policy}[/] token hit rate vs capacity (blocks)")
+            for r in rows:
+                if r["policy"] == policy:
+                    bar = "#" * round(40 * r["token_hit_rate"])
+                    rate = _pct(r["token_hit_rate"])
+                    console.print(f"{r['capacity_blocks']:>9} |{bar:<40}| {rate}",
+                                  markup=False, highlight=False)
+    fp = info["footprint"]
+    console.print(f"memory held by live requests ({fp.concurrency_model}): peak "
+                  f"{fp.peak_unshared_blocks} blocks without sharing, {fp.peak_shared_blocks} "
+                  f"with sharing: {100 * fp.reduction:.1f}% reduction")
+    if info["engine_hit_rate"] is not None:
+        console.print(f"engine's own token hit rate: {_pct(info['engine_hit_rate'])} "
+                      "(cached_prompt_tokens / prompt tokens of finished requests)")
+    for note in info["notes"]:
+        console.print(f"note: {note}")

@@ -1,0 +1,61 @@
+"""`kvdiag report LOG [LOG ...]`: recorded logs -> one self-contained HTML or Markdown report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvdiag.commands._logs import LogFormatError, fail, read_logs, write_atomic
+
+DESCRIPTION = """Turn recorded event logs into one report: findings first, then memory over time
+and where it goes, block occupancy and fragmentation, prefix sharing, compression, attention
+locality, latency percentiles and P99 regressions, per-request KV, collector health.
+
+Several logs (one per node) merge into one report with a node column. --baseline compares
+latency against another log instead of against the log's own earlier part. The HTML opens
+offline (plotly.js is embedded once); --format md writes the same content as Markdown tables.
+The output file is written whole or not at all."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logs", nargs="+", metavar="LOG", help="event logs (.jsonl or .jsonl.gz)")
+    parser.add_argument("-o", "--output", type=Path, default=None,
+                        help="output file (default report.html, or report.md with --format md)")
+    parser.add_argument("--format", choices=("html", "md"), default=None,
+                        help="html (default; inferred from -o's suffix) or md")
+    parser.add_argument("--baseline", metavar="LOG", nargs="+", default=None,
+                        help="log(s) to compare latency against (P99 regression detection)")
+    parser.add_argument("--partial", action="store_true",
+                        help="accept a log cut short mid-line (use the events before the cut)")
+    parser.add_argument("--title", default="kvdiag report")
+
+
+def run(args: argparse.Namespace) -> int:
+    fmt = args.format or ("md" if args.output is not None and args.output.suffix == ".md" else "html")
+    out = args.output or Path("report.md" if fmt == "md" else "report.html")
+    if not out.parent.exists():
+        return fail("report", f"{out.parent}: no such folder for the report")
+    try:
+        logs, problems = read_logs(args.logs, allow_truncated=args.partial)
+        baseline = read_logs(args.baseline, allow_truncated=args.partial)[0] if args.baseline else None
+    except LogFormatError as exc:
+        return fail("report", str(exc))
+    import contextlib
+    import sys
+
+    from rich.console import Console
+
+    from kvdiag.reports import sections  # imported after reading: bad input fails fast
+    if fmt == "md":
+        from kvdiag.reports.markdown import render
+    else:
+        from kvdiag.reports.html import render
+    busy = (Console(stderr=True).status(f"analysing {logs.num_events():,} events")
+            if sys.stderr.isatty() else contextlib.nullcontext())
+    with busy:
+        report, findings = sections.build(logs, baseline, problems, title=args.title)
+        write_atomic(out, render(report))
+    n_fail = sum(f.status == "fail" for f in findings)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {len(logs.nodes)} log(s), "
+          f"{logs.num_events():,} events, {n_fail} failing check(s)")
+    return 0

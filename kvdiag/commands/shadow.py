@@ -1,0 +1,170 @@
+"""`kvdiag shadow`: run the embedded model in-process with shadow compression and locality.
+
+Generates greedy answers to a few chat prompts on a DynamicCache, runs every configured
+compressor on copies of the KV of sampled decode steps, then prints the per-layer-group table,
+the recommendation, a locality summary and (with ``--logits``) teacher-forced KL / top-1
+agreement per method. ``--log FILE`` records every event.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+DESCRIPTION = __doc__
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about a cat sleeping in the sun.",
+    "List three uses of a paperclip.",
+)
+
+LOGITS_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed the Iron Lady, it was constructed as the centrepiece "
+    "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution. "
+    "Although initially criticised by some of France's leading artists and intellectuals for its "
+    "design, it has since become a global cultural icon of France and one of the most "
+    "recognisable structures in the world."
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="converted model folder (default: the kvdiag cache; `kvdiag fetch-model`)")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many built-in prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--document", help="a text file put in front of every prompt (long contexts, "
+                                           "e.g. /usr/share/common-licenses/Apache-2.0)")
+    parser.add_argument("--context-tokens", type=int, default=1024,
+                        help="keep at most this many tokens of --document (default 1024)")
+    parser.add_argument("--methods", default=None, help="comma-separated methods (default: all)")
+    parser.add_argument("--sample-rate", type=float, default=0.25)
+    parser.add_argument("--budget", type=float, default=None,
+                        help="shadow time budget as a fraction of wall time (default: none)")
+    parser.add_argument("--groups", default="1-6,7-12,13+", help="1-based layer groups")
+    parser.add_argument("--error-budget", type=float, default=0.03)
+    parser.add_argument("--sparse-min-tokens", type=int, default=512)
+    parser.add_argument("--logits", action="store_true", help="also teacher-forced KL / top-1 per method")
+    parser.add_argument("--log", help="write every event to this event log")
+    parser.add_argument("--json", action="store_true", help="print the tables as JSON")
+
+
+def load_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def run(args) -> int:
+    import torch
+
+    from kvdiag.analysis import compression, locality
+    from kvdiag.kernels.methods import DEFAULT_METHODS, parse_methods
+    from kvdiag.kernels.shadow import ShadowRunner
+    from kvdiag.kernels.shadow_hf import chat_ids, shadow_generate, shadow_logits
+    from kvdiag.schema import ShadowCompression, ShadowLocality, ShadowLogits
+    from kvdiag.sinks import FanoutSink, ListSink
+
+    try:
+        methods = parse_methods(args.methods or ",".join(DEFAULT_METHODS))
+        compression.parse_groups(args.groups)
+    except ValueError as exc:
+        print(f"kvdiag shadow: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    from kvdiag.model import ModelFetchError, resolve_model
+
+    try:
+        path = str(resolve_model(args.model))
+    except ModelFetchError as exc:
+        print(f"kvdiag shadow: {exc}", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load_model(path)
+    except (OSError, ValueError) as exc:
+        print(f"kvdiag shadow: {path}: expected a converted model folder ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
+        return 2
+    memory = ListSink()
+    writer = None
+    if args.log:
+        from kvdiag.eventlog import LogWriter, make_header
+
+        cfg = model.config
+        writer = LogWriter(args.log, make_header(engine="transformers-inprocess", model=path,
+                                                 bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4))
+    sink = FanoutSink([memory] + ([writer] if writer else []))
+    runner = ShadowRunner(sink, methods, sample_rate=args.sample_rate, budget_frac=args.budget)
+    prompts = list(PROMPTS[: args.prompts])
+    if args.document:
+        try:
+            text = open(args.document, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"kvdiag shadow: {args.document}: expected a readable UTF-8 text file ({exc})", file=sys.stderr)
+            return 2
+        doc = tokenizer.decode(tokenizer(text)["input_ids"][: args.context_tokens])
+        prompts = [f"{doc}\n\n{p}" for p in prompts]
+    result = shadow_generate(model, tokenizer, prompts, runner, args.max_new_tokens)
+    if args.logits:
+        shadow_logits(model, tokenizer(LOGITS_TEXT, return_tensors="pt")["input_ids"], methods, sink)
+    if writer:
+        writer.close()
+    comp = compression.frame_of(memory.events, ShadowCompression)
+    table = compression.compression_table(comp, args.groups)
+    rec = compression.recommend(table, args.error_budget, sparse_min_tokens=args.sparse_min_tokens)
+    loc = compression.frame_of(memory.events, ShadowLocality)
+    logits = compression.logits_table(compression.frame_of(memory.events, ShadowLogits))
+    if args.json:
+        print(json.dumps({"table": table.to_dict("records"), "recommendation": rec.to_dict("records"),
+                          "locality": locality.summary(loc), "top_heads": locality.top_heads(loc).to_dict("records"),
+                          "logits": logits.to_dict("records"), "shadow_runs": runner.runs,
+                          "shadow_errors": dict(runner.errors)}, default=str))
+        return 0
+    _print(result, runner, table, rec, loc, logits)
+    return 0
+
+
+def _print(result, runner, table, rec, loc, logits) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvdiag.analysis import locality
+
+    console = Console()
+    console.print(f"generated {result.decode_tokens} tokens at {result.tokens_per_s():.1f} tok/s; "
+                  f"shadow ran on {runner.runs} steps, errors {dict(runner.errors) or 0}")
+    t = Table(title="Shadow compression by layer group: means of relative errors (K, V, attention "
+                    "output), attention TV distance, microseconds per layer-step")
+    cols = {"group": "group", "method": "method", "ratio": "ratio", "k_rel_error": "K err",
+            "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
+            "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
+    for header in cols.values():
+        t.add_column(header, overflow="fold")
+    for _, r in table.iterrows():
+        t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+    console.print(t)
+    t = Table(title="Recommendation per layer group")
+    for c in rec.columns:
+        t.add_column(c)
+    for _, r in rec.iterrows():
+        t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
+    console.print(t)
+    s = locality.summary(loc)
+    if s:
+        console.print(f"attention locality: recent-20% mass {s['recent_mass']:.3f}, sinks {s['sink_mass']:.3f}, "
+                      f"other {s['other_mass']:.3f}; heads with recent mass >= 0.8: {s['heads_recent_ge_threshold']:.0%}")
+        top = locality.top_heads(loc)
+        console.print("top-3 heads' share of non-recent attention, layers 12+ (1-based): " + ", ".join(
+            f"L{r.layer + 1}:{r.top_share:.2f}" for r in top.itertuples() if r.layer + 1 >= 12))
+    if not logits.empty:
+        t = Table(title="Teacher-forced next-token agreement with compressed prefix KV")
+        for c in logits.columns:
+            t.add_column(c)
+        for _, r in logits.iterrows():
+            t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
+        console.print(t)

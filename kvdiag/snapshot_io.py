@@ -1,0 +1,93 @@
+"""Load and save CUDA allocator snapshots without trusting the file.
+
+``torch.cuda.memory._dump_snapshot`` writes a pickle, and unpickling runs whatever callables the
+file names. :func:`load_snapshot` therefore unpickles through :class:`PlainUnpickler`, which
+refuses every global (no class, no function, no ``__reduce__``) so that only dicts, lists,
+tuples, sets, strings, bytes, numbers, booleans and None can come out. JSON snapshots (what
+kvdiag writes) are read as plain JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+
+class SnapshotLoadError(ValueError):
+    """The file is not a plain snapshot; the message is ``file: expected ...``."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """An unpickler that admits only plain containers, numbers and strings.
+
+    Every opcode that would import a name (GLOBAL, STACK_GLOBAL, INST, OBJ, REDUCE targets)
+    goes through ``find_class``, which always refuses; persistent ids are refused too. So a
+    malicious pickle fails before any of its callables can run.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"refused global {module}.{name}: only plain containers, numbers and strings are allowed")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refused persistent id: only plain data is allowed")
+
+
+def loads_plain(data: bytes) -> Any:
+    """Unpickle ``data`` admitting only plain data; raises ``pickle.UnpicklingError`` otherwise."""
+    return PlainUnpickler(io.BytesIO(data)).load()
+
+
+def load_snapshot(path: str | os.PathLike) -> dict:
+    """Read a snapshot dict (``segments``, ``device_traces``) from a pickle or JSON file.
+
+    Raises :class:`SnapshotLoadError` with ``file: expected ...`` for anything that is not
+    plain data of that shape; never runs code from the file.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SnapshotLoadError(f"{path}: expected a readable snapshot file ({exc.strerror})") from None
+    if raw[:1] in (b"{", b"[") or path.suffix == ".json":
+        try:
+            snapshot = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            line = getattr(exc, "lineno", 1)
+            raise SnapshotLoadError(f"{path}:{line}: expected a JSON snapshot ({exc})") from None
+    else:
+        try:
+            snapshot = loads_plain(raw)
+        except pickle.UnpicklingError as exc:
+            raise SnapshotLoadError(f"{path}: expected a plain-data snapshot pickle; {exc}") from None
+        except Exception as exc:  # truncated or garbage bytes
+            raise SnapshotLoadError(f"{path}: expected a snapshot pickle ({type(exc).__name__}: {exc})") from None
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
+        raise SnapshotLoadError(f"{path}: expected a dict with a 'segments' list (torch.cuda.memory._snapshot())")
+    return snapshot
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, bytes):
+        return obj.decode("utf-8", "replace")
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def save_snapshot_json(snapshot: dict, path: str | os.PathLike) -> Path:
+    """Write ``snapshot`` as JSON (tuples become lists), atomically: no half-written file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(snapshot), f)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,117 @@
+"""Live shadow sharing fed one event at a time equals the offline simulator on the same prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
+from kvdiag.analysis.sharing import simulate
+from kvdiag.analysis.traces import TraceBuilder
+from kvdiag.kernels.hashing import chunk_hashes
+from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
+from kvdiag.sinks import ListSink
+
+MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+
+
+def _prompts(n=150):
+    """Token ids realising the first Mooncake requests (block j's tokens = its hash id)."""
+    out = []
+    with open(MOONCAKE) as f:
+        for _ in range(n):
+            req = json.loads(next(f))
+            k = req["input_length"]
+            out.append([h for j, h in enumerate(req["hash_ids"]) for _ in range(min(512, k - 512 * j))])
+    return out
+
+
+def trace_from_tokens(prompts, block):
+    """Each prompt at arrival, then (it finishes at once, with no stored generated blocks) its
+    prompt blocks touched again: what the live sink sees here, written independently."""
+    b = TraceBuilder(block, "tokens", "")
+    for p in prompts:
+        keys = chunk_hashes(p, block)
+        b.add(keys, len(p))
+        b.add(keys, 0, block_tokens=np.zeros(len(keys), np.int32), counted=False)
+    return b.build()
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0
+
+    def __call__(self):
+        return self.now
+
+
+CONFIGS = [ShadowConfig("lru", 512, None), ShadowConfig("lru", 512, 400),
+           ShadowConfig("s3fifo", 256, 900), ShadowConfig("lfu", 64, 5000),
+           ShadowConfig("fifo", 1024, 150)]
+
+
+def test_live_events_equal_offline_simulation():
+    prompts = _prompts()
+    clock = _Clock()
+    sink = ListSink()
+    live = ShadowSharingSink(CONFIGS, sink, interval_s=1.0, clock=clock, bytes_per_token=46080)
+    engine_cached = []
+    for i, tokens in enumerate(prompts):
+        clock.now = i * 300_000_000  # 0.3 s between arrivals
+        live.record(RequestArrived(ts_ns=clock.now, request_id=str(i), prompt_tokens=len(tokens),
+                                   token_ids=tokens))
+        cached = (i * 37) % len(tokens)  # whatever the engine reports
+        engine_cached.append(cached)
+        live.record(RequestFinished(ts_ns=clock.now, request_id=str(i), prompt_tokens=len(tokens),
+                                    output_tokens=1, cached_prompt_tokens=cached))
+    live.flush()
+    assert live.errors == 0
+    emitted = [e for e in sink.events if isinstance(e, ShadowSharing)]
+    # a batch whenever >= 1 s passed since the last one (every 4th arrival at 0.3 s), + flush
+    batches, last = 1, 0
+    for i in range(len(prompts)):
+        if i * 300_000_000 - last >= 1_000_000_000:
+            batches, last = batches + 1, i * 300_000_000
+    assert batches == 38 and len(emitted) == len(CONFIGS) * batches
+    final = emitted[-len(CONFIGS):]
+    engine = sum(engine_cached) / sum(len(t) for t in prompts)
+    for cfg, ev in zip(CONFIGS, final):
+        offline = simulate(trace_from_tokens(prompts, cfg.block_size_tokens), cfg.policy,
+                           cfg.capacity_blocks)
+        assert (ev.policy, ev.block_size_tokens, ev.capacity_blocks) == (
+            cfg.policy, cfg.block_size_tokens, cfg.capacity_blocks)
+        assert ev.requests == len(prompts)
+        assert ev.block_hit_rate == pytest.approx(offline.block_hit_rate, abs=1e-12)
+        assert ev.token_hit_rate == pytest.approx(offline.token_hit_rate, abs=1e-12)
+        assert ev.request_hit_rate == pytest.approx(offline.request_hit_rate, abs=1e-12)
+        assert ev.bytes_saved == offline.hit_tokens * 46080
+        assert ev.engine_hit_rate == pytest.approx(engine)
+    # every intermediate batch is the offline result over the requests seen by then
+    mid = emitted[len(CONFIGS) * 10]
+    offline = simulate(trace_from_tokens(prompts[:mid.requests], 512), "lru", None)
+    assert mid.token_hit_rate == pytest.approx(offline.token_hit_rate, abs=1e-12)
+
+
+def test_engine_settings_gap():
+    """An engine that reports exactly the content's LRU hits at its own settings has no gap;
+    one that silently never shares shows the full shadow rate as the gap."""
+    prompts = _prompts(60)
+    offline = simulate(trace_from_tokens(prompts, 512), "lru", 200)
+    pool = KVPoolInfo(ts_ns=0, num_blocks=200, block_size_tokens=512, block_bytes=512 * 46080,
+                      num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32",
+                      prefix_sharing=True)
+    for engine_hits, want_gap in ((offline.request_hit_tokens, 0.0), (None, offline.token_hit_rate)):
+        live = ShadowSharingSink(interval_s=1e9)
+        live.record(pool)
+        for i, tokens in enumerate(prompts):
+            live.record(RequestArrived(ts_ns=i, request_id=str(i), prompt_tokens=len(tokens),
+                                       token_ids=tokens))
+            cached = 0 if engine_hits is None else int(engine_hits[i])
+            live.record(RequestFinished(ts_ns=i, request_id=str(i), prompt_tokens=len(tokens),
+                                        output_tokens=1, cached_prompt_tokens=cached))
+        assert live.engine_config == ShadowConfig("lru", 512, 200)
+        assert live.gap() == pytest.approx(want_gap, abs=1e-12)
+        assert live.bytes_per_token == 46080
