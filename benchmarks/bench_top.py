@@ -92,9 +92,13 @@ def ui_cpu(log: Path, seconds: float, demo: bool) -> None:
         c1, w1 = proc.cpu_times(), time.monotonic()
         share = (c1.user + c1.system - c0.user - c0.system) / (w1 - w0)
         print(f"{label:<24} CPU/wall = {share:.3f} of one core")
-        subprocess.run([*server, "send-keys", "-t", "b", "q"], capture_output=True)  # top stops its demo
-        time.sleep(5 if warmup_s > 10 else 0.5)
+        subprocess.run([*server, "send-keys", "-t", "b", "q"], capture_output=True)
+        deadline = time.monotonic() + 120  # top stops the demo it started before it exits
+        while time.monotonic() < deadline and subprocess.run(
+                [*server, "has-session", "-t", "b"], capture_output=True).returncode == 0:
+            time.sleep(0.5)
         subprocess.run([*server, "kill-server"], capture_output=True)
+        time.sleep(1)  # let the tmux server exit before the next run starts one on the same socket
 
 
 def main() -> None:

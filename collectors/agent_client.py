@@ -88,7 +88,6 @@ class AgentStream:
         self.bad_lines = 0
         self.first_ts_ns: Optional[int] = None
         self.last_ts_ns: Optional[int] = None
-        self.closed_by_agent = False
         self._decoder = msgspec.json.Decoder(AnyEvent)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
@@ -124,10 +123,8 @@ class AgentStream:
                     self.first_ts_ns = ev.ts_ns
                 self.last_ts_ns = ev.ts_ns
                 self.sink.record(ev)
-            else:
-                self.closed_by_agent = not self._stop
-        except (OSError, ValueError):
-            self.closed_by_agent = not self._stop
+        except (OSError, ValueError):  # the agent or the target went away: keep what was read
+            pass
 
     def close(self, drain_s: float = 0.5) -> None:
         """Stop reading (after up to ``drain_s`` for lines already sent) and disconnect."""

@@ -105,16 +105,6 @@ def engine_metrics(samples: Iterable[MetricSample], ts_ns: Optional[int] = None)
     return EngineMetrics(ts_ns=ts_ns or time.time_ns(), raw=raw, **fields)
 
 
-def block_size_from_info(samples: Iterable[MetricSample]) -> Optional[int]:
-    """vLLM's ``vllm:cache_config_info{block_size="..."}`` label, if present."""
-    for s in samples:
-        if s.name == "vllm:cache_config_info":
-            for k, v in s.labels:
-                if k == "block_size" and v.isdigit():
-                    return int(v)
-    return None
-
-
 def fetch_metrics_text(url: str, timeout_s: float = 2.0) -> str:
     """GET ``url`` and return its body (raises OSError/ValueError on failure)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:

@@ -109,9 +109,3 @@ def _hint(exc: Exception) -> str:
         return "no permission to query NVML: run as a user with access to /dev/nvidia*"
     return f"NVML unavailable ({name}: {exc}): GPU values are N/A"
 
-
-def tokens_per_joule(tokens: float, energy_start_mj: Optional[int], energy_end_mj: Optional[int]) -> Optional[float]:
-    """Generated tokens per joule of GPU energy over a window (None if energy is unknown or 0)."""
-    if energy_start_mj is None or energy_end_mj is None or energy_end_mj <= energy_start_mj:
-        return None
-    return tokens / ((energy_end_mj - energy_start_mj) / 1000.0)

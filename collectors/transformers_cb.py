@@ -528,12 +528,27 @@ class TransformersCBAdapter:
         free += sum(a.pool.count_free_blocks(a.index) for a in allocators)
         cached = sum(len(a.ledger.cached_blocks) for a in allocators)
         num_blocks = int(cache.num_blocks)
-        active = list(scheduler.active_requests.values())
+        active = scheduler.active_requests
         self._emit(KVPoolSample(
             ts_ns=now, num_blocks=num_blocks, blocks_used=max(0, num_blocks - free - cached),
             blocks_cached=cached, blocks_free=free,
-            tokens_held=sum(s.current_len() for s in active),
+            tokens_held=_distinct_tokens_held(allocators[0], active),
             running_requests=len(active), waiting_requests=len(scheduler.waiting_requests)))
+
+
+def _distinct_tokens_held(allocator, active_requests: dict) -> int:
+    """Tokens written in the blocks live requests hold, each block counted once: a prefix
+    block shared by several requests holds its tokens once (token occupancy must not exceed
+    the blocks' token slots)."""
+    page = allocator.tokens_per_page
+    fill: dict[int, int] = {}
+    for request_id, state in list(active_requests.items()):
+        length = state.current_len()
+        for i, block_id in enumerate(allocator.block_table.get(request_id, ())):
+            tokens = min(page, max(0, length - i * page))
+            if tokens > fill.get(block_id, 0):
+                fill[block_id] = tokens
+    return sum(fill.values())
 
 
 _ACTIVE: Optional[TransformersCBAdapter] = None

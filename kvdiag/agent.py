@@ -151,6 +151,12 @@ def bytes_per_token_of(model_dir: Optional[str]) -> Optional[int]:
     return 2 * layers * kv_heads * head_dim * 4
 
 
+# What-if prefix caches recorded beside the engine: LRU, unbounded, at the block sizes engines
+# use (vLLM 16, the article's 64-token chunks, LMCache 256). The engine's own settings (LRU,
+# its page size and pool size) are added when its pool appears.
+WHAT_IF_BLOCK_SIZES_TOKENS = (16, 64, 256)
+
+
 class Agent:
     """One recording session: adapter + log writer + live socket. Use ``start()``/``stop()``."""
 
@@ -158,7 +164,7 @@ class Agent:
                  live: bool = True, model: str = "", block_size_tokens: Optional[int] = None,
                  inject_leak_every: int = 0, sample_interval_s: float = 0.5,
                  record_token_ids: bool = True, extra: Optional[dict] = None,
-                 shadow: Optional[dict] = None) -> None:
+                 shadow_sharing: bool = True, shadow: Optional[dict] = None) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
         from kvdiag.eventlog import make_header
@@ -168,8 +174,10 @@ class Agent:
         self._inject_leak_every = inject_leak_every
         self._sample_interval_s = sample_interval_s
         self._record_token_ids = record_token_ids
+        self._shadow_sharing = shadow_sharing and record_token_ids  # it re-chunks token ids
         self.writer = None
         self.live: Optional[LiveSocketSink] = None
+        self.shadow_sharing = None
         self.adapter = None
         self._shadow_kwargs = shadow  # kvdiag.collectors.transformers_cb_shadow.install kwargs
         self.shadow = None
@@ -187,12 +195,21 @@ class Agent:
             self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.live = LiveSocketSink(self.socket_path, self.header)
             sinks.append(self.live)
-        self.adapter = install(FanoutSink(sinks), sample_interval_s=self._sample_interval_s,
+        recorded: Sink = FanoutSink(sinks)
+        adapter_sink = recorded
+        if self._shadow_sharing:
+            # what-if prefix caches fed by the same events; their results are recorded too
+            from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
+
+            what_ifs = [ShadowConfig("lru", size) for size in WHAT_IF_BLOCK_SIZES_TOKENS]
+            self.shadow_sharing = ShadowSharingSink(what_ifs, out=recorded)
+            adapter_sink = FanoutSink([recorded, self.shadow_sharing])
+        self.adapter = install(adapter_sink, sample_interval_s=self._sample_interval_s,
                                inject_leak_every=self._inject_leak_every,
                                record_token_ids=self._record_token_ids)
         if self._shadow_kwargs is not None:
             from kvdiag.collectors.transformers_cb_shadow import install as install_shadow
-            self.shadow = install_shadow(self.adapter.sink, **self._shadow_kwargs)
+            self.shadow = install_shadow(recorded, **self._shadow_kwargs)
         return self
 
     def stop(self) -> None:
@@ -204,6 +221,8 @@ class Agent:
                 self.adapter.sample_now()
             finally:
                 self.adapter.uninstall()
+        if self.shadow_sharing is not None:
+            self.shadow_sharing.flush()  # the final what-if numbers, over all requests
         if self.writer is not None:
             self.writer.close()
             self.writer = None

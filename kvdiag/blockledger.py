@@ -160,7 +160,3 @@ class BlockLedger:
         return {r.request_id: sorted(r.held) for r in self.requests.values()
                 if r.finished_ns is not None and r.held and r.finished_ns <= now_ns - grace_ns}
 
-    def live_requests(self) -> int:
-        """Requests seen holding blocks or arrived and not finished."""
-        return sum(1 for r in self.requests.values()
-                   if r.finished_ns is None and (r.held or r.arrived_ns is not None))

@@ -406,7 +406,7 @@ class DemoSource:
         self._out = open(self.output_path, "ab")
         self.child = subprocess.Popen([*(command or [sys.executable, "-m", "kvdiag", "demo"]), *demo_args],
                                       stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=_interrupt_when_parent_dies)
         self.description = f"demo pid {self.child.pid}"
         self.header: Optional[s.LogHeader] = None
         self.paused = False
@@ -490,3 +490,14 @@ def _group_alive(pgid: int, child: subprocess.Popen) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def _interrupt_when_parent_dies() -> None:
+    """In the demo child: SIGINT (a graceful stop) if top dies without closing it (SIGHUP,
+    SIGKILL), so that no demo server is left behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

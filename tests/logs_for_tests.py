@@ -66,7 +66,7 @@ def _leak_run() -> tuple[str, tuple[str, ...]]:
                 manager.add_request(list(range(100 + i, 150 + i)), request_id=f"q{i}")
                 assert manager.get_result(f"q{i}", timeout=300) is not None
             # the doctor judges requests finished more than its grace period before the end
-            time.sleep(2.5)
+            time.sleep(6.0)
             adapter.sample_now()
             manager.stop(block=True)
         finally:

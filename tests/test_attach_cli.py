@@ -28,16 +28,26 @@ def test_bad_pid_is_a_clear_error(tmp_path):
 
 
 def test_target_exiting_while_attached_keeps_the_log(tmp_path):
-    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    import time
+
+    # the target exits when its stdin closes: after attach has recorded a first sample
+    target = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     out = tmp_path / "x.jsonl"
-    r = attach(target.pid, "--duration", 15, "--out", out, "--json", "--no-pyspy")
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(target.pid), "--duration", "120",
+                             "--out", str(out), "--json", "--no-pyspy"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (out.exists() and "process_sample" in out.read_text()):
+        time.sleep(0.2)
+    target.stdin.close()
     target.wait()
-    assert r.returncode == 3, r.stderr
-    assert f"process {target.pid} has exited while attached" in r.stderr and "Traceback" not in r.stderr
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 3, stderr
+    assert f"process {target.pid} has exited while attached" in stderr and "Traceback" not in stderr
     log = read_log(out)
     procs = log.frame("process_sample")
     assert len(procs) >= 1 and set(procs["pid"]) == {target.pid}
-    summary = json.loads(r.stdout)
+    summary = json.loads(stdout)
     assert summary["memory"]["process_rss_bytes"] == int(procs[procs["ts_ns"] == procs["ts_ns"].max()]["rss_bytes"].sum())
 
 

@@ -19,14 +19,14 @@ from kvdiag.eventlog import read_log
 
 NUM_REQUESTS = int(os.environ.get("KVDIAG_TEST_DEMO_REQUESTS", "10"))
 MAX_TOKENS = 12
-PORT = 18150
 
 
+# no --port: the demo picks a free one, so several checkouts can run this test at once
 @pytest.fixture(scope="module")
 def demo_run(model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("demo") / "demo.kvlog"
     cmd = [sys.executable, "-m", "kvdiag", "demo", "--requests", str(NUM_REQUESTS), "--seed", "1",
-           "--rate", "2", "--max-tokens", str(MAX_TOKENS), "--port", str(PORT), "--log", str(log_path),
+           "--rate", "2", "--max-tokens", str(MAX_TOKENS), "--log", str(log_path),
            "--ask", "What is the capital of France?"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     return proc, log_path
@@ -72,3 +72,24 @@ def test_demo_log_is_consistent_with_the_engine(demo_run):
     assert r.last_sample.blocks_cached == len(r.cached_blocks_at_end)
     assert r.last_sample.blocks_free + r.last_sample.blocks_cached == r.last_sample.num_blocks
     assert timestamps_problems(log_path) == []
+    # token occupancy <= 1: a shared prefix block holds its tokens once
+    pool = log.frame("kv_pool_sample")
+    assert (pool["tokens_held"] <= pool["blocks_used"] * r.page_size).all()
+    assert (pool["tokens_held"] > 0).any()
+
+
+def test_demo_log_carries_live_shadow_sharing(demo_run):
+    _, log_path = demo_run
+    log = read_log(log_path, strict=True)
+    shadow = log.frame("shadow_sharing")
+    info = log.frame("kv_pool_info").iloc[0]
+    final = shadow[shadow["ts_ns"] == shadow["ts_ns"].max()]
+    configs = set(zip(final["block_size_tokens"], final["capacity_blocks"].fillna(-1)))
+    assert {(16, -1), (64, -1), (256, -1), (info["block_size_tokens"], info["num_blocks"])} <= configs
+    finished = log.frame("request_finished")
+    engine_rate = finished["cached_prompt_tokens"].sum() / finished["prompt_tokens"].sum()
+    assert final["engine_hit_rate"].tolist() == pytest.approx([engine_rate] * len(final))
+    assert (final["requests"] == len(finished)).all()
+    # larger chunks can only match fewer prompt tokens (a chunk hits only when all of it does)
+    by_size = final[final["capacity_blocks"].isna()].set_index("block_size_tokens")["token_hit_rate"]
+    assert by_size[16] >= by_size[64] >= by_size[256]

@@ -81,6 +81,8 @@ def test_fragmenting_allocation_named_from_trace():
     row = frag.iloc[0]
     assert row["free_bytes_before"] == 6 * MiB and row["free_bytes_after"] == 6 * MiB
     assert row["trace_index"] == 1 and row["frame"] == "engine.py:7 grow_cache"
+    trace = fr.trace_frame(known_snapshot())
+    assert list(trace["action"]) == ["segment_alloc", "alloc"] and trace.loc[1, "size_bytes"] == 2 * MiB
 
 
 def test_whole_free_segment_is_not_inactive_split():

@@ -16,7 +16,7 @@ SYSTEMS = ["You are a meticulous travel agent. Answer in two sentences and alway
 QUESTIONS = ["What should I see in Lyon?", "How do I list open ports?", "Plan a day in Kyoto."]
 
 
-def test_engine_hit_rate_equals_shadow_at_engine_settings():
+def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path):
     transformers_cb = pytest.importorskip("kvdiag.collectors.transformers_cb")
     model_mod = pytest.importorskip("kvdiag.model")
     import torch
@@ -25,7 +25,8 @@ def test_engine_hit_rate_equals_shadow_at_engine_settings():
 
     from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
     from kvdiag.analysis.sharing import simulate
-    from kvdiag.analysis.traces import trace_from_tokens
+    from kvdiag.analysis.traces import load_trace
+    from kvdiag.eventlog import LogWriter, make_header
     from kvdiag.schema import RequestArrived
     from kvdiag.sinks import FanoutSink, ListSink
 
@@ -61,9 +62,13 @@ def test_engine_hit_rate_equals_shadow_at_engine_settings():
     assert shadow.engine_config == ShadowConfig("lru", 32, 64)
     assert shadow.engine_hit_rate > 0  # the second wave really reused the system prompts
     assert shadow.gap() == pytest.approx(0.0, abs=1e-12)
-    # the what-if at 16-token blocks equals the offline replay of the prompts as they arrived
+    # the what-if at 16-token blocks equals the offline replay of the same events, logged
     prompts = [e.token_ids for e in events.events if isinstance(e, RequestArrived)]
     assert sorted(map(tuple, prompts)) == sorted(map(tuple, first + second))
-    offline = simulate(trace_from_tokens(prompts, 16), "lru", None)
+    log = tmp_path / "engine.kvlog"
+    with LogWriter(log, make_header(engine="transformers-cb", block_size_tokens=32)) as w:
+        for ev in events.events:
+            w.record(ev)
+    offline = simulate(load_trace(log, block_size_tokens=16), "lru", None)
     live = {(e.policy, e.block_size_tokens): e for e in shadow.snapshot()}[("lru", 16)]
     assert live.token_hit_rate == pytest.approx(offline.token_hit_rate, abs=1e-12)

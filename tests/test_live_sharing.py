@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
 from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import trace_from_tokens
+from kvdiag.analysis.traces import TraceBuilder
+from kvdiag.kernels.hashing import chunk_hashes
 from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
 from kvdiag.sinks import ListSink
 
@@ -25,6 +27,17 @@ def _prompts(n=150):
             k = req["input_length"]
             out.append([h for j, h in enumerate(req["hash_ids"]) for _ in range(min(512, k - 512 * j))])
     return out
+
+
+def trace_from_tokens(prompts, block):
+    """Each prompt at arrival, then (it finishes at once, with no stored generated blocks) its
+    prompt blocks touched again: what the live sink sees here, written independently."""
+    b = TraceBuilder(block, "tokens", "")
+    for p in prompts:
+        keys = chunk_hashes(p, block)
+        b.add(keys, len(p))
+        b.add(keys, 0, block_tokens=np.zeros(len(keys), np.int32), counted=False)
+    return b.build()
 
 
 class _Clock:

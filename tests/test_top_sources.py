@@ -209,3 +209,27 @@ def test_demo_close_waits_for_a_server_that_outlives_the_demo(tmp_path):
     assert time.monotonic() - t >= 2  # it waited for the SIGTERM-ignoring server...
     gone, alive = psutil.wait_procs(kids, timeout=5)
     assert not alive  # ...and then killed it
+
+
+def test_demo_child_is_interrupted_when_top_dies(tmp_path):
+    """If top is killed (no chance to close), the demo still gets SIGINT and stops."""
+    import psutil
+
+    marker = tmp_path / "interrupted"
+    demo = (f"import time, pathlib\ntry:\n    time.sleep(300)\nexcept KeyboardInterrupt:\n"
+            f"    pathlib.Path({str(marker)!r}).write_text('yes')")
+    top = textwrap.dedent(f"""
+        import sys, time
+        from kvdiag.sources import DemoSource
+        src = DemoSource([], log_dir=__import__('pathlib').Path({str(tmp_path)!r}),
+                         command=[sys.executable, "-c", {demo!r}])
+        print(src.child.pid, flush=True)
+        time.sleep(300)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", top], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(proc.stdout.readline()))
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    child.wait(timeout=10)
+    assert marker.read_text() == "yes"

@@ -140,9 +140,13 @@ def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
     tmux.type(f"cd {tmp_path} && {KVDIAG} top; echo TOP-EXIT=$?")
     screen = tmux.wait_for(r"demo pid (\d+)", timeout_s=60)
     demo_pid = int(re.search(r"demo pid (\d+)", screen).group(1))
-    screen = tmux.wait_for(r"req-\S+\s+\d", timeout_s=400)  # model load, server start, first requests
-    assert re.search(r"blocks\s+\d+/\d+", screen)
-    assert re.search(r"TTFT p50\s+\d", tmux.wait_for(r"TTFT p50\s+\d", timeout_s=120))
-    tmux.send("q")
-    assert "TOP-EXIT=0" in tmux.wait_for(r"TOP-EXIT=\d+", timeout_s=60)
+    try:
+        # model load, server start, then requests holding blocks (ids like c0003/t0)
+        screen = tmux.wait_for(r"│ \S+\s+[\d.]+[KMG]\s+\d+\s+\d+\s+[\d.]+s\s+running", timeout_s=400)
+        assert re.search(r"blocks\s+\d+/256", screen) and re.search(r"\d+ live", screen)
+        tmux.wait_for(r"TTFT p50\s+[\d.]+m?s", timeout_s=300)  # the first finished requests
+    finally:
+        tmux.send("q")
+        screen = tmux.wait_for(r"TOP-EXIT=\d+", timeout_s=150)  # the demo stops its server gracefully
+    assert "TOP-EXIT=0" in screen
     assert not psutil.pid_exists(demo_pid) or psutil.Process(demo_pid).status() == psutil.STATUS_ZOMBIE

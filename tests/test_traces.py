@@ -197,7 +197,7 @@ def _write_log(path, requests, *, with_tokens, block_size):
     with LogWriter(path, make_header(engine="test", block_size_tokens=block_size,
                                      bytes_per_token=46080)) as w:
         for i, req in enumerate(requests):
-            rid, t0 = str(i), 1_000_000 * req["timestamp"] + 1
+            rid, t0 = str(i), 1_000_000 * req["timestamp"] + 2 * i  # unique, in trace order
             toks = _tokens_of(req)
             w.record(RequestArrived(ts_ns=t0, request_id=rid, prompt_tokens=len(toks),
                                     token_ids=toks if with_tokens else None))
@@ -214,7 +214,8 @@ def _write_log(path, requests, *, with_tokens, block_size):
                     w.record(BlockStored(ts_ns=t0, block_id=j, block_hash=b, num_tokens=n,
                                          request_id=rid))
                     seen.add(b)
-            w.record(RequestFinished(ts_ns=t0 + 5_000_000_000, request_id=rid,
+            # finishing at once: the finish row re-touches the prompt in the same order
+            w.record(RequestFinished(ts_ns=t0 + 1, request_id=rid,
                                      prompt_tokens=len(toks), output_tokens=1,
                                      cached_prompt_tokens=512 * h))
 
@@ -227,13 +228,14 @@ def test_kvdiag_log_with_block_events_equals_mooncake(tmp_path):
     trace = load_trace(log)
     ref = load_trace(MOONCAKE)
     n = ref.offsets[len(requests)]
-    assert np.array_equal(trace.block_ids, ref.block_ids[:n])
-    assert np.array_equal(trace.block_tokens, ref.block_tokens[:n])
+    prompts = trace.requests_only()
+    assert np.array_equal(prompts.block_ids, ref.block_ids[:n])
+    assert np.array_equal(prompts.block_tokens, ref.block_tokens[:n])
     for cap in (None, 300):
         got, want = simulate(trace, "lru", cap), simulate(ref, "lru", cap)
         assert got.hit_tokens == sum(want.request_hit_tokens[:len(requests)])
     assert trace.bytes_per_token == 46080
-    assert trace.engine_cached_tokens.tolist() == [
+    assert prompts.engine_cached_tokens.tolist() == [
         512 * int(h) for h in simulate(trace, "lru", None).request_hit_blocks]
     with pytest.raises(TraceFormatError, match="expected --block-size 512"):
         load_trace(log, block_size_tokens=64)
@@ -248,7 +250,9 @@ def test_kvdiag_log_with_token_ids_rechunks(tmp_path):
         hit, total = _full_block_replay(requests, block or 512, 100)
         res = simulate(trace, "lru", 100)
         assert (res.hit_tokens, res.prompt_tokens) == (hit, total)
-    assert (trace.finish_ns - trace.arrival_ns).tolist() == [5_000_000_000] * 40
+    assert trace.rows == 80 and trace.requests == 40
+    keep = trace.counted.astype(bool)
+    assert (trace.finish_ns[keep] - trace.arrival_ns[keep]).tolist() == [1] * 40
 
 
 ENGINE_LOG = Path(__file__).parent / "data/sharing_engine/two_waves.kvlog"
@@ -271,5 +275,34 @@ def test_recorded_engine_log_token_and_block_paths_agree_with_engine(tmp_path):
     a, b = simulate(tokens, "lru", None), simulate(blocks, "lru", None)
     assert a.request_hit_tokens.tolist() == b.request_hit_tokens.tolist()
     assert a.hit_tokens > 0
-    engine = tokens.engine_cached_tokens
+    engine = tokens.requests_only().engine_cached_tokens
     assert (engine >= 0).all() and a.request_hit_tokens.tolist() == engine.tolist()
+
+
+DEMO_LOG = Path(__file__).parent / "data/demo_small/demo_24req_seed1.kvlog.gz"
+
+
+def test_demo_log_shadow_at_engine_settings_explains_engine_hits():
+    """On the recorded demo (pool never full, so LRU unbounded at page 32 is the engine's own
+    setting): the content never promises less than the engine delivered, and wherever it
+    promises more, an earlier request with the same leading block was still prefilling
+    (no first token yet) when this one arrived: its blocks did not exist yet."""
+    from kvdiag import eventlog
+    from kvdiag.schema import RequestArrived, RequestFirstToken
+
+    if not DEMO_LOG.exists():
+        pytest.skip("demo_small fixture not present")
+    trace = load_trace(DEMO_LOG)
+    assert trace.block_size_tokens == 32
+    res = simulate(trace, "lru", None)
+    reqs = trace.requests_only()
+    engine = reqs.engine_cached_tokens
+    assert (engine >= 0).all() and (res.request_hit_tokens >= engine).all()
+    arrived = [e for e in eventlog.iter_events(DEMO_LOG) if isinstance(e, RequestArrived)]
+    first = {e.request_id: e.ts_ns for e in eventlog.iter_events(DEMO_LOG)
+             if isinstance(e, RequestFirstToken)}
+    for i in np.nonzero(res.request_hit_tokens > engine)[0]:
+        a = arrived[i]
+        assert any(b.ts_ns < a.ts_ns and b.token_ids[:32] == a.token_ids[:32]
+                   and first.get(b.request_id, a.ts_ns + 1) > a.ts_ns for b in arrived[:i])
+    assert (engine > 0).sum() > 1  # the engine really shared blocks

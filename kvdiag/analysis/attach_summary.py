@@ -136,10 +136,10 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
     block_bytes = int(info["block_bytes"].iloc[-1]) if not info.empty else (
         block_size * header.bytes_per_token if block_size and header.bytes_per_token else None)
     kv, pool = _kv(frames, block_size, header.bytes_per_token)
-    findings = leaks.leak_findings(events, _f(frames, "kv_pool_sample") if not _f(frames, "kv_pool_sample").empty
-                                   else None, grace_s=grace_s)
-    findings.append(fragmentation.kv_pool_fragmentation_finding(pool) if not pool.empty else
-                    fragmentation.kv_pool_fragmentation_finding(pd.DataFrame(columns=fragmentation.KV_POOL_COLUMNS)))
+    pool_samples = _f(frames, "kv_pool_sample")
+    findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s)
+    findings.append(fragmentation.kv_pool_fragmentation_finding(
+        pool if not pool.empty else pd.DataFrame(columns=fragmentation.KV_POOL_COLUMNS)))
     alloc = _f(frames, "allocator_sample")
     findings.append(fragmentation.allocator_fragmentation_finding(samples=alloc if not alloc.empty else None))
     kv_frag = next(f for f in findings if f.rule == "fragmentation.kv_pool")

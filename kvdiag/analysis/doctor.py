@@ -10,6 +10,7 @@ Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs fre
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -135,9 +136,13 @@ def release_paths(logs: Logs) -> list[Finding]:
     """Every finished request gave back every block it held: the leaks analysis's rules per
     node when it is installed, else :func:`unreleased_blocks`."""
     if _leaks is not None and hasattr(_leaks, "leak_findings"):
-        kp = logs.frame(KVPoolSample)
-        return [f for node in logs.nodes for f in _leaks.leak_findings(
-            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node])]
+        kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
+        found = [f for node in logs.nodes for f in _leaks.leak_findings(
+            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node],
+            now_ns=last[node])]  # judged at the log's end, not at the last block event
+        # the checklist's rule keeps its id (top's alerts and scripts key on it)
+        return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
+                for f in found]
     return [_release_paths(logs)]
 
 

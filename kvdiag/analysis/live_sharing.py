@@ -4,6 +4,8 @@ Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids``
 configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
 (policy, block size, capacity) — exactly the offline simulator, one request at a time — and
 every ``interval_s`` records one ``ShadowSharing`` event per configuration into ``out``.
+When a request finishes, the full blocks of its prompt and generated tokens (from the
+adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
 
 Each event also carries ``engine_hit_rate``: the engine's own token hit rate, sum of
 ``RequestFinished.cached_prompt_tokens`` / sum of their ``prompt_tokens``. Compared with the
@@ -16,6 +18,7 @@ overlap in time the engine can also miss blocks that are not complete yet.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -23,8 +26,10 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from kvdiag.analysis.sharing import PrefixCacheSim
+from kvdiag.analysis.traces import full_sequence
 from kvdiag.kernels.hashing import chunk_hashes
 from kvdiag.schema import (
+    BlockStored,
     Event,
     KVPoolInfo,
     RequestArrived,
@@ -32,6 +37,9 @@ from kvdiag.schema import (
     ShadowSharing,
 )
 from kvdiag.sinks import NullSink, Sink
+
+
+_MAX_BEFORE_POOL = 1024
 
 
 @dataclass(frozen=True)
@@ -76,10 +84,15 @@ class ShadowSharingSink:
         self._sims: dict[ShadowConfig, PrefixCacheSim] = {}
         self._counts: dict[ShadowConfig, _Counts] = {}
         self._ids: dict[int, dict[int, int]] = {}  # block size -> chained key -> dense id
+        self._live: dict[str, tuple[list[int], list[list[int]]]] = {}  # prompt, stored blocks
         self._engine_cached_tokens = 0
         self._engine_prompt_tokens = 0
         self._last_emit_ns = clock()
+        # what arrived and finished before the engine's pool was announced, replayed into the
+        # engine-settings cache when it is (the pool is created with the first request)
+        self._before_pool: Optional[list[tuple[bool, list[int]]]] = [] if engine_settings else None
         self.errors = 0
+        self._lock = threading.Lock()
         for cfg in configs:
             self.add(cfg)
 
@@ -92,12 +105,28 @@ class ShadowSharingSink:
 
     # ------------------------------------------------------------------ Sink
     def record(self, event: Event) -> None:
+        # engines emit from several threads (HTTP handlers add requests, the generation loop
+        # announces the pool and finishes them): one event at a time
+        with self._lock:
+            self._record(event)
+
+    def _record(self, event: Event) -> None:
         try:
             if isinstance(event, RequestArrived) and event.token_ids is not None:
                 self._arrived(event.token_ids)
+                self._remember_before_pool(True, list(event.token_ids))
+                self._live[event.request_id] = (list(event.token_ids), [])
+            elif isinstance(event, BlockStored):
+                if event.request_id in self._live and event.token_ids:
+                    self._live[event.request_id][1].append(event.token_ids)
             elif isinstance(event, RequestFinished):
                 self._engine_cached_tokens += event.cached_prompt_tokens
                 self._engine_prompt_tokens += event.prompt_tokens
+                live = self._live.pop(event.request_id, None)
+                if live is not None:
+                    tokens = full_sequence(*live)
+                    self._finished(tokens)
+                    self._remember_before_pool(False, tokens)
             elif isinstance(event, KVPoolInfo):
                 if self.bytes_per_token is None and event.block_size_tokens:
                     self.bytes_per_token = event.block_bytes // event.block_size_tokens
@@ -105,6 +134,9 @@ class ShadowSharingSink:
                     self.engine_config = ShadowConfig("lru", event.block_size_tokens,
                                                       event.num_blocks)
                     self.add(self.engine_config)
+                    for arrived, tokens in self._before_pool or ():
+                        (self._arrived if arrived else self._finished)(tokens, only=self.engine_config)
+                self._before_pool = None
             now = self.clock()
             if now - self._last_emit_ns >= self.interval_ns:
                 self._emit(now)
@@ -112,20 +144,26 @@ class ShadowSharingSink:
             self.errors += 1
 
     def flush(self) -> None:
-        self._emit(self.clock())
+        with self._lock:
+            self._emit(self.clock())
         self.out.flush()
 
     # ------------------------------------------------------------------ internals
-    def _arrived(self, token_ids: list[int]) -> None:
+    def _remember_before_pool(self, arrived: bool, tokens: list[int]) -> None:
+        if self._before_pool is not None:
+            self._before_pool.append((arrived, tokens))
+            if len(self._before_pool) > _MAX_BEFORE_POOL:  # no pool announced: stop waiting
+                self._before_pool = None
+
+    def _selected(self, only: Optional[ShadowConfig]):
+        return self._sims.items() if only is None else [(only, self._sims[only])]
+
+    def _arrived(self, token_ids: list[int], only: Optional[ShadowConfig] = None) -> None:
         prompt = len(token_ids)
-        by_size: dict[int, np.ndarray] = {}
-        for bs, table in self._ids.items():
-            keys = chunk_hashes(token_ids, bs, algorithm=self.hash_algorithm).tolist()
-            by_size[bs] = np.fromiter((table.setdefault(k, len(table)) for k in keys),
-                                      dtype=np.int32, count=len(keys))
+        by_size = {bs: self._dense(token_ids, bs) for bs in self._ids}
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
-        for cfg, sim in self._sims.items():
+        for cfg, sim in self._selected(only):
             ids = by_size[cfg.block_size_tokens]
             offsets[1] = len(ids)
             sim.feed(ids, offsets, hits, 0, 1)
@@ -139,6 +177,22 @@ class ShadowSharingSink:
             if prompt:
                 c.requests_with_prompt += 1
                 c.request_rate_sum += h * cfg.block_size_tokens / prompt
+
+    def _finished(self, tokens: list[int], only: Optional[ShadowConfig] = None) -> None:
+        """Touch or insert the full blocks of a finished request's prompt and generated tokens
+        (engines cache both); no lookup, nothing counted."""
+        offsets = np.zeros(2, dtype=np.int64)
+        hits = np.zeros(1, dtype=np.int64)
+        ids = {bs: self._dense(tokens, bs) for bs in self._ids}
+        for cfg, sim in self._selected(only):
+            offsets[1] = len(ids[cfg.block_size_tokens])
+            sim.feed(ids[cfg.block_size_tokens], offsets, hits, 0, 1)
+
+    def _dense(self, tokens: list[int], bs: int) -> np.ndarray:
+        table = self._ids[bs]
+        keys = chunk_hashes(tokens, bs, algorithm=self.hash_algorithm).tolist()
+        return np.fromiter((table.setdefault(k, len(table)) for k in keys), dtype=np.int32,
+                           count=len(keys))
 
     @property
     def engine_hit_rate(self) -> Optional[float]:

@@ -41,6 +41,7 @@ class Logs:
     headers: dict[NodeName, LogHeader]
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     paths: dict[NodeName, str] = field(default_factory=dict)
+    span_ns: Optional[tuple[int, int]] = None  # set by window(): its [start, end)
 
     @property
     def nodes(self) -> list[NodeName]:
@@ -56,7 +57,10 @@ class Logs:
         return len(self.frame(tag_or_cls)) > 0
 
     def time_range_ns(self) -> tuple[int, int]:
-        """First and last event timestamp over all nodes ((0, 0) for no events)."""
+        """First and last event timestamp over all nodes ((0, 0) for no events); for a
+        window, its bounds (its KVPoolInfo rows, kept whole, do not widen it)."""
+        if self.span_ns is not None:
+            return self.span_ns[0], self.span_ns[1] - 1
         lo, hi = None, None
         for df in self.frames.values():
             if len(df):
@@ -121,7 +125,7 @@ class Logs:
             tag: df if tag == pool_tag else df[(df["ts_ns"] >= start_ns) & (df["ts_ns"] < end_ns)]
             for tag, df in self.frames.items()
         }
-        return Logs(self.headers, frames, self.paths)
+        return Logs(self.headers, frames, self.paths, span_ns=(start_ns, end_ns))
 
 
 def node_names(headers: Iterable[LogHeader], paths: Iterable[str | Path]) -> list[NodeName]:

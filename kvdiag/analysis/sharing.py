@@ -187,6 +187,11 @@ class PrefixCacheSim:
         top = int(block_ids.max()) + 1 if len(block_ids) else 1
         self.state = K.grow_state(self.state, top)
         st = self.state
+        if self.policy in ("lru", "fifo"):
+            K.run_lru_fifo(self.policy == "lru", self._cap, block_ids, offsets, r_begin, r_end,
+                           r_base, st["where"], st["prev"], st["nxt"], st["heads"], st["tails"],
+                           st["sizes"], st["last_req"], st["counters"], st["age_hist"], hits_out)
+            return
         nr = next_ref if next_ref is not None else np.empty(0, np.int64)
         K.run_requests(_CODES[self.policy], self._cap, self._small, self._ghost, block_ids,
                        offsets, nr, len(block_ids), r_begin, r_end, r_base, st["where"], st["prev"],
@@ -229,12 +234,16 @@ def simulate(trace: Trace, policy: str = "lru", capacity_blocks: Optional[int] =
     sim = PrefixCacheSim(policy, cap, trace.num_blocks)
     if policy == "opt" and next_ref is None:
         next_ref = next_references(trace.block_ids)
-    hits = np.zeros(trace.requests, dtype=np.int64)
+    hits = np.zeros(trace.rows, dtype=np.int64)
     for r0, r1 in _request_chunks(trace.offsets, _CHUNK_REFS):
         sim.feed(trace.block_ids, trace.offsets, hits, r0, r1, next_ref)
         if progress is not None:
             progress(int(trace.offsets[r1] - trace.offsets[r0]))
     hit_tokens = hit_tokens_of(trace, hits)
+    prompt = trace.prompt_tokens
+    if trace.counted is not None:  # drop the rows of blocks added at finish
+        keep = trace.counted.astype(bool)
+        hits, hit_tokens, prompt = hits[keep], hit_tokens[keep], prompt[keep]
     return SharingResult(
         policy=policy, capacity_blocks=cap, block_size_tokens=trace.block_size_tokens,
         requests=trace.requests, block_refs=trace.block_refs, distinct_blocks=trace.num_blocks,
@@ -242,8 +251,7 @@ def simulate(trace: Trace, policy: str = "lru", capacity_blocks: Optional[int] =
         prompt_tokens=int(trace.prompt_tokens.sum()), evictions=sim.evictions,
         peak_cached_blocks=sim.peak_cached_blocks,
         bytes_per_token=bytes_per_token or trace.bytes_per_token,
-        request_hit_blocks=hits, request_hit_tokens=hit_tokens,
-        request_prompt_tokens=trace.prompt_tokens,
+        request_hit_blocks=hits, request_hit_tokens=hit_tokens, request_prompt_tokens=prompt,
         eviction_age_hist=sim.state["age_hist"].copy())
 
 
@@ -351,11 +359,11 @@ class _StackState:
             grown[-1] = h[-1]  # never a hit
             setattr(self, name, grown)
 
-    def feed(self, ids, offsets, block_tokens, prompt_tokens, r0, r1) -> None:
+    def feed(self, ids, offsets, block_tokens, prompt_tokens, counted, r0, r1) -> None:
         if offsets[r1] > offsets[r0]:
             self._grow(int(ids[offsets[r0]:offsets[r1]].max()) + 1)
-        K.stack_distances(ids, offsets, block_tokens, prompt_tokens, r0, r1, self.last_time,
-                          self.owner, self.tree, self.state, self.hist_blocks,
+        K.stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, r0, r1,
+                          self.last_time, self.owner, self.tree, self.state, self.hist_blocks,
                           self.hist_tokens, self.hist_req, self.reuse)
         self.requests_with_prompt += int((prompt_tokens[r0:r1] > 0).sum())
 
@@ -376,7 +384,8 @@ def lru_curve(trace: Trace, *, bytes_per_token: Optional[int] = None,
     reference whose request-prefix maximum stack distance is m hits at every capacity >= m."""
     stack = _StackState(trace.num_blocks)
     for r0, r1 in _request_chunks(trace.offsets, _CHUNK_REFS):
-        stack.feed(trace.block_ids, trace.offsets, trace.block_tokens, trace.prompt_tokens, r0, r1)
+        stack.feed(trace.block_ids, trace.offsets, trace.block_tokens, trace.prompt_tokens,
+                   trace.counted_rows, r0, r1)
         if progress is not None:
             progress(int(trace.offsets[r1] - trace.offsets[r0]))
     return stack.curve(trace.num_blocks, trace.block_size_tokens, trace.requests,
@@ -429,6 +438,7 @@ def memory_footprint(trace: Trace, concurrency: int = 8,
     A request is live from its arrival to its finish when the trace has both (kvdiag logs);
     otherwise from its arrival until ``concurrency`` later requests have arrived.
     """
+    trace = trace.requests_only()
     n = trace.requests
     timed = trace.arrival_ns is not None and trace.finish_ns is not None
     if timed and (trace.finish_ns >= 0).all():
@@ -506,7 +516,7 @@ class StreamingReplay:
             self._hits[k].append(hits)
             self._hit_tokens[k].append(csum[offsets[:-1] + hits] - csum[offsets[:-1]])
         if self._stack is not None:
-            self._stack.feed(ids, offsets, tokens, prompt, 0, n)
+            self._stack.feed(ids, offsets, tokens, prompt, np.ones(n, np.uint8), 0, n)
         self._window_feed(ids, offsets, prompt, lens)
         self._prompt.append(prompt)
         self.requests += n

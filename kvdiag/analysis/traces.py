@@ -69,14 +69,43 @@ class Trace:
     engine_cached_tokens: Optional[np.ndarray] = None  # int64 [requests], -1 unknown
     bytes_per_token: Optional[int] = None
     notes: list[str] = field(default_factory=list)
+    # rows that are requests (1) or the blocks a request adds when it finishes (0: prompt and
+    # generated tokens, as engines cache them); None = every row is a request
+    counted: Optional[np.ndarray] = None  # uint8 [rows]
 
     @property
-    def requests(self) -> int:
+    def rows(self) -> int:
         return len(self.prompt_tokens)
 
     @property
+    def counted_rows(self) -> np.ndarray:
+        return np.ones(self.rows, np.uint8) if self.counted is None else self.counted
+
+    @property
+    def requests(self) -> int:
+        return self.rows if self.counted is None else int(self.counted.sum())
+
+    @property
     def block_refs(self) -> int:
-        return len(self.block_ids)
+        """Block references of requests' prompts (not the blocks added at finish)."""
+        if self.counted is None:
+            return len(self.block_ids)
+        return int((np.diff(self.offsets) * self.counted).sum())
+
+    def requests_only(self) -> "Trace":
+        """The trace without the rows of blocks added at finish."""
+        if self.counted is None:
+            return self
+        keep = np.nonzero(self.counted)[0]
+        lens = np.diff(self.offsets)[keep]
+        take = np.concatenate([np.arange(self.offsets[r], self.offsets[r + 1]) for r in keep]) \
+            if len(keep) else np.zeros(0, np.int64)
+        pick = (lambda a: None if a is None else a[keep])
+        return Trace(self.block_ids[take], np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+                     self.block_tokens[take], self.prompt_tokens[keep], self.num_blocks,
+                     self.block_size_tokens, self.format, self.source, pick(self.arrival_ns),
+                     pick(self.finish_ns), pick(self.engine_cached_tokens), self.bytes_per_token,
+                     list(self.notes))
 
     def plain(self) -> "Trace":
         """Plain cache semantics: every block reference becomes a request of one block, so a
@@ -111,11 +140,13 @@ class TraceBuilder:
         self._arrival = array("q")
         self._finish = array("q")
         self._cached = array("q")
+        self._counted = array("B")
 
     def add(self, keys, prompt_tokens: int, *, block_tokens=None, arrival_ns: int = -1,
-            finish_ns: int = -1, engine_cached_tokens: int = -1) -> None:
+            finish_ns: int = -1, engine_cached_tokens: int = -1, counted: bool = True) -> None:
         """One request: its block keys in prompt order. ``block_tokens`` defaults to
-        ``min(block_size, remaining prompt)`` per block."""
+        ``min(block_size, remaining prompt)`` per block. ``counted=False``: not a request but
+        the blocks one adds to the cache when it finishes (no lookup, no tokens)."""
         keys = np.asarray(keys, dtype=np.int64)
         if block_tokens is None:
             starts = np.arange(len(keys), dtype=np.int64) * self.block_size_tokens
@@ -127,6 +158,7 @@ class TraceBuilder:
         self._arrival.append(int(arrival_ns))
         self._finish.append(int(finish_ns))
         self._cached.append(int(engine_cached_tokens))
+        self._counted.append(1 if counted else 0)
 
     def build(self, bytes_per_token: Optional[int] = None) -> Trace:
         keys = np.frombuffer(self._keys, dtype=np.int64)
@@ -137,6 +169,7 @@ class TraceBuilder:
         arrival = np.frombuffer(self._arrival, dtype=np.int64).copy()
         finish = np.frombuffer(self._finish, dtype=np.int64).copy()
         cached = np.frombuffer(self._cached, dtype=np.int64).copy()
+        counted = np.frombuffer(self._counted, dtype=np.uint8).copy()
         return Trace(
             block_ids=codes.astype(np.int32),
             offsets=np.frombuffer(self._offsets, dtype=np.int64).copy(),
@@ -150,6 +183,7 @@ class TraceBuilder:
             finish_ns=finish if (finish >= 0).any() else None,
             engine_cached_tokens=cached if (cached >= 0).any() else None,
             bytes_per_token=bytes_per_token,
+            counted=None if counted.all() else counted,
         )
 
 
@@ -397,50 +431,96 @@ def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
 _BLOCK_REF_TAGS = ("prefix_hit", "block_stored", "block_deduplicated")
 
 
+def full_sequence(prompt: list[int], stored_blocks: list[list[int]]) -> list[int]:
+    """A finished request's prompt and generated tokens, as far as its engine stored full
+    blocks: ``stored_blocks`` (token ids of the request's ``block_stored`` events, in order)
+    that are not full blocks of the prompt continue it, the first one starting with the prompt's
+    partial tail. Without such blocks (or if they do not fit) the prompt alone."""
+    sizes = {len(blk) for blk in stored_blocks}
+    if len(sizes) != 1:
+        return list(prompt)
+    bs = sizes.pop()
+    k = len(prompt) // bs
+    own = {tuple(prompt[j * bs:(j + 1) * bs]) for j in range(k)}
+    generated = [blk for blk in stored_blocks if tuple(blk) not in own]
+    tail = list(prompt[k * bs:])
+    if not generated or list(generated[0][:len(tail)]) != tail:
+        return list(prompt)
+    return list(prompt[:k * bs]) + [t for blk in generated for t in blk]
+
+
 def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 hash_algorithm: str = "fast") -> Trace:
+    """Each request is a row at its arrival; when it finishes, a second, uncounted row touches
+    or inserts the full blocks of its prompt and generated tokens (engines cache both, so a
+    later turn of a chat can reuse the previous answer)."""
     from kvdiag import eventlog  # the log reader; imported lazily (only this format needs it)
     from kvdiag.schema import RequestArrived, RequestFinished, event_tag
 
     try:
         header = eventlog.read_header(path)
         arrived: dict[str, RequestArrived] = {}
-        blocks: dict[str, list[int]] = {}
+        blocks: dict[str, list[tuple[int, int]]] = {}  # (chained key, tokens in block)
+        stored: dict[str, list[list[int]]] = {}
         finished: dict[str, RequestFinished] = {}
         for ev in eventlog.iter_events(path, strict=True):
             if isinstance(ev, RequestArrived):
                 arrived.setdefault(ev.request_id, ev)
-            elif event_tag(ev) in _BLOCK_REF_TAGS and getattr(ev, "request_id", None) is not None \
-                    and getattr(ev, "block_hash", None) is not None:
-                blocks.setdefault(ev.request_id, []).append(int(ev.block_hash))
             elif isinstance(ev, RequestFinished):
                 finished[ev.request_id] = ev
+            elif event_tag(ev) in _BLOCK_REF_TAGS and getattr(ev, "request_id", None) is not None \
+                    and getattr(ev, "block_hash", None) is not None:
+                blocks.setdefault(ev.request_id, []).append(
+                    (int(ev.block_hash), int(getattr(ev, "num_tokens", 0) or 0)))
+                if event_tag(ev) == "block_stored" and ev.token_ids:
+                    stored.setdefault(ev.request_id, []).append(ev.token_ids)
     except eventlog.LogFormatError as exc:
         raise TraceFormatError(str(exc)) from None
     if not arrived:
         raise TraceFormatError(f"{path}:1: expected request_arrived events in the log")
-    with_tokens = [a for a in arrived.values() if a.token_ids is not None]
     engine_bs = header.block_size_tokens
-    if with_tokens and len(with_tokens) == len(arrived):
+    rows: list[tuple[int, int, dict]] = []  # (time, order, TraceBuilder.add kwargs)
+    if all(a.token_ids is not None for a in arrived.values()):
         bs = block_size_tokens or engine_bs or DEFAULT_BLOCK_TOKENS
-        b = TraceBuilder(bs, "kvdiag", str(path))
         for a in arrived.values():
             f = finished.get(a.request_id)
-            b.add(chunk_hashes(a.token_ids, bs, algorithm=hash_algorithm), a.prompt_tokens,
-                  arrival_ns=a.ts_ns, finish_ns=-1 if f is None else f.ts_ns,
-                  engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)
+            rows.append((a.ts_ns, len(rows), dict(
+                keys=chunk_hashes(a.token_ids, bs, algorithm=hash_algorithm),
+                prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
+                finish_ns=-1 if f is None else f.ts_ns,
+                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+            if f is not None:
+                seq = full_sequence(a.token_ids, stored.get(a.request_id, []))
+                rows.append((f.ts_ns, len(rows), dict(
+                    keys=chunk_hashes(seq, bs, algorithm=hash_algorithm), prompt_tokens=0,
+                    counted=False)))
     else:
         if block_size_tokens not in (None, engine_bs):
             raise TraceFormatError(f"{path}:1: expected --block-size {engine_bs}: this log has "
                                    "no token ids to re-chunk, only the engine's block events")
         if not engine_bs:
             raise TraceFormatError(f"{path}:1: expected block_size_tokens in the log header")
-        b = TraceBuilder(engine_bs, "kvdiag", str(path))
+        bs = engine_bs
         for rid, a in arrived.items():
             f = finished.get(rid)
-            b.add(blocks.get(rid, []), a.prompt_tokens, arrival_ns=a.ts_ns,
-                  finish_ns=-1 if f is None else f.ts_ns,
-                  engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)
+            refs = blocks.get(rid, [])
+            # the prompt's blocks: leading blocks whose tokens fit in the prompt; the rest
+            # hold generated tokens and are only added when the request finishes
+            n_prompt = int(np.searchsorted(np.cumsum([n or bs for _, n in refs]),
+                                           a.prompt_tokens, side="right"))
+            keys = [k for k, _ in refs]
+            rows.append((a.ts_ns, len(rows), dict(
+                keys=keys[:n_prompt], prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
+                finish_ns=-1 if f is None else f.ts_ns,
+                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+            if f is not None:
+                rows.append((f.ts_ns, len(rows), dict(keys=keys, prompt_tokens=0,
+                                                       counted=False)))
+    b = TraceBuilder(bs, "kvdiag", str(path))
+    for _, _, kwargs in sorted(rows, key=lambda row: row[:2]):
+        if not kwargs.get("counted", True):
+            kwargs["block_tokens"] = np.zeros(len(kwargs["keys"]), np.int32)
+        b.add(**kwargs)
     return b.build(bytes_per_token=header.bytes_per_token)
 
 
