@@ -169,10 +169,12 @@ def test_shadow_flags_reach_the_agent_and_bad_ones_fail_in_one_line():
 
     parser = argparse.ArgumentParser()
     _demo_shadow.add_arguments(parser)
-    args = parser.parse_args(["--shadow", "--shadow-methods", "int4,h2o", "--shadow-rate", "0.2"])
+    args = parser.parse_args(["--shadow", "--shadow-methods", "int4,h2o", "--shadow-rate", "0.2",
+                              "--shadow-budget", "0"])
     assert _demo_shadow.check(args) is None
     run_args, command = parse_args(_demo_shadow.agent_args(args) + ["--", "transformers", "serve"])
-    assert (run_args.shadow, run_args.shadow_methods, run_args.shadow_rate) == (True, "int4,h2o", 0.2)
+    assert (run_args.shadow, run_args.shadow_methods, run_args.shadow_rate, run_args.shadow_budget) == \
+        (True, "int4,h2o", 0.2, 0.0)
     assert command == ["transformers", "serve"]
     assert _demo_shadow.agent_args(parser.parse_args([])) == []
     assert "unknown method" in _demo_shadow.check(parser.parse_args(["--shadow-methods", "int3"]))

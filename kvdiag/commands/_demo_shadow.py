@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
                         "(default: fp16,bf16,fp8_e4m3,fp8_e5m2,int8,int4,int2,topk_norm,h2o,streaming)")
     parser.add_argument("--shadow-rate", type=float, default=0.05, metavar="R",
                         help="share of decode steps sampled (default 0.05; shadow time stays within 1%% of wall time)")
+    parser.add_argument("--shadow-budget", type=float, default=0.01, metavar="F",
+                        help="shadow time budget, fraction of the server's wall time (default 0.01; 0: none)")
     parser.add_argument("--shadow-logits", action="store_true",
                         help="after the traffic, teacher-forced KL / top-1 agreement per method on a fixed "
                              "text (model loaded in the demo process)")
@@ -38,6 +40,8 @@ def check(args) -> str | None:
             return f"--shadow-methods: {exc}"
     if not 0.0 <= args.shadow_rate <= 1.0:
         return "--shadow-rate: expected a number in [0, 1]"
+    if not 0.0 <= args.shadow_budget <= 1.0:
+        return "--shadow-budget: expected a number in [0, 1]"
     return None
 
 
@@ -45,7 +49,7 @@ def agent_args(args) -> list[str]:
     """Options for ``python -m kvdiag.run``."""
     if not args.shadow:
         return []
-    out = ["--shadow", "--shadow-rate", str(args.shadow_rate)]
+    out = ["--shadow", "--shadow-rate", str(args.shadow_rate), "--shadow-budget", str(args.shadow_budget)]
     if args.shadow_methods:
         out += ["--shadow-methods", args.shadow_methods]
     return out
