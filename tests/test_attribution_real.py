@@ -10,7 +10,7 @@ import pytest
 from kvdiag.analysis import latency
 from kvdiag.analysis.logs import load
 
-SHORT_TOKENS, LONG_TOKENS, PER_HALF, NEW_TOKENS = 30, 1000, 16, 6
+SHORT_TOKENS, LONG_TOKENS, PER_HALF, NEW_TOKENS = 30, 1000, 16, 8
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def long_halfway_log(tmp_path_factory, model_dir):
             manager = model.init_continuous_batching(
                 generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1),
                 continuous_batching_config=ContinuousBatchingConfig(page_size=page, num_blocks=256,
-                                                                    max_batch_tokens=512,
+                                                                    max_batch_tokens=1024,  # a long prompt is one heavy step
                                                                     allow_block_sharing=False))
             manager.start()
             for i in range(2 * PER_HALF):  # one at a time; from the second half on, long prompts
