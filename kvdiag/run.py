@@ -70,6 +70,9 @@ def resolve_command(command: list[str]) -> tuple[Callable[[], object], list[str]
         module = command[1]
         return (lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)), [module] + command[2:]
     if head.endswith(".py"):
+        # as `python script.py` would: the script's folder first on sys.path (kvdiag's own
+        # children run with -P, which leaves it out)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(head)))
         return (lambda: runpy.run_path(head, run_name="__main__")), command
     name = os.path.basename(head)
     matches = metadata.entry_points(group="console_scripts", name=name)

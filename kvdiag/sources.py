@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -24,6 +23,7 @@ from typing import Callable, Iterator, Optional
 import msgspec
 
 from kvdiag import schema as s
+from kvdiag.child import kvdiag_module, reset_interrupt_signal
 
 Clock = Callable[[], float]
 
@@ -404,7 +404,7 @@ class DemoSource:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.output_path = log_dir / "kvdiag-top-demo.out"
         self._out = open(self.output_path, "ab")
-        self.child = subprocess.Popen([*(command or [sys.executable, "-m", "kvdiag", "demo"]), *demo_args],
+        self.child = subprocess.Popen([*(command or [*kvdiag_module("kvdiag"), "demo"]), *demo_args],
                                       stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
                                       start_new_session=True, preexec_fn=_interrupt_when_parent_dies)
         self.description = f"demo pid {self.child.pid}"
@@ -495,6 +495,7 @@ def _group_alive(pgid: int, child: subprocess.Popen) -> bool:
 def _interrupt_when_parent_dies() -> None:
     """In the demo child: SIGINT (a graceful stop) if top dies without closing it (SIGHUP,
     SIGKILL), so that no demo server is left behind."""
+    reset_interrupt_signal()
     try:
         import ctypes
 

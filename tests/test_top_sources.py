@@ -116,7 +116,6 @@ def _tmux_top(args: list[str], name: str):
 
 
 def test_attach_outside_view_then_quit_leaves_target_running():
-    pytest.importorskip("kvdiag.collectors.procfs")
     target = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(50_000_000); time.sleep(120)"])
     tmux = _tmux_top(["--pid", str(target.pid)], "attach-outside")
     try:
@@ -134,7 +133,6 @@ def test_attach_outside_view_then_quit_leaves_target_running():
 
 
 def test_attach_prefers_the_agent_socket(tmp_path):
-    pytest.importorskip("kvdiag.collectors.agent_client")
     from kvdiag.paths import agent_socket_path
 
     events = constructed_events(n_requests=10)
@@ -212,14 +210,16 @@ def test_demo_close_waits_for_a_server_that_outlives_the_demo(tmp_path):
 
 
 def test_demo_child_is_interrupted_when_top_dies(tmp_path):
-    """If top is killed (no chance to close), the demo still gets SIGINT and stops."""
+    """If top is killed (no chance to close), the demo still gets SIGINT and stops, even when
+    top itself was started with SIGINT ignored (``cmd &`` in a script, CI, nohup)."""
     import psutil
 
-    marker = tmp_path / "interrupted"
-    demo = (f"import time, pathlib\ntry:\n    time.sleep(300)\nexcept KeyboardInterrupt:\n"
-            f"    pathlib.Path({str(marker)!r}).write_text('yes')")
+    ready, marker = tmp_path / "ready", tmp_path / "interrupted"
+    demo = (f"import time, pathlib\ntry:\n    pathlib.Path({str(ready)!r}).touch()\n    time.sleep(300)\n"
+            f"except KeyboardInterrupt:\n    pathlib.Path({str(marker)!r}).write_text('yes')")
     top = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell gives `top &`
         from kvdiag.sources import DemoSource
         src = DemoSource([], log_dir=__import__('pathlib').Path({str(tmp_path)!r}),
                          command=[sys.executable, "-c", {demo!r}])
@@ -228,8 +228,11 @@ def test_demo_child_is_interrupted_when_top_dies(tmp_path):
     """)
     proc = subprocess.Popen([sys.executable, "-c", top], stdout=subprocess.PIPE, text=True)
     child = psutil.Process(int(proc.stdout.readline()))
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not ready.exists():  # the demo is inside its try block: a SIGINT now is a graceful stop
+        assert time.monotonic() < deadline and child.is_running(), "the demo child never started"
+        time.sleep(0.05)
     proc.kill()
     proc.wait()
-    child.wait(timeout=10)
+    child.wait(timeout=30)
     assert marker.read_text() == "yes"

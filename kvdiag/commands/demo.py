@@ -23,8 +23,10 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from kvdiag.child import kvdiag_module, reset_interrupt_signal
 from kvdiag.commands import _demo_shadow
-from kvdiag.model import ModelFetchError, resolve_model
+from kvdiag.commands.fetch_model import resolve_with_progress
+from kvdiag.model import ModelFetchError
 from kvdiag.paths import log_dir, runtime_dir
 from kvdiag.traffic import Result, TrafficDriver, TrafficPlan, chat
 
@@ -66,6 +68,7 @@ def add_arguments(parser) -> None:
 
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the demo process dies, so no server is left behind."""
+    reset_interrupt_signal()  # stop() escalates to SIGINT: it must not be ignored
     try:
         import ctypes
 
@@ -151,7 +154,7 @@ class DemoServer:
         self.socket_path = runtime_dir() / f"demo-{os.getpid()}-{port}.sock"
         self.server_log = log_path.with_name(log_path.name + ".server.txt")
         self.command = [
-            sys.executable, "-m", "kvdiag.run", "--log", str(log_path), "--socket", str(self.socket_path),
+            *kvdiag_module("kvdiag.run"), "--log", str(log_path), "--socket", str(self.socket_path),
             "--model", str(model_dir), "--page-size", str(page_size),
             *(["--inject-leak", str(inject_leak)] if inject_leak else []), *agent_args,
             "--", "transformers", "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
@@ -226,11 +229,15 @@ def run(args) -> int:
         print(f"kvdiag demo: {problem}", file=sys.stderr)
         return 2
     try:
-        model_dir = resolve_model(args.model)
         plan = TrafficPlan(seed=args.seed, rate_per_s=args.rate, long_share=args.long_share)
-    except (ModelFetchError, ValueError) as exc:
+    except ValueError as exc:
         print(f"kvdiag demo: {exc}", file=sys.stderr)
         return 2
+    try:
+        model_dir = resolve_with_progress(args.model)
+    except ModelFetchError as exc:
+        print(f"kvdiag demo: {exc}", file=sys.stderr)
+        return 2 if args.model else 1
     log_path = Path(args.log).expanduser().resolve() if args.log else _default_log_path()
     server = DemoServer(model_dir, log_path, args.port or _free_port(), args.page_size, args.num_blocks,
                         args.max_batch_tokens, args.inject_leak, args.threads, _demo_shadow.agent_args(args))
