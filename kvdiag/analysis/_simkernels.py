@@ -2,8 +2,10 @@
 
 Cache simulation and stack distances are inherently sequential, so they are written as plain
 loops over integer arrays (block ids remapped to ``0..D-1``) that numba compiles. With
-``NUMBA_DISABLE_JIT=1`` (or without numba) the very same functions run as pure Python: that is
-the fallback the tests compare the compiled code against.
+``NUMBA_DISABLE_JIT=1`` the very same functions run as pure Python: that is the fallback the
+tests compare the compiled code against. Compiled code is cached under kvdiag's cache folder
+(``<cache dir>/numba``, or ``$NUMBA_CACHE_DIR`` when set), never inside the installed package:
+files there would survive ``pip uninstall`` and turn ``kvdiag`` into a namespace package.
 
 State lives in arrays owned by the caller, so a run can be continued request by request (the
 live shadow mode) or done in one call over a whole trace (offline replay).
@@ -11,15 +13,25 @@ live shadow mode) or done in one call over a whole trace (offline replay).
 
 from __future__ import annotations
 
-import numpy as np
+import os
+import tempfile
 
-try:
-    from numba import njit
-except ImportError:  # pragma: no cover - numba is a dependency; keep the pure-Python path working
-    def njit(*args, **kwargs):
-        if args and callable(args[0]):
-            return args[0]
-        return lambda f: f
+import numba
+import numpy as np
+from numba import njit
+
+from kvdiag.paths import cache_dir
+
+
+def _numba_cache_dir() -> str:
+    try:
+        return str(cache_dir() / "numba")
+    except OSError:  # no writable home (a service account): a private temporary folder
+        return os.path.join(tempfile.gettempdir(), f"kvdiag-numba-{os.getuid()}")
+
+
+if not os.environ.get("NUMBA_CACHE_DIR"):  # read by numba when each function is decorated
+    numba.config.CACHE_DIR = _numba_cache_dir()
 
 LRU, FIFO, LFU, S3FIFO, OPT = 0, 1, 2, 3, 4
 
