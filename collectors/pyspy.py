@@ -13,6 +13,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import time
 from collections import Counter
@@ -62,7 +64,16 @@ class RawProfile:
     errors: int = 0
 
 
+NOT_FOUND = "py-spy not found beside this Python or on PATH: pip install py-spy (phases are N/A)"
+
+
 def pyspy_binary() -> Optional[str]:
+    """The py-spy installed with this kvdiag (the running interpreter's scripts folder, where
+    pip puts it even when the environment is not activated), else the one on PATH."""
+    for folder in dict.fromkeys((os.path.dirname(sys.executable), sysconfig.get_path("scripts"))):
+        candidate = os.path.join(folder, "py-spy")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
     return shutil.which("py-spy")
 
 
@@ -70,7 +81,7 @@ def status() -> CollectorStatus:
     """Whether py-spy is installed (reported once)."""
     path = pyspy_binary()
     return CollectorStatus(ts_ns=time.time_ns(), collector=NAME, available=path is not None,
-                           hint=path or "py-spy not found: pip install py-spy")
+                           hint=path or NOT_FOUND)
 
 
 def explain_failure(pid: int, stderr: str) -> str:
@@ -143,7 +154,7 @@ class PySpyRecorder:
                  nonblocking: bool = True) -> None:
         exe = pyspy_binary()
         if exe is None:
-            raise PySpyError("py-spy not found: pip install py-spy")
+            raise PySpyError(NOT_FOUND)
         self.pid = pid
         fd, self.out_path = tempfile.mkstemp(prefix="kvdiag-pyspy-", suffix=".txt")
         os.close(fd)
@@ -198,7 +209,7 @@ def dump(pid: int, timeout_s: float = 10.0) -> list[dict]:
     :class:`PySpyError` with an actionable message."""
     exe = pyspy_binary()
     if exe is None:
-        raise PySpyError("py-spy not found: pip install py-spy")
+        raise PySpyError(NOT_FOUND)
     import json
     r = subprocess.run([exe, "dump", "--pid", str(pid), "--json", "--nonblocking"],
                        capture_output=True, text=True, timeout=timeout_s)

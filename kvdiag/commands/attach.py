@@ -102,19 +102,27 @@ class _Session:
             self._finish_window(self.recorder.result)
         if self.recorder is None and remaining_s >= 1.0:
             window = min(self.args.pyspy_window, remaining_s)
-            self.recorder = pyspy.PySpyRecorder(self.args.pid, window, rate_hz=self.args.pyspy_rate)
+            try:
+                self.recorder = pyspy.PySpyRecorder(self.args.pid, window, rate_hz=self.args.pyspy_rate)
+            except (pyspy.PySpyError, OSError) as exc:  # not installed, or not executable
+                self._pyspy_unavailable(str(exc))
 
     def _finish_window(self, get) -> None:
         from kvdiag.collectors import pyspy
-        from kvdiag.schema import CollectorError
         try:
             raw = get()
             if raw.stacks:
                 self.writer.record(pyspy.phase_profile(raw))
         except pyspy.PySpyError as exc:
-            self.pyspy_failed = str(exc)
-            self.writer.record(CollectorError(ts_ns=time.time_ns(), collector=pyspy.NAME, message=str(exc)))
+            self._pyspy_unavailable(str(exc))
         self.recorder = None
+
+    def _pyspy_unavailable(self, message: str) -> None:
+        """Phases become N/A for the rest of the session; the reason is recorded once."""
+        from kvdiag.collectors import pyspy
+        from kvdiag.schema import CollectorError
+        self.pyspy_failed = message
+        self.writer.record(CollectorError(ts_ns=time.time_ns(), collector=pyspy.NAME, message=message))
 
     def close(self) -> None:
         if self.recorder is not None:
