@@ -1,0 +1,1 @@
+"""Data shipped with kvdiag: the demo traffic templates (traffic.json)."""
