@@ -16,7 +16,6 @@ machine, where wall time mostly measures other processes).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+# the public Mooncake trace, kept in the repository as a test fixture (tests/data/mooncake/ABOUT.md)
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 
 def best_of(fn, repeats=5):

@@ -15,7 +15,7 @@ from kvdiag.kernels.hashing import chunk_hashes
 from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
 from kvdiag.sinks import ListSink
 
-MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 
 def _prompts(n=150):

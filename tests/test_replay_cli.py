@@ -13,7 +13,7 @@ from kvdiag.analysis.sharing import simulate
 from kvdiag.analysis.traces import load_trace
 from kvdiag.cli import main
 
-MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 KEYS = ["policy", "capacity_blocks", "block_hit_rate", "token_hit_rate", "request_hit_rate",
         "requests", "block_refs", "distinct_blocks", "bytes_saved"]
 

@@ -9,7 +9,7 @@ import math
 import os
 import subprocess
 import sys
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +20,7 @@ from hypothesis import strategies as st
 from kvdiag.analysis.sharing import POLICIES, lru_curve, memory_footprint, simulate
 from kvdiag.analysis.traces import load_trace, trace_from_blocks, trace_from_tokens
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/mooncake/synthetic_trace.jsonl"
-if not MOONCAKE.exists():
-    MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 
 # ---------------------------------------------------------------- brute-force oracle

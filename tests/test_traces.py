@@ -15,7 +15,7 @@ from kvdiag.analysis.sharing import simulate
 from kvdiag.analysis.traces import TraceFormatError, detect_format, load_trace
 from kvdiag.kernels.hashing import ALGORITHMS, chunk_hashes
 
-MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 N_REQUESTS = 120
 
 
@@ -290,8 +290,6 @@ def test_demo_log_shadow_at_engine_settings_explains_engine_hits():
     from kvdiag import eventlog
     from kvdiag.schema import RequestArrived, RequestFirstToken
 
-    if not DEMO_LOG.exists():
-        pytest.skip("demo_small fixture not present")
     trace = load_trace(DEMO_LOG)
     assert trace.block_size_tokens == 32
     res = simulate(trace, "lru", None)
