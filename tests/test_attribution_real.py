@@ -1,5 +1,12 @@
 """P99 attribution on a real run: the real model on transformers' continuous-batching engine,
-recorded by the kvdiag adapter, with long prompts injected halfway (the cause to find)."""
+recorded by the kvdiag adapter, with long prompts injected halfway (the cause to find).
+
+The injected effect is built to stand far above machine noise, so the change point is exact:
+before it every engine step decodes one token (or prefills a short prompt); after it every
+step prefills a chunk of CHUNK_TOKENS tokens of a long prompt (the long requests generate one
+token, so they have no decode steps). A chunk step costs several times a decode step, so the
+two groups of step durations do not overlap and Pettitt's statistic peaks exactly between
+them."""
 
 from __future__ import annotations
 
@@ -10,7 +17,8 @@ import pytest
 from kvdiag.analysis import latency
 from kvdiag.analysis.logs import load
 
-SHORT_TOKENS, LONG_TOKENS, PER_HALF, NEW_TOKENS = 30, 1000, 16, 8
+SHORT_TOKENS, SHORT_NEW_TOKENS, SHORT_REQUESTS = 30, 8, 14  # 8-9 light steps each: > 100 in all
+LONG_TOKENS, CHUNK_TOKENS, LONG_REQUESTS = 1000, 128, 14  # 8 heavy chunk steps each: > 100
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +38,19 @@ def long_halfway_log(tmp_path_factory, model_dir):
         adapter = tcb.install(sink, sample_interval_s=0.05)
         try:
             manager = model.init_continuous_batching(
-                generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1),
+                generation_config=GenerationConfig(max_new_tokens=SHORT_NEW_TOKENS, do_sample=False,
+                                                   eos_token_id=-1),
                 continuous_batching_config=ContinuousBatchingConfig(page_size=page, num_blocks=256,
-                                                                    max_batch_tokens=1024,  # a long prompt is one heavy step
+                                                                    max_batch_tokens=CHUNK_TOKENS,
                                                                     allow_block_sharing=False))
             manager.start()
-            for i in range(2 * PER_HALF):  # one at a time; from the second half on, long prompts
-                n = SHORT_TOKENS if i < PER_HALF else LONG_TOKENS
+            for i in range(SHORT_REQUESTS + LONG_REQUESTS):  # one at a time; then long prompts
+                long = i >= SHORT_REQUESTS
                 rid = f"r{i}"
-                if n == LONG_TOKENS:
+                if long:
                     long_ids.append(rid)
-                manager.add_request([100 + (7 * j + i) % 4000 for j in range(n)], request_id=rid)
+                manager.add_request([100 + (7 * j + i) % 4000 for j in range(LONG_TOKENS if long else SHORT_TOKENS)],
+                                    request_id=rid, max_new_tokens=1 if long else SHORT_NEW_TOKENS)
                 assert manager.get_result(rid, timeout=300) is not None
             time.sleep(0.2)
             adapter.sample_now()
@@ -56,12 +66,12 @@ def test_long_prompts_halfway_are_the_attributed_cause(long_halfway_log):
     path, long_ids = long_halfway_log
     logs, _ = load([path])
     comps = {c.metric: c for c in latency.detect(logs)}
-    step = comps["step"]  # NEW_TOKENS + 1 or more steps per request: > 100 on each side
+    step = comps["step"]
     assert step.flagged, step
-    arrivals = logs.frame("request_arrived").set_index("request_id")["ts_ns"]
-    # the change point falls near the first long request (within a few requests: the split
-    # is placed between steps, and a noisy step just before the injection can pull it earlier)
-    assert arrivals[f"r{PER_HALF - 4}"] <= step.current_window_ns[0] <= arrivals[f"r{PER_HALF + 2}"]
+    # the change point is the first engine step after the first long request arrived
+    first_long_ns = logs.frame("request_arrived").set_index("request_id")["ts_ns"][long_ids[0]]
+    steps_ns = logs.frame("engine_step")["ts_ns"]
+    assert step.current_window_ns[0] == steps_ns[steps_ns > first_long_ns].min()
     causes = {c.cause: c for c in step.causes}
     assert causes["long_sequences"].supported
     assert step.causes[0].cause == "long_sequences"
