@@ -1,4 +1,4 @@
-"""The doctor's rules (``kvdiag.analysis.doctor``, when this build has it) run live over the most
+"""The doctor's rules (``kvdiag.analysis.doctor``) run live over the most
 recent events, for the alerts panel of ``kvdiag top``.
 
 The doctor works on DataFrames of whole logs; live, it gets the last ``max_events`` events
@@ -16,18 +16,13 @@ from typing import Callable, Optional
 import msgspec
 
 from kvdiag import schema as s
+from kvdiag.analysis import doctor, logs
 from kvdiag.analysis.findings import Finding
 
 
 class LiveDoctor:
     def __init__(self, max_events: int = 50_000, period_s: float = 15.0, max_share: float = 0.05,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        try:
-            from kvdiag.analysis import doctor, logs
-        except ImportError:
-            doctor = logs = None
-        self._doctor, self._logs = doctor, logs
-        self.available = doctor is not None
         self.buffer: deque[s.Event] = deque(maxlen=max_events)
         self.period_s = period_s
         self.max_share = max_share
@@ -38,12 +33,11 @@ class LiveDoctor:
         self._seen = 0
 
     def record(self, events: list[s.Event]) -> None:
-        if self.available:
-            self.buffer.extend(events)
-            self._seen += len(events)
+        self.buffer.extend(events)
+        self._seen += len(events)
 
     def due(self) -> bool:
-        return self.available and self._seen > 0 and self._clock() >= self._next
+        return self._seen > 0 and self._clock() >= self._next
 
     def take(self) -> list[s.Event]:
         """The buffered events to run on (copy them under the caller's lock, run outside it)."""
@@ -54,7 +48,7 @@ class LiveDoctor:
         """Run every rule over ``events``; returns (and keeps) the findings."""
         start = self._clock()
         try:
-            findings, _ = self._doctor.run_rules(self._frames(header, events))
+            findings, _ = doctor.run_rules(self._frames(header, events))
             self.findings = tuple(findings)
         except Exception as exc:  # a rule that breaks on partial live data must not stop top
             self.findings = (Finding("doctor.error", "n/a", "doctor rules failed on live data",
@@ -78,4 +72,4 @@ class LiveDoctor:
             df["node"] = node
             frames[tag] = df
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
-        return self._logs.Logs(headers={node: hdr}, frames=frames)
+        return logs.Logs(headers={node: hdr}, frames=frames)

@@ -1,13 +1,50 @@
-"""Shared fixtures: the real model, fetched once into the kvdiag cache and reused."""
+"""Shared fixtures (the real model, fetched once into the kvdiag cache and reused) and the CI
+rule on skips: with ``KVDIAG_CI=1`` a run fails when any test was skipped for a reason other
+than missing GPU hardware (reasons that start with :data:`HARDWARE_SKIP`)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+HARDWARE_SKIP = "needs a GPU"
+"""Prefix of the only skip reason CI accepts: hardware this machine does not have."""
+
+_unexpected_skips: list[str] = []
 
 
 @pytest.fixture(scope="session")
-def model_dir():
-    """The converted SmolLM2 folder (fetched on first use; later sessions reuse the cache)."""
-    from kvdiag.model import ensure_model
+def model_dir(pytestconfig):
+    """The converted SmolLM2 folder. The first test that needs it fetches it, with the
+    progress bar shown on the terminal (a fetch takes a minute); later sessions reuse it."""
+    from kvdiag.model import default_model_dir, model_ready
 
-    return ensure_model()
+    if model_ready():
+        return default_model_dir()
+    from kvdiag.commands.fetch_model import resolve_with_progress
+
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        return resolve_with_progress(None)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if not reason.startswith(HARDWARE_SKIP):
+            _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("KVDIAG_CI") == "1" and _unexpected_skips and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("KVDIAG_CI") == "1" and _unexpected_skips:
+        terminalreporter.section("skipped in CI (only missing GPU hardware may skip)", red=True)
+        for line in _unexpected_skips:
+            terminalreporter.write_line(line)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import psutil
-import pytest
 
 from kvdiag.eventlog import read_log
 
@@ -84,7 +83,7 @@ def test_agent_stream_reads_the_live_socket(tmp_path):
     import os
     import time
 
-    agent = pytest.importorskip("kvdiag.agent")
+    from kvdiag import agent
     from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
     from kvdiag.eventlog import make_header
     from kvdiag.schema import BlockAllocated, BlockReleased

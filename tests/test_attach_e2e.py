@@ -37,14 +37,10 @@ def tag(ev) -> str:
 
 
 @pytest.fixture(scope="module")
-def attached(tmp_path_factory):
+def attached(tmp_path_factory, model_dir):
     from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DemoServer
-    from kvdiag.model import default_model_dir, model_ready
     from kvdiag.traffic import chat
-    if not model_ready():
-        pytest.skip("SmolLM2 not fetched (kvdiag fetch-model)")
     tmp = tmp_path_factory.mktemp("attach")
-    model_dir = default_model_dir()
     server = DemoServer(model_dir, tmp / "demo.jsonl", PORT, page_size=32, num_blocks=256,
                         max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, inject_leak=LEAK_EVERY, threads=1)
 

@@ -159,7 +159,6 @@ def test_classify_known_stacks():
 
 
 def test_prometheus_parser_against_prometheus_client():
-    pytest.importorskip("prometheus_client")
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     reg = CollectorRegistry()

@@ -1,8 +1,6 @@
 """The event log: round trips, drops as gaps, bad lines, versions, and kill -9."""
 
-import gzip
 import json
-import os
 import signal
 import subprocess
 import sys

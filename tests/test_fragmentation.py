@@ -221,7 +221,7 @@ def test_recorded_cuda_snapshot_fixture():
     from kvdiag.snapshot_io import load_snapshot
     folder = Path(__file__).parent / "data" / "cuda_allocator"
     if not (folder / "snapshot.json").exists():
-        pytest.skip("no CUDA snapshot recorded yet (run benchmarks/gpu_allocator.py on a GPU)")
+        pytest.skip("needs a GPU: no CUDA snapshot recorded yet (run benchmarks/gpu_allocator.py on one)")
     snap = load_snapshot(folder / "snapshot.json")
     stats = json.loads((folder / "memory_stats.json").read_text())
     dev = fr.device_frame(snap).iloc[0]

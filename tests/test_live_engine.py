@@ -16,9 +16,7 @@ SYSTEMS = ["You are a meticulous travel agent. Answer in two sentences and alway
 QUESTIONS = ["What should I see in Lyon?", "How do I list open ports?", "Plan a day in Kyoto."]
 
 
-def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path):
-    transformers_cb = pytest.importorskip("kvdiag.collectors.transformers_cb")
-    model_mod = pytest.importorskip("kvdiag.model")
+def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path, model_dir):
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -30,10 +28,10 @@ def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path):
     from kvdiag.schema import RequestArrived
     from kvdiag.sinks import FanoutSink, ListSink
 
+    from kvdiag.collectors import transformers_cb
+
     torch.set_num_threads(1)
-    path = model_mod.default_model_dir()
-    if not model_mod.model_ready(path):
-        pytest.skip("real model not fetched: run `kvdiag fetch-model`")
+    path = model_dir
     tok = AutoTokenizer.from_pretrained(str(path))
     model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 

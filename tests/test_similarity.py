@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.model
 
 
-def _model_dir() -> Path:
-    try:
-        from kvdiag.model import default_model_dir
-        return default_model_dir()
-    except ImportError:  # before the demo's kvdiag.model is merged: the same default location
-        home = os.environ.get("KVDIAG_HOME")
-        base = Path(home) if home else Path.home() / ".cache" / "kvdiag"
-        return base / "models" / "SmolLM2-135M-Instruct"
-
-
 @pytest.fixture(scope="module")
-def model_and_tokenizer():
+def model_and_tokenizer(model_dir):
     import torch
 
     torch.set_num_threads(1)
-    path = _model_dir()
-    if not (path / "config.json").is_file():
-        pytest.skip(f"real model not fetched at {path}: run `kvdiag fetch-model`")
     from kvdiag.analysis.similarity import load_model
 
-    return load_model(str(path))
+    return load_model(str(model_dir))
 
 
 SYSTEMS = ["You are a meticulous travel agent who answers in two sentences and always names a "

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
