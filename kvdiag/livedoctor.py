@@ -21,7 +21,11 @@ from kvdiag.analysis.findings import Finding
 
 
 class LiveDoctor:
-    def __init__(self, max_events: int = 50_000, period_s: float = 15.0, max_share: float = 0.05,
+    """Runs :func:`kvdiag.analysis.doctor.run_rules` over every event seen so far (up to
+    ``max_events``; beyond, over the latest ones, and a ``collector.doctor_window`` finding
+    says so), so that at the end of a log top's alerts are the doctor's findings on that log."""
+
+    def __init__(self, max_events: int = 2_000_000, period_s: float = 15.0, max_share: float = 0.05,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.buffer: deque[s.Event] = deque(maxlen=max_events)
         self.period_s = period_s
@@ -29,15 +33,18 @@ class LiveDoctor:
         self.last_run_s: Optional[float] = None  # duration of the last run
         self.findings: tuple[Finding, ...] = ()
         self._clock = clock
-        self._next = clock() + min(period_s, 5.0)
+        self._next = clock()  # the first verdict as soon as there are events
         self._seen = 0
+        self._recorded = 0
 
     def record(self, events: list[s.Event]) -> None:
         self.buffer.extend(events)
         self._seen += len(events)
+        self._recorded += len(events)
 
-    def due(self) -> bool:
-        return self._seen > 0 and self._clock() >= self._next
+    def due(self, finished: bool = False) -> bool:
+        """New events and the period is over, or the source has ended (the final verdict)."""
+        return self._seen > 0 and (finished or self._clock() >= self._next)
 
     def take(self) -> list[s.Event]:
         """The buffered events to run on (copy them under the caller's lock, run outside it)."""
@@ -49,6 +56,12 @@ class LiveDoctor:
         start = self._clock()
         try:
             findings, _ = doctor.run_rules(self._frames(header, events))
+            dropped = self._recorded - len(events)
+            if dropped > 0:
+                findings.append(Finding("collector.doctor_window", "n/a", "rules judged recent events only",
+                                        f"the {len(events)} latest events; {dropped} earlier ones are not "
+                                        "kept live (kvdiag doctor LOG judges the whole log)",
+                                        {"events": len(events), "dropped": dropped}))
             self.findings = tuple(findings)
         except Exception as exc:  # a rule that breaks on partial live data must not stop top
             self.findings = (Finding("doctor.error", "n/a", "doctor rules failed on live data",

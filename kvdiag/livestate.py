@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from kvdiag import schema as s
 from kvdiag.analysis.findings import Finding
+from kvdiag.analysis.live_sharing import headline_config
+from kvdiag.analysis.rules import compression_verdict
 from kvdiag.snapshot import (
-    FRAGMENTATION_LIMIT,
     LOCALITY_METRICS,
     CompressionRow,
     CompressionView,
@@ -37,17 +38,6 @@ from kvdiag.snapshot import (
 )
 
 NO_SHADOW = "no shadow data: start with --shadow"
-SHARING_GAP_LIMIT = 0.10
-"""Shadow minus engine hit rate beyond which the two disagree (10 percentage points)."""
-LEAK_GRACE_NS = 5_000_000_000
-"""A finished request may release its blocks up to 5 s after its finish event."""
-REGRESSION_FACTOR = 2.0
-"""A bin's P99 is a regression when it exceeds this multiple of the median P99 of the bins
-before it (at least ``REGRESSION_MIN_BINS`` of them, at most ``REGRESSION_LOOKBACK``)."""
-REGRESSION_MIN_BINS = 5
-REGRESSION_LOOKBACK = 30
-ERROR_USE = 0.01
-ERROR_CHECK = 0.05
 LATENCY_WINDOWS = 6
 """TTFT/TPOT percentiles cover requests finished in the last 6 rate windows (60 s by default):
 P99 needs more requests than a 10 s window of a small server holds."""
@@ -63,32 +53,6 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
     return ordered[rank - 1]
-
-
-def recommend(error: float) -> str:
-    """kvdiag's default verdict on a compression error: "use" at ≤ 1%, "check" at ≤ 5%
-    (look at the per-head table and the logits test first), "avoid" above."""
-    if error <= ERROR_USE:
-        return "use"
-    if error <= ERROR_CHECK:
-        return "check"
-    return "avoid"
-
-
-def regressions(history: History) -> tuple[int, ...]:
-    """Indexes of bins whose value exceeds ``REGRESSION_FACTOR`` × the median of the
-    previous non-empty bins (needs ``REGRESSION_MIN_BINS`` of them)."""
-    flagged = []
-    previous: deque[float] = deque(maxlen=REGRESSION_LOOKBACK)
-    for i, value in enumerate(history):
-        if value is None:
-            continue
-        if len(previous) >= REGRESSION_MIN_BINS:
-            median = percentile(list(previous), 50)
-            if median and value > REGRESSION_FACTOR * median:
-                flagged.append(i)
-        previous.append(value)
-    return tuple(flagged)
 
 
 class _Series:
@@ -200,7 +164,7 @@ class LiveState:
         self.gaps = 0
         self.errors: dict[str, list] = {}
         self.status: dict[str, s.CollectorStatus] = {}
-        self.external_findings: tuple[Finding, ...] = ()  # e.g. the doctor's, run elsewhere
+        self.rule_findings: tuple[Finding, ...] = ()  # run_rules over the events so far, run by the caller
 
     # ------------------------------------------------------------------ feeding
 
@@ -430,7 +394,7 @@ class LiveState:
             memory=memory, pool=pool, sharing=sharing, compression=self._compression_view(),
             locality=self._locality_view(), latency=latency, requests=requests, health=health,
             alerts=(), finished_source=finished_source)
-        return replace(snap, alerts=self._alerts(snap, now_ns))
+        return replace(snap, alerts=self._alerts(snap))
 
     def _trim(self, first: int) -> None:
         for idx in [i for i in self.bins if i < first - self.rate_window_bins * LATENCY_WINDOWS]:
@@ -537,19 +501,13 @@ class LiveState:
         return None
 
     def _headline_key(self) -> Optional[tuple]:
-        """The shadow configuration closest to the engine's: same block size, capacity equal to
-        the engine's pool (else unbounded, else the largest), LRU preferred."""
+        """The shadow configuration closest to the engine's (the same choice as the
+        ``sharing.consistency`` rule makes)."""
         if not self.shadow:
             return None
         info = self.pool_info
-        bs = info.block_size_tokens if info else None
-        cap = info.num_blocks if info else None
-
-        def score(key: tuple) -> tuple:
-            policy, block_size, capacity = key
-            return (block_size == bs, capacity == cap, capacity is None,
-                    capacity or 0, policy.lower() == "lru", policy)
-        return max(self.shadow, key=score)
+        return headline_config(self.shadow, info.block_size_tokens if info else None,
+                               info.num_blocks if info else None)
 
     def _sharing_view(self, first: int, last: int) -> SharingView:
         engine = self._engine_hit_rate()
@@ -602,7 +560,7 @@ class LiveState:
             rows.append(CompressionRow(
                 layers=f"{lo}-{hi}" if hi > lo else str(lo), method=method, ratio=a[0] / a[6], error=a[1],
                 attn_out_error=attn, decode_us=a[4] / a[5] / 1e3 if a[5] else None, samples=a[6],
-                recommendation=recommend(attn if attn is not None else a[1])))
+                recommendation=compression_verdict(attn if attn is not None else a[1])))
         return CompressionView(rows=tuple(rows), reason="")
 
     def _locality_view(self) -> LocalityView:
@@ -640,13 +598,13 @@ class LiveState:
             tp99s.append(scaled(percentile(b.tpot_ns, 99)) if b else None)
             toks.append(self._generated(b) / self.bin_s if b else (0.0 if self.finished_count else None))
         seen = self.finished_count or self.saw_steps
-        flagged = sorted(set(regressions(tuple(p99s))) | set(regressions(tuple(tp99s))))
         return LatencyView(
             ttft_p50_ms=scaled(percentile(ttft, 50)), ttft_p99_ms=scaled(percentile(ttft, 99)),
             tpot_p50_ms=scaled(percentile(tpot, 50)), tpot_p99_ms=scaled(percentile(tpot, 99)),
             tokens_per_s=sum(self._generated(b) for b in window) / window_s if seen else None,
             ttft_p50_history=tuple(p50s), ttft_p99_history=tuple(p99s), tpot_p99_history=tuple(tp99s),
-            tokens_history=tuple(toks), regression_bins=tuple(flagged),
+            tokens_history=tuple(toks),
+            p99_verdict=next((f for f in self.rule_findings if f.rule == "p99.regression"), None),
             reason="" if seen else "no finished requests yet")
 
     def _generated(self, b: _Bin) -> float:
@@ -676,56 +634,14 @@ class LiveState:
         reason = "" if rows else "no requests seen yet"
         return RequestsView(rows=tuple(rows), live=len(self.live), finished=self.finished_count, reason=reason)
 
-    def leaked_requests(self, now_ns: int) -> list[str]:
-        """Requests that finished more than ``LEAK_GRACE_NS`` ago and still hold blocks: the
-        engine's release path did not fire for them."""
-        return [r.request_id for r in self.finished.values()
-                if r.blocks and r.finished_ns is not None and now_ns - r.finished_ns > LEAK_GRACE_NS]
-
-    def _alerts(self, snap: Snapshot, now_ns: int) -> tuple[Finding, ...]:
-        out: list[Finding] = []
-        pool, mem = snap.pool, snap.memory
-        pct = FRAGMENTATION_LIMIT * 100
-        if pool.pool_fragmentation is not None:
-            f = pool.pool_fragmentation
-            out.append(Finding("pool.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
-                               "KV pool fragmentation now",
-                               f"{f:.1%} of held slots empty (rule < {pct:.0f}%)",
-                               {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
-        if pool.allocator_fragmentation is not None:
-            f = pool.allocator_fragmentation
-            out.append(Finding("allocator.fragmentation", "warn" if f > FRAGMENTATION_LIMIT else "pass",
-                               "allocator fragmentation now",
-                               f"{f:.1%} of reserved unallocated (rule < {pct:.0f}%)",
-                               {"fragmentation": f, "limit": FRAGMENTATION_LIMIT}))
-        if pool.inconsistency:
-            out.append(Finding("pool.sample_consistency", "warn", "KV pool samples inconsistent",
-                               pool.inconsistency, {}))
-        leaked = self.leaked_requests(now_ns)
-        if leaked:
-            out.append(Finding("leak.release_paths", "fail", "blocks held by finished requests",
-                               f"{len(leaked)} finished requests still hold blocks",
-                               {"request_ids": leaked[:20]}))
-        sharing = snap.sharing
-        if sharing.gap is not None:
-            bad = abs(sharing.gap) > SHARING_GAP_LIMIT
-            out.append(Finding("sharing.consistency", "warn" if bad else "pass",
-                               "engine vs shadow hit rate",
-                               f"shadow {sharing.shadow_hit_rate:.1%} vs engine {sharing.engine_hit_rate:.1%}"
-                               f" (gap {sharing.gap:+.1%}, limit ±{SHARING_GAP_LIMIT:.0%})",
-                               {"gap": sharing.gap}))
-        recent = [i for i in snap.latency.regression_bins if i >= self.history_bins - self.rate_window_bins * 3]
-        if recent:
-            out.append(Finding("latency.p99_regression", "warn", "P99 latency regression",
-                               f"{len(recent)} recent bins above {REGRESSION_FACTOR:g}x median P99",
-                               {"bins": recent}))
-        if self.preemptions:
-            out.append(Finding("pool.preemptions", "warn", "requests preempted for lack of KV blocks",
-                               f"{self.preemptions} preemptions", {"preemptions": self.preemptions}))
-        ooms = sum(a.num_ooms for a in self.allocator.values())
-        if ooms:
-            out.append(Finding("allocator.oom", "fail", "allocator out-of-memory", f"{ooms} OOMs",
-                               {"num_ooms": ooms}))
+    def _alerts(self, snap: Snapshot) -> tuple[Finding, ...]:
+        """The rules' findings (:func:`kvdiag.analysis.doctor.run_rules`, run by the caller
+        over the events seen so far, in ``rule_findings``), then collector health: events
+        dropped, collector errors and collectors not available here."""
+        out: list[Finding] = list(self.rule_findings)
+        if snap.pool.inconsistency:
+            out.append(Finding("collector.pool_samples", "warn", "KV pool samples inconsistent",
+                               snap.pool.inconsistency, {}))
         if snap.health.dropped_events or snap.health.gaps:
             out.append(Finding("collector.gaps", "warn", "collector gaps",
                                f"{snap.health.dropped_events} events dropped in {snap.health.gaps} gaps",
@@ -736,8 +652,6 @@ class LiveState:
         for collector, hint in snap.health.unavailable:
             out.append(Finding(f"collector.unavailable.{collector}", "n/a", f"{collector} unavailable",
                                hint or "not available on this host", {}))
-        external = {f.rule for f in self.external_findings}
-        out = [f for f in out if f.rule not in external] + list(self.external_findings)
         order = {"fail": 0, "warn": 1, "n/a": 2, "pass": 3}
         return tuple(sorted(out, key=lambda f: order[f.status]))
 

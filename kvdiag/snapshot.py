@@ -17,9 +17,6 @@ from kvdiag.analysis.findings import Finding
 
 History = tuple[Optional[float], ...]
 
-FRAGMENTATION_LIMIT = 0.15
-"""The rule of thumb under test: fragmentation should stay under 15%."""
-
 
 @dataclass(frozen=True, slots=True)
 class MemoryView:
@@ -107,7 +104,7 @@ class CompressionRow:
     attn_out_error: Optional[float]
     decode_us: Optional[float]
     samples: int
-    recommendation: str  # "use", "check" or "avoid" (see livestate.recommend)
+    recommendation: str  # "use", "check" or "avoid" (kvdiag.analysis.rules.compression_verdict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +133,7 @@ class LocalityView:
 class LatencyView:
     """TTFT and per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) of requests
     finished in the latency window (livestate.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
-    and the bins flagged as P99 regressions (see livestate.regressions)."""
+    (whether P99 regressed is the ``p99.regression`` rule's verdict, among the alerts)."""
 
     ttft_p50_ms: Optional[float]
     ttft_p99_ms: Optional[float]
@@ -147,7 +144,7 @@ class LatencyView:
     ttft_p99_history: History
     tpot_p99_history: History
     tokens_history: History
-    regression_bins: tuple[int, ...]  # indexes into the histories
+    p99_verdict: Optional[Finding]  # the p99.regression rule's latest finding (None before its first run)
     reason: str
 
 

@@ -83,11 +83,13 @@ def events(n_requests=120, seed=0, leak_ids=(), long_from=None, t0=1_700_000_000
                 out.append(s.ShadowCompression(ts_ns=t0 + 2 * 10**9, layer=layer, head=head, method=method,
                                                seq_len_tokens=600, ratio=ratio, k_rel_error=err,
                                                v_rel_error=err, decode_ns=50_000))
-    for cap in (50, 100, None):
+    finished = [e for e in out if isinstance(e, s.RequestFinished)]
+    engine = sum(e.cached_prompt_tokens for e in finished) / sum(e.prompt_tokens for e in finished)
+    for cap in (50, 100, None):  # unbounded: the content allows what the engine hit, and 2 points more
         out.append(s.ShadowSharing(ts_ns=t0 + 20 * 10**9, policy="lru", block_size_tokens=BLOCK,
                                    capacity_blocks=cap, requests=n_requests, block_hit_rate=0.3,
-                                   token_hit_rate=0.2 if cap == 50 else 0.3, bytes_saved=10**7,
-                                   engine_hit_rate=0.18))
+                                   token_hit_rate=engine - 0.1 if cap == 50 else engine + 0.02,
+                                   bytes_saved=10**7, engine_hit_rate=engine))
     out.append(s.CollectorStatus(ts_ns=t0, collector="nvml", available=False, hint="no GPU"))
     return sorted(out, key=lambda e: e.ts_ns)
 

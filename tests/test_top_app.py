@@ -35,12 +35,13 @@ def make_app(path, seconds=40.0, tmp_path=None, **kwargs):
 
 
 async def wait_snapshots(pilot, app, n=1):
-    for _ in range(200):
-        if app.snapshots_built >= n:
+    """Until ``n`` snapshots were shown and the last one carries the rules' first verdicts."""
+    for _ in range(500):
+        if app.snapshots_built >= n and app.rule_runs and app.snapshot.alerts:
             await pilot.pause()
             return
         await pilot.pause(0.02)
-    raise AssertionError("no snapshot arrived")
+    raise AssertionError("no snapshot with the rules' verdicts arrived")
 
 
 def panel_text(app, cls) -> str:

@@ -120,6 +120,7 @@ class KvTopApp(App):
             self.state.set_header(source.header)
         self.interval_s = interval_s
         self.doctor = LiveDoctor()
+        self.rule_runs = 0  # runs of the rules over the events so far
         self._doctor_lock = threading.Lock()
         self.output_dir = Path(output_dir)
         self.snapshot: Optional[Snapshot] = None
@@ -188,20 +189,25 @@ class KvTopApp(App):
             self.post_message(SnapshotFailed(f"{type(exc).__name__}: {exc}"))
             return
         self.post_message(SnapshotReady(snap))
-        if self.doctor.due() and self._doctor_lock.acquire(blocking=False):
+        if self.doctor.due(self.source.finished) and self._doctor_lock.acquire(blocking=False):
             try:
                 self._run_doctor()
             finally:
                 self._doctor_lock.release()
+            with self._lock:  # the new verdicts now, not a refresh interval later
+                snap = self.state.snapshot(self.source.now_ns(), paused=self.source.paused,
+                                           finished_source=self.source.finished)
+            self.post_message(SnapshotReady(snap))
 
     def _run_doctor(self) -> None:
-        """The doctor's rules over recent events, outside the lock (its findings show from
-        the next snapshot on)."""
+        """The rules over the events so far, outside the lock (their findings show from the
+        next snapshot on; at the end of a log, the doctor's verdict on that log)."""
         with self._lock:
             events, header = self.doctor.take(), self.state.header
         findings = self.doctor.run(header, events)
         with self._lock:
-            self.state.external_findings = findings
+            self.state.rule_findings = findings
+            self.rule_runs += 1
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         self.snapshot = message.snapshot

@@ -11,7 +11,8 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widget import Widget
 
-from kvdiag.snapshot import FRAGMENTATION_LIMIT, LOCALITY_METRICS, Snapshot
+from kvdiag.analysis.rules import FRAGMENTATION_LIMIT, within_fragmentation_limit
+from kvdiag.snapshot import LOCALITY_METRICS, Snapshot
 from kvdiag.tui.render import (
     NA,
     bar,
@@ -22,7 +23,6 @@ from kvdiag.tui.render import (
     heat_char,
     heat_style,
     line,
-    markers,
     sparkline,
 )
 
@@ -131,10 +131,10 @@ class PoolPanel(Panel):
         p = snap.pool
         if p.reason:
             return _reason(p.reason, width)
-        frag_style = BAD if (p.pool_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
-        afrag_style = BAD if (p.allocator_fragmentation or 0) > FRAGMENTATION_LIMIT else GOOD
+        frag_style = GOOD if within_fragmentation_limit(p.pool_fragmentation or 0) else BAD
+        afrag_style = GOOD if within_fragmentation_limit(p.allocator_fragmentation or 0) else BAD
         used = f"{p.blocks_used}/{p.num_blocks if p.num_blocks else '?'}"
-        rule = lambda f: "✓" if f <= FRAGMENTATION_LIMIT else "✗"  # noqa: E731
+        rule = lambda f: "✓" if within_fragmentation_limit(f) else "✗"  # noqa: E731
         rows = [
             _spark(f"blocks  {used:>8} {fmt_pct(p.block_occupancy, 0):>4} ", p.occupancy_history, width,
                    "magenta", lo=0, hi=1),
@@ -301,7 +301,6 @@ class LatencyPanel(Panel):
         lat = snap.latency
         if lat.reason:
             return _reason(lat.reason, width)
-        n = len(lat.ttft_p99_history)
         rows = [
             _spark(f"TTFT p50 {fmt_ms(lat.ttft_p50_ms):>6} p99 {fmt_ms(lat.ttft_p99_ms):>6} ", lat.ttft_p99_history,
                    width, "yellow", lo=0),
@@ -309,16 +308,12 @@ class LatencyPanel(Panel):
                    width, "yellow", lo=0),
             _spark(f"tokens/s {fmt_num(lat.tokens_per_s):>6}{'':12}", lat.tokens_history, width, "green", lo=0),
         ]
-        prefix = len(f"TTFT p50 {'':>6} p99 {'':>6} ")
-        spark_w = max(0, width - prefix)
-        shown = min(spark_w, n)
-        recent = [i for i in lat.regression_bins if i >= n - shown]
-        if recent:
-            rows.append(line(f"{'P99 jumps':<{prefix}}", (markers(n, recent, spark_w), BAD)))
-            ago = [(n - 1 - i) * snap.bin_s for i in recent[-3:]]
-            rows.append(line(("regression " + ", ".join(f"-{a:.0f}s" for a in ago), WARN)))
+        verdict = lat.p99_verdict
+        if verdict is None:
+            rows.append(line(("P99 check: waiting for the rules' first run", DIM)))
         else:
-            rows.append(line(("no P99 regression in view", DIM)))
+            style = {"fail": BAD, "warn": WARN, "pass": GOOD}.get(verdict.status, DIM)
+            rows.append(line((f"P99 {verdict.status}: {verdict.message}", style)))
         return rows
 
 

@@ -21,16 +21,11 @@ import numpy as np
 
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
+from kvdiag.analysis.rules import (FRAGMENTATION_RISE, HIT_RATE_DROP, HIT_RATE_FLUCTUATION, LONG_SHARE,
+                                   PRESSURE_HIGH, RATE_RATIO)
 from kvdiag.schema import (BlockEvicted, EngineMetrics, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowCompression)
 
-# what counts as "rose" or "dropped": absolute changes of fractions, ratios of rates
-HIT_RATE_DROP = 0.05
-HIT_RATE_FLUCTUATION = 0.05
-LONG_SHARE = 0.05
-RATE_RATIO = 1.5
-PRESSURE_HIGH = 0.90
-FRAGMENTATION_RISE = 0.05
 
 
 @dataclass

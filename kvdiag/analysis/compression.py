@@ -8,7 +8,7 @@ step: ``encode_us`` / ``decode_us`` = mean over (step, layer) of the sum over kv
 ``encode_ns`` / ``decode_ns``, in microseconds.
 
 Recommendation per group: among the methods whose mean error (``attn_out_rel_error`` by
-default) is within the budget, the one with the highest ratio (fewest bytes), ties broken by
+default) is within the budget (:data:`kvdiag.analysis.rules.COMPRESSION_ERROR_BUDGET`), the one with the highest ratio (fewest bytes), ties broken by
 decode cost; sparse methods qualify only when the group's median sequence length is at least
 ``sparse_min_tokens`` (the article: 512).
 """
@@ -20,6 +20,7 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
+from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
 
 ARTICLE_GROUPS = "1-6,7-12,13+"
 SPARSE_METHODS = ("topk_norm", "h2o", "streaming")  # kvdiag.kernels.methods, without torch
@@ -87,7 +88,7 @@ def compression_table(events: pd.DataFrame, groups: str = ARTICLE_GROUPS) -> pd.
     return out[TABLE_COLUMNS].reset_index(drop=True)
 
 
-def recommend(table: pd.DataFrame, error_budget: float = 0.03, error: str = "attn_out_rel_error",
+def recommend(table: pd.DataFrame, error_budget: float = COMPRESSION_ERROR_BUDGET, error: str = "attn_out_rel_error",
               sparse_min_tokens: int = 512) -> pd.DataFrame:
     """Per group, the cheapest method within ``error_budget`` (module docstring)."""
     rows = []

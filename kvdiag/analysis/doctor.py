@@ -1,11 +1,17 @@
-"""The article's two checklists as rules over a log, each a :class:`Finding`.
+"""The article's two checklists and kvdiag's own checks as rules over events, each a
+:class:`Finding`. Thresholds and verdicts come from :mod:`kvdiag.analysis.rules`; ``doctor``,
+``report`` and ``top``'s alerts all call :func:`run_rules`.
 
 Memory leak: ``leak.memory_growth`` (process memory grows without matching KV growth),
 ``leak.release_paths`` (finished requests whose blocks were never given back),
-``leak.fragmentation`` (pool fragmentation >= 15%), ``leak.oom`` (OOMs, allocator retries).
+``leak.double_release``, ``leak.pool_growth`` (:mod:`kvdiag.analysis.leaks`),
+``fragmentation.kv_pool`` / ``fragmentation.allocator`` (:mod:`kvdiag.analysis.fragmentation`),
+``leak.oom`` (OOMs, allocator retries).
 P99 spike: ``p99.regression`` (a P99 shift inside the log or against a baseline) and one
 ``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.analysis.causes`).
 Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs free blocks).
+Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's, measured by
+the shadow cache at the engine's settings). Pool: ``pool.preemptions``.
 """
 
 from __future__ import annotations
@@ -16,30 +22,19 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from kvdiag.analysis import fragmentation as _fragmentation
 from kvdiag.analysis import latency
+from kvdiag.analysis import leaks as _leaks
+from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
+from kvdiag.analysis.live_sharing import headline_config
 from kvdiag.analysis.logs import Logs
-from kvdiag.analysis.memory import (allocator_fragmentation, cum_at, growth, kv_pool_bytes,
-                                    pool_occupancy)
-from kvdiag.analysis.requests import block_counts
-from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockEvicted, BlockReleased,
-                           EngineStep, KVPoolInfo, KVPoolSample, NvmlSample, PrefixHit,
-                           ProcessSample, RequestArrived, RequestFinished)
+from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
+from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
+                           BlockReleased, EngineMetrics, EngineStep, KVPoolInfo, KVPoolSample,
+                           NvmlSample, PrefixHit, ProcessSample, RequestArrived, RequestFinished,
+                           RequestPreempted, ShadowSharing)
 
-try:  # richer analyses of the collectors work, used when present
-    from kvdiag.analysis import fragmentation as _fragmentation
-except ImportError:
-    _fragmentation = None
-try:
-    from kvdiag.analysis import leaks as _leaks
-except ImportError:
-    _leaks = None
-
-FRAGMENTATION_LIMIT = 0.15
-GROWTH_WARN = (0.05, 32 << 20)  # unexplained growth: share of the start and bytes, both met
-GROWTH_FAIL = (0.10, 128 << 20)
-RELEASE_GRACE_NS = 2_000_000_000  # a request finished this long before the log's end must have released
-PRESSURE_WARN = 0.8  # blocks the active requests still need / free blocks
 _NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
 
 
@@ -84,39 +79,17 @@ def memory_growth(logs: Logs) -> Finding:
         kv_growth += growth(g["ts_ns"].to_numpy(), (g["used_bytes"] + g["cached_bytes"]).to_numpy()) or 0.0
     unexplained = mem_growth - max(kv_growth, 0.0)
     share = unexplained / start if start > 0 else 0.0
-    status = "pass"
-    if share >= GROWTH_FAIL[0] and unexplained >= GROWTH_FAIL[1]:
-        status = "fail"
-    elif share >= GROWTH_WARN[0] and unexplained >= GROWTH_WARN[1]:
-        status = "warn"
+    status = rules.growth_status(share, unexplained)
     return Finding("leak.memory_growth", status, title,
                    f"{label} grew {mem_growth / 2**20:+.1f} MiB, KV cache {kv_growth / 2**20:+.1f} MiB: "
                    f"{unexplained / 2**20:+.1f} MiB ({share:+.1%}) unexplained "
-                   f"(fail at >= {GROWTH_FAIL[0]:.0%} and {GROWTH_FAIL[1] >> 20} MiB)",
+                   f"(fail at >= {rules.GROWTH_FAIL[0]:.0%} and {rules.GROWTH_FAIL[1] >> 20} MiB)",
                    {"source": label, "memory_growth_bytes": mem_growth, "kv_growth_bytes": kv_growth,
                     "unexplained_bytes": unexplained, "start_bytes": start, "share": share})
 
 
-def unreleased_blocks(logs: Logs, grace_ns: int = RELEASE_GRACE_NS) -> pd.DataFrame:
-    """Finished requests (finished at least ``grace_ns`` before their node's last event)
-    that hold more blocks (allocated + reused) than they released: node, request_id,
-    finished_ns, blocks_held, blocks_released, unreleased_blocks."""
-    fin = logs.frame(RequestFinished)
-    cols = ["node", "request_id", "finished_ns", "blocks_held", "blocks_released", "unreleased_blocks"]
-    if fin.empty:
-        return pd.DataFrame(columns=cols)
-    last = logs.last_ts_ns()
-    fin = fin[["node", "request_id", "ts_ns"]].drop_duplicates(["node", "request_id"], keep="last")
-    fin = fin[fin["ts_ns"] <= fin["node"].map(last) - grace_ns]
-    df = fin.rename(columns={"ts_ns": "finished_ns"}).merge(
-        block_counts(logs), on=["node", "request_id"], how="left").fillna(0)
-    df["blocks_held"] = df["blocks_allocated"] + df["blocks_reused"]
-    df["unreleased_blocks"] = df["blocks_held"] - df["blocks_released"]
-    return df.loc[df["unreleased_blocks"] > 0, cols].reset_index(drop=True)
-
-
 _LEDGER_EVENTS = (RequestArrived, RequestFinished, KVPoolInfo, BlockAllocated, PrefixHit,
-                  BlockReleased, BlockEvicted)
+                  BlockDeduplicated, BlockReleased, BlockEvicted)
 
 
 def _events(logs: Logs, node: str, classes) -> list:
@@ -133,66 +106,37 @@ def _events(logs: Logs, node: str, classes) -> list:
 
 
 def release_paths(logs: Logs) -> list[Finding]:
-    """Every finished request gave back every block it held: the leaks analysis's rules per
-    node when it is installed, else :func:`unreleased_blocks`."""
-    if _leaks is not None and hasattr(_leaks, "leak_findings"):
-        kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
-        found = [f for node in logs.nodes for f in _leaks.leak_findings(
-            _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node],
-            now_ns=last[node])]  # judged at the log's end, not at the last block event
-        # the checklist's rule keeps its id (top's alerts and scripts key on it)
-        return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
-                for f in found]
-    return [_release_paths(logs)]
-
-
-def _release_paths(logs: Logs) -> Finding:
-    title = "release paths fire for finished requests"
+    """Every finished request gave back every block it held, no block was released twice, and
+    occupancy does not grow at constant load: :func:`kvdiag.analysis.leaks.leak_findings` per
+    node, judged at the node's last event (not at its last block event)."""
     if not logs.has(BlockAllocated) and not logs.has(PrefixHit):
-        return Finding("leak.release_paths", "n/a", title, "no block events in the log")
-    bad = unreleased_blocks(logs)
-    n_fin = len(logs.frame(RequestFinished))
-    if bad.empty:
-        return Finding("leak.release_paths", "pass", title,
-                       f"all {n_fin} finished requests released their blocks",
-                       {"finished_requests": n_fin})
-    ids = bad["request_id"].tolist()
-    return Finding("leak.release_paths", "fail", title,
-                   f"{len(bad)} of {n_fin} finished requests never released "
-                   f"{int(bad['unreleased_blocks'].sum())} blocks: {', '.join(map(str, ids[:10]))}"
-                   + (" ..." if len(ids) > 10 else ""),
-                   {"requests": ids, "unreleased_blocks": int(bad["unreleased_blocks"].sum()),
-                    "per_request": bad.to_dict("records")[:100], "finished_requests": n_fin})
+        return [Finding("leak.release_paths", "n/a", "release paths fire for finished requests",
+                        "no block events in the log")]
+    kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
+    found = [f for node in logs.nodes for f in _leaks.leak_findings(
+        _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node])]
+    # the checklist's rule keeps its id (top's alerts and scripts key on it)
+    return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
+            for f in found]
 
 
 def fragmentation(logs: Logs) -> list[Finding]:
     """Pool fragmentation (empty token slots / token slots of used blocks, over all samples)
-    and the allocator's, against 15%."""
+    and the allocator's, against :data:`kvdiag.analysis.rules.FRAGMENTATION_LIMIT`."""
     out = []
-    if _fragmentation is not None:
-        kp, al = logs.frame(KVPoolSample), logs.frame(AllocatorSample)
-        for node in logs.nodes:
-            bs = logs.block_size_tokens(node)
-            if bs and (kp["node"] == node).any():
-                pool = _fragmentation.kv_pool_frame(kp[kp["node"] == node], bs, logs.bytes_per_token(node))
-                out.append(_fragmentation.kv_pool_fragmentation_finding(pool))
-            if (al["node"] == node).any():
-                out.append(_fragmentation.allocator_fragmentation_finding(samples=al[al["node"] == node]))
-        if out:
-            return out
-    title = f"KV pool fragmentation under {FRAGMENTATION_LIMIT:.0%}"
-    occ = pool_occupancy(logs)
-    occ = occ[occ["blocks_used"] > 0]
-    if occ.empty or occ["token_occupancy"].isna().all():
-        return [Finding("fragmentation.kv_pool", "n/a", title, "no KV pool samples with blocks in use")]
-    occ = occ[occ["token_occupancy"].notna()]
-    value = float(occ["fragmentation"].mean())
-    basis = ", ".join(sorted(occ["basis"].unique()))
-    return [Finding("fragmentation.kv_pool", "pass" if value < FRAGMENTATION_LIMIT else "warn", title,
-                    f"empty slots {value:.1%} of used token slots (mean over {len(occ)} samples, "
-                    f"slots counted {basis}; limit {FRAGMENTATION_LIMIT:.0%})",
-                    {"value": value, "samples": len(occ), "limit": FRAGMENTATION_LIMIT, "basis": basis,
-                     "worst_value": float(occ["fragmentation"].max())})]
+    kp, al = logs.frame(KVPoolSample), logs.frame(AllocatorSample)
+    for node in logs.nodes:
+        bs = logs.block_size_tokens(node)
+        if bs and (kp["node"] == node).any():
+            pool = _fragmentation.kv_pool_frame(kp[kp["node"] == node], bs, logs.bytes_per_token(node))
+            out.append(_fragmentation.kv_pool_fragmentation_finding(pool))
+        if (al["node"] == node).any():
+            out.append(_fragmentation.allocator_fragmentation_finding(samples=al[al["node"] == node]))
+    if not out:
+        out.append(Finding("fragmentation.kv_pool", "n/a",
+                           f"KV pool fragmentation (empty slots in used blocks) under {rules.FRAGMENTATION_LIMIT:.0%}",
+                           "no KV pool samples with the block size known"))
+    return out
 
 
 def ooms(logs: Logs) -> Finding:
@@ -219,7 +163,7 @@ def ooms(logs: Logs) -> Finding:
 
 
 def p99(logs: Logs, baseline: Optional[Logs] = None,
-        threshold: float = latency.DEFAULT_THRESHOLD) -> tuple[list[Finding], list[latency.Comparison]]:
+        threshold: float = rules.P99_THRESHOLD) -> tuple[list[Finding], list[latency.Comparison]]:
     """``p99.regression``: fail when any latency's P99 regressed past ``threshold`` (module
     :mod:`kvdiag.analysis.latency`); one ``p99.<cause>`` per candidate cause: warn when it
     is supported for a flagged regression, pass otherwise."""
@@ -336,7 +280,7 @@ def memory_pressure(logs: Logs) -> Finding:
     worst = fc.loc[fc["need_ratio"].idxmax()]
     last = fc.iloc[-1]
     r = float(worst["need_ratio"])
-    status = "fail" if r > 1 else "warn" if r > PRESSURE_WARN else "pass"
+    status = rules.pressure_status(r)
     ttf = float(fc["time_to_full_s"].min())
     return Finding("forecast.memory_pressure", status, title,
                    f"peak need {worst['needed_blocks']:.0f} blocks vs {worst['free_blocks']:.0f} free "
@@ -352,9 +296,79 @@ def memory_pressure(logs: Logs) -> Finding:
                     "last_active_requests": float(last["active_requests"])})
 
 
+def engine_hit_rate(logs: Logs, node: str) -> Optional[float]:
+    """The engine's own prefix hit rate on ``node``: prompt tokens it served from its cache /
+    prompt tokens, over requests that finished normally; else its metrics' counters."""
+    fin = logs.frame(RequestFinished)
+    fin = fin[(fin["node"] == node) & (fin["status"] == "finished")]
+    prompt = float(fin["prompt_tokens"].sum()) if len(fin) else 0.0
+    if prompt:
+        return float(fin["cached_prompt_tokens"].sum()) / prompt
+    em = logs.frame(EngineMetrics)
+    em = em[em["node"] == node]
+    if len(em):
+        last = em.iloc[-1]
+        queries = last.get("prefix_cache_queries_tokens")
+        if queries is not None and pd.notna(queries) and queries:
+            hits = last.get("prefix_cache_hits_tokens")
+            return float(hits if hits is not None and pd.notna(hits) else 0.0) / float(queries)
+    return None
+
+
+def sharing_consistency(logs: Logs) -> Finding:
+    """``sharing.consistency``: the content's hit rate (the shadow cache configured closest
+    to the engine: :func:`kvdiag.analysis.live_sharing.headline_config`, its latest value)
+    minus the engine's own (:func:`engine_hit_rate`); the node with the largest gap decides."""
+    title = "engine prefix hit rate matches the content's"
+    sh = logs.frame(ShadowSharing)
+    if sh.empty:
+        return Finding("sharing.consistency", "n/a", title, "no shadow sharing events (the agent records them)")
+    info = logs.frame(KVPoolInfo)
+    worst: Optional[dict] = None
+    for node in logs.nodes:
+        mine = sh[sh["node"] == node]
+        if mine.empty:
+            continue
+        latest = {(r.policy, r.block_size_tokens, None if pd.isna(r.capacity_blocks) else int(r.capacity_blocks)): r
+                  for r in mine.sort_values("ts_ns", kind="stable").itertuples()}
+        pool = info[info["node"] == node]
+        last_info = pool.iloc[-1] if len(pool) else None
+        key = headline_config(latest, None if last_info is None else int(last_info["block_size_tokens"]),
+                              None if last_info is None else int(last_info["num_blocks"]))
+        head = latest[key]
+        engine = engine_hit_rate(logs, node)
+        if engine is None and pd.notna(head.engine_hit_rate):
+            engine = float(head.engine_hit_rate)
+        if engine is None:
+            continue
+        gap = float(head.token_hit_rate) - engine
+        if worst is None or abs(gap) > abs(worst["gap"]):
+            worst = {"node": node, "gap": gap, "engine_hit_rate": engine,
+                     "shadow_hit_rate": float(head.token_hit_rate), "policy": key[0],
+                     "block_size_tokens": int(key[1]), "capacity_blocks": key[2],
+                     "limit": rules.SHARING_GAP_LIMIT}
+    if worst is None:
+        return Finding("sharing.consistency", "n/a", title, "no engine hit rate to compare with")
+    return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title,
+                   f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
+                   f"(gap {worst['gap']:+.1%}, limit ±{rules.SHARING_GAP_LIMIT:.0%})", worst)
+
+
+def preemptions(logs: Logs) -> Finding:
+    """``pool.preemptions``: requests the engine preempted for lack of KV blocks (warn on any)."""
+    title = "no request preempted for lack of KV blocks"
+    pre = logs.frame(RequestPreempted)
+    if not logs.has(RequestFinished) and pre.empty:
+        return Finding("pool.preemptions", "n/a", title, "no request events")
+    if pre.empty:
+        return Finding("pool.preemptions", "pass", title, "0 preemptions recorded", {"preemptions": 0})
+    return Finding("pool.preemptions", "warn", title, f"{len(pre)} preemptions",
+                   {"preemptions": int(len(pre)), "requests": pre["request_id"].astype(str).unique().tolist()[:20]})
+
+
 def run_rules(logs: Logs, baseline: Optional[Logs] = None) -> tuple[list[Finding], list[latency.Comparison]]:
-    """All rules of both checklists and the forecast; also the latency comparisons behind
-    the P99 rules (for reports)."""
+    """All rules of both checklists, the forecast, sharing and the pool; also the latency
+    comparisons behind the P99 rules (for reports)."""
     findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs)]
     p, comps = p99(logs, baseline)
-    return findings + p + [memory_pressure(logs)], comps
+    return findings + p + [memory_pressure(logs), sharing_consistency(logs), preemptions(logs)], comps

@@ -28,10 +28,8 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis.findings import Finding
+from kvdiag.analysis.rules import FRAGMENTATION_LIMIT, fragmentation_status
 from kvdiag.schema import BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased, Event, KVPoolInfo, PrefixHit
-
-FRAGMENTATION_LIMIT = 0.15
-"""The source article's rule of thumb: pool fragmentation should stay under 15%."""
 
 SMALL_ALLOC_MAX_BYTES = 1 << 20
 """torch serves requests up to 1 MiB from the small pool, larger ones from the large pool."""
@@ -401,7 +399,7 @@ def allocator_fragmentation_finding(snapshot: Optional[dict] = None,
     else:
         return Finding("fragmentation.allocator", "n/a", title,
                        "no CUDA allocator data (no snapshot, no allocator samples)", {"limit": limit})
-    status = "pass" if value < limit else "warn"
+    status = fragmentation_status(value, limit)
     return Finding("fragmentation.allocator", status, title,
                    f"{what}: {value:.1%} (limit {limit:.0%})", evidence)
 
@@ -428,7 +426,7 @@ def kv_pool_fragmentation_finding(pool: pd.DataFrame, limit: float = FRAGMENTATI
                 "samples": int(len(used)), "worst_ts_ns": int(worst["ts_ns"]),
                 "worst_value": float(worst["empty_slots_tokens"] / worst["token_slots"]), "limit": limit,
                 "inconsistent_samples": bad}
-    status = "pass" if value < limit else "warn"
+    status = fragmentation_status(value, limit)
     return Finding("fragmentation.kv_pool", status, title,
                    f"empty slots {value:.1%} of used token slots over {len(used)} samples (limit {limit:.0%})",
                    evidence)

@@ -29,6 +29,7 @@ import pandas as pd
 
 from kvdiag.analysis.causes import Cause, attribute
 from kvdiag.analysis.logs import Logs
+from kvdiag.analysis.rules import P99_THRESHOLD
 from kvdiag.schema import EngineStep, RequestArrived, RequestFinished, RequestFirstToken
 
 Metric = Literal["ttft", "per_token", "step"]
@@ -36,7 +37,7 @@ METRICS: tuple[Metric, ...] = ("ttft", "per_token", "step")
 METRIC_LABELS = {"ttft": "time to first token", "per_token": "time per output token",
                  "step": "engine step duration"}
 QUANTILES = (0.5, 0.95, 0.99)
-DEFAULT_THRESHOLD = 0.10
+DEFAULT_THRESHOLD = P99_THRESHOLD  # kvdiag.analysis.rules
 MIN_SAMPLES = 20  # fewer samples than this: no percentile is reported
 MIN_P99_SAMPLES = 100  # below this the P99 is the sample maximum, whose bootstrap is unreliable
 

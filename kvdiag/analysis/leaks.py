@@ -19,10 +19,11 @@ from typing import Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis.findings import Finding
+from kvdiag.analysis.rules import RELEASE_GRACE_NS
 from kvdiag.blockledger import BlockLedger
 from kvdiag.schema import Event
 
-DEFAULT_GRACE_S = 5.0
+DEFAULT_GRACE_S = RELEASE_GRACE_NS / 1e9
 MAX_NAMED = 20  # requests/blocks listed in a finding's evidence
 
 REQUEST_COLUMNS = [

@@ -42,6 +42,18 @@ from kvdiag.sinks import NullSink, Sink
 _MAX_BEFORE_POOL = 1024
 
 
+def headline_config(keys: Iterable[tuple], block_size_tokens: Optional[int],
+                    num_blocks: Optional[int]) -> tuple:
+    """Of the shadow configurations ``keys`` (policy, block size, capacity or None), the one
+    closest to the engine's own: same block size, capacity equal to the engine's pool (else
+    unbounded, else the largest), LRU preferred. Its hit rate is what the content allows."""
+    def score(key: tuple) -> tuple:
+        policy, block_size, capacity = key
+        return (block_size == block_size_tokens, capacity == num_blocks, capacity is None,
+                capacity or 0, policy.lower() == "lru", policy)
+    return max(keys, key=score)
+
+
 @dataclass(frozen=True)
 class ShadowConfig:
     """One what-if cache: policy (not ``opt``: the future is unknown live), block size in

@@ -90,6 +90,7 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
     from rich.table import Table
 
     from kvdiag.analysis import compression, locality
+    from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
     from kvdiag.eventlog import read_log
 
     log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
@@ -120,7 +121,8 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
             show("Shadow compression by layer group (1-based): mean relative errors (K, V, attention "
                  "output), attention TV distance, microseconds per layer-step",
                  table[list(cols)].rename(columns=cols))
-            show("Recommendation per layer group (attn_out_rel_error <= 0.03)", compression.recommend(table))
+            show(f"Recommendation per layer group (attn_out_rel_error <= {COMPRESSION_ERROR_BUDGET:g})",
+                 compression.recommend(table))
         s = locality.summary(log.frame("shadow_locality"))
         if s:
             print(f"attention locality: recent-20% mass {s['recent_mass']:.3f}, sinks {s['sink_mass']:.3f}, "

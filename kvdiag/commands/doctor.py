@@ -7,16 +7,21 @@ import json
 import math
 import sys
 
+from kvdiag.analysis import rules
 from kvdiag.commands._logs import LogFormatError, fail, read_logs
 
-DESCRIPTION = """Run the two checklists on a recorded log (or several: one per node):
+DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts
+are these same rules over the events it has seen (kvdiag/analysis/rules.py defines them):
 
 memory leak   memory grows without matching KV growth; release paths not firing for finished
-              requests; pool fragmentation >= 15%; OOMs and allocator retries
-P99 spike     a P99 rise beyond +10% (inside the log, or against --baseline), attributed to:
+              requests (within {rules.RELEASE_GRACE_NS / 1e9:g} s); blocks released twice; occupancy growing at
+              constant load; fragmentation >= {rules.FRAGMENTATION_LIMIT:.0%}; OOMs and allocator retries
+P99 spike     a P99 rise beyond {rules.P99_THRESHOLD:+.0%} (inside the log, or against --baseline), attributed to:
               compression path active, prefix hit rate dropped, long sequences, memory
               pressure / preemptions / evictions, fragmentation
 forecast      KV the active requests still need against free blocks: time to full, OOM risk
+sharing       the engine's prefix hit rate against the content's (shadow cache at the engine's
+              settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
 
 Each rule is pass, warn, fail or n/a (no data) with its evidence.
 Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input."""

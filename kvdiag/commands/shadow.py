@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
+
 DESCRIPTION = __doc__
 
 PROMPTS = (
@@ -44,7 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", type=float, default=None,
                         help="shadow time budget as a fraction of wall time (default: none)")
     parser.add_argument("--groups", default="1-6,7-12,13+", help="1-based layer groups")
-    parser.add_argument("--error-budget", type=float, default=0.03)
+    parser.add_argument("--error-budget", type=float, default=COMPRESSION_ERROR_BUDGET,
+                        help="attention-output relative error a recommended method may reach")
     parser.add_argument("--sparse-min-tokens", type=int, default=512)
     parser.add_argument("--logits", action="store_true", help="also teacher-forced KL / top-1 per method")
     parser.add_argument("--log", help="write every event to this event log")

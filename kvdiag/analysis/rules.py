@@ -1,0 +1,103 @@
+"""Every check kvdiag makes, defined once: its id, what it checks, its thresholds and verdict.
+
+``kvdiag doctor``, ``kvdiag report`` and ``kvdiag top``'s alerts all evaluate these checks
+through :func:`kvdiag.analysis.doctor.run_rules` (``top`` over the events it has seen so far,
+the others over a recorded log), so the same events give the same verdict in every view. The
+analyses measure (leaks, fragmentation, memory, latency, sharing); this module judges. A
+number that decides pass, warn or fail lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvdiag.analysis.findings import Status
+
+# ---------------------------------------------------------------- memory leak checklist
+
+RELEASE_GRACE_NS = 5_000_000_000
+"""``leak.finished_holding``/``leak.release_paths``: a request that finished this long before
+the end of the window must have released its KV blocks (engines release on the next step)."""
+
+GROWTH_WARN = (0.05, 32 << 20)
+"""``leak.memory_growth`` warns when process memory grew beyond KV growth by both this share
+of its starting size and this many bytes ..."""
+GROWTH_FAIL = (0.10, 128 << 20)
+"""... and fails at both of these."""
+
+FRAGMENTATION_LIMIT = 0.15
+"""``fragmentation.*``: the share of empty token slots among the slots of held KV blocks (KV
+pool), or of reserved bytes not allocated (torch's allocator), at which a pool is fragmented."""
+
+# ---------------------------------------------------------------- forecast, sharing, P99
+
+PRESSURE_WARN = 0.8
+"""``forecast.memory_pressure``: warn when the blocks active requests still need exceed this
+share of the free blocks (fail above 1: preemption or OOM ahead)."""
+
+SHARING_GAP_LIMIT = 0.10
+"""``sharing.consistency``: the content's hit rate (shadow cache at the engine's settings)
+minus the engine's own, beyond which the engine's prefix cache misses what it could hit (or
+reports hits the content cannot explain): 10 percentage points."""
+
+P99_THRESHOLD = 0.10
+"""``p99.regression``: fail when the 90% bootstrap interval of P99_current / P99_baseline - 1
+lies wholly above +10% (:mod:`kvdiag.analysis.latency`)."""
+
+# P99 causes (kvdiag.analysis.causes): what counts as "rose" or "dropped" between the windows
+# before and after the change point, as absolute changes of fractions or ratios of rates
+HIT_RATE_DROP = 0.05
+HIT_RATE_FLUCTUATION = 0.05
+LONG_SHARE = 0.05
+RATE_RATIO = 1.5
+PRESSURE_HIGH = 0.90
+FRAGMENTATION_RISE = 0.05
+
+# ---------------------------------------------------------------- compression
+
+COMPRESSION_USE_MAX = 0.01
+"""Relative error of the attention output up to which a compression method is safe to use."""
+COMPRESSION_ERROR_BUDGET = 0.03
+"""Relative error of the attention output up to which a method may be used after checking
+its per-head table and the logits test; beyond it, avoid. The recommendation per layer group
+picks the cheapest method within this budget."""
+
+CompressionVerdict = Literal["use", "check", "avoid"]
+
+
+def compression_verdict(rel_error: float) -> CompressionVerdict:
+    """"use" at <= 1%, "check" at <= 3% (the error budget), "avoid" above."""
+    if rel_error <= COMPRESSION_USE_MAX:
+        return "use"
+    if rel_error <= COMPRESSION_ERROR_BUDGET:
+        return "check"
+    return "avoid"
+
+
+def growth_status(share: float, unexplained_bytes: float) -> Status:
+    """Verdict of ``leak.memory_growth`` on unexplained growth (share of the start, bytes)."""
+    if share >= GROWTH_FAIL[0] and unexplained_bytes >= GROWTH_FAIL[1]:
+        return "fail"
+    if share >= GROWTH_WARN[0] and unexplained_bytes >= GROWTH_WARN[1]:
+        return "warn"
+    return "pass"
+
+
+def fragmentation_status(value: float, limit: float = FRAGMENTATION_LIMIT) -> Status:
+    """Verdict of a fragmentation share: warn at or above the limit."""
+    return "warn" if value >= limit else "pass"
+
+
+def within_fragmentation_limit(value: float) -> bool:
+    """What the live panels mark with a check: the same verdict as :func:`fragmentation_status`."""
+    return fragmentation_status(value) == "pass"
+
+
+def pressure_status(need_ratio: float) -> Status:
+    """Verdict of ``forecast.memory_pressure`` on blocks needed / blocks free."""
+    return "fail" if need_ratio > 1 else "warn" if need_ratio > PRESSURE_WARN else "pass"
+
+
+def sharing_gap_status(gap: float) -> Status:
+    """Verdict of ``sharing.consistency`` on shadow minus engine hit rate."""
+    return "warn" if abs(gap) > SHARING_GAP_LIMIT else "pass"
