@@ -80,7 +80,6 @@ def _engine_classes() -> dict[str, type]:
         "SlidingAttentionCacheAllocator": sliding_attention.SlidingAttentionCacheAllocator,
         "Scheduler": scheduler.Scheduler,
         "RequestState": requests.RequestState,
-        "RequestStatus": requests.RequestStatus,
         "ContinuousBatchProcessor": continuous_api.ContinuousBatchProcessor,
         "ContinuousBatchingManager": continuous_api.ContinuousBatchingManager,
     }
