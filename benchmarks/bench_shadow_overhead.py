@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from kvdiag.commands.shadow import PROMPTS, load_model
-from kvdiag.model import resolve_model
+from kvdiag.commands.shadow import PROMPTS
+from kvdiag.model import load_model, resolve_model
 from kvdiag.kernels.shadow import ShadowRunner
 from kvdiag.kernels.shadow_hf import shadow_generate
 from kvdiag.sinks import ListSink
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--background", action="store_true", help="measure in the runner's worker thread")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, tok = load_model(str(resolve_model(args.model)))
+    model, tok = load_model(resolve_model(args.model))
     shadow_generate(model, tok, PROMPTS[:1], None, 8)  # warm-up
     steps = {"off": [], "on": []}
     tokens = {"off": 0, "on": 0}

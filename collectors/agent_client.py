@@ -1,5 +1,9 @@
 """Client of the kvdiag agent's live stream: a Unix socket sending JSON lines, the agent's
-``LogHeader`` first, then every event (the same JSON as a log line)."""
+``LogHeader`` first, then every event (the same JSON as a log line).
+
+:class:`AgentConnection` is the one client of that protocol (connect, header, events);
+:class:`AgentStream` records a connection's events into a sink from a background thread;
+:func:`candidate_sockets` finds a process tree's agent sockets."""
 
 from __future__ import annotations
 
@@ -8,15 +12,103 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import msgspec
 import psutil
 
-from kvdiag.schema import AnyEvent, CollectorError, LogHeader
+from kvdiag.schema import AnyEvent, CollectorError, Event, LogHeader
 from kvdiag.sinks import Sink
 
 NAME = "agent"
+
+_HEADER_DECODER = msgspec.json.Decoder(LogHeader)
+_EVENT_DECODER = msgspec.json.Decoder(AnyEvent)
+
+
+class AgentProtocolError(ConnectionError):
+    """The agent closed the connection before its header, or its first line is not a header."""
+
+
+class AgentConnection:
+    """One connection to an agent socket. ``timeout_s`` bounds the connect and every read
+    (None: block). Raises OSError when nothing listens at ``path``.
+
+    Read :meth:`read_header` first, then :meth:`events` (decoded) or :meth:`lines` (raw, each
+    a log line with its newline)."""
+
+    def __init__(self, path: str | os.PathLike, timeout_s: Optional[float] = None) -> None:
+        self.path = Path(path)
+        self.header_line: Optional[bytes] = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        try:
+            self._sock.connect(str(self.path))
+        except OSError:
+            self._sock.close()
+            raise
+        self._file = self._sock.makefile("rb")
+
+    def settimeout(self, timeout_s: Optional[float]) -> None:
+        """Bound the following reads (None: block until data or close)."""
+        self._sock.settimeout(timeout_s)
+
+    def read_header(self) -> LogHeader:
+        """The stream's first non-blank line as the agent's ``LogHeader`` (kept raw in
+        ``header_line``); raises :class:`AgentProtocolError` if it is missing or not a header."""
+        for line in self._file:
+            if line.strip():
+                break
+        else:
+            raise AgentProtocolError(f"{self.path}: the agent closed the connection before its header")
+        self.header_line = line
+        try:
+            return _HEADER_DECODER.decode(line)
+        except msgspec.DecodeError as exc:
+            raise AgentProtocolError(f"{self.path}:1: expected a kvdiag log header line ({exc})") from None
+
+    def lines(self) -> Iterator[bytes]:
+        """The raw non-blank lines after the header, until the agent closes the connection, the
+        connection is closed or shut down here, or a read times out."""
+        try:
+            for line in self._file:
+                if line.strip():
+                    yield line
+        except (OSError, ValueError):  # timeout, reset, or closed here: the stream ends
+            return
+
+    def events(self, on_bad_line: Optional[Callable[[bytes, msgspec.DecodeError], None]] = None
+               ) -> Iterator[Event]:
+        """The events after the header, decoded with the schema; a line that does not decode
+        is passed to ``on_bad_line`` (if given) and skipped."""
+        for line in self.lines():
+            try:
+                yield _EVENT_DECODER.decode(line)
+            except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+                if on_bad_line is not None:
+                    on_bad_line(line, exc)
+
+    def shutdown(self) -> None:
+        """Make a blocked read in another thread return (end of stream)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Disconnect; a read blocked in another thread ends first (its stream just ends)."""
+        self.shutdown()  # closing the buffered file waits for a blocked reader to let go
+        try:
+            self._file.close()
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "AgentConnection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _is_agent_socket(path: str) -> bool:
@@ -88,19 +180,13 @@ class AgentStream:
         self.bad_lines = 0
         self.first_ts_ns: Optional[int] = None
         self.last_ts_ns: Optional[int] = None
-        self._decoder = msgspec.json.Decoder(AnyEvent)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
-        self._sock.connect(str(self.path))
-        self._file = self._sock.makefile("rb")
-        line = self._file.readline()
-        if not line:
-            raise ConnectionError(f"{self.path}: the agent closed the connection before its header")
+        self._conn = AgentConnection(self.path, timeout_s=timeout_s)
         try:
-            self.header = msgspec.json.decode(line, type=LogHeader)
-        except msgspec.DecodeError as exc:
-            raise ConnectionError(f"{self.path}:1: expected the agent's log header ({exc})") from None
-        self._sock.settimeout(None)
+            self.header = self._conn.read_header()
+        except OSError:  # AgentProtocolError included
+            self._conn.close()
+            raise
+        self._conn.settimeout(None)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvdiag-attach-agent", daemon=True)
 
@@ -108,38 +194,27 @@ class AgentStream:
         self._thread.start()
         return self
 
+    def _bad_line(self, _line: bytes, _exc: msgspec.DecodeError) -> None:
+        self.bad_lines += 1
+
     def _run(self) -> None:
-        try:
-            for line in self._file:
-                if self._stop:
-                    break
-                try:
-                    ev = self._decoder.decode(line)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    self.bad_lines += 1
-                    continue
-                self.events += 1
-                if self.first_ts_ns is None:
-                    self.first_ts_ns = ev.ts_ns
-                self.last_ts_ns = ev.ts_ns
-                self.sink.record(ev)
-        except (OSError, ValueError):  # the agent or the target went away: keep what was read
-            pass
+        # the agent or the target going away ends the stream: keep what was read
+        for ev in self._conn.events(self._bad_line):
+            if self._stop:
+                break
+            self.events += 1
+            if self.first_ts_ns is None:
+                self.first_ts_ns = ev.ts_ns
+            self.last_ts_ns = ev.ts_ns
+            self.sink.record(ev)
 
     def close(self, drain_s: float = 0.5) -> None:
         """Stop reading (after up to ``drain_s`` for lines already sent) and disconnect."""
         time.sleep(drain_s)
         self._stop = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self._conn.shutdown()
         self._thread.join(timeout=2)
-        try:
-            self._file.close()
-            self._sock.close()
-        except OSError:
-            pass
+        self._conn.close()
         if self.bad_lines:
             self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=NAME,
                                             message="undecodable lines from the agent", count=self.bad_lines))

@@ -80,7 +80,6 @@ def _engine_classes() -> dict[str, type]:
         "SlidingAttentionCacheAllocator": sliding_attention.SlidingAttentionCacheAllocator,
         "Scheduler": scheduler.Scheduler,
         "RequestState": requests.RequestState,
-        "RequestStatus": requests.RequestStatus,
         "ContinuousBatchProcessor": continuous_api.ContinuousBatchProcessor,
         "ContinuousBatchingManager": continuous_api.ContinuousBatchingManager,
     }
@@ -89,22 +88,7 @@ def _engine_classes() -> dict[str, type]:
 def patch_points() -> list[tuple[type, str]]:
     """The (class, attribute) pairs the adapter replaces while installed."""
     c = _engine_classes()
-    return [
-        (c["PagedAttentionCache"], "__init__"),
-        (c["PagedAttentionCache"], "search_prefix_match"),
-        (c["CacheAllocator"], "acquire_prefix_blocks"),
-        (c["CacheAllocator"], "mark_complete_blocks"),
-        (c["CacheAllocator"], "free_blocks"),
-        (c["FullAttentionCacheAllocator"], "allocate_cache_to_request"),
-        (c["SlidingAttentionCacheAllocator"], "allocate_cache_to_request"),
-        (c["BlockLedger"], "evict_cached_blocks"),
-        (c["Scheduler"], "finish_request"),
-        (c["Scheduler"], "clear_cancelled_requests"),
-        (c["RequestState"], "status"),
-        (c["RequestState"], "update_and_check_completion"),
-        (c["ContinuousBatchProcessor"], "_generation_step"),
-        (c["ContinuousBatchingManager"], "add_request"),
-    ]
+    return [(c[class_key], name) for class_key, name, _ in _PATCHES]
 
 
 class _Request:
@@ -177,12 +161,12 @@ class TransformersCBAdapter:
         if _ACTIVE is not None and _ACTIVE is not self:
             raise RuntimeError("another transformers-cb adapter is installed; uninstall it first")
         c = _engine_classes()
-        wrappers = self._wrappers(c)
-        for cls, name in patch_points():
+        for class_key, name, patch in _PATCHES:
+            cls = c[class_key]
             own = name in cls.__dict__
             original = cls.__dict__[name] if own else getattr(cls, name)
             self._originals.append((cls, name, original, own))
-            setattr(cls, name, wrappers[(cls.__name__, name)](original))
+            setattr(cls, name, patch(self, original))
         _ACTIVE = self
         return self
 
@@ -203,207 +187,6 @@ class TransformersCBAdapter:
         processor = self._processor_ref() if self._processor_ref is not None else None
         if processor is not None:
             self._sample(processor, time.time_ns())
-
-    # ------------------------------------------------------------------ wrappers
-
-    def _wrappers(self, c: dict[str, type]) -> dict[tuple[str, str], Callable]:
-        adapter = self
-        status_enum = c["RequestStatus"]
-        pending, finished_min, failed = status_enum.PENDING, status_enum.FINISHED, status_enum.FAILED
-
-        def wrap_cache_init(orig):
-            def __init__(self, *args, **kwargs):
-                orig(self, *args, **kwargs)
-                try:
-                    adapter._on_cache_created(self)
-                except Exception as exc:
-                    adapter._failed("PagedAttentionCache.__init__", exc)
-            return __init__
-
-        def wrap_search_prefix_match(orig):
-            def search_prefix_match(self, request_id, prompt_ids):
-                matched = orig(self, request_id, prompt_ids)
-                if matched:
-                    req = adapter._request(request_id)
-                    if req is not None:
-                        req.cached_tokens = matched
-                return matched
-            return search_prefix_match
-
-        def wrap_acquire_prefix_blocks(orig):
-            def acquire_prefix_blocks(self, request_id, prefix_len, block_ids):
-                orig(self, request_id, prefix_len, block_ids)
-                try:
-                    now = time.time_ns()
-                    block_to_hash = self.ledger.block_to_hash
-                    page = self.tokens_per_page
-                    for block_id in self.block_table.get(request_id, ()):
-                        adapter._emit(PrefixHit(ts_ns=now, request_id=request_id, block_id=block_id,
-                                                block_hash=fold_hash(block_to_hash.get(block_id)),
-                                                num_tokens=page))
-                except Exception as exc:
-                    adapter._failed("acquire_prefix_blocks", exc)
-            return acquire_prefix_blocks
-
-        def wrap_mark_complete_blocks(orig):
-            def mark_complete_blocks(self, request_id, token_ids, new_new_blocks):
-                table = self.block_table.get(request_id)
-                before = list(table) if table is not None else []
-                block_to_hash = self.ledger.block_to_hash
-                hashed_before = 0
-                for block_id in before:
-                    if block_id not in block_to_hash:
-                        break
-                    hashed_before += 1
-                orig(self, request_id, token_ids, new_new_blocks)
-                try:
-                    adapter._on_marked(self, request_id, token_ids, before, hashed_before)
-                except Exception as exc:
-                    adapter._failed("mark_complete_blocks", exc)
-            return mark_complete_blocks
-
-        def wrap_free_blocks(orig):
-            def free_blocks(self, request_id, no_cache=False):
-                held = list(self.block_table.get(request_id, ()))
-                orig(self, request_id, no_cache)
-                if held:
-                    try:
-                        adapter._on_freed(self, request_id, held, no_cache)
-                    except Exception as exc:
-                        adapter._failed("free_blocks", exc)
-            return free_blocks
-
-        def wrap_allocate(orig):
-            def allocate_cache_to_request(self, request_id, past_length, query_length):
-                table = self.block_table.get(request_id)
-                start = len(table) if table is not None else 0
-                orig(self, request_id, past_length, query_length)
-                table = self.block_table.get(request_id)
-                if table is not None and len(table) > start:
-                    try:
-                        now = time.time_ns()
-                        free = adapter._free_blocks_of(self)
-                        fresh = table[start:]
-                        for i, block_id in enumerate(fresh):
-                            adapter._emit(BlockAllocated(ts_ns=now, request_id=request_id, block_id=block_id,
-                                                         num_blocks_free=free + len(fresh) - 1 - i))
-                    except Exception as exc:
-                        adapter._failed("allocate_cache_to_request", exc)
-            return allocate_cache_to_request
-
-        def wrap_evict(orig):
-            def evict_cached_blocks(self):
-                hashes = {block_id: self.block_to_hash.get(block_id) for block_id in self.cached_blocks}
-                evicted = orig(self)
-                try:
-                    now = time.time_ns()
-                    for block_id in evicted:
-                        adapter._emit(BlockEvicted(ts_ns=now, block_id=block_id,
-                                                   block_hash=fold_hash(hashes.get(block_id))))
-                except Exception as exc:
-                    adapter._failed("evict_cached_blocks", exc)
-                return evicted
-            return evict_cached_blocks
-
-        def wrap_finish_request(orig):
-            def finish_request(self, request_id):
-                state = self.active_requests.get(request_id)
-                leak = False
-                if adapter.inject_leak_every > 0:
-                    adapter._finished_count += 1
-                    leak = adapter._finished_count % adapter.inject_leak_every == 0
-                if leak:  # fault injection: really skip the engine's release path
-                    self.active_requests.pop(request_id, None)
-                    adapter.leaked_requests.append(request_id)
-                else:
-                    orig(self, request_id)
-                try:
-                    adapter._on_finished(request_id, state, "failed" if state is not None
-                                         and state.status == failed else "finished")
-                except Exception as exc:
-                    adapter._failed("finish_request", exc)
-            return finish_request
-
-        def wrap_clear_cancelled(orig):
-            def clear_cancelled_requests(self):
-                states = orig(self)
-                try:
-                    for state in states:
-                        adapter._on_finished(state.request_id, state, "aborted")
-                except Exception as exc:
-                    adapter._failed("clear_cancelled_requests", exc)
-                return states
-            return clear_cancelled_requests
-
-        def wrap_status(orig_property):
-            fget, fset = orig_property.fget, orig_property.fset
-
-            def set_status(self, value):
-                old = self._status
-                fset(self, value)
-                if old == pending and value != pending and value < finished_min:
-                    try:
-                        adapter._on_scheduled(self.request_id)
-                    except Exception as exc:
-                        adapter._failed("RequestState.status", exc)
-            return property(fget, set_status, orig_property.fdel, orig_property.__doc__)
-
-        def wrap_update(orig):
-            def update_and_check_completion(self, token_id, logprob):
-                first = not self.generated_tokens
-                done = orig(self, token_id, logprob)
-                if first and self.generated_tokens:
-                    try:
-                        adapter._on_first_token(self.request_id)
-                    except Exception as exc:
-                        adapter._failed("update_and_check_completion", exc)
-                return done
-            return update_and_check_completion
-
-        def wrap_generation_step(orig):
-            def _generation_step(self, model):
-                start_ns = time.time_ns()
-                t0 = time.perf_counter_ns()
-                orig(self, model)
-                duration_ns = time.perf_counter_ns() - t0
-                try:
-                    adapter._on_step(self, start_ns, duration_ns)
-                except Exception as exc:
-                    adapter._failed("_generation_step", exc)
-            return _generation_step
-
-        def wrap_add_request(orig):
-            def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
-                now = time.time_ns()
-                if request_id is not None:
-                    adapter._on_arrived(request_id, input_ids, max_new_tokens, now)
-                rid = orig(self, input_ids, request_id, max_new_tokens, *args, **kwargs)
-                try:
-                    if request_id is None and rid is not None:
-                        adapter._on_arrived(rid, input_ids, max_new_tokens, now)
-                    elif rid is None and request_id is not None:  # the engine refused it
-                        adapter._on_finished(request_id, None, "failed")
-                except Exception as exc:
-                    adapter._failed("add_request", exc)
-                return rid
-            return add_request
-
-        return {
-            ("PagedAttentionCache", "__init__"): wrap_cache_init,
-            ("PagedAttentionCache", "search_prefix_match"): wrap_search_prefix_match,
-            ("CacheAllocator", "acquire_prefix_blocks"): wrap_acquire_prefix_blocks,
-            ("CacheAllocator", "mark_complete_blocks"): wrap_mark_complete_blocks,
-            ("CacheAllocator", "free_blocks"): wrap_free_blocks,
-            ("FullAttentionCacheAllocator", "allocate_cache_to_request"): wrap_allocate,
-            ("SlidingAttentionCacheAllocator", "allocate_cache_to_request"): wrap_allocate,
-            ("BlockLedger", "evict_cached_blocks"): wrap_evict,
-            ("Scheduler", "finish_request"): wrap_finish_request,
-            ("Scheduler", "clear_cancelled_requests"): wrap_clear_cancelled,
-            ("RequestState", "status"): wrap_status,
-            ("RequestState", "update_and_check_completion"): wrap_update,
-            ("ContinuousBatchProcessor", "_generation_step"): wrap_generation_step,
-            ("ContinuousBatchingManager", "add_request"): wrap_add_request,
-        }
 
     # ------------------------------------------------------------------ event builders
 
@@ -549,6 +332,254 @@ def _distinct_tokens_held(allocator, active_requests: dict) -> int:
             if tokens > fill.get(block_id, 0):
                 fill[block_id] = tokens
     return sum(fill.values())
+
+
+# ---------------------------------------------------------------------- patches
+#
+# One function per patched engine method: ``patch(adapter, original)`` returns what replaces
+# ``original`` on the class while the adapter is installed. Each calls the original exactly as
+# the engine would and hands what changed to one of the adapter's event builders; a builder
+# that fails is reported through ``adapter._failed`` and never reaches the engine.
+
+
+def _request_status() -> type:
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    return RequestStatus
+
+
+def _patch_cache_init(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``PagedAttentionCache.__init__``: the pool's geometry (``KVPoolInfo``)."""
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        try:
+            adapter._on_cache_created(self)
+        except Exception as exc:
+            adapter._failed("PagedAttentionCache.__init__", exc)
+    return __init__
+
+
+def _patch_search_prefix_match(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``PagedAttentionCache.search_prefix_match``: the request's cached prompt tokens."""
+    def search_prefix_match(self, request_id, prompt_ids):
+        matched = orig(self, request_id, prompt_ids)
+        if matched:
+            req = adapter._request(request_id)
+            if req is not None:
+                req.cached_tokens = matched
+        return matched
+    return search_prefix_match
+
+
+def _patch_acquire_prefix_blocks(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``CacheAllocator.acquire_prefix_blocks``: one ``PrefixHit`` per reused block."""
+    def acquire_prefix_blocks(self, request_id, prefix_len, block_ids):
+        orig(self, request_id, prefix_len, block_ids)
+        try:
+            now = time.time_ns()
+            block_to_hash = self.ledger.block_to_hash
+            page = self.tokens_per_page
+            for block_id in self.block_table.get(request_id, ()):
+                adapter._emit(PrefixHit(ts_ns=now, request_id=request_id, block_id=block_id,
+                                        block_hash=fold_hash(block_to_hash.get(block_id)),
+                                        num_tokens=page))
+        except Exception as exc:
+            adapter._failed("acquire_prefix_blocks", exc)
+    return acquire_prefix_blocks
+
+
+def _patch_mark_complete_blocks(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``CacheAllocator.mark_complete_blocks``: newly hashed blocks (``BlockStored``) and
+    blocks swapped for an identical hashed one (``BlockDeduplicated`` + ``BlockReleased``)."""
+    def mark_complete_blocks(self, request_id, token_ids, new_new_blocks):
+        table = self.block_table.get(request_id)
+        before = list(table) if table is not None else []
+        block_to_hash = self.ledger.block_to_hash
+        hashed_before = 0
+        for block_id in before:
+            if block_id not in block_to_hash:
+                break
+            hashed_before += 1
+        orig(self, request_id, token_ids, new_new_blocks)
+        try:
+            adapter._on_marked(self, request_id, token_ids, before, hashed_before)
+        except Exception as exc:
+            adapter._failed("mark_complete_blocks", exc)
+    return mark_complete_blocks
+
+
+def _patch_free_blocks(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``CacheAllocator.free_blocks``: ``BlockReleased`` per held block (``RequestPreempted``
+    first when ``no_cache``)."""
+    def free_blocks(self, request_id, no_cache=False):
+        held = list(self.block_table.get(request_id, ()))
+        orig(self, request_id, no_cache)
+        if held:
+            try:
+                adapter._on_freed(self, request_id, held, no_cache)
+            except Exception as exc:
+                adapter._failed("free_blocks", exc)
+    return free_blocks
+
+
+def _patch_allocate(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``*CacheAllocator.allocate_cache_to_request``: one ``BlockAllocated`` per fresh block,
+    with the free-block count as it stood right after that block was taken."""
+    def allocate_cache_to_request(self, request_id, past_length, query_length):
+        table = self.block_table.get(request_id)
+        start = len(table) if table is not None else 0
+        orig(self, request_id, past_length, query_length)
+        table = self.block_table.get(request_id)
+        if table is not None and len(table) > start:
+            try:
+                now = time.time_ns()
+                free = adapter._free_blocks_of(self)
+                fresh = table[start:]
+                for i, block_id in enumerate(fresh):
+                    adapter._emit(BlockAllocated(ts_ns=now, request_id=request_id, block_id=block_id,
+                                                 num_blocks_free=free + len(fresh) - 1 - i))
+            except Exception as exc:
+                adapter._failed("allocate_cache_to_request", exc)
+    return allocate_cache_to_request
+
+
+def _patch_evict(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``BlockLedger.evict_cached_blocks``: one ``BlockEvicted`` per evicted cached block."""
+    def evict_cached_blocks(self):
+        hashes = {block_id: self.block_to_hash.get(block_id) for block_id in self.cached_blocks}
+        evicted = orig(self)
+        try:
+            now = time.time_ns()
+            for block_id in evicted:
+                adapter._emit(BlockEvicted(ts_ns=now, block_id=block_id,
+                                           block_hash=fold_hash(hashes.get(block_id))))
+        except Exception as exc:
+            adapter._failed("evict_cached_blocks", exc)
+        return evicted
+    return evict_cached_blocks
+
+
+def _patch_finish_request(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``Scheduler.finish_request``: ``RequestFinished``; with ``inject_leak_every=N`` every
+    N-th request is dropped without the engine's release of its blocks (fault injection)."""
+    failed = _request_status().FAILED
+
+    def finish_request(self, request_id):
+        state = self.active_requests.get(request_id)
+        leak = False
+        if adapter.inject_leak_every > 0:
+            adapter._finished_count += 1
+            leak = adapter._finished_count % adapter.inject_leak_every == 0
+        if leak:  # fault injection: really skip the engine's release path
+            self.active_requests.pop(request_id, None)
+            adapter.leaked_requests.append(request_id)
+        else:
+            orig(self, request_id)
+        try:
+            adapter._on_finished(request_id, state, "failed" if state is not None
+                                 and state.status == failed else "finished")
+        except Exception as exc:
+            adapter._failed("finish_request", exc)
+    return finish_request
+
+
+def _patch_clear_cancelled(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``Scheduler.clear_cancelled_requests``: ``RequestFinished(status="aborted")`` each."""
+    def clear_cancelled_requests(self):
+        states = orig(self)
+        try:
+            for state in states:
+                adapter._on_finished(state.request_id, state, "aborted")
+        except Exception as exc:
+            adapter._failed("clear_cancelled_requests", exc)
+        return states
+    return clear_cancelled_requests
+
+
+def _patch_status(adapter: TransformersCBAdapter, orig_property: property) -> property:
+    """The ``RequestState.status`` property: ``RequestScheduled`` when a request leaves
+    PENDING for a state before FINISHED."""
+    status_enum = _request_status()
+    pending, finished_min = status_enum.PENDING, status_enum.FINISHED
+    fget, fset = orig_property.fget, orig_property.fset
+
+    def set_status(self, value):
+        old = self._status
+        fset(self, value)
+        if old == pending and value != pending and value < finished_min:
+            try:
+                adapter._on_scheduled(self.request_id)
+            except Exception as exc:
+                adapter._failed("RequestState.status", exc)
+    return property(fget, set_status, orig_property.fdel, orig_property.__doc__)
+
+
+def _patch_update(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``RequestState.update_and_check_completion``: ``RequestFirstToken`` on the first token."""
+    def update_and_check_completion(self, token_id, logprob):
+        first = not self.generated_tokens
+        done = orig(self, token_id, logprob)
+        if first and self.generated_tokens:
+            try:
+                adapter._on_first_token(self.request_id)
+            except Exception as exc:
+                adapter._failed("update_and_check_completion", exc)
+        return done
+    return update_and_check_completion
+
+
+def _patch_generation_step(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``ContinuousBatchProcessor._generation_step``: ``EngineStep`` (wall time of forward and
+    sampling, perf_counter ns) and a periodic ``KVPoolSample``."""
+    def _generation_step(self, model):
+        start_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
+        orig(self, model)
+        duration_ns = time.perf_counter_ns() - t0
+        try:
+            adapter._on_step(self, start_ns, duration_ns)
+        except Exception as exc:
+            adapter._failed("_generation_step", exc)
+    return _generation_step
+
+
+def _patch_add_request(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+    """``ContinuousBatchingManager.add_request``: ``RequestArrived`` (before the engine sees it
+    when the caller names the request), or ``RequestFinished(status="failed")`` if refused."""
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+        now = time.time_ns()
+        if request_id is not None:
+            adapter._on_arrived(request_id, input_ids, max_new_tokens, now)
+        rid = orig(self, input_ids, request_id, max_new_tokens, *args, **kwargs)
+        try:
+            if request_id is None and rid is not None:
+                adapter._on_arrived(rid, input_ids, max_new_tokens, now)
+            elif rid is None and request_id is not None:  # the engine refused it
+                adapter._on_finished(request_id, None, "failed")
+        except Exception as exc:
+            adapter._failed("add_request", exc)
+        return rid
+    return add_request
+
+
+# (engine class, attribute, patch): what ``install`` replaces, in this order, and
+# ``uninstall`` puts back in reverse.
+_PATCHES: list[tuple[str, str, Callable[[TransformersCBAdapter, Any], Any]]] = [
+    ("PagedAttentionCache", "__init__", _patch_cache_init),
+    ("PagedAttentionCache", "search_prefix_match", _patch_search_prefix_match),
+    ("CacheAllocator", "acquire_prefix_blocks", _patch_acquire_prefix_blocks),
+    ("CacheAllocator", "mark_complete_blocks", _patch_mark_complete_blocks),
+    ("CacheAllocator", "free_blocks", _patch_free_blocks),
+    ("FullAttentionCacheAllocator", "allocate_cache_to_request", _patch_allocate),
+    ("SlidingAttentionCacheAllocator", "allocate_cache_to_request", _patch_allocate),
+    ("BlockLedger", "evict_cached_blocks", _patch_evict),
+    ("Scheduler", "finish_request", _patch_finish_request),
+    ("Scheduler", "clear_cancelled_requests", _patch_clear_cancelled),
+    ("RequestState", "status", _patch_status),
+    ("RequestState", "update_and_check_completion", _patch_update),
+    ("ContinuousBatchProcessor", "_generation_step", _patch_generation_step),
+    ("ContinuousBatchingManager", "add_request", _patch_add_request),
+]
 
 
 _ACTIVE: Optional[TransformersCBAdapter] = None

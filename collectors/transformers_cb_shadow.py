@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvdiag.collectors.attention import QueryCapture
+from kvdiag.kernels.attention import QueryCapture
 from kvdiag.kernels.shadow import ShadowRunner
 from kvdiag.schema import CollectorError
 from kvdiag.sinks import Sink

@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from kvdiag.collectors.attention import attention_probs, locality_events
+from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
 from kvdiag.schema import CollectorError, ShadowCompression
 from kvdiag.sinks import Sink

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvdiag.collectors.attention import QueryCapture, attention_probs
+from kvdiag.kernels.attention import QueryCapture, attention_probs
 from kvdiag.kernels.methods import Method, parse_method
 from kvdiag.kernels.shadow import ShadowRunner
 from kvdiag.schema import ShadowLogits

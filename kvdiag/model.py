@@ -179,3 +179,17 @@ def resolve_model(model_dir: Optional[str], progress: Optional[Progress] = None)
                                   "(config.json and *.safetensors)")
         return path
     return ensure_model(progress)
+
+
+def load_model(path: Optional[str | Path] = None, attn_implementation: str = "sdpa"):
+    """(model, tokenizer) of the converted model folder ``path`` (default: the default model's
+    folder, not fetched here), fp32, eval mode. ``output_attentions=True`` needs
+    ``attn_implementation="eager"`` (sdpa silently returns no attention probabilities)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(path) if path is not None else str(default_model_dir())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,6 +23,7 @@ import msgspec
 
 from kvdiag import schema as s
 from kvdiag.child import kvdiag_module, reset_interrupt_signal
+from kvdiag.collectors.agent_client import AgentConnection, AgentProtocolError
 
 Clock = Callable[[], float]
 
@@ -114,10 +114,6 @@ class ReplaySource:
             close()
 
 
-_DECODER = msgspec.json.Decoder(s.AnyEvent)
-_HEADER_DECODER = msgspec.json.Decoder(s.LogHeader)
-
-
 class SocketSource:
     """Reads the kvdiag agent's stream: JSON lines on a Unix socket, the agent's
     :class:`LogHeader` first, then one event per line. A reader thread decodes into a
@@ -141,7 +137,7 @@ class SocketSource:
         self._drop_start_ns = 0
         self._retry_s = retry_s
         self._stop = threading.Event()
-        self._sock: Optional[socket.socket] = None
+        self._conn: Optional[AgentConnection] = None
         self._thread = threading.Thread(target=self._run, name="kvdiag-agent-reader", daemon=True)
         self._thread.start()
 
@@ -165,57 +161,38 @@ class SocketSource:
         was_connected = False
         while not self._stop.is_set():
             try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.connect(str(self.path))
+                conn = AgentConnection(self.path)
             except OSError as exc:
-                sock.close()
                 if was_connected:
                     self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream",
                                                  available=False, hint=f"agent socket lost: {exc}"))
                     was_connected = False
                 self._stop.wait(self._retry_s)
                 continue
-            self._sock = sock
+            self._conn = conn
             self.connected = was_connected = True
             self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream", available=True))
-            self._read(sock)
+            self._read(conn)
             self.connected = False
-            sock.close()
+            conn.close()
 
-    def _read(self, sock: socket.socket) -> None:
-        buffer = b""
-        first = True
-        while not self._stop.is_set():
-            try:
-                chunk = sock.recv(1 << 16)
-            except OSError:
-                return
-            if not chunk:
-                return
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                if not line.strip():
-                    continue
-                if first:
-                    first = False
-                    self._decode_header(line)
-                else:
-                    self._decode(line)
-
-    def _decode_header(self, line: bytes) -> None:
+    def _read(self, conn: AgentConnection) -> None:
         try:
-            self.header = _HEADER_DECODER.decode(line)
-        except msgspec.DecodeError as exc:
-            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
-                                        message=f"{self.path}:1: expected a kvdiag log header line: {exc}"))
+            self.header = conn.read_header()
+        except AgentProtocolError as exc:
+            if conn.header_line is None:  # closed before a header: nothing was sent
+                return
+            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream", message=str(exc)))
+        except OSError:
+            return
+        for ev in conn.events(self._bad_line):
+            if self._stop.is_set():
+                return
+            self._emit(ev)
 
-    def _decode(self, line: bytes) -> None:
-        try:
-            self._emit(_DECODER.decode(line))
-        except msgspec.DecodeError as exc:
-            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
-                                        message=f"{self.path}: expected an event line: {exc}"))
+    def _bad_line(self, _line: bytes, exc: msgspec.DecodeError) -> None:
+        self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream",
+                                    message=f"{self.path}: expected an event line: {exc}"))
 
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         out = []
@@ -235,11 +212,8 @@ class SocketSource:
 
     def close(self) -> None:
         self._stop.set()
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if self._conn is not None:
+            self._conn.shutdown()
         self._thread.join(timeout=2)
 
 
@@ -305,16 +279,9 @@ class ProcessSource:
 
 def find_agent_socket(pid: int) -> Optional[Path]:
     """The kvdiag agent socket of process ``pid`` or of one of its children, if one exists."""
-    try:
-        from kvdiag.collectors.agent_client import candidate_sockets
-        from kvdiag.collectors.procfs import ProcessCollector
-    except ImportError:  # a build without the collectors: the agent's default path only
-        try:
-            from kvdiag.paths import agent_socket_path
-        except ImportError:
-            return None
-        path = agent_socket_path(pid)
-        return path if path.exists() else None
+    from kvdiag.collectors.agent_client import candidate_sockets
+    from kvdiag.collectors.procfs import ProcessCollector
+
     try:
         pids = ProcessCollector(pid).pids()
     except Exception:
@@ -358,12 +325,10 @@ class MergedSource:
 
 
 def with_host_view(primary, pid: int):
-    """``primary`` merged with the outside view of ``pid`` when this build has the
-    collectors (else ``primary`` alone)."""
+    """``primary`` merged with the outside view of ``pid`` (``primary`` alone when that
+    process cannot be read)."""
     try:
         return MergedSource(primary, ProcessSource(pid, has_agent=True))
-    except ImportError:
-        return primary
     except Exception:  # the process went away or is unreadable: the primary still works
         return primary
 
@@ -380,9 +345,6 @@ def attach(pid: int):
         return with_host_view(SocketSource(path, description=f"pid {pid} agent"), pid)
     try:
         return ProcessSource(pid)
-    except ImportError:
-        raise SourceError(f"pid {pid} has no kvdiag agent socket and this build has no outside "
-                          "collectors (kvdiag.collectors.procfs)") from None
     except (RuntimeError, PermissionError) as exc:  # collectors' TargetGone / TargetNotAccessible
         raise SourceError(str(exc)) from None
 
@@ -444,12 +406,9 @@ class DemoSource:
     def _find_socket(self) -> Optional[Path]:
         """The live socket of the demo's server: ``demo-<demo pid>-<port>.sock`` in the
         runtime dir (what ``kvdiag demo`` names it), else an agent socket of the tree."""
-        try:
-            from kvdiag.paths import runtime_dir
+        from kvdiag.paths import runtime_dir
 
-            found = sorted(runtime_dir().glob(f"demo-{self.child.pid}-*.sock"))
-        except ImportError:
-            found = []
+        found = sorted(runtime_dir().glob(f"demo-{self.child.pid}-*.sock"))
         return found[0] if found else find_agent_socket(self.child.pid)
 
     def pause(self) -> None:

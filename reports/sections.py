@@ -13,7 +13,9 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from kvdiag.analysis import compression as _compression  # aliases: sections of the same names
 from kvdiag.analysis import latency
+from kvdiag.analysis import locality as _locality
 from kvdiag.analysis.doctor import forecast_frame, run_rules
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.logs import Logs
@@ -23,18 +25,9 @@ from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, Engine
                            ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
 from kvdiag.reports.model import Absent, Chart, Report, Section, Table, Text
 
-try:  # the compression/locality analyses, used when installed (richer tables)
-    from kvdiag.analysis import compression as _compression
-except ImportError:
-    _compression = None
-try:
-    from kvdiag.analysis import locality as _locality
-except ImportError:
-    _locality = None
 
 MAX_POINTS = 1500  # per series: charts stay light for million-event logs
 MAX_REQUEST_ROWS = 200
-COMPRESSION_TOLERANCE = 0.03  # recommend the highest ratio whose mean relative error stays below
 MIB = 2 ** 20
 
 
@@ -276,13 +269,11 @@ def compression(logs: Logs) -> Section:
     sc["error"] = pd.to_numeric(sc["attn_out_rel_error"], errors="coerce").fillna(
         sc[["k_rel_error", "v_rel_error"]].max(axis=1))
     sc["decode_us"] = pd.to_numeric(sc["decode_ns"], errors="coerce") / 1e3
-    if _compression is not None:  # optional fields that are null in every row arrive as objects
-        tbl = _compression.compression_table(sc.drop(columns=["layer_group", "error", "decode_us"]).assign(
-            **{c: pd.to_numeric(sc[c], errors="coerce") for c in
-               ("attn_score_error", "attn_out_rel_error", "encode_ns", "decode_ns")}))
-        rec = _compression.recommend(tbl)
-    else:
-        tbl, rec = _compression_table(sc)
+    # optional fields that are null in every row arrive as objects
+    tbl = _compression.compression_table(sc.drop(columns=["layer_group", "error", "decode_us"]).assign(
+        **{c: pd.to_numeric(sc[c], errors="coerce") for c in
+           ("attn_score_error", "attn_out_rel_error", "encode_ns", "decode_ns")}))
+    rec = _compression.recommend(tbl)
     sec.blocks.append(Table("Per layer group and method (means)", tbl))
     pts = sc.groupby(["method", "layer"]).agg(ratio=("ratio", "mean"), error=("error", "mean")).reset_index()
     pts["error_pct"] = pts["error"] * 100
@@ -306,29 +297,6 @@ def compression(logs: Logs) -> Section:
     return sec
 
 
-def _compression_table(sc: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Means per (layer group, method) and, per group, the highest ratio whose mean error is
-    within COMPRESSION_TOLERANCE (used when the compression analysis is not installed)."""
-    g = sc.groupby(["layer_group", "method"], sort=False)
-    tbl = g.agg(runs=("ratio", "size"), ratio=("ratio", "mean"), k_rel_error_pct=("k_rel_error", "mean"),
-                v_rel_error_pct=("v_rel_error", "mean"), error_pct=("error", "mean"),
-                decode_us=("decode_us", "median"), seq_len_tokens=("seq_len_tokens", "mean")).reset_index()
-    for c in ("k_rel_error_pct", "v_rel_error_pct", "error_pct"):
-        tbl[c] = tbl[c] * 100
-    tbl["_first"] = tbl["layer_group"].str.split("-").str[0].astype(int)
-    tbl = tbl.sort_values(["_first", "ratio"]).drop(columns="_first").round(3)
-    rec = []
-    for grp, t in tbl.groupby("layer_group", sort=False):
-        ok = t[t["error_pct"] <= COMPRESSION_TOLERANCE * 100]
-        best = ok.loc[ok["ratio"].idxmax()] if len(ok) else None
-        rec.append({"layer_group": grp,
-                    "recommended": best["method"] if best is not None else "none (keep full precision)",
-                    "ratio": best["ratio"] if best is not None else 1.0,
-                    "error_pct": best["error_pct"] if best is not None else 0.0,
-                    "reason": f"highest ratio with mean error <= {COMPRESSION_TOLERANCE:.0%}"})
-    return tbl, pd.DataFrame(rec).round(3)
-
-
 def locality(logs: Logs) -> Section:
     sec = Section("locality", "Attention locality",
                   "Where does attention go, head by head: recent window, sinks, heavy hitters?")
@@ -348,20 +316,12 @@ def locality(logs: Logs) -> Section:
     long = per_layer.reset_index().melt(id_vars="layer", var_name="mass", value_name="share")
     sec.blocks.append(Chart("Mean attention mass per layer", "line", long, "layer", "share", color="mass",
                             x_title="layer", y_title="share of attention", table=per_layer.round(3).reset_index()))
-    if _locality is not None:
-        sec.blocks.append(Table("Top-3 heads by share of the layer's non-recent attention",
-                                _locality.top_heads(lo).astype({"top_heads": str})))
-        prof = _locality.distance_profile(lo).set_index("layer")
-        if prof.shape[1]:
-            sec.blocks.append(Chart("Attention mass by distance (layers x distance bins, tokens)", "heatmap",
-                                    prof, x_title="distance", y_title="layer", table=prof.round(3).reset_index()))
-        return sec
-    os_ = pd.to_numeric(lo["outside_share"], errors="coerce")
-    if os_.notna().any():
-        top = lo.assign(s=os_).groupby(["layer", "head"])["s"].mean().groupby("layer").apply(
-            lambda s: s.nlargest(3).sum())
-        sec.blocks.append(Table("Share of a layer's non-recent attention taken by its top-3 heads",
-                                top.rename("top3_share").round(3).reset_index()))
+    sec.blocks.append(Table("Top-3 heads by share of the layer's non-recent attention",
+                            _locality.top_heads(lo).astype({"top_heads": str})))
+    prof = _locality.distance_profile(lo).set_index("layer")
+    if prof.shape[1]:
+        sec.blocks.append(Chart("Attention mass by distance (layers x distance bins, tokens)", "heatmap",
+                                prof, x_title="distance", y_title="layer", table=prof.round(3).reset_index()))
     return sec
 
 

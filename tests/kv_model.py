@@ -17,15 +17,10 @@ TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars i
 
 @functools.lru_cache(maxsize=1)
 def _load():
-    from kvdiag.model import ensure_model
-
-    path = str(ensure_model())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvdiag.model import ensure_model, load_model
 
     torch.set_num_threads(1)
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    m.eval()
-    return m, AutoTokenizer.from_pretrained(path)
+    return load_model(ensure_model(), attn_implementation="eager")
 
 
 def model_and_tokenizer():

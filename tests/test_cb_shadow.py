@@ -80,7 +80,7 @@ def test_shadow_gathers_the_requests_paged_kv_and_query(real):
     import torch
     from transformers import DynamicCache
 
-    from kvdiag.collectors.attention import QueryCapture
+    from kvdiag.kernels.attention import QueryCapture
 
     model, tok = real
     prompts = _prompts(tok, 3)

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvdiag.analysis import locality as analysis
-from kvdiag.collectors.attention import QueryCapture, locality_events
+from kvdiag.kernels.attention import QueryCapture, locality_events
 from kvdiag.schema import ShadowLocality
 
 from kv_model import model_and_tokenizer, prefill_kv
@@ -53,7 +53,7 @@ def test_locality_matches_eager_attention_weights():
     finally:
         capture.close()
     assert len(out.attentions) == model.config.num_hidden_layers
-    from kvdiag.collectors.attention import attention_probs
+    from kvdiag.kernels.attention import attention_probs
 
     for layer in (0, 11, 29):
         k = cache.layers[layer].keys

@@ -13,9 +13,9 @@ def model_and_tokenizer(model_dir):
     import torch
 
     torch.set_num_threads(1)
-    from kvdiag.analysis.similarity import load_model
+    from kvdiag.model import load_model
 
-    return load_model(str(model_dir))
+    return load_model(model_dir)
 
 
 SYSTEMS = ["You are a meticulous travel agent who answers in two sentences and always names a "

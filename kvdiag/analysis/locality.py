@@ -1,6 +1,6 @@
 """Per-head attention locality from ShadowLocality events, shaped for layers x heads heatmaps.
 
-Event definitions (kvdiag.collectors.attention): for a decode query over T positions,
+Event definitions (kvdiag.kernels.attention): for a decode query over T positions,
 ``recent_mass`` = attention on the last ceil(0.2 T) positions, ``sink_mass`` = on the first
 min(4, T - recent) positions, ``other_mass`` = the rest, ``entropy_nats`` = -sum p log p,
 ``outside_share`` = the head's share of its layer's attention outside the recent window,

@@ -13,11 +13,9 @@ time (no padding), with the model's own cache.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import combinations
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -117,27 +115,3 @@ def kv_similarity(model, tokenizer, prompts: Sequence, *, positions: int = 10, o
                          "v_cosine": float(np.mean(v_cos)), "pairs": len(pairs)})
     frame = pd.DataFrame(rows, columns=["layer", "same_prompt", "k_cosine", "v_cosine", "pairs"])
     return SimilarityResult(positions, offset, min_shared_tokens, frame)
-
-
-def default_model_dir() -> Path:
-    """The converted SmolLM2 folder that ``kvdiag fetch-model`` writes (``kvdiag.model``)."""
-    try:
-        from kvdiag.model import default_model_dir as model_dir
-    except ImportError:  # kvdiag.model not installed: its documented default location
-        home = os.environ.get("KVDIAG_HOME")
-        return (Path(home) if home else Path.home() / ".cache" / "kvdiag") / "models" / \
-            "SmolLM2-135M-Instruct"
-    return model_dir()
-
-
-def load_model(model_dir: Optional[str] = None):
-    """(model, tokenizer) of the embedded default model (or ``model_dir``), fp32, eval mode."""
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    if model_dir is None:
-        model_dir = str(default_model_dir())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer

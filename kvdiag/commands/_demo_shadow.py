@@ -66,12 +66,13 @@ def run_logits(model_dir: Path, log_path: Path, args) -> int:
     import msgspec
     import torch
 
-    from kvdiag.commands.shadow import LOGITS_TEXT, load_model
+    from kvdiag.commands.shadow import LOGITS_TEXT
     from kvdiag.kernels.shadow_hf import shadow_logits
+    from kvdiag.model import load_model
     from kvdiag.sinks import ListSink
 
     torch.set_num_threads(max(1, args.threads))
-    model, tokenizer = load_model(str(model_dir))
+    model, tokenizer = load_model(model_dir)
     sink = ListSink()
     ids = tokenizer(LOGITS_TEXT, return_tensors="pt")["input_ids"]
     shadow_logits(model, ids, _methods(args), sink)

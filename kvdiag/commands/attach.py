@@ -46,12 +46,9 @@ def _err(msg: str) -> None:
 
 
 def _default_out(pid: int) -> Path:
-    try:
-        from kvdiag.paths import log_dir
-        base = log_dir()
-    except ImportError:
-        base = Path.cwd()
-    return base / f"attach-{pid}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    from kvdiag.paths import log_dir
+
+    return log_dir() / f"attach-{pid}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
 class _Session:

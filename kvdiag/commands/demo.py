@@ -11,7 +11,6 @@ server is stopped cleanly at the end so that the event log is complete.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -24,10 +23,12 @@ from pathlib import Path
 from typing import Optional
 
 from kvdiag.child import kvdiag_module, reset_interrupt_signal
+from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.commands import _demo_shadow
 from kvdiag.commands.fetch_model import resolve_with_progress
 from kvdiag.model import ModelFetchError
 from kvdiag.paths import log_dir, runtime_dir
+from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestFinished
 from kvdiag.traffic import Result, TrafficDriver, TrafficPlan, chat
 
 DESCRIPTION = __doc__
@@ -99,7 +100,7 @@ class LiveStats:
         self.cached_prompt_tokens = 0
         self.finished = 0
         self.connected = False
-        self._sock: Optional[socket.socket] = None
+        self._conn: Optional[AgentConnection] = None
 
     @property
     def prefix_hit_rate(self) -> Optional[float]:
@@ -107,39 +108,33 @@ class LiveStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     def follow(self, path: Path) -> None:
-        """Read the socket in a daemon thread until it closes."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(str(path))
-        self._sock = sock
+        """Read the agent's stream in a daemon thread until it closes."""
+        conn = AgentConnection(path)
+        self._conn = conn
         self.connected = True
-        threading.Thread(target=self._read, args=(sock,), name="kvdiag-demo-live", daemon=True).start()
+        threading.Thread(target=self._read, args=(conn,), name="kvdiag-demo-live", daemon=True).start()
 
-    def _read(self, sock: socket.socket) -> None:
-        with sock.makefile("rb") as stream:
-            for line in stream:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                kind = ev.get("type")
-                if kind == "kv_pool_sample":
-                    self.blocks_used = ev["blocks_used"]
-                    self.blocks_cached = ev.get("blocks_cached", 0)
-                    self.num_blocks = ev["num_blocks"]
-                    self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
-                elif kind == "kv_pool_info":
-                    self.num_blocks = ev["num_blocks"]
-                elif kind == "request_finished":
-                    self.finished += 1
-                    self.prompt_tokens += ev["prompt_tokens"]
-                    self.cached_prompt_tokens += ev.get("cached_prompt_tokens", 0)
+    def _read(self, conn: AgentConnection) -> None:
+        try:
+            conn.read_header()
+        except OSError:  # no header (AgentProtocolError) or the connection went away
+            return
+        for ev in conn.events():
+            if isinstance(ev, KVPoolSample):
+                self.blocks_used = ev.blocks_used
+                self.blocks_cached = ev.blocks_cached
+                self.num_blocks = ev.num_blocks
+                self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
+            elif isinstance(ev, KVPoolInfo):
+                self.num_blocks = ev.num_blocks
+            elif isinstance(ev, RequestFinished):
+                self.finished += 1
+                self.prompt_tokens += ev.prompt_tokens
+                self.cached_prompt_tokens += ev.cached_prompt_tokens
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
+        if self._conn is not None:
+            self._conn.close()
 
 
 class DemoServer:

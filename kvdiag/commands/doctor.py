@@ -104,39 +104,39 @@ def _live(args: argparse.Namespace) -> int:
     """Record ``--seconds`` of the agent's live stream of process PID into a temporary log
     (the stream's lines are log lines: the header first, then events), then diagnose it."""
     import psutil
-    import socket
     import tempfile
     import time
     from pathlib import Path
+
+    from kvdiag.collectors.agent_client import AgentConnection
+    from kvdiag.paths import agent_socket_path
+
     if not psutil.pid_exists(args.pid):
         return fail("doctor", f"no process with pid {args.pid}")
-    path = args.socket
-    if path is None:
-        try:
-            from kvdiag.paths import agent_socket_path
-        except ImportError:
-            return fail("doctor", "this build cannot locate agent sockets; pass --socket PATH")
-        path = agent_socket_path(args.pid)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = args.socket if args.socket is not None else agent_socket_path(args.pid)
+    deadline = time.monotonic() + args.seconds
     try:
-        sock.connect(str(path))
+        conn = AgentConnection(path, timeout_s=args.seconds)
     except OSError as exc:
         return fail("doctor", f"{path}: cannot reach a kvdiag agent in process {args.pid} ({exc.strerror or exc}); "
                     f"start the server under the agent (`python -m kvdiag.run ...`), or record a log "
                     f"and run `kvdiag doctor LOG`")
     with tempfile.TemporaryDirectory(prefix="kvdiag-doctor-") as d:
         log = Path(d) / f"pid{args.pid}.jsonl"
-        deadline = time.monotonic() + args.seconds
-        with sock, open(log, "wb") as f:
-            while (left := deadline - time.monotonic()) > 0:
-                sock.settimeout(left)
-                try:
-                    data = sock.recv(1 << 16)
-                except socket.timeout:
-                    break
-                if not data:
-                    break
-                f.write(data)
+        with conn, open(log, "wb") as f:
+            try:
+                conn.read_header()
+            except OSError as exc:  # AgentProtocolError, or a timeout
+                return fail("doctor", f"{path}: no kvdiag agent header from process {args.pid} "
+                            f"within {args.seconds:g} s ({exc})")
+            f.write(conn.header_line)
+            if (left := deadline - time.monotonic()) > 0:
+                conn.settimeout(left)
+                for line in conn.lines():  # ends at the deadline (a read times out) or EOF
+                    f.write(line)
+                    if (left := deadline - time.monotonic()) <= 0:
+                        break
+                    conn.settimeout(left)
         if not args.json:
             print(f"recorded {args.seconds:g} s of process {args.pid}", file=sys.stderr)
         args.pid, args.logs, args.partial = None, [str(log)], True  # the last line may be cut

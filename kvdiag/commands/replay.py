@@ -238,8 +238,9 @@ def _run_similarity(args: argparse.Namespace) -> int:
     kvdiag.analysis.similarity has the definition)."""
     import msgspec
 
-    from kvdiag.analysis.similarity import kv_similarity, load_model
+    from kvdiag.analysis.similarity import kv_similarity
     from kvdiag.analysis.traces import TraceFormatError, prompt_token_ids
+    from kvdiag.model import load_model
 
     try:
         prompts = prompt_token_ids(args.trace, args.format)

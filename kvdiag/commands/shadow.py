@@ -54,15 +54,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the tables as JSON")
 
 
-def load_model(path: str):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
-    return model, AutoTokenizer.from_pretrained(path)
-
-
 def run(args) -> int:
     import torch
 
@@ -81,7 +72,7 @@ def run(args) -> int:
         return 2
     torch.set_num_threads(1)
     from kvdiag.commands.fetch_model import resolve_with_progress
-    from kvdiag.model import ModelFetchError
+    from kvdiag.model import ModelFetchError, load_model
 
     try:
         path = str(resolve_with_progress(args.model))
