@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from kvdiag.analysis.locality import DISTANCE_EDGES
+from kvdiag.schema import DISTANCE_EDGES
 from kvdiag.schema import ShadowLocality
 
 RECENT_FRAC = 0.2

@@ -299,6 +299,12 @@ class ShadowCompression(Event, tag="shadow_compression"):
     decode_ns: Optional[int] = None
 
 
+DISTANCE_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+"""Bins of ``ShadowLocality.distance_hist``: attention mass at a distance (query position
+minus key position, in tokens) in [DISTANCE_EDGES[i], DISTANCE_EDGES[i+1]); the last bin is
+open-ended."""
+
+
 class ShadowLocality(Event, tag="shadow_locality"):
     """Where one query head's attention went on a sampled decode step (fractions of 1)."""
 

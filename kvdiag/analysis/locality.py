@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvdiag.schema import DISTANCE_EDGES
+
 METRICS = ["recent_mass", "sink_mass", "other_mass", "entropy_nats", "outside_share"]
 HEAD_COLUMNS = ["layer", "head", "samples", "seq_len_tokens"] + METRICS
-DISTANCE_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def by_head(events: pd.DataFrame) -> pd.DataFrame:

@@ -247,12 +247,14 @@ def _run_similarity(args: argparse.Namespace) -> int:
     except TraceFormatError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    from kvdiag.commands.fetch_model import resolve_with_progress
+    from kvdiag.model import ModelFetchError
+
     try:
-        model, tokenizer = load_model()
-    except (ImportError, OSError) as exc:
-        print(f"kvdiag replay --similarity: the real model is not available ({exc}); "
-              "run `kvdiag fetch-model`", file=sys.stderr)
-        return 2
+        model, tokenizer = load_model(resolve_with_progress(None))
+    except (ModelFetchError, OSError) as exc:
+        print(f"kvdiag replay --similarity: the real model is not available ({exc})", file=sys.stderr)
+        return 1
     import time
 
     res = kv_similarity(model, tokenizer, prompts, positions=args.positions, offset=args.offset,
