@@ -1,15 +1,26 @@
-"""Host view of a target process and its children (psutil): RSS, threads, CPU time, and the
-TCP ports it listens on (to find its HTTP ``/metrics``)."""
+"""Host view of a target process and its children (psutil): RSS, PSS and swap, threads, CPU
+time, and the TCP ports it listens on (to find its HTTP ``/metrics``).
+
+:class:`ProcessSampler` runs a :class:`ProcessCollector` on a thread of its own; the in-process
+agent uses it to sample its own process."""
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 from typing import Optional
 
 import psutil
 
-from kvdiag.schema import ProcessSample
+from kvdiag.schema import CollectorError, ProcessSample
+from kvdiag.sinks import Sink
+
+COLLECTOR = "procfs"
+# share of wall time the smaps_rollup page-table walk (PSS, swap) may take: it costs ~15 ms per
+# GiB resident, so it runs less often than the RSS read on large processes
+PSS_BUDGET_FRAC = 0.01
 
 
 class TargetGone(RuntimeError):
@@ -39,18 +50,41 @@ class ProcessCollector:
     """Samples the target and its current children (re-listed each sample: engines spawn
     workers late)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, children: bool = True, pss_budget_frac: Optional[float] = None) -> None:
+        """``children``: also sample the target's descendants (listing them scans all of /proc).
+        ``pss_budget_frac``: read the target's PSS and swap (``smaps_rollup``) whenever the
+        time spent reading it stays under this share of wall time; None: never."""
         self.root = open_target(pid)
         self.pid = pid
+        self.children = children
+        self.pss_budget_frac = pss_budget_frac
+        self.pss_readable = pss_budget_frac is not None and os.path.exists(f"/proc/{pid}/smaps_rollup")
+        self._next_pss_ns = 0
 
     def processes(self) -> list[psutil.Process]:
         """The target and its live descendants; raises ``TargetGone`` when the target exited."""
         try:
             if self.root.status() == psutil.STATUS_ZOMBIE:
                 raise TargetGone(f"process {self.pid} has exited")
-            return [self.root] + self.root.children(recursive=True)
+            return [self.root] + (self.root.children(recursive=True) if self.children else [])
         except psutil.NoSuchProcess:
             raise TargetGone(f"process {self.pid} has exited") from None
+
+    def _pss_due(self, p: psutil.Process, now: int) -> bool:
+        return p.pid == self.pid and self.pss_readable and now >= self._next_pss_ns
+
+    def _read_pss(self, p: psutil.Process) -> tuple[int, Optional[int], Optional[int]]:
+        """(rss, pss, swap) from one ``memory_full_info``; schedules the next read so that
+        these reads take at most ``pss_budget_frac`` of wall time."""
+        start = time.perf_counter_ns()
+        try:
+            full = p.memory_full_info()
+        except psutil.AccessDenied:
+            self.pss_readable = False
+            return p.memory_info().rss, None, None
+        took = time.perf_counter_ns() - start
+        self._next_pss_ns = time.time_ns() + int(took / self.pss_budget_frac)
+        return full.rss, full.pss, full.swap
 
     def pids(self) -> list[int]:
         try:
@@ -67,8 +101,12 @@ class ProcessCollector:
             try:
                 with p.oneshot():
                     cpu = p.cpu_times()
-                    out.append(ProcessSample(ts_ns=now, pid=p.pid, rss_bytes=p.memory_info().rss,
-                                             num_threads=p.num_threads(),
+                    if self._pss_due(p, now):
+                        rss, pss, swap = self._read_pss(p)
+                    else:
+                        rss, pss, swap = p.memory_info().rss, None, None
+                    out.append(ProcessSample(ts_ns=now, pid=p.pid, rss_bytes=rss, pss_bytes=pss,
+                                             swap_bytes=swap, num_threads=p.num_threads(),
                                              cpu_time_ns=int((cpu.user + cpu.system) * 1e9), name=p.name()))
             except (psutil.NoSuchProcess, psutil.ZombieProcess):
                 if p.pid == self.pid:
@@ -103,3 +141,75 @@ def connect_host(ip: str) -> str:
 def tree_rss_bytes(samples: list[ProcessSample]) -> Optional[int]:
     """Total resident memory of one sampling of the tree (None if empty)."""
     return sum(s.rss_bytes for s in samples) if samples else None
+
+
+class ProcessSampler:
+    """Sends a ``ProcessSample`` of a process to ``sink`` every ``interval_s`` from a daemon
+    thread (the agent samples its own process with it: ``ProcessSampler.of_self``).
+
+    Never raises into its caller or the observed process: a failed sample is counted in
+    ``error_count`` and reported once per kind of failure as a ``CollectorError``."""
+
+    def __init__(self, collector: ProcessCollector, sink: Sink, interval_s: float = 0.5) -> None:
+        self.collector = collector
+        self.sink = sink
+        self.interval_s = interval_s
+        self.error_count = 0
+        self.samples = 0
+        self._reported: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def of_self(cls, sink: Sink, interval_s: float = 0.5,
+                pss_budget_frac: Optional[float] = PSS_BUDGET_FRAC) -> "ProcessSampler":
+        """A sampler of this process alone (RSS every interval; PSS and swap within budget)."""
+        return cls(ProcessCollector(os.getpid(), children=False, pss_budget_frac=pss_budget_frac),
+                   sink, interval_s)
+
+    def sample_now(self) -> None:
+        """Take one sampling and send it; failures are counted and reported, never raised."""
+        with self._lock:
+            try:
+                events = self.collector.sample()
+            except Exception as exc:  # the observed process must never see our failures
+                self._failed(exc)
+                return
+            for ev in events:
+                try:
+                    self.sink.record(ev)
+                except Exception as exc:
+                    self._failed(exc)
+            self.samples += 1
+
+    def _failed(self, exc: BaseException) -> None:
+        self.error_count += 1
+        key = type(exc).__name__
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        try:
+            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
+                                            message=f"sample: {key}: {exc}"))
+        except Exception:
+            pass
+
+    def start(self) -> "ProcessSampler":
+        """Sample now, then every ``interval_s`` until :meth:`stop`."""
+        self.sample_now()
+        self._thread = threading.Thread(target=self._loop, name="kvdiag-procfs", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample_now()
+
+    def stop(self) -> None:
+        """Stop the thread and take a last sample."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.sample_now()

@@ -1,7 +1,9 @@
 """The in-process agent: observes the engine running in this process and records what it sees.
 
-``start()`` installs the transformers continuous-batching adapter, writes the events to an
-event log (``LogWriter``) and serves them live to local clients over a Unix socket.
+``start()`` installs the transformers continuous-batching adapter, samples this process's host
+memory every sample interval (``ProcessSample``: RSS, PSS and swap, through the procfs
+collector), writes the events to an event log (``LogWriter``) and serves them live to local
+clients over a Unix socket.
 
 Live stream protocol: a client connects to the socket (mode 0600, in the runtime dir, path
 ``kvdiag.paths.agent_socket_path(pid)`` unless given) and reads JSON lines: first the
@@ -164,7 +166,8 @@ class Agent:
                  live: bool = True, model: str = "", block_size_tokens: Optional[int] = None,
                  inject_leak_every: int = 0, sample_interval_s: float = 0.5,
                  record_token_ids: bool = True, extra: Optional[dict] = None,
-                 shadow_sharing: bool = True, shadow: Optional[dict] = None) -> None:
+                 shadow_sharing: bool = True, shadow: Optional[dict] = None,
+                 host_memory: bool = True) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
         from kvdiag.eventlog import make_header
@@ -181,6 +184,8 @@ class Agent:
         self.adapter = None
         self._shadow_kwargs = shadow  # kvdiag.collectors.transformers_cb_shadow.install kwargs
         self.shadow = None
+        self._host_memory = host_memory
+        self.host_sampler = None  # kvdiag.collectors.procfs.ProcessSampler of this process
 
     def start(self) -> "Agent":
         from kvdiag.collectors.transformers_cb import install
@@ -210,10 +215,17 @@ class Agent:
         if self._shadow_kwargs is not None:
             from kvdiag.collectors.transformers_cb_shadow import install as install_shadow
             self.shadow = install_shadow(recorded, **self._shadow_kwargs)
+        if self._host_memory:
+            from kvdiag.collectors.procfs import ProcessSampler
+            self.host_sampler = ProcessSampler.of_self(recorded, interval_s=self._sample_interval_s).start()
         return self
 
     def stop(self) -> None:
-        """Take a last pool sample, uninstall the hooks, flush and close the log and the socket."""
+        """Take a last pool and host memory sample, uninstall the hooks, flush and close the log
+        and the socket."""
+        if self.host_sampler is not None:
+            self.host_sampler.stop()
+            self.host_sampler = None
         if self.shadow is not None:
             self.shadow.uninstall()
         if self.adapter is not None:
@@ -242,7 +254,8 @@ def start(log_path: Optional[str] = None, socket: bool = True, socket_path: Opti
     events on a Unix socket (``socket_path`` or the default per-pid path). Other keyword
     arguments go to :class:`Agent` (``model``, ``block_size_tokens``, ``inject_leak_every``,
     ``sample_interval_s``, ``record_token_ids``, ``extra``, ``shadow``: keyword arguments of
-    :func:`kvdiag.collectors.transformers_cb_shadow.install` to run shadow compression)."""
+    :func:`kvdiag.collectors.transformers_cb_shadow.install` to run shadow compression,
+    ``host_memory``: sample this process's RSS, PSS and swap every ``sample_interval_s``)."""
     global _AGENT
     if _AGENT is not None:
         raise RuntimeError("the kvdiag agent is already running in this process")

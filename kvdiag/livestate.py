@@ -146,6 +146,7 @@ class LiveState:
         self.nvml: dict[int, s.NvmlSample] = {}
         self.allocator: dict[int, s.AllocatorSample] = {}
         self.processes: dict[int, s.ProcessSample] = {}
+        self._latest_full_memory: dict[str, dict[int, int]] = {}  # "pss"/"swap" -> pid -> bytes
         # requests
         self.live: dict[str, _Request] = {}
         self.finished: OrderedDict[str, _Request] = OrderedDict()
@@ -318,6 +319,10 @@ class LiveState:
 
     def _on_process(self, ev: s.ProcessSample, b: _Bin, idx: int) -> None:
         self.processes[ev.pid] = ev
+        # PSS and swap are read less often than RSS: keep each process's last reading
+        for key, value in (("pss", ev.pss_bytes), ("swap", ev.swap_bytes)):
+            if value is not None:
+                self._latest_full_memory.setdefault(key, {})[ev.pid] = value
         self.series["rss"].set(idx, self._rss(ev.ts_ns))
 
     def _on_metrics(self, ev: s.EngineMetrics, b: _Bin, idx: int) -> None:
@@ -429,13 +434,22 @@ class LiveState:
         nvml_hint = self._hint(("nvml", "gpu"), "no NVML samples") if not self.nvml else ""
         alloc_hint = self._hint(("allocator", "cuda"), "no CUDA allocator samples") if not alloc else ""
         carry = 10
+        rss = self._rss(now_ns) if self.processes else None
+        host_only = not self.nvml and not alloc and bool(rss)  # no device: the pool is in RSS
+        recent = {pid for pid, p in self.processes.items() if now_ns - p.ts_ns <= 30_000_000_000}
+        pss, swap = ([v for pid, v in self._latest_full_memory.get(key, {}).items() if pid in recent]
+                     for key in ("pss", "swap"))
         return MemoryView(
             nvml_used_bytes=sum(used) if used else None, nvml_total_bytes=sum(total) if total else None,
             nvml_process_bytes=sum(proc) if proc else None,
             allocator_reserved_bytes=sum(a.reserved_bytes for a in alloc) if alloc else None,
             allocator_allocated_bytes=sum(a.allocated_bytes for a in alloc) if alloc else None,
             kv_pool_used_bytes=kv_used, kv_pool_total_bytes=kv_total,
-            host_rss_bytes=self._rss(now_ns) if self.processes else None,
+            host_rss_bytes=rss,
+            host_pss_bytes=sum(pss) if pss else None,
+            host_swap_bytes=sum(swap) if swap else None,
+            kv_pool_rss_share=kv_used / rss if host_only and kv_used is not None else None,
+            kv_pool_total_rss_share=kv_total / rss if host_only and kv_total is not None else None,
             nvml_history=self.series["nvml"].history(first, last, carry),
             allocator_history=self.series["allocator"].history(first, last, carry),
             kv_pool_history=self.series["kv_pool"].history(first, last, carry),

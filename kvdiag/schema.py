@@ -19,7 +19,7 @@ from typing import Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: ProcessSample.pss_bytes, swap_bytes
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 RequestId = NewType("RequestId", str)
@@ -232,13 +232,20 @@ class NvmlSample(Event, tag="nvml_sample"):
 
 
 class ProcessSample(Event, tag="process_sample"):
-    """Host view of one process of the target (the server or one of its children)."""
+    """Host view of one process of the target (the server or one of its children).
+
+    ``rss_bytes``: resident set size (``/proc/PID/statm``). ``pss_bytes``: proportional set
+    size, shared pages divided among the processes that map them, and ``swap_bytes``: pages of
+    the process in swap, both from ``/proc/PID/smaps_rollup``; None when not read in this
+    sample (not readable, or read less often than RSS because it walks the page tables)."""
 
     pid: int
     rss_bytes: int
     num_threads: int = 0
     cpu_time_ns: int = 0
     name: str = ""
+    pss_bytes: Optional[int] = None
+    swap_bytes: Optional[int] = None
 
 
 class PhaseProfile(Event, tag="phase_profile"):

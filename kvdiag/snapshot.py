@@ -22,7 +22,11 @@ History = tuple[Optional[float], ...]
 class MemoryView:
     """Device and host memory by source. ``kv_pool_used_bytes`` = blocks held (live + cached)
     × block bytes (``KVPoolInfo.block_bytes``); ``host_rss_bytes`` = sum of the latest RSS of
-    each process of the target."""
+    each process of the target; ``host_pss_bytes`` / ``host_swap_bytes`` = sum of the latest
+    PSS / swap read of each process (None if never read). Without NVML and allocator samples
+    the KV pool lives in host memory: ``kv_pool_rss_share`` = ``kv_pool_used_bytes`` /
+    ``host_rss_bytes`` and ``kv_pool_total_rss_share`` = ``kv_pool_total_bytes`` /
+    ``host_rss_bytes`` (None with a GPU source, or without RSS or pool info)."""
 
     nvml_used_bytes: Optional[int]
     nvml_total_bytes: Optional[int]
@@ -38,6 +42,10 @@ class MemoryView:
     rss_history: History
     gpu_hint: str  # why the NVML rows are N/A ("" when they are available)
     allocator_hint: str  # why the allocator rows are N/A
+    host_pss_bytes: Optional[int] = None
+    host_swap_bytes: Optional[int] = None
+    kv_pool_rss_share: Optional[float] = None  # fraction 0-1 (can exceed 1: pages not resident)
+    kv_pool_total_rss_share: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)

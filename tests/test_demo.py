@@ -93,3 +93,22 @@ def test_demo_log_carries_live_shadow_sharing(demo_run):
     # larger chunks can only match fewer prompt tokens (a chunk hits only when all of it does)
     by_size = final[final["capacity_blocks"].isna()].set_index("block_size_tokens")["token_hit_rate"]
     assert by_size[16] >= by_size[64] >= by_size[256]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_demo_log_has_host_memory_and_the_leak_rule_evaluates(demo_run):
+    """The agent samples its own process: the first leak check is not N/A on the demo, and a
+    healthy demo (no injected leak) is not flagged as leaking host memory."""
+    from kvdiag.analysis import doctor
+    from kvdiag.analysis.logs import load
+
+    _, log_path = demo_run
+    logs = load([log_path])[0]
+    ps = logs.frame("process_sample")
+    assert len(ps) >= 4 and (ps["rss_bytes"] > 0).all()
+    assert ps["pss_bytes"].notna().any()
+    f = doctor.memory_growth(logs)
+    assert f.status != "n/a", f.message
+    assert f.evidence["source"] == "host RSS"
+    assert f.status != "fail", f.message

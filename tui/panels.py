@@ -114,6 +114,12 @@ class MemoryPanel(Panel):
         if m.host_rss_bytes is not None:
             rows.append(_spark(f"{'host RSS':<9}{fmt_bytes(m.host_rss_bytes):>6}{'':8}", m.rss_history, width, "green",
                                lo=0))
+            if m.kv_pool_rss_share is not None:  # CPU: the KV pool is part of the host RSS
+                rows.append(line(f"{'KV/RSS':<9}{fmt_pct(m.kv_pool_rss_share):>6} ",
+                                 (f"held, pool {fmt_pct(m.kv_pool_total_rss_share, 0)}", DIM)))
+            if m.host_pss_bytes is not None or m.host_swap_bytes is not None:
+                rows.append(line(f"{'PSS':<9}{fmt_bytes(m.host_pss_bytes):>6} ",
+                                 (f"swap {fmt_bytes(m.host_swap_bytes)}", DIM)))
         else:
             rows.append(line(f"{'host RSS':<9}{NA:>6} ", ("no process samples", DIM)))
         if m.nvml_process_bytes is not None:

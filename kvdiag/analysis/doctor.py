@@ -59,21 +59,40 @@ def _process_memory(logs: Logs) -> tuple[str, Optional[pd.DataFrame]]:
     return "", None
 
 
+def _serving_since_ns(logs: Logs) -> dict:
+    """Per node, when the engine's first step ended: before it, memory grows by loading the
+    model, allocating the KV pool and the first forward's one-time costs (weights paged in from
+    a memory-mapped file, buffers), which is warm-up, not growth while serving."""
+    st = logs.frame(EngineStep)
+    if st.empty:
+        return {}
+    return (st["ts_ns"] + st["duration_ns"]).groupby(st["node"]).min().to_dict()
+
+
 def memory_growth(logs: Logs) -> Finding:
     """Growth of process memory (median of the last 10% of samples minus the first 10%,
     summed over devices/processes) minus the KV pool's growth (blocks held by requests and
-    the prefix cache x block bytes) over the same log."""
+    the prefix cache x block bytes) over the same span: the log, or on a node with engine
+    steps, from the end of its first step (warm-up excluded)."""
     title = "memory grows only with the KV cache"
     label, mem = _process_memory(logs)
     if mem is None or mem.empty:
         return Finding("leak.memory_growth", "n/a", title, "no memory samples (NVML, allocator, RSS)")
+    since = _serving_since_ns(logs)
+    mem = mem[mem["ts_ns"] >= mem["node"].map(since).fillna(0)]
     mem_growth = start = 0.0
+    measured = False
     for _, g in mem.groupby(["node", "key"]):
         gr = growth(g["ts_ns"].to_numpy(), g["bytes"].to_numpy())
         if gr is not None:
+            measured = True
             mem_growth += gr
             start += float(np.median(g.sort_values("ts_ns")["bytes"].to_numpy()[:max(2, len(g) // 10)]))
+    if not measured:
+        return Finding("leak.memory_growth", "n/a", title,
+                       f"fewer than 4 {label} samples{' after the first engine step' if since else ''}")
     kv = kv_pool_bytes(logs)
+    kv = kv[kv["ts_ns"] >= kv["node"].map(since).fillna(0)]
     kv_growth = 0.0
     for _, g in kv.groupby("node"):
         kv_growth += growth(g["ts_ns"].to_numpy(), (g["used_bytes"] + g["cached_bytes"]).to_numpy()) or 0.0
@@ -81,7 +100,7 @@ def memory_growth(logs: Logs) -> Finding:
     share = unexplained / start if start > 0 else 0.0
     status = rules.growth_status(share, unexplained)
     return Finding("leak.memory_growth", status, title,
-                   f"{label} grew {mem_growth / 2**20:+.1f} MiB, KV cache {kv_growth / 2**20:+.1f} MiB: "
+                   f"{label} grew {mem_growth / 2**20:+.1f} MiB{' after warm-up' if since else ''}, KV cache {kv_growth / 2**20:+.1f} MiB: "
                    f"{unexplained / 2**20:+.1f} MiB ({share:+.1%}) unexplained "
                    f"(fail at >= {rules.GROWTH_FAIL[0]:.0%} and {rules.GROWTH_FAIL[1] >> 20} MiB)",
                    {"source": label, "memory_growth_bytes": mem_growth, "kv_growth_bytes": kv_growth,

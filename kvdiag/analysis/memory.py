@@ -73,6 +73,12 @@ def memory_over_time(logs: Logs) -> pd.DataFrame:
         label = "host rss pid " + ps["pid"].astype(str) + np.where(
             ps["name"].astype(str) != "", " (" + ps["name"].astype(str) + ")", "")
         parts.append(_long(ps["ts_ns"], ps["node"], label, ps["rss_bytes"]))
+        for col, name in (("pss_bytes", "host pss"), ("swap_bytes", "host swap")):
+            # logs older than schema 1.1 have no such column; PSS/swap are read less often
+            ok = ps[col].notna() if col in ps else None
+            if ok is not None and ok.any():
+                parts.append(_long(ps["ts_ns"][ok], ps["node"][ok], label[ok].str.replace("host rss", name, n=1).to_numpy(),
+                                   ps[col][ok]))
     if not parts:
         return pd.DataFrame(columns=COLUMNS)
     return pd.concat(parts, ignore_index=True).sort_values(["source", "ts_ns"], ignore_index=True)
