@@ -15,6 +15,7 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvdiag.sources import SocketSource
@@ -103,6 +104,15 @@ async def test_app_renders_a_live_stream(tmp_path):
             assert snap.pool.blocks_used == pools[-1].blocks_used
             assert f"{pools[-1].blocks_used}/256" in str(app.query_one("#poolpanel").render())
             assert any(snap.latency.ttft_p99_history)  # live events land in the history bins
+            # every request finished within the last 20 s: all inside the 60 s latency window,
+            # so TTFT p99 is the inverted-CDF percentile of all their TTFTs (numpy, here)
+            first = {e.request_id: e.ttft_ns for e in events if type(e).__name__ == "RequestFirstToken"}
+            done = [e for e in events if type(e).__name__ == "RequestFinished" and e.status == "finished"]
+            ttft = [(e.ttft_ns if e.ttft_ns is not None else first.get(e.request_id)) for e in done]
+            ttft = [t / 1e6 for t in ttft if t is not None]
+            assert len(ttft) >= 10
+            assert snap.latency.ttft_p99_ms == pytest.approx(np.percentile(ttft, 99, method="inverted_cdf"))
+            assert snap.requests.finished == len([e for e in events if type(e).__name__ == "RequestFinished"])
     finally:
         src.close()
 
