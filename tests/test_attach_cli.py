@@ -36,8 +36,11 @@ def test_target_exiting_while_attached_keeps_the_log(tmp_path):
                              "--out", str(out), "--json", "--no-pyspy"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not (out.exists() and "process_sample" in out.read_text()):
+    while not (out.exists() and "process_sample" in out.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "attach recorded no process sample"
         time.sleep(0.2)
+    status = open(f"/proc/{target.pid}/status").read()  # the target's RSS, read here from /proc
+    rss = int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
     target.stdin.close()
     target.wait()
     stdout, stderr = proc.communicate(timeout=90)
@@ -46,6 +49,7 @@ def test_target_exiting_while_attached_keeps_the_log(tmp_path):
     log = read_log(out)
     procs = log.frame("process_sample")
     assert len(procs) >= 1 and set(procs["pid"]) == {target.pid}
+    assert (abs(procs["rss_bytes"] - rss) <= 1 << 20).all()  # an idle target: within 1 MiB
     summary = json.loads(stdout)
     assert summary["memory"]["process_rss_bytes"] == int(procs[procs["ts_ns"] == procs["ts_ns"].max()]["rss_bytes"].sum())
 

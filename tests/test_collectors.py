@@ -68,8 +68,22 @@ def test_nvml_one_failing_field_does_not_stop_others():
     assert (s.memory_used_bytes, s.energy_mj, s.temperature_c, s.process_memory_bytes) == (5, 1234, 50, 100)
 
 
-CHILD = textwrap.dedent("""
+BALLAST_BYTES = 40_000_000
+
+
+def _proc_status(pid: int) -> dict:
+    """RSS (VmRSS), thread count and user+system CPU time read from /proc directly."""
+    import os
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return {"rss_bytes": int(status["VmRSS"].split()[0]) * 1024, "threads": int(status["Threads"]),
+            "cpu_time_ns": ticks * 10**9 // os.sysconf("SC_CLK_TCK")}
+
+
+CHILD = textwrap.dedent(f"""
     import socket, subprocess, sys, threading, time
+    ballast = b"x" * {BALLAST_BYTES}  # every page written: resident
     s = socket.socket(); s.bind(("127.0.0.1", 18431)); s.listen()
     kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     threading.Thread(target=threading.Event().wait, daemon=True).start()  # an idle thread
@@ -101,9 +115,17 @@ def test_procfs_tree_ports_and_exit(target):
     pids = {s.pid for s in samples}
     kids = {c.pid for c in psutil.Process(target.pid).children(recursive=True)}
     assert pids == {target.pid} | kids and len(kids) == 1
-    root = next(s for s in samples if s.pid == target.pid)
-    assert root.rss_bytes == psutil.Process(target.pid).memory_info().rss or root.rss_bytes > 1 << 20
-    assert root.num_threads >= 1 and root.cpu_time_ns > 0
+    # independent of psutil (which the collector uses): /proc read just before and just after
+    before = _proc_status(target.pid)
+    root = next(s for s in col.sample() if s.pid == target.pid)
+    after = _proc_status(target.pid)
+    assert root.rss_bytes >= BALLAST_BYTES  # the child wrote every page of its ballast
+    lo, hi = sorted((before["rss_bytes"], after["rss_bytes"]))
+    assert lo - (1 << 20) <= root.rss_bytes <= hi + (1 << 20)  # a steady process: within 1 MiB
+    assert root.num_threads == before["threads"] == after["threads"] == 2  # main + the idle thread
+    # clock ticks, bracketed (1 us of slack for the float seconds psutil goes through)
+    assert before["cpu_time_ns"] - 1000 <= root.cpu_time_ns <= after["cpu_time_ns"] + 1000
+    assert after["cpu_time_ns"] > 0  # it spins in attention_kernel
     assert (target.pid, "127.0.0.1", 18431) in col.listening_ports()
     target.kill()
     target.wait()

@@ -213,20 +213,43 @@ def test_replay_free_list():
     assert s3 == s4
 
 
-def test_recorded_cuda_snapshot_fixture():
-    """The snapshot recorded by benchmarks/gpu_allocator.py on a CUDA machine (when present):
-    invariants hold and device totals equal torch's own memory_stats of the same moment."""
+def _live_cuda_snapshot(tmp_path):
+    """On a CUDA machine: a fragmenting allocation pattern (tensors of many sizes, every other
+    one freed), then torch's memory_stats and snapshot of the same moment, the snapshot
+    written as kvdiag writes fixtures and read back."""
+    import torch
+    from kvdiag.snapshot_io import load_snapshot, save_snapshot_json
+    torch.cuda.synchronize()
+    keep = [torch.empty(int(n), dtype=torch.uint8, device="cuda")
+            for n in (700, 3 * 2**20 + 5, 100_000, 25 * 2**20, 511, 9 * 2**20 + 1, 4096, 2 * 2**20)]
+    del keep[::2]
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats(0)
+    path = save_snapshot_json(torch.cuda.memory._snapshot(), tmp_path / "snapshot.json")
+    return load_snapshot(path), stats, keep
+
+
+def test_cuda_snapshot_totals_equal_torchs_memory_stats(tmp_path):
+    """A real CUDA allocator snapshot (taken here on a CUDA machine, else the one recorded by
+    benchmarks/gpu_allocator.py when present): invariants hold and device totals equal
+    torch's own memory_stats of the same moment."""
     import json
     from pathlib import Path
+    import torch
     from kvdiag.snapshot_io import load_snapshot
     folder = Path(__file__).parent / "data" / "cuda_allocator"
-    if not (folder / "snapshot.json").exists():
-        pytest.skip("needs a GPU: no CUDA snapshot recorded yet (run benchmarks/gpu_allocator.py on one)")
-    snap = load_snapshot(folder / "snapshot.json")
-    stats = json.loads((folder / "memory_stats.json").read_text())
+    if torch.cuda.is_available():
+        snap, stats, _alive = _live_cuda_snapshot(tmp_path)
+    elif (folder / "snapshot.json").exists():
+        snap = load_snapshot(folder / "snapshot.json")
+        stats = json.loads((folder / "memory_stats.json").read_text())
+    else:
+        pytest.skip("needs a GPU: no CUDA device here and no CUDA snapshot recorded "
+                    "(benchmarks/gpu_allocator.py records one on a CUDA machine)")
     dev = fr.device_frame(snap).iloc[0]
     assert dev["reserved_bytes"] == stats["reserved_bytes.all.current"]
     assert dev["allocated_bytes"] == stats["allocated_bytes.all.current"]
+    assert dev["allocated_bytes"] > 0
 
 
 def test_free_list_replay_matches_the_engines_own_counters():

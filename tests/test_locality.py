@@ -79,8 +79,6 @@ def _events(rows):
 
 
 def test_analysis_heatmap_and_top_heads():
-    import pandas as pd
-
     from kvdiag.analysis.compression import frame_of
 
     rows = [(0, h, 0.1 * h, 0.05, o) for h, o in enumerate([0.1, 0.4, 0.2, 0.3])]
@@ -92,5 +90,14 @@ def test_analysis_heatmap_and_top_heads():
     top = analysis.top_heads(df, k=3).iloc[0]
     assert top["top_heads"] == [1, 3, 2]
     assert abs(top["top_share"] - 0.9) < 1e-12
-    assert isinstance(analysis.distance_profile(df), pd.DataFrame)
     assert analysis.by_head(df.iloc[0:0]).empty
+    # distance profile: per layer, the mean of the heads' and steps' histograms, bin by bin
+    hists = [[0.5, 0.5] + [0.0] * 13, [0.1, 0.2, 0.7] + [0.0] * 12, [0.0] * 14 + [1.0]]
+    evs = [ShadowLocality(ts_ns=i, layer=layer, head=i, seq_len_tokens=10, recent_mass=0.5, sink_mass=0.1,
+                          other_mass=0.4, entropy_nats=1.0, outside_share=0.5, distance_hist=h)
+           for i, (layer, h) in enumerate(zip([0, 0, 3], hists))]
+    prof = analysis.distance_profile(frame_of(evs, ShadowLocality)).set_index("layer")
+    labels = [f"[{lo},{hi})" for lo, hi in zip(EDGES, EDGES[1:])] + [f"[{EDGES[-1]},inf)"]
+    assert list(prof.columns) == labels and prof.index.tolist() == [0, 3]
+    assert prof.loc[0].tolist() == pytest.approx([(a + b) / 2 for a, b in zip(hists[0], hists[1])], abs=1e-15)
+    assert prof.loc[3].tolist() == hists[2]

@@ -1,12 +1,15 @@
 """leak.memory_growth on real process memory: a child process that keeps allocating (a leak)
-and one that holds steady, their RSS sampled with psutil as a collector would."""
+and one that holds steady, their RSS sampled with psutil as a collector would. The child
+allocates only after a steady baseline of samples and holds until a steady tail is sampled."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 
@@ -15,36 +18,59 @@ from kvdiag.analysis import doctor
 from kvdiag.analysis.logs import load
 from kvdiag.eventlog import LogWriter, make_header
 
-CHILD = """
+STEPS = 30
+
+CHILD = f"""
 import sys, time
 import numpy as np
+print("ready", flush=True)
+sys.stdin.readline()  # allocate only once the recorder has its baseline samples
 keep = []
 step = int(sys.argv[1])
-for _ in range(30):
+for _ in range({STEPS}):
     keep.append(np.ones(step, dtype=np.uint8))  # touched pages: resident
     time.sleep(0.05)
-time.sleep(1)
+print("done", flush=True)
+sys.stdin.readline()  # hold everything until the recorder has its final samples
 """
+BASELINE = TAIL = 30  # samples before the first allocation and after the last
 
 
 def _record(tmp_path, step_bytes: int):
     log = tmp_path / f"rss{step_bytes}.jsonl"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(step_bytes)])
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(step_bytes)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
     proc = psutil.Process(child.pid)
+    rss = []
+    done_at = None
     with LogWriter(log, make_header(engine="test-child")) as w:
-        while child.poll() is None:
-            try:
-                w.record(s.ProcessSample(ts_ns=time.time_ns(), pid=child.pid, rss_bytes=proc.memory_info().rss))
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.02)
-    return load([log])[0]
+        while done_at is None or len(rss) < done_at + TAIL:
+            assert child.poll() is None, "the child exited early"
+            sample = s.ProcessSample(ts_ns=time.time_ns(), pid=child.pid, rss_bytes=proc.memory_info().rss)
+            w.record(sample)
+            rss.append(sample.rss_bytes)
+            if len(rss) == BASELINE:  # a steady baseline first, then the allocations
+                child.stdin.write("go\n")
+                child.stdin.flush()
+            if done_at is None and select.select([child.stdout], [], [], 0)[0]:
+                assert child.stdout.readline().strip() == "done"
+                done_at = len(rss)  # the next TAIL samples see everything allocated
+            time.sleep(0.02)  # the sampling period, as a collector's
+    child.stdin.close()
+    child.wait()
+    return load([log])[0], np.array(rss, dtype="float64")
 
 
 @pytest.mark.parametrize("step_mib,expected", [(16, "fail"), (0, "pass")])
 def test_memory_growth_on_real_rss(tmp_path, step_mib, expected):
-    logs = _record(tmp_path, step_mib << 20)
+    logs, rss = _record(tmp_path, step_mib << 20)
     f = doctor.memory_growth(logs)
     assert f.status == expected, f.message
-    if expected == "fail":  # the child allocated and touched 30 x 16 MiB: what the rule reports
-        assert f.evidence["memory_growth_bytes"] == pytest.approx(30 * 16 * 2**20, rel=0.25)
+    # the rule's number by its documented definition (median of the last 10% of samples minus
+    # the median of the first 10%), recomputed here over the samples this test took
+    k = max(2, int(len(rss) * 0.1))
+    assert k <= min(BASELINE, TAIL)  # the first and last 10% lie in the steady baseline and tail
+    assert f.evidence["memory_growth_bytes"] == np.median(rss[-k:]) - np.median(rss[:k])
+    # ... and what the child did: it allocated and wrote STEPS x step_mib MiB after the baseline
+    assert abs(f.evidence["memory_growth_bytes"] - STEPS * (step_mib << 20)) <= 4 << 20

@@ -133,7 +133,8 @@ def test_bad_input_clear_error_no_output(tmp_path, kind, command, capsys):
     assert rc == 2, (rc, err)
     msg = err.strip().splitlines()
     assert len(msg) == 1
-    assert str(path) in msg[0] and "expected" in msg[0] or "no such file" in msg[0]
+    assert str(path) in msg[0]  # the message names the file, whatever is wrong with it
+    assert ("no such file" if kind == "missing" else "expected") in msg[0], msg[0]
     assert out.read_text() == "previous report"
     assert os.listdir(out.parent) == ["report.html"]
 

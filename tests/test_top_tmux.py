@@ -3,7 +3,6 @@
 Replays CONSTRUCTED TEST DATA (tests/tui_data.py) until a recorded demo log exists.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -53,6 +52,15 @@ class Tmux:
             time.sleep(0.2)
         raise AssertionError(f"{pattern!r} did not appear; screen:\n{self.capture()}")
 
+    def wait_gone(self, pattern: str, timeout_s: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            screen = self.capture()
+            if not re.search(pattern, screen):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} is still on the screen:\n{self.capture()}")
+
     def close(self) -> None:
         subprocess.run([*self.server, "kill-server"], capture_output=True)
 
@@ -81,7 +89,7 @@ def test_top_replays_a_log_and_quits_cleanly(tmux, tmp_path):
     tmux.send("?")
     tmux.wait_for("this help")
     tmux.send("Escape")
-    time.sleep(0.5)
+    tmux.wait_gone("this help")  # back on the main screen, where "s" takes the screenshot
     tmux.send("s")
     tmux.wait_for("screenshot saved")
     tmux.send("q")
@@ -133,7 +141,6 @@ def test_pid_that_does_not_exist_is_one_line_error():
 
 @pytest.mark.slow
 @pytest.mark.model
-@pytest.mark.skipif(importlib.util.find_spec("kvdiag.commands.demo") is None, reason="`kvdiag demo` not in this build")
 def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
     import psutil
 
