@@ -666,8 +666,10 @@ class LiveState:
         for collector, hint in snap.health.unavailable:
             out.append(Finding(f"collector.unavailable.{collector}", "n/a", f"{collector} unavailable",
                                hint or "not available on this host", {}))
+        # failures and warnings first; among the rest, why data is missing before rules that
+        # had no data to judge
         order = {"fail": 0, "warn": 1, "n/a": 2, "pass": 3}
-        return tuple(sorted(out, key=lambda f: order[f.status]))
+        return tuple(sorted(out, key=lambda f: (order[f.status], not f.rule.startswith("collector."))))
 
 
 def _point(ev: s.ShadowSharing) -> WhatIfPoint:
