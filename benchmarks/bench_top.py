@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tui_data import write_constructed_log  # noqa: E402
 
 from kvdiag.eventlog import iter_events  # noqa: E402
-from kvdiag.livestate import LiveState  # noqa: E402
+from kvdiag.live.state import LiveState  # noqa: E402
 
 INTERVAL_S = 1.0
 

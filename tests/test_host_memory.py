@@ -143,7 +143,7 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     from kvdiag.analysis import doctor
     from kvdiag.analysis.logs import load
     from kvdiag.eventlog import iter_events
-    from kvdiag.livestate import LiveState
+    from kvdiag.live.state import LiveState
     from kvdiag.reports import sections
 
     torch.set_num_threads(1)

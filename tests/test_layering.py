@@ -1,4 +1,5 @@
-"""Imports point one way: nothing headless imports a UI library (textual, plotly)."""
+"""Imports point one way: nothing headless (core, analyses, kernels, collectors, the live
+path) imports a UI library (textual, plotly)."""
 
 import subprocess
 import sys
@@ -17,9 +18,10 @@ def _headless_modules():
     import kvdiag.analysis
     import kvdiag.collectors
     import kvdiag.kernels
+    import kvdiag.live
 
     names = list(HEADLESS)
-    for package in (kvdiag.analysis, kvdiag.kernels, kvdiag.collectors):
+    for package in (kvdiag.analysis, kvdiag.kernels, kvdiag.collectors, kvdiag.live):
         names += [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
     ui_or_cli = {"kvdiag.cli", "kvdiag.commands", "kvdiag.tui", "kvdiag.reports", "kvdiag.__main__"}
     names += [f"kvdiag.{m.name}" for m in pkgutil.iter_modules(kvdiag.__path__)

@@ -1,5 +1,5 @@
 """One verdict per rule in every view: a recorded log replayed through the live path (the
-source, LiveState and LiveDoctor, called as ``kvdiag top --log`` calls them) ends with the
+source, LiveState and LiveRules, called as ``kvdiag top --log`` calls them) ends with the
 same findings as ``kvdiag doctor`` on the file: same rule ids, statuses and measured values."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 
 from kvdiag.analysis import doctor
 from kvdiag.analysis.logs import load
-from kvdiag.livedoctor import LiveDoctor
-from kvdiag.livestate import LiveState
-from kvdiag.sources import ReplaySource
+from kvdiag.live.rules import LiveRules
+from kvdiag.live.state import LiveState
+from kvdiag.live.sources import ReplaySource
 
 DATA = Path(__file__).parent / "data"
 RECORDED = sorted(p for p in DATA.rglob("*") if p.name.endswith((".kvlog", ".kvlog.gz")))
@@ -26,7 +26,7 @@ def live_findings(path: Path) -> dict:
     beside the rules, it is not one)."""
     source = ReplaySource(path, speed=1e9, clock=iter(range(10**9)).__next__)
     state = LiveState(source=source.description)
-    rules = LiveDoctor(clock=lambda: 0.0)
+    rules = LiveRules(clock=lambda: 0.0)
     while not source.finished:
         events = source.poll(10_000)
         if source.header is not None and state.header is None:

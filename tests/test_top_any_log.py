@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 from kvdiag.eventlog import iter_events, read_log
-from kvdiag.livestate import LiveState
+from kvdiag.live.state import LiveState
 from kvdiag.schema import TAGS, fields_of
-from kvdiag.sources import ReplaySource
+from kvdiag.live.sources import ReplaySource
 from kvdiag.tui.app import KvTopApp
 from kvdiag.tui.panels import Panel
 from tui_data import write_constructed_log

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdiag.eventlog import read_log
-from kvdiag.livestate import LiveState, percentile
-from kvdiag.sources import ReplaySource
+from kvdiag.live.state import LiveState, percentile
+from kvdiag.live.sources import ReplaySource
 from tui_data import BLOCK_BYTES, BLOCK_TOKENS, T0_NS, write_constructed_log
 
 S = 1_000_000_000
@@ -131,14 +131,14 @@ def test_leak_rule_flags_requests_that_never_release(tmp_path):
     """Live, the leak alert is the rules' ``leak.release_paths``, judged at the latest event:
     exactly the requests that never released and finished more than the grace period ago."""
     from kvdiag.analysis.rules import RELEASE_GRACE_NS
-    from kvdiag.livedoctor import LiveDoctor
+    from kvdiag.live.rules import LiveRules
 
     path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
     state, _ = _state_at(path, 40)
     src = ReplaySource(path, clock=lambda: 0.0)
     src.seek(40)
     events = src.poll()
-    rules = LiveDoctor(clock=lambda: 0.0)
+    rules = LiveRules(clock=lambda: 0.0)
     rules.record(events)
     state.rule_findings = rules.run(state.header, rules.take())
     leak = next(f for f in state.snapshot(src.now_ns()).alerts if f.rule == "leak.release_paths")
@@ -153,7 +153,7 @@ def test_p99_verdict_on_the_ttft_spike_is_the_rules(tmp_path):
     """The latency panel's P99 line is the ``p99.regression`` rule's verdict (top has no
     second definition): a TTFT spike late in a log, replayed live, fails it; the spike lies in
     the window after the change point, above the baseline's P99 and at the current one's."""
-    from kvdiag.livedoctor import LiveDoctor
+    from kvdiag.live.rules import LiveRules
 
     path = write_constructed_log(tmp_path / "spike.jsonl", n_requests=400, shadow=False, spike_at=0.8)
     fin = read_log(path).frame("request_finished")
@@ -161,7 +161,7 @@ def test_p99_verdict_on_the_ttft_spike_is_the_rules(tmp_path):
     slow = fin[fin["ttft_ns"] > 2 * fin["ttft_ns"].median()]
     assert 1 <= len(slow) <= 0.1 * len(fin), "the constructed log has a short TTFT spike"
     state, now = _state_at(path, 10_000)
-    rules = LiveDoctor(clock=lambda: 0.0)
+    rules = LiveRules(clock=lambda: 0.0)
     rules.record(_all_events(path))
     state.rule_findings = rules.run(state.header, rules.take())
     verdict = next(f for f in state.snapshot(now).alerts if f.rule == "p99.regression")
@@ -217,7 +217,7 @@ def test_percentile_is_nearest_rank(values, q):
 def test_data_layer_does_not_import_ui_libraries():
     code = textwrap.dedent("""
         import sys
-        import kvdiag.snapshot, kvdiag.livestate, kvdiag.sources, kvdiag.commands.top
+        import kvdiag.live.snapshot, kvdiag.live.state, kvdiag.live.sources, kvdiag.commands.top
         bad = [m for m in ("textual", "plotly", "rich") if m in sys.modules]
         print(bad)
         sys.exit(1 if bad else 0)
@@ -227,12 +227,12 @@ def test_data_layer_does_not_import_ui_libraries():
 
 
 def test_live_doctor_findings_reach_the_alerts(tmp_path):
-    from kvdiag.livedoctor import LiveDoctor
+    from kvdiag.live.rules import LiveRules
 
     path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
     state, now = _state_at(path, 10_000)
     t = [0.0]
-    doctor = LiveDoctor(period_s=1.0, max_share=0.05, clock=lambda: t[0])
+    doctor = LiveRules(period_s=1.0, max_share=0.05, clock=lambda: t[0])
     src = ReplaySource(path, clock=lambda: 0.0)
     src.seek(10_000)
     events = src.poll()

@@ -23,9 +23,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
-from kvdiag.livedoctor import LiveDoctor
-from kvdiag.livestate import LiveState
-from kvdiag.snapshot import Snapshot
+from kvdiag.live.rules import LiveRules
+from kvdiag.live.state import LiveState
+from kvdiag.live.snapshot import Snapshot
 from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
 
 CHUNK_EVENTS = 20_000
@@ -119,7 +119,7 @@ class KvTopApp(App):
         if source.header is not None:
             self.state.set_header(source.header)
         self.interval_s = interval_s
-        self.doctor = LiveDoctor()
+        self.doctor = LiveRules()
         self.rule_runs = 0  # runs of the rules over the events so far
         self._doctor_lock = threading.Lock()
         self.output_dir = Path(output_dir)

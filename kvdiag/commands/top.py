@@ -42,7 +42,7 @@ def _error(message: str) -> int:
 
 def open_source(args: argparse.Namespace):
     """The event source the arguments ask for; raises SourceError with a one-line message."""
-    from kvdiag import sources
+    from kvdiag.live import sources
 
     demo_args = [a for a in args.demo_args if a != "--"]
     if demo_args and (args.log or args.pid or args.socket):
@@ -75,7 +75,7 @@ def open_source(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from kvdiag.eventlog import LogFormatError
     from kvdiag.model import ModelFetchError
-    from kvdiag.sources import SourceError
+    from kvdiag.live.sources import SourceError
 
     try:
         source = open_source(args)

@@ -20,7 +20,7 @@ from kvdiag.analysis import doctor, logs
 from kvdiag.analysis.findings import Finding
 
 
-class LiveDoctor:
+class LiveRules:
     """Runs :func:`kvdiag.analysis.doctor.run_rules` over every event seen so far (up to
     ``max_events``; beyond, over the latest ones, and a ``collector.doctor_window`` finding
     says so), so that at the end of a log top's alerts are the doctor's findings on that log."""

@@ -1,4 +1,4 @@
-"""The immutable picture of a KV cache at one moment, built by :mod:`kvdiag.livestate`.
+"""The immutable picture of a KV cache at one moment, built by :mod:`kvdiag.live.state`.
 
 Every panel of ``kvdiag top`` renders from one :class:`Snapshot` and nothing else. A value that
 was not observed is ``None`` (rendered "N/A"); a view with no data at all carries a ``reason``
@@ -140,7 +140,7 @@ class LocalityView:
 @dataclass(frozen=True, slots=True)
 class LatencyView:
     """TTFT and per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) of requests
-    finished in the latency window (livestate.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
+    finished in the latency window (kvdiag.live.state.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
     (whether P99 regressed is the ``p99.regression`` rule's verdict, among the alerts)."""
 
     ttft_p50_ms: Optional[float]

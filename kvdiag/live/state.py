@@ -20,7 +20,7 @@ from kvdiag import schema as s
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import headline_config
 from kvdiag.analysis.rules import compression_verdict
-from kvdiag.snapshot import (
+from kvdiag.live.snapshot import (
     LOCALITY_METRICS,
     CompressionRow,
     CompressionView,
