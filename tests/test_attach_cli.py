@@ -113,3 +113,33 @@ def test_agent_stream_reads_the_live_socket(tmp_path):
         live.close()
     assert stream.header.engine == "transformers-cb" and stream.header.block_size_tokens == 16
     assert got.events == sent and stream.bad_lines == 0
+
+
+def test_pyspy_is_found_beside_the_interpreter_without_an_activated_environment():
+    """pipx and service managers run kvdiag from a virtual environment that is not on PATH:
+    py-spy, installed beside it as a dependency, must still be found."""
+    import os
+
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    assert os.access(beside, os.X_OK), "py-spy is a dependency: pip puts it beside the interpreter"
+    code = "from kvdiag.collectors.pyspy import pyspy_binary; print(pyspy_binary())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == beside, out.stderr
+
+
+def test_missing_pyspy_makes_phases_na_without_a_traceback(tmp_path):
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    out = tmp_path / "x.jsonl"
+    code = ("import sys, kvdiag.collectors.pyspy as p; p.pyspy_binary = lambda: None\n"
+            "from kvdiag.cli import main\n"
+            f"sys.exit(main(['attach', '{target.pid}', '--duration', '3', '--out', {str(out)!r}, '--json']))")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        target.kill()
+        target.wait()
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    statuses = [e for e in read_log(out).frame("collector_status").itertuples() if e.collector == "py-spy"]
+    assert statuses and not statuses[0].available and "py-spy not found" in statuses[0].hint
+    assert read_log(out).frame("phase_profile").empty
