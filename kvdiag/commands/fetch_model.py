@@ -33,7 +33,7 @@ def resolve_with_progress(model_dir: Optional[str], force: bool = False) -> Path
                                TransferSpeedColumn)
 
     console = Console(stderr=True)
-    console.print(f"kvdiag: fetching the default model once into {default_model_dir()}")
+    console.print(f"kvdiag: fetching the default model once into {default_model_dir()}", soft_wrap=True)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
