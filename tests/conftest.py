@@ -5,8 +5,13 @@ than missing GPU hardware (reasons that start with :data:`HARDWARE_SKIP`)."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
+
+# hypothesis keeps its example database outside the repository (tests write nothing there)
+set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"kvdiag-tests-hypothesis-{os.getuid()}"))
 
 HARDWARE_SKIP = "needs a GPU"
 """Prefix of the only skip reason CI accepts: hardware this machine does not have."""
