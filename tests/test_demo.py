@@ -112,3 +112,16 @@ def test_demo_log_has_host_memory_and_the_leak_rule_evaluates(demo_run):
     assert f.status != "n/a", f.message
     assert f.evidence["source"] == "host RSS"
     assert f.status != "fail", f.message
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_fresh_demo_log_gets_the_same_verdicts_live_and_offline(demo_run):
+    """A log just recorded by the real demo, replayed through top's live path, ends with the
+    doctor's findings on the file (ids, statuses, messages, evidence)."""
+    from test_rules_live_offline import _same, live_findings, offline_findings
+
+    _, log_path = demo_run
+    live = live_findings(log_path)
+    _same(live, offline_findings(log_path))
+    assert live["leak.release_paths"].status == "pass" and live["sharing.consistency"].status != "n/a"
