@@ -5,6 +5,7 @@ the report's "memory by source" show them."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -27,9 +28,11 @@ def _proc_kib(path: str, key: str) -> int:
     raise AssertionError(f"{key} not in {path}")
 
 
-def _touched(n_bytes: int) -> bytearray:
-    buf = bytearray(n_bytes)
-    buf[::4096] = b"\x01" * len(range(0, n_bytes, 4096))  # every page written: resident
+def _touched(n_bytes: int) -> mmap.mmap:
+    """``n_bytes`` of new resident memory: an anonymous mapping (fresh pages, whatever the
+    process's allocator kept from earlier tests) with every page written."""
+    buf = mmap.mmap(-1, n_bytes)
+    buf[::mmap.PAGESIZE] = b"\x01" * len(range(0, n_bytes, mmap.PAGESIZE))
     return buf
 
 
