@@ -31,13 +31,20 @@ def bare_log(tmp_path_factory):
     return write_constructed_log(tmp_path_factory.mktemp("top") / "bare.jsonl", gpu=False, shadow=False)
 
 
-def _state_at(path, seconds):
+def _replayed(path, seconds):
+    """(state, replay position, events) after replaying ``seconds`` of the log."""
     src = ReplaySource(path, clock=lambda: 0.0)
     src.seek(seconds)
     state = LiveState(source=src.description)
     state.set_header(src.header)
-    state.feed_all(src.poll())
-    return state, src.now_ns()
+    events = src.poll()
+    state.feed_all(events)
+    return state, src.now_ns(), events
+
+
+def _state_at(path, seconds):
+    state, now, _ = _replayed(path, seconds)
+    return state, now
 
 
 def test_snapshot_numbers_match_independent_computation(full_log):
@@ -134,14 +141,11 @@ def test_leak_rule_flags_requests_that_never_release(tmp_path):
     from kvdiag.live.rules import LiveRules
 
     path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
-    state, _ = _state_at(path, 40)
-    src = ReplaySource(path, clock=lambda: 0.0)
-    src.seek(40)
-    events = src.poll()
+    state, now, events = _replayed(path, 40)
     rules = LiveRules(clock=lambda: 0.0)
     rules.record(events)
     state.rule_findings = rules.run(state.header, rules.take())
-    leak = next(f for f in state.snapshot(src.now_ns()).alerts if f.rule == "leak.release_paths")
+    leak = next(f for f in state.snapshot(now).alerts if f.rule == "leak.release_paths")
     last_ns = max(e.ts_ns for e in events)
     df = read_log(path).frame("request_finished")
     expected = {r for r, ts in zip(df["request_id"], df["ts_ns"])
@@ -160,21 +164,15 @@ def test_p99_verdict_on_the_ttft_spike_is_the_rules(tmp_path):
     fin = fin.assign(first_token_ns=fin["ts_ns"] - fin["e2e_ns"] + fin["ttft_ns"])
     slow = fin[fin["ttft_ns"] > 2 * fin["ttft_ns"].median()]
     assert 1 <= len(slow) <= 0.1 * len(fin), "the constructed log has a short TTFT spike"
-    state, now = _state_at(path, 10_000)
+    state, now, events = _replayed(path, 10_000)
     rules = LiveRules(clock=lambda: 0.0)
-    rules.record(_all_events(path))
+    rules.record(events)
     state.rule_findings = rules.run(state.header, rules.take())
     verdict = next(f for f in state.snapshot(now).alerts if f.rule == "p99.regression")
     assert verdict.status == "fail"
     ttft = next(c for c in verdict.evidence["comparisons"] if c["metric"] == "ttft")
     assert ttft["flagged"] and ttft["current_window_ns"][0] <= slow["first_token_ns"].min()
     assert ttft["p99_baseline_ns"] < slow["ttft_ns"].min() <= ttft["p99_current_ns"]
-
-
-def _all_events(path):
-    src = ReplaySource(path, clock=lambda: 0.0)
-    src.seek(10_000)
-    return src.poll()
 
 
 def test_replay_clock_speed_pause_seek(full_log):
@@ -230,12 +228,9 @@ def test_live_doctor_findings_reach_the_alerts(tmp_path):
     from kvdiag.live.rules import LiveRules
 
     path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
-    state, now = _state_at(path, 10_000)
+    state, now, events = _replayed(path, 10_000)
     t = [0.0]
     doctor = LiveRules(period_s=1.0, max_share=0.05, clock=lambda: t[0])
-    src = ReplaySource(path, clock=lambda: 0.0)
-    src.seek(10_000)
-    events = src.poll()
     doctor.record(events)
     assert doctor.due()  # the first verdict right away, then every period
     state.rule_findings = doctor.run(state.header, doctor.take())

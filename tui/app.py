@@ -183,8 +183,7 @@ class KvTopApp(App):
             with self._lock:
                 if self.source.paused and self.snapshot is not None and not force:
                     return
-                snap = self.state.snapshot(self.source.now_ns(), paused=self.source.paused,
-                                           finished_source=self.source.finished)
+                snap = self._snapshot()
         except Exception as exc:  # shown in the status line; the next tick tries again
             self.post_message(SnapshotFailed(f"{type(exc).__name__}: {exc}"))
             return
@@ -195,9 +194,13 @@ class KvTopApp(App):
             finally:
                 self._doctor_lock.release()
             with self._lock:  # the new verdicts now, not a refresh interval later
-                snap = self.state.snapshot(self.source.now_ns(), paused=self.source.paused,
-                                           finished_source=self.source.finished)
+                snap = self._snapshot()
             self.post_message(SnapshotReady(snap))
+
+    def _snapshot(self) -> Snapshot:
+        """The state as of the source's position (call under the lock)."""
+        return self.state.snapshot(self.source.now_ns(), paused=self.source.paused,
+                                   finished_source=self.source.finished)
 
     def _run_doctor(self) -> None:
         """The rules over the events so far, outside the lock (their findings show from the

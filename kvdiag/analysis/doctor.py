@@ -27,7 +27,7 @@ from kvdiag.analysis import latency
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.live_sharing import headline_config
+from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
 from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
@@ -151,11 +151,7 @@ def fragmentation(logs: Logs) -> list[Finding]:
             out.append(_fragmentation.kv_pool_fragmentation_finding(pool))
         if (al["node"] == node).any():
             out.append(_fragmentation.allocator_fragmentation_finding(samples=al[al["node"] == node]))
-    if not out:
-        out.append(Finding("fragmentation.kv_pool", "n/a",
-                           f"KV pool fragmentation (empty slots in used blocks) under {rules.FRAGMENTATION_LIMIT:.0%}",
-                           "no KV pool samples with the block size known"))
-    return out
+    return out or [_fragmentation.kv_pool_fragmentation_finding(_fragmentation.kv_pool_frame(None, 0))]
 
 
 def ooms(logs: Logs) -> Finding:
@@ -316,22 +312,20 @@ def memory_pressure(logs: Logs) -> Finding:
 
 
 def engine_hit_rate(logs: Logs, node: str) -> Optional[float]:
-    """The engine's own prefix hit rate on ``node``: prompt tokens it served from its cache /
-    prompt tokens, over requests that finished normally; else its metrics' counters."""
+    """:func:`kvdiag.analysis.live_sharing.engine_token_hit_rate` of ``node``'s requests and
+    latest engine metrics."""
     fin = logs.frame(RequestFinished)
     fin = fin[(fin["node"] == node) & (fin["status"] == "finished")]
-    prompt = float(fin["prompt_tokens"].sum()) if len(fin) else 0.0
-    if prompt:
-        return float(fin["cached_prompt_tokens"].sum()) / prompt
     em = logs.frame(EngineMetrics)
     em = em[em["node"] == node]
-    if len(em):
-        last = em.iloc[-1]
-        queries = last.get("prefix_cache_queries_tokens")
-        if queries is not None and pd.notna(queries) and queries:
-            hits = last.get("prefix_cache_hits_tokens")
-            return float(hits if hits is not None and pd.notna(hits) else 0.0) / float(queries)
-    return None
+    last = em.iloc[-1] if len(em) else pd.Series(dtype=object)
+
+    def counter(name: str) -> Optional[float]:
+        value = last.get(name)
+        return float(value) if value is not None and pd.notna(value) else None
+
+    return engine_token_hit_rate(float(fin["prompt_tokens"].sum()), float(fin["cached_prompt_tokens"].sum()),
+                                 counter("prefix_cache_queries_tokens"), counter("prefix_cache_hits_tokens"))
 
 
 def sharing_consistency(logs: Logs) -> Finding:

@@ -42,6 +42,18 @@ from kvdiag.sinks import NullSink, Sink
 _MAX_BEFORE_POOL = 1024
 
 
+def engine_token_hit_rate(prompt_tokens: float, cached_prompt_tokens: float,
+                          metrics_queries_tokens: Optional[float] = None,
+                          metrics_hits_tokens: Optional[float] = None) -> Optional[float]:
+    """The engine's own prefix hit rate: cached prompt tokens / prompt tokens of requests that
+    finished normally; without them, its metrics' hit / query token counters; else None."""
+    if prompt_tokens:
+        return cached_prompt_tokens / prompt_tokens
+    if metrics_queries_tokens:
+        return (metrics_hits_tokens or 0.0) / metrics_queries_tokens
+    return None
+
+
 def headline_config(keys: Iterable[tuple], block_size_tokens: Optional[int],
                     num_blocks: Optional[int]) -> tuple:
     """Of the shadow configurations ``keys`` (policy, block size, capacity or None), the one
@@ -209,9 +221,7 @@ class ShadowSharingSink:
     @property
     def engine_hit_rate(self) -> Optional[float]:
         """Engine's token hit rate: cached prompt tokens / prompt tokens of finished requests."""
-        if not self._engine_prompt_tokens:
-            return None
-        return self._engine_cached_tokens / self._engine_prompt_tokens
+        return engine_token_hit_rate(self._engine_prompt_tokens, self._engine_cached_tokens)
 
     def snapshot(self, ts_ns: Optional[int] = None) -> list[ShadowSharing]:
         """One ``ShadowSharing`` per configuration, over all requests seen so far."""

@@ -1,10 +1,8 @@
-"""The doctor's rules (``kvdiag.analysis.doctor``) run live over the most
-recent events, for the alerts panel of ``kvdiag top``.
-
-The doctor works on DataFrames of whole logs; live, it gets the last ``max_events`` events
-every ``period_s``. Its cost is measured on each run and the period grows so that it stays
-under ``max_share`` of one core. A failing run becomes a finding, never an exception.
-Pure: no UI library is imported here.
+"""The rules (``kvdiag.analysis.doctor.run_rules``) run live over the events seen so far, for
+the alerts of ``kvdiag top``: the first run as soon as events arrive, then every ``period_s``,
+and once more when a replayed log ends, so that top's final verdict is the doctor's. Its cost
+is measured on each run and the period grows so that it stays under ``max_share`` of one core.
+A failing run becomes a finding, never an exception. Pure: no UI library is imported here.
 """
 
 from __future__ import annotations

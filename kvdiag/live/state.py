@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 
 from kvdiag import schema as s
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.live_sharing import headline_config
+from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
 from kvdiag.analysis.rules import compression_verdict
 from kvdiag.live.snapshot import (
     LOCALITY_METRICS,
@@ -507,12 +507,10 @@ class LiveState:
             inconsistency=inconsistency)
 
     def _engine_hit_rate(self) -> Optional[float]:
-        if self.engine_prompt_tokens:
-            return self.engine_cached_tokens / self.engine_prompt_tokens
         m = self.engine_metrics
-        if m is not None and m.prefix_cache_queries_tokens:
-            return (m.prefix_cache_hits_tokens or 0.0) / m.prefix_cache_queries_tokens
-        return None
+        return engine_token_hit_rate(self.engine_prompt_tokens, self.engine_cached_tokens,
+                                     m.prefix_cache_queries_tokens if m else None,
+                                     m.prefix_cache_hits_tokens if m else None)
 
     def _headline_key(self) -> Optional[tuple]:
         """The shadow configuration closest to the engine's (the same choice as the
