@@ -1,6 +1,7 @@
 """The in-process agent: observes the engine running in this process and records what it sees.
 
-``start()`` installs the transformers continuous-batching adapter, samples this process's host
+``start()`` installs the engine's adapter (transformers' continuous batching by default; the
+vLLM plugin passes its own), samples this process's host
 memory every sample interval (``ProcessSample``: RSS, PSS and swap, through the procfs
 collector), writes the events to an event log (``LogWriter``) and serves them live to local
 clients over a Unix socket.
@@ -19,7 +20,7 @@ import socket
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import msgspec
 
@@ -28,6 +29,15 @@ from kvdiag.schema import Event, LogHeader
 from kvdiag.sinks import FanoutSink, Sink
 
 ENGINE = "transformers-cb"
+
+
+class Adapter(Protocol):
+    """What the agent needs of an engine adapter: hooks that record block and request events
+    into the sink they were installed with, a pool sample on demand, and removal."""
+
+    def sample_now(self) -> None: ...
+
+    def uninstall(self) -> None: ...
 
 
 class LiveSocketSink:
@@ -167,12 +177,13 @@ class Agent:
                  inject_leak_every: int = 0, sample_interval_s: float = 0.5,
                  record_token_ids: bool = True, extra: Optional[dict] = None,
                  shadow_sharing: bool = True, shadow: Optional[dict] = None,
-                 host_memory: bool = True) -> None:
+                 host_memory: bool = True, engine: str = ENGINE,
+                 adapter: Optional[Callable[..., Adapter]] = None) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
         from kvdiag.eventlog import make_header
 
-        self.header = make_header(engine=ENGINE, model=str(model), block_size_tokens=block_size_tokens,
+        self.header = make_header(engine=engine, model=str(model), block_size_tokens=block_size_tokens,
                                   bytes_per_token=bytes_per_token_of(model), extra=dict(extra or {}))
         self._inject_leak_every = inject_leak_every
         self._sample_interval_s = sample_interval_s
@@ -182,14 +193,16 @@ class Agent:
         self.live: Optional[LiveSocketSink] = None
         self.shadow_sharing = None
         self.adapter = None
+        self._install_adapter = adapter  # None: transformers' continuous batching
         self._shadow_kwargs = shadow  # kvdiag.collectors.transformers_cb_shadow.install kwargs
         self.shadow = None
         self._host_memory = host_memory
         self.host_sampler = None  # kvdiag.collectors.procfs.ProcessSampler of this process
 
     def start(self) -> "Agent":
-        from kvdiag.collectors.transformers_cb import install
-
+        install = self._install_adapter
+        if install is None:
+            from kvdiag.collectors.transformers_cb import install
         sinks: list[Sink] = []
         if self.log_path is not None:
             from kvdiag.eventlog import LogWriter
@@ -253,7 +266,10 @@ def start(log_path: Optional[str] = None, socket: bool = True, socket_path: Opti
     ``log_path``: event log to write (``.gz`` for gzip; None = no log); ``socket``: serve live
     events on a Unix socket (``socket_path`` or the default per-pid path). Other keyword
     arguments go to :class:`Agent` (``model``, ``block_size_tokens``, ``inject_leak_every``,
-    ``sample_interval_s``, ``record_token_ids``, ``extra``, ``shadow``: keyword arguments of
+    ``sample_interval_s``, ``record_token_ids``, ``extra``, ``engine`` and ``adapter`` (the
+    header's engine name and a callable ``adapter(sink, sample_interval_s=...,
+    inject_leak_every=..., record_token_ids=...)`` that installs the engine's hooks; default:
+    transformers' continuous batching), ``shadow``: keyword arguments of
     :func:`kvdiag.collectors.transformers_cb_shadow.install` to run shadow compression,
     ``host_memory``: sample this process's RSS, PSS and swap every ``sample_interval_s``)."""
     global _AGENT

@@ -12,7 +12,7 @@ import sys
 from kvdiag import __version__
 
 COMMANDS: dict[str, str] = {
-    "demo": "serve the embedded real model (SmolLM2 on transformers' engine) with chat traffic, recording a log",
+    "demo": "serve the embedded real model (SmolLM2 on transformers' engine, or vLLM) with chat traffic, recording a log",
     "top": "live terminal UI of a KV cache (demo, --pid PID or --log FILE)",
     "attach": "join a running server from outside and record what is visible",
     "report": "turn recorded logs into a self-contained HTML or markdown report",
@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "run the memory-leak and P99-spike checklists on a log or a running server",
     "shadow": "run the embedded model in-process with shadow KV compression and attention locality",
     "fetch-model": "download and convert the embedded default model (SmolLM2-135M-Instruct)",
+    "fetch-engine": "build vLLM's own environment under the kvdiag cache (for demo/top --engine vllm)",
 }
 
 

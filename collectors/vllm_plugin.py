@@ -1,0 +1,468 @@
+"""kvdiag inside vLLM: a ``vllm.general_plugins`` entry point that records vLLM's KV block pool.
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
+With ``KVDIAG_AGENT=1`` in the environment it wraps a few methods of vLLM's scheduler and KV
+cache manager; with the variable unset it does nothing at all. The kvdiag agent starts in the
+process that builds a ``Scheduler`` (the engine core), so the API server and the workers stay
+untouched. What the hooks record, in kvdiag's schema (the same events the transformers adapter
+emits, so the ledger, leak rules, shadow sharing and fragmentation work unchanged):
+
+==============================================  =============================================
+vLLM                                            kvdiag event
+==============================================  =============================================
+``Scheduler.__init__``                          ``KVPoolInfo`` (usable blocks: the pool minus
+                                                vLLM's null block)
+``Scheduler.add_request``                       ``RequestArrived`` with the prompt token ids
+``BlockPool.get_new_blocks``                    ``BlockAllocated`` (inside ``allocate_slots``)
+``BlockPool.touch``                             ``PrefixHit`` (a cached block reused)
+``BlockPool.cache_full_blocks``                 ``BlockStored`` with its token ids
+``BlockPool._maybe_evict_cached_block``         ``BlockEvicted``
+``KVCacheManager.free`` / ``pop_blocks_for_free``  ``BlockReleased`` (``cached``: the block keeps
+                                                its hash; vLLM may return it to the pool a step
+                                                later, the request has let it go now)
+``KVCacheManager.record_prefix_cache_stats``    the request's prefix-cache hit tokens, as vLLM
+                                                counts them in ``prefix_cache_hits_total``
+``Scheduler._free_request``                     ``RequestFinished`` (``cached_prompt_tokens``:
+                                                those hits at its first admission)
+``Scheduler._preempt_request``                  ``RequestPreempted``
+``Scheduler.schedule`` → ``update_from_output``  ``EngineStep`` (wall time between them) and, every
+                                                sample interval, ``KVPoolSample``
+==============================================  =============================================
+
+Every hook runs vLLM's own method first and unchanged, then records; an exception in kvdiag's
+part is counted (``CollectorError``, once per hook with the running count at the end) and never
+reaches vLLM. Each hook checks that the method exists with the parameters it reads; on a vLLM
+whose internals differ, the hook is skipped and a ``CollectorStatus`` says which one.
+
+Environment: ``KVDIAG_AGENT=1`` turns it on; ``KVDIAG_LOG=PATH`` also writes an event log (the
+live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it);
+``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
+raise (fault injection, to check that vLLM keeps serving).
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Optional
+
+from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, BlockStored, CollectorError,
+                           CollectorStatus, EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
+                           RequestArrived, RequestFinished, RequestPreempted)
+from kvdiag.sinks import NullSink, Sink
+
+ENGINE = "vllm"
+COLLECTOR = "vllm-plugin"
+ENV_ON = "KVDIAG_AGENT"
+
+
+def enabled() -> bool:
+    """True when the environment asks for the agent (``KVDIAG_AGENT=1``)."""
+    return os.environ.get(ENV_ON, "") == "1"
+
+
+def fold_hash(value: Any) -> Optional[int]:
+    """A vLLM block hash (bytes, an int, or a (hash, group id) key) folded to 63 bits."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        value = value[0]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(value)[:8], "big") & ((1 << 63) - 1)
+    return int(value) & ((1 << 63) - 1)
+
+
+# ------------------------------------------------------------------------------ hook plumbing
+
+
+class _Hooks:
+    """The wrapped methods, the sink they record into, and their error counts."""
+
+    def __init__(self) -> None:
+        self.sink: Sink = NullSink()
+        self.installed: list[tuple[type, str, Callable]] = []  # (class, name, original)
+        self.skipped: dict[str, str] = {}  # hook -> why
+        self.errors: Counter[str] = Counter()
+        self.fail_hook = os.environ.get("KVDIAG_FAIL_HOOK", "")
+        self.current_request: Optional[str] = None  # inside allocate_slots
+        self.cached_tokens: dict[str, int] = {}  # request -> prefix hits at first admission
+        self.step_started: dict[int, int] = {}  # id(scheduler output) -> ns
+        self.step_id = 0
+        self.sample_interval_ns = int(float(os.environ.get("KVDIAG_SAMPLE_INTERVAL_S", "0.5")) * 1e9)
+        self.last_sample_ns = 0
+        self.scheduler: Any = None
+        self.agent: Any = None
+        self.lock = threading.Lock()
+
+    def record(self, event) -> None:
+        self.sink.record(event)
+
+    def failed(self, hook: str, exc: BaseException) -> None:
+        self.errors[hook] += 1
+        if self.errors[hook] == 1:  # the first of a kind is told at once; the count at the end
+            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=f"{COLLECTOR}:{hook}",
+                                            message=f"{type(exc).__name__}: {exc}"))
+
+    def wrap(self, cls: type, name: str, params: tuple[str, ...],
+             after: Callable[..., None], before: Optional[Callable[..., Any]] = None) -> None:
+        """Wrap ``cls.name``: vLLM's method runs unchanged; ``before(self, *a, **kw)`` may take a
+        note first, ``after(note, result, self, *a, **kw)`` records. Skipped (and said) when the
+        method or one of ``params`` is missing."""
+        hook = f"{cls.__name__}.{name}"
+        original = cls.__dict__.get(name)
+        if original is None or not callable(original):
+            self.skipped[hook] = "no such method in this vLLM"
+            return
+        try:
+            have = set(inspect.signature(original).parameters)
+        except (TypeError, ValueError):
+            have = set()
+        missing = [p for p in params if p not in have]
+        if missing:
+            self.skipped[hook] = f"parameters {missing} not in this vLLM's signature"
+            return
+        hooks = self
+
+        def wrapper(obj, *args, **kwargs):
+            note = None
+            if before is not None:
+                try:
+                    note = before(obj, *args, **kwargs)
+                except Exception as exc:  # never into vLLM
+                    hooks.failed(hook, exc)
+            result = original(obj, *args, **kwargs)
+            try:
+                if hooks.fail_hook == name:
+                    raise RuntimeError(f"fault injected into {hook} (KVDIAG_FAIL_HOOK)")
+                after(note, result, obj, *args, **kwargs)
+            except Exception as exc:  # never into vLLM
+                hooks.failed(hook, exc)
+            return result
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__name__ = getattr(original, "__name__", name)
+        wrapper.__doc__ = original.__doc__
+        setattr(cls, name, wrapper)
+        self.installed.append((cls, name, original))
+
+    def unwrap(self) -> None:
+        for cls, name, original in reversed(self.installed):
+            setattr(cls, name, original)
+        self.installed.clear()
+
+
+_HOOKS: Optional[_Hooks] = None
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+# ------------------------------------------------------------------------------ the hooks
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+def _scheduler_init(h: _Hooks):
+    def after(_note, _result, sched, *args, **kwargs) -> None:
+        h.scheduler = sched
+        _start_agent(h, sched)
+        h.record(_pool_info(sched))
+    return after
+
+
+def _pool_info(sched) -> KVPoolInfo:
+    mgr = sched.kv_cache_manager
+    pool = mgr.block_pool
+    cfg = sched.kv_cache_config
+    num_blocks = int(pool.num_gpu_blocks) - 1  # block 0 is vLLM's null placeholder
+    group = cfg.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    total_bytes = sum(int(t.size) for t in getattr(cfg, "kv_cache_tensors", ()) or ())
+    block_bytes = (total_bytes // int(cfg.num_blocks) if total_bytes and cfg.num_blocks
+                   else int(spec.page_size_bytes) * len(group.layer_names))
+    return KVPoolInfo(ts_ns=_now(), num_blocks=num_blocks, block_size_tokens=int(spec.block_size),
+                      block_bytes=block_bytes, num_layers=sum(len(g.layer_names) for g in cfg.kv_cache_groups),
+                      num_kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
+                      head_dim=int(getattr(spec, "head_size", 0) or 0),
+                      dtype=str(getattr(spec, "dtype", "")).replace("torch.", ""),
+                      prefix_sharing=bool(mgr.enable_caching))
+
+
+def _add_request(h: _Hooks):
+    def before(sched, request, *a, **kw) -> bool:
+        return request.request_id in sched.requests  # a streaming update, not a new request
+
+    def after(existed, _result, sched, request, *a, **kw) -> None:
+        if existed:
+            return
+        params = getattr(request, "sampling_params", None)
+        token_ids = list(request.prompt_token_ids or [])
+        h.record(RequestArrived(ts_ns=_now(), request_id=str(request.request_id),
+                                prompt_tokens=int(request.num_prompt_tokens), token_ids=token_ids,
+                                max_new_tokens=getattr(params, "max_tokens", None)))
+    return before, after
+
+
+def _allocate_slots(h: _Hooks):
+    def before(mgr, request, *a, **kw) -> Optional[str]:
+        previous, h.current_request = h.current_request, str(request.request_id)
+        return previous
+
+    def after(previous, _result, mgr, request, *a, **kw) -> None:
+        h.current_request = previous
+    return before, after
+
+
+def _get_new_blocks(h: _Hooks):
+    def after(_note, blocks, pool, *a, **kw) -> None:
+        rid = h.current_request or "?"
+        free = pool.get_num_free_blocks()
+        for b in blocks:
+            h.record(BlockAllocated(ts_ns=_now(), request_id=rid, block_id=int(b.block_id),
+                                    num_blocks_free=free))
+    return after
+
+
+def _touch(h: _Hooks):
+    def after(_note, _result, pool, blocks, *a, **kw) -> None:
+        rid = h.current_request
+        if rid is None:  # a touch outside a request's allocation (none in vLLM 0.32)
+            return
+        for b in blocks:
+            if not b.is_null:
+                h.record(PrefixHit(ts_ns=_now(), request_id=rid, block_id=int(b.block_id),
+                                   block_hash=fold_hash(b.block_hash), num_tokens=0))
+    return after
+
+
+def _cache_full_blocks(h: _Hooks):
+    def after(_note, _result, pool, request, blocks, num_cached_blocks, num_full_blocks,
+              block_size, *a, **kw) -> None:
+        if num_cached_blocks >= num_full_blocks:
+            return
+        tokens = request.all_token_ids
+        parent = fold_hash(blocks[num_cached_blocks - 1].block_hash) if num_cached_blocks else None
+        for i in range(num_cached_blocks, num_full_blocks):
+            b = blocks[i]
+            key = fold_hash(b.block_hash)
+            if b.is_null or key is None:
+                continue
+            h.record(BlockStored(ts_ns=_now(), block_id=int(b.block_id), block_hash=key,
+                                 parent_hash=parent, num_tokens=int(block_size),
+                                 request_id=str(request.request_id),
+                                 token_ids=list(tokens[i * block_size:(i + 1) * block_size])))
+            parent = key
+    return after
+
+
+def _evict(h: _Hooks):
+    def before(pool, block, *a, **kw) -> Optional[int]:
+        return fold_hash(block.block_hash)
+
+    def after(key, evicted, pool, block, *a, **kw) -> None:
+        if evicted:
+            h.record(BlockEvicted(ts_ns=_now(), block_id=int(block.block_id), block_hash=key))
+    return before, after
+
+
+def _release(h: _Hooks):
+    """``KVCacheManager.free`` and ``pop_blocks_for_free``: the request lets its blocks go."""
+    def before(mgr, request, *a, **kw) -> list:
+        groups = mgr.coordinator.get_blocks(request.request_id)
+        return [b for b in (groups[0] if groups else ()) if not b.is_null]
+
+    def after(blocks, _result, mgr, request, *a, **kw) -> None:
+        rid = str(request.request_id)
+        free = mgr.block_pool.get_num_free_blocks()
+        for b in reversed(blocks or ()):  # vLLM frees tail first
+            h.record(BlockReleased(ts_ns=_now(), request_id=rid, block_id=int(b.block_id),
+                                   cached=b.block_hash is not None, num_blocks_free=free))
+    return before, after
+
+
+def _prefix_cache_stats(h: _Hooks):
+    def after(_note, _result, mgr, request, num_hits, *a, **kw) -> None:
+        h.cached_tokens.setdefault(str(request.request_id), int(num_hits))
+    return after
+
+
+_STATUS = {"FINISHED_ABORTED": "aborted", "FINISHED_ERROR": "failed"}
+
+
+def _free_request(h: _Hooks):
+    def after(_note, _result, sched, request, *a, **kw) -> None:
+        now = _now()
+        arrival = getattr(request, "arrival_time", None)
+        status = _STATUS.get(getattr(request.status, "name", ""), "finished")
+        h.record(RequestFinished(ts_ns=now, request_id=str(request.request_id),
+                                 prompt_tokens=int(request.num_prompt_tokens),
+                                 output_tokens=int(request.num_output_tokens),
+                                 cached_prompt_tokens=h.cached_tokens.pop(str(request.request_id), 0),
+                                 status=status,
+                                 e2e_ns=int(now - arrival * 1e9) if arrival else None))
+    return after
+
+
+def _preempt(h: _Hooks):
+    def after(_note, _result, sched, request, *a, **kw) -> None:
+        h.record(RequestPreempted(ts_ns=_now(), request_id=str(request.request_id)))
+    return after
+
+
+def _schedule(h: _Hooks):
+    def before(sched, *a, **kw) -> int:
+        return time.perf_counter_ns()
+
+    def after(started, output, sched, *a, **kw) -> None:
+        if output is not None and started is not None:
+            h.step_started[id(output)] = started
+    return before, after
+
+
+def _update_from_output(h: _Hooks):
+    def after(_note, _result, sched, scheduler_output, *a, **kw) -> None:
+        started = h.step_started.pop(id(scheduler_output), None)
+        if len(h.step_started) > 64:  # outputs never updated (aborted steps)
+            h.step_started.clear()
+        per_request: dict = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        if started is not None and per_request:
+            decode = sum(1 for n in per_request.values() if n == 1)
+            total = int(sum(per_request.values()))
+            prefill = total - decode
+            phase = "decode" if prefill == 0 else ("prefill" if decode == 0 else "mixed")
+            h.step_id += 1
+            h.record(EngineStep(ts_ns=_now(), step_id=h.step_id, phase=phase,
+                                batch_size=len(per_request), num_tokens=total,
+                                duration_ns=time.perf_counter_ns() - started,
+                                prefill_tokens=prefill, decode_tokens=decode))
+        now = _now()
+        if now - h.last_sample_ns >= h.sample_interval_ns:
+            h.last_sample_ns = now
+            h.record(pool_sample(sched))
+    return after
+
+
+def pool_sample(sched) -> KVPoolSample:
+    """Occupancy of vLLM's pool now: blocks held by requests (ref count > 0), blocks kept only
+    by the prefix cache (hashed, ref count 0), free ones, and the tokens the running requests
+    have computed (their KV slots actually written)."""
+    pool = sched.kv_cache_manager.block_pool
+    used = cached = 0
+    for b in pool.blocks:
+        if b.is_null:
+            continue
+        if b.ref_cnt > 0:
+            used += 1
+        elif b.block_hash is not None:
+            cached += 1
+    num_blocks = int(pool.num_gpu_blocks) - 1
+    tokens = sum(int(r.num_computed_tokens) for r in list(sched.running))
+    return KVPoolSample(ts_ns=_now(), num_blocks=num_blocks, blocks_used=used, blocks_cached=cached,
+                        blocks_free=num_blocks - used - cached, tokens_held=tokens,
+                        running_requests=len(sched.running), waiting_requests=len(sched.waiting))
+
+
+# ------------------------------------------------------------------------------ the adapter
+
+
+class VllmAdapter:
+    """What the agent holds: a pool sample on demand, and removal of the hooks."""
+
+    def __init__(self, hooks: _Hooks) -> None:
+        self.hooks = hooks
+
+    def sample_now(self) -> None:
+        if self.hooks.scheduler is not None:
+            try:
+                self.hooks.record(pool_sample(self.hooks.scheduler))
+            except Exception as exc:
+                self.hooks.failed("pool_sample", exc)
+
+    def uninstall(self) -> None:
+        for hook, count in self.hooks.errors.items():
+            if count > 1:
+                self.hooks.sink.record(CollectorError(ts_ns=_now(), collector=f"{COLLECTOR}:{hook}",
+                                                      message=f"{count} errors in all", count=count))
+        self.hooks.sink = NullSink()
+
+
+def _start_agent(h: _Hooks, sched) -> None:
+    """Start kvdiag's agent in this process (the engine core), recording through the hooks."""
+    if h.agent is not None:
+        return
+    from kvdiag import agent as agent_mod
+
+    model = ""
+    try:
+        model = str(sched.vllm_config.model_config.model)
+    except Exception:
+        pass
+
+    def install(sink: Sink, **_kw) -> VllmAdapter:
+        h.sink = sink
+        for hook, why in h.skipped.items():
+            sink.record(CollectorStatus(ts_ns=_now(), collector=f"{COLLECTOR}:{hook}", available=False,
+                                        hint=f"hook not installed: {why}"))
+        return VllmAdapter(h)
+
+    try:
+        import vllm
+        version = getattr(vllm, "__version__", "")
+    except Exception:
+        version = ""
+    h.agent = agent_mod.start(log_path=os.environ.get("KVDIAG_LOG") or None, model=model, engine=ENGINE,
+                              adapter=install, sample_interval_s=h.sample_interval_ns / 1e9,
+                              extra={"vllm_version": version})
+    atexit.register(agent_mod.stop)
+
+
+def install_hooks() -> _Hooks:
+    """Wrap vLLM's methods (idempotent)."""
+    global _HOOKS
+    if _HOOKS is not None:
+        return _HOOKS
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    h = _Hooks()
+    h.wrap(Scheduler, "__init__", (), _scheduler_init(h))
+    h.wrap(Scheduler, "add_request", ("request",), _add_request(h)[1], _add_request(h)[0])
+    before, after = _allocate_slots(h)
+    h.wrap(KVCacheManager, "allocate_slots", ("request",), after, before)
+    h.wrap(BlockPool, "get_new_blocks", ("num_blocks",), _get_new_blocks(h))
+    h.wrap(BlockPool, "touch", ("blocks",), _touch(h))
+    h.wrap(BlockPool, "cache_full_blocks",
+           ("request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size"), _cache_full_blocks(h))
+    before, after = _evict(h)
+    h.wrap(BlockPool, "_maybe_evict_cached_block", ("block",), after, before)
+    for name in ("free", "pop_blocks_for_free"):
+        before, after = _release(h)
+        h.wrap(KVCacheManager, name, ("request",), after, before)
+    h.wrap(KVCacheManager, "record_prefix_cache_stats", ("request", "num_hits"), _prefix_cache_stats(h))
+    h.wrap(Scheduler, "_free_request", ("request",), _free_request(h))
+    h.wrap(Scheduler, "_preempt_request", ("request",), _preempt(h))
+    before, after = _schedule(h)
+    h.wrap(Scheduler, "schedule", (), after, before)
+    h.wrap(Scheduler, "update_from_output", ("scheduler_output",), _update_from_output(h))
+    _HOOKS = h
+    return h
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install the hooks when ``KVDIAG_AGENT=1``.
+    Never raises (a failure is printed once and vLLM goes on without kvdiag)."""
+    if not enabled():
+        return
+    try:
+        install_hooks()
+    except Exception as exc:  # an unexpected vLLM layout: vLLM serves on without kvdiag
+        import sys
+        print(f"kvdiag: vLLM plugin not installed: {type(exc).__name__}: {exc}", file=sys.stderr)
