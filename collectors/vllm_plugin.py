@@ -35,7 +35,8 @@ reaches vLLM. Each hook checks that the method exists with the parameters it rea
 whose internals differ, the hook is skipped and a ``CollectorStatus`` says which one.
 
 Environment: ``KVDIAG_AGENT=1`` turns it on; ``KVDIAG_LOG=PATH`` also writes an event log (the
-live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it);
+live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it; ``KVDIAG_SOCKET=PATH``
+names it, else it is the engine core's per-pid agent socket);
 ``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
 raise (fault injection, to check that vLLM keeps serving).
 """
@@ -417,7 +418,8 @@ def _start_agent(h: _Hooks, sched) -> None:
         version = getattr(vllm, "__version__", "")
     except Exception:
         version = ""
-    h.agent = agent_mod.start(log_path=os.environ.get("KVDIAG_LOG") or None, model=model, engine=ENGINE,
+    h.agent = agent_mod.start(log_path=os.environ.get("KVDIAG_LOG") or None,
+                              socket_path=os.environ.get("KVDIAG_SOCKET") or None, model=model, engine=ENGINE,
                               adapter=install, sample_interval_s=h.sample_interval_ns / 1e9,
                               extra={"vllm_version": version})
     atexit.register(agent_mod.stop)

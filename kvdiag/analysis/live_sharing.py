@@ -7,6 +7,11 @@ every ``interval_s`` records one ``ShadowSharing`` event per configuration into 
 When a request finishes, the full blocks of its prompt and generated tokens (from the
 adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
 
+A request's hits are its leading full blocks found in the cache, as in the offline simulator.
+Engines always compute the last prompt token (its logits give the first output token): for a
+fully cached prompt whose length is a multiple of the block size they recompute its last
+block, one block fewer than the shadow counts.
+
 Each event also carries ``engine_hit_rate``: the engine's own token hit rate, sum of
 ``RequestFinished.cached_prompt_tokens`` / sum of their ``prompt_tokens``. Compared with the
 shadow token hit rate at the engine's own settings (LRU, its page size, its pool's block
@@ -154,7 +159,9 @@ class ShadowSharingSink:
             elif isinstance(event, KVPoolInfo):
                 if self.bytes_per_token is None and event.block_size_tokens:
                     self.bytes_per_token = event.block_bytes // event.block_size_tokens
-                if self.engine_settings and event.prefix_sharing:
+                # also with the engine's prefix cache off: the content's hits at its settings
+                # are then exactly what the engine leaves on the table
+                if self.engine_settings:
                     self.engine_config = ShadowConfig("lru", event.block_size_tokens,
                                                       event.num_blocks)
                     self.add(self.engine_config)

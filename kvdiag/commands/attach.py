@@ -14,8 +14,12 @@ from typing import Optional
 DESCRIPTION = """\
 Join a running server from outside: its process tree (RSS, threads, CPU time), NVIDIA GPUs
 (NVML), Python stacks by phase (py-spy, non-blocking), its Prometheus /metrics if it serves
-one, and, if it runs the kvdiag agent, the agent's live KV events. Everything goes into one
-kvdiag log; a summary is printed at the end (--json for machine-readable output).
+one, and, if it runs the kvdiag agent, the agent's live KV events. A vLLM server is recognised
+(its command line, its VLLM::EngineCore and VLLM::Worker children); when it publishes KV events
+(GET /kv_event_sources, or --kv-events-config on its command line) they are subscribed to over
+ZMQ, sequence gaps included, and kept raw beside the log for `kvdiag replay`. Nothing is sent
+to the server but GETs. Everything goes into one kvdiag log; a summary is printed at the end
+(--json for machine-readable output).
 
 Exit status: 0 done; 1 no such process / not ours to trace; 2 bad arguments; 3 the target
 exited while attached (the log recorded so far is kept).
@@ -64,6 +68,14 @@ class _Session:
         self.next_probe = 0.0
         self.recorder = None
         self.pyspy_failed: Optional[str] = None
+        from kvdiag.collectors import vllm
+        self.vllm = vllm.identify(procs.root)
+        self.kv_events = None  # the ZMQ subscriber, once a vLLM server's stream is found
+        self.kv_events_tried = False
+        if self.vllm is not None:
+            from kvdiag.schema import CollectorStatus
+            writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm", available=True,
+                                          hint=self.vllm.describe()))
 
     def probe_metrics(self) -> None:
         from kvdiag.collectors.procfs import connect_host
@@ -77,12 +89,46 @@ class _Session:
             self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="metrics", available=True,
                                                hint=self.metrics_url))
 
+    def subscribe_kv_events(self) -> None:
+        """A vLLM server's KV-event stream: from ``/kv_event_sources``, else its command line."""
+        from kvdiag.collectors import vllm
+        from kvdiag.schema import CollectorStatus
+        self.kv_events_tried = True
+        base_url = self.metrics_url.rsplit("/metrics", 1)[0]
+        self.vllm.base_url = base_url
+        try:
+            configs = vllm.kv_event_sources(base_url)
+        except (OSError, ValueError):
+            cfg = vllm.kv_events_from_cmdline(self.procs.root.cmdline())
+            configs = [cfg] if cfg and cfg.get("enable_kv_cache_events") else []
+        if not configs:
+            self.writer.record(CollectorStatus(
+                ts_ns=time.time_ns(), collector="vllm-kv-events", available=False,
+                hint="the server publishes no KV events (start it with --kv-events-config "
+                     "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}')"))
+            return
+        from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
+        cfg = configs[0]
+        mode, address = vllm.subscriber_side(cfg["endpoint"])
+        raw = Path(str(self.args.out_path) + ".kvevents.jsonl")
+        try:
+            self.kv_events = KVEventSubscriber(address, self.writer, topic=cfg.get("topic", ""),
+                                               bind=(mode == "bind"), raw_path=raw).start()
+        except Exception as exc:  # e.g. the address is taken by another subscriber
+            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events",
+                                               available=False, hint=f"{mode} {address}: {exc}"))
+            return
+        self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events", available=True,
+                                           hint=f"{mode} {address}; raw stream {raw}"))
+
     def sample(self) -> None:
         for ev in self.procs.sample():  # raises TargetGone
             self.writer.record(ev)
         for ev in self.nvml.sample():
             self.writer.record(ev)
         self.probe_metrics()
+        if self.metrics_url and self.vllm is not None and not self.kv_events_tried:
+            self.subscribe_kv_events()
         if self.metrics_url:
             try:
                 text = self.metrics_mod.fetch_metrics_text(self.metrics_url, timeout_s=2.0)
@@ -124,6 +170,8 @@ class _Session:
     def close(self) -> None:
         if self.recorder is not None:
             self._finish_window(self.recorder.stop)
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.nvml.close()
 
 
@@ -171,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         _err(f"{out}: already exists; choose another --out")
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
+    args.out_path = out
 
     agent = None
     socks = [Path(args.socket)] if args.socket else candidate_sockets(procs.pids())

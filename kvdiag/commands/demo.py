@@ -42,6 +42,9 @@ READY_TIMEOUT_S = 180.0
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                        help="the serving engine (default transformers; vllm runs vLLM in its own "
+                             "environment: see `kvdiag fetch-engine vllm`)")
     parser.add_argument("--requests", type=int, metavar="N", help="send N chat requests (default 24)")
     parser.add_argument("--duration", type=float, metavar="S", help="send requests for S seconds instead")
     parser.add_argument("--rate", type=float, default=1.0, help="mean arrival rate, requests/s (Poisson)")
@@ -234,10 +237,11 @@ def run(args) -> int:
         print(f"kvdiag demo: {exc}", file=sys.stderr)
         return 2 if args.model else 1
     log_path = Path(args.log).expanduser().resolve() if args.log else _default_log_path()
+    if args.engine == "vllm":
+        return _run_vllm(args, plan, model_dir, log_path)
     server = DemoServer(model_dir, log_path, args.port or _free_port(), args.page_size, args.num_blocks,
                         args.max_batch_tokens, args.inject_leak, args.threads, _demo_shadow.agent_args(args))
     stats = LiveStats()
-    tty = sys.stdout.isatty()
     print(f"kvdiag demo: starting {model_dir.name} on transformers' continuous-batching engine "
           f"(KV pool {args.num_blocks} blocks x {args.page_size} tokens), port {server.port}", flush=True)
     server.start()
@@ -248,43 +252,11 @@ def run(args) -> int:
             print(f"kvdiag demo: {exc}", file=sys.stderr)
             return 1
         stats.follow(server.socket_path)
-        if args.ask:
-            try:
-                answer = chat(server.base_url, str(model_dir), [{"role": "user", "content": args.ask}],
-                              args.max_tokens, "ask/t0")
-            except OSError as exc:
-                print(f"kvdiag demo: the server failed to answer ({exc}); server log {server.server_log}:\n"
-                      f"{server.tail()}", file=sys.stderr)
-                server.stop()
-                stats.close()
-                return 1
-            print(f"Q: {args.ask}\nA: {answer['choices'][0]['message']['content']}", flush=True)
-
-        counters = {"done": 0, "failed": 0, "tokens": 0}
-        start = time.monotonic()
-
-        def on_result(result: Result) -> None:
-            counters["done"] += 1
-            counters["tokens"] += result.completion_tokens
-            if not result.ok:
-                counters["failed"] += 1
-
-        driver = TrafficDriver(server.base_url, str(model_dir), plan, max_tokens=args.max_tokens,
-                               on_result=on_result)
-        worker = threading.Thread(target=driver.run, kwargs={"num_requests": args.requests,
-                                                             "duration_s": args.duration}, daemon=True)
-        worker.start()
-        last_print = 0.0
-        while worker.is_alive():
-            worker.join(timeout=0.5)
-            now = time.monotonic()
-            if tty or now - last_print >= 5.0 or not worker.is_alive():
-                line = _live_line(counters["done"], args.requests, counters["tokens"], now - start, stats)
-                print(("\r" + line + "  ") if tty else line, end="" if tty else "\n", flush=True)
-                last_print = now
-        if tty:
-            print()
-        elapsed = time.monotonic() - start
+        if args.ask and not _ask(server, model_dir, args):
+            server.stop()
+            stats.close()
+            return 1
+        driver, counters, elapsed = _drive(server.base_url, model_dir, plan, args, stats)
     except KeyboardInterrupt:
         print("\nkvdiag demo: interrupted; stopping the server", file=sys.stderr)
         server.stop()
@@ -293,6 +265,60 @@ def run(args) -> int:
         return 130
     code = server.stop()
     stats.close()
+    failed = _summary(driver, counters, elapsed, stats, server, code)
+    if args.shadow_logits:
+        print("shadow logits: loading the model in this process ...", flush=True)
+        _demo_shadow.run_logits(model_dir, log_path, args)
+    if args.shadow or args.shadow_logits:
+        _demo_shadow.print_tables(log_path, args.shadow, args.shadow_logits)
+    print(f"event log: {log_path}")
+    return 1 if failed or not driver.results else 0
+
+
+def _ask(server, model_dir: Path, args) -> bool:
+    """``--ask``: one question first, its answer printed; False (said) when the server fails."""
+    try:
+        answer = chat(server.base_url, str(model_dir), [{"role": "user", "content": args.ask}],
+                      args.max_tokens, "ask/t0")
+    except OSError as exc:
+        print(f"kvdiag demo: the server failed to answer ({exc}); server log {server.server_log}:\n"
+              f"{server.tail()}", file=sys.stderr)
+        return False
+    print(f"Q: {args.ask}\nA: {answer['choices'][0]['message']['content']}", flush=True)
+    return True
+
+
+def _drive(base_url: str, model_dir: Path, plan: TrafficPlan, args, stats: LiveStats):
+    """Send the planned chats, printing the live line; returns (driver, counters, seconds)."""
+    tty = sys.stdout.isatty()
+    counters = {"done": 0, "failed": 0, "tokens": 0}
+    start = time.monotonic()
+
+    def on_result(result: Result) -> None:
+        counters["done"] += 1
+        counters["tokens"] += result.completion_tokens
+        if not result.ok:
+            counters["failed"] += 1
+
+    driver = TrafficDriver(base_url, str(model_dir), plan, max_tokens=args.max_tokens, on_result=on_result)
+    worker = threading.Thread(target=driver.run, kwargs={"num_requests": args.requests,
+                                                         "duration_s": args.duration}, daemon=True)
+    worker.start()
+    last_print = 0.0
+    while worker.is_alive():
+        worker.join(timeout=0.5)
+        now = time.monotonic()
+        if tty or now - last_print >= 5.0 or not worker.is_alive():
+            line = _live_line(counters["done"], args.requests, counters["tokens"], now - start, stats)
+            print(("\r" + line + "  ") if tty else line, end="" if tty else "\n", flush=True)
+            last_print = now
+    if tty:
+        print()
+    return driver, counters, time.monotonic() - start
+
+
+def _summary(driver, counters: dict, elapsed: float, stats: LiveStats, server, code: int) -> list:
+    """Print what the run did; returns the failed results."""
     results = driver.results
     failed = [r for r in results if not r.ok]
     long_count = sum(r.is_long for r in results)
@@ -310,10 +336,56 @@ def run(args) -> int:
               f"{server.tail()}", file=sys.stderr)
     if code not in (0, 128 + signal.SIGTERM):
         print(f"kvdiag demo: the server exited with code {code}; see {server.server_log}", file=sys.stderr)
-    if args.shadow_logits:
-        print("shadow logits: loading the model in this process ...", flush=True)
-        _demo_shadow.run_logits(model_dir, log_path, args)
-    if args.shadow or args.shadow_logits:
-        _demo_shadow.print_tables(log_path, args.shadow, args.shadow_logits)
+    return failed
+
+
+def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
+    """The demo on a real vLLM server (see :mod:`kvdiag.commands._demo_vllm`)."""
+    from kvdiag.commands import _demo_vllm
+    from kvdiag.engines import SETUP_HINT, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        print(f"kvdiag demo: {SETUP_HINT}", file=sys.stderr)
+        return 1
+    if args.inject_leak or args.shadow or args.shadow_logits:
+        print("kvdiag demo: --inject-leak and --shadow* run on the transformers engine only", file=sys.stderr)
+        return 2
+    server = _demo_vllm.VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads)
+    stats = LiveStats()
+    print(f"kvdiag demo: starting {model_dir.name} on vLLM (prefix caching, KV events and kvdiag's "
+          f"plugin on), port {server.port}", flush=True)
+    server.start()
+    recording = None
+    try:
+        try:
+            server.wait_ready()
+        except RuntimeError as exc:
+            print(f"kvdiag demo: {exc}", file=sys.stderr)
+            server.stop()
+            return 1
+        recording = _demo_vllm.Recording(server, log_path, model_dir)
+        stats.follow(server.socket_path)
+        if args.ask and not _ask(server, model_dir, args):
+            raise RuntimeError("--ask failed")
+        driver, counters, elapsed = _drive(server.base_url, model_dir, plan, args, stats)
+    except (KeyboardInterrupt, RuntimeError) as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            print("\nkvdiag demo: interrupted; stopping the server", file=sys.stderr)
+        if recording is not None:
+            recording.finish_before_stop()
+        server.stop()
+        stats.close()
+        if recording is not None:
+            recording.close()
+        print(f"event log: {log_path}")
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    recording.finish_before_stop()
+    code = server.stop()
+    stats.close()
+    recording.close()
+    failed = _summary(driver, counters, elapsed, stats, server, code)
+    print(f"KV events: {recording.events.batches} batches, {recording.events.dropped_batches} lost "
+          f"(raw stream {recording.raw_events_path})")
     print(f"event log: {log_path}")
-    return 1 if failed or not results else 0
+    return 1 if failed or not driver.results else 0

@@ -11,6 +11,7 @@ Live terminal UI of a KV cache: memory by source, KV pool occupancy and fragment
 sharing (engine vs shadow), compression, attention locality, latency, requests and alerts.
 
   kvdiag top                    start the embedded demo server and watch it (stopped on quit)
+  kvdiag top --engine vllm      the same demo on a real vLLM server (kvdiag fetch-engine vllm)
   kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside)
   kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
 
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--pid", type=int, help="attach to a running server process")
     src.add_argument("--log", type=Path, metavar="FILE", help="replay a recorded event log")
     src.add_argument("--socket", type=Path, metavar="PATH", help="read a kvdiag agent socket directly")
+    parser.add_argument("--engine", choices=("transformers", "vllm"),
+                        help="the demo's serving engine (default transformers)")
     parser.add_argument("--speed", type=float, default=1.0, help="replay speed for --log (default 1.0)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--output-dir", type=Path, default=Path("."),
@@ -48,6 +51,14 @@ def open_source(args: argparse.Namespace):
     if demo_args and (args.log or args.pid or args.socket):
         raise sources.SourceError(f"unexpected arguments {' '.join(demo_args)!r} (they are for the demo, "
                                   "which runs only without --log/--pid/--socket)")
+    if args.engine and (args.log or args.pid or args.socket):
+        raise sources.SourceError("--engine chooses the demo's engine; it does not go with --log/--pid/--socket")
+    if args.engine == "vllm":
+        from kvdiag.engines import SETUP_HINT, vllm_python
+
+        if vllm_python() is None:
+            raise sources.SourceError(SETUP_HINT)
+        demo_args = ["--engine", "vllm", *demo_args]
     if args.interval <= 0:
         raise sources.SourceError(f"--interval must be positive, got {args.interval}")
     if args.log is not None:

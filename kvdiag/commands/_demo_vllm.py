@@ -1,0 +1,184 @@
+"""`kvdiag demo --engine vllm`: the same model and traffic on a real vLLM server.
+
+vLLM runs in its own environment (:mod:`kvdiag.engines`) as
+``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, fp32 on the CPU, with prefix
+caching on, KV events published over ZMQ and kvdiag's plugin loaded (``KVDIAG_AGENT=1``). This
+process records one kvdiag log from three sources: the plugin's live stream (block and request
+events from the engine core, and the shadow caches fed by them), vLLM's ``/metrics`` (scraped
+every second) and its KV-event stream (also kept raw beside the log for ``kvdiag replay``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+from kvdiag.paths import runtime_dir
+
+READY_TIMEOUT_S = 420.0  # a first start compiles the model (~2 min on 2 cores)
+KV_CACHE_GIB = 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """vLLM's OpenAI server as a child process, with kvdiag's plugin and KV events on."""
+
+    def __init__(self, python: Path, model_dir: Path, log_path: Path, port: int = 0, events_port: int = 0,
+                 threads: int = 1, prefix_caching: bool = True, plugin: bool = True,
+                 extra_env: Optional[dict] = None) -> None:
+        self.port = port or _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.events_endpoint = f"tcp://127.0.0.1:{events_port or _free_port()}"
+        self.plugin = plugin
+        self.socket_path = runtime_dir() / f"demo-{os.getpid()}-{self.port}.sock"
+        self.server_log = log_path.with_name(log_path.name + ".server.txt")
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
+                  "topic": "kv"}
+        self.command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                        "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1",
+                        "--port", str(self.port),
+                        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                        "--kv-events-config", json.dumps(events)]
+        cpus = threads if threads > 0 else (os.cpu_count() or 1)
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{cpus - 1}")
+        if plugin:
+            self.env.update(KVDIAG_AGENT="1", KVDIAG_SOCKET=str(self.socket_path))
+        else:
+            self.env.pop("KVDIAG_AGENT", None)
+        self.env.update(extra_env or {})
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+
+        from kvdiag.commands.demo import _die_with_parent
+
+        self.server_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.server_log, "wb") as out:
+            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until ``/health`` answers 200 (and the plugin's socket exists); raises RuntimeError."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {self.proc.returncode}; see {self.server_log}:\n"
+                                   f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
+                    if resp.status == 200 and (not self.plugin or self.socket_path.exists()):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM did not answer within {timeout_s:.0f} s; see {self.server_log}")
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.server_log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (vLLM shuts its engine core down, whose agent flushes), then SIGKILL."""
+        import signal
+        import subprocess
+
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.returncode
+
+
+class MetricsPoller:
+    """Scrapes ``/metrics`` every ``interval_s`` into ``sink`` as ``EngineMetrics`` (errors as
+    ``CollectorError``) from a daemon thread; :meth:`scrape` takes one more on demand."""
+
+    def __init__(self, url: str, sink, interval_s: float = 1.0) -> None:
+        self.url, self.sink, self.interval_s = url, sink, interval_s
+        self.scrapes = self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdiag-vllm-metrics", daemon=True)
+
+    def start(self) -> "MetricsPoller":
+        self._thread.start()
+        return self
+
+    def scrape(self) -> None:
+        from kvdiag.collectors import metrics
+        from kvdiag.schema import CollectorError
+
+        try:
+            text = metrics.fetch_metrics_text(self.url, timeout_s=2.0)
+            self.sink.record(metrics.engine_metrics(metrics.parse_prometheus(text)))
+            self.scrapes += 1
+        except (OSError, ValueError) as exc:
+            self.errors += 1
+            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector="metrics", message=str(exc)))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.scrape()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Recording:
+    """The one log of a vLLM demo: the plugin's stream, ``/metrics`` and the KV events."""
+
+    def __init__(self, server: VllmServer, log_path: Path, model_dir: Path) -> None:
+        from kvdiag.collectors.agent_client import AgentStream
+        from kvdiag.collectors.vllm import subscriber_side
+        from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
+        from kvdiag.eventlog import LogWriter, make_header
+
+        self.agent = AgentStream(server.socket_path, sink=None) if server.plugin else None
+        ah = self.agent.header if self.agent else None
+        header = make_header(engine="vllm", model=str(model_dir),
+                             block_size_tokens=ah.block_size_tokens if ah else None,
+                             bytes_per_token=ah.bytes_per_token if ah else None,
+                             extra={**(ah.extra if ah else {}), "base_url": server.base_url,
+                                    "kv_events_endpoint": server.events_endpoint,
+                                    "server_pid": server.proc.pid})
+        self.writer = LogWriter(log_path, header, interval_s=0.5)
+        self.raw_events_path = log_path.with_name(log_path.name + ".kvevents.jsonl")
+        if self.agent is not None:
+            self.agent.sink = self.writer
+            self.agent.start()
+        self.metrics = MetricsPoller(f"{server.base_url}/metrics", self.writer).start()
+        mode, address = subscriber_side(server.events_endpoint)
+        self.events = KVEventSubscriber(address, self.writer, topic="kv", bind=(mode == "bind"),
+                                        raw_path=self.raw_events_path).start()
+
+    def finish_before_stop(self) -> None:
+        """The last metrics scrape and KV events, while the server still runs."""
+        self.metrics.stop()
+        self.metrics.scrape()
+        self.events.stop()
+
+    def close(self) -> None:
+        """After the server stopped: drain the plugin's last events, close the log."""
+        if self.agent is not None:
+            self.agent.close(drain_s=2.0)
+        self.writer.close()
