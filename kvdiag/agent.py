@@ -8,7 +8,9 @@ clients over a Unix socket.
 
 Live stream protocol: a client connects to the socket (mode 0600, in the runtime dir, path
 ``kvdiag.paths.agent_socket_path(pid)`` unless given) and reads JSON lines: first the
-``LogHeader``, then every event as it happens (the same JSON as a log line). A client that
+``LogHeader``, then the events that describe the setup whenever they happened (the latest
+``KVPoolInfo`` and every ``CollectorStatus``: a client that joins after the engine built its
+pool still learns its shape), then every event as it happens (the same JSON as a log line). A client that
 reads too slowly loses events (counted; the agent never blocks the engine). There is no TCP
 listener.
 """
@@ -25,7 +27,7 @@ from typing import Callable, Optional, Protocol
 import msgspec
 
 from kvdiag.paths import agent_socket_path
-from kvdiag.schema import Event, LogHeader
+from kvdiag.schema import CollectorStatus, Event, KVPoolInfo, LogHeader
 from kvdiag.sinks import FanoutSink, Sink
 
 ENGINE = "transformers-cb"
@@ -49,6 +51,7 @@ class LiveSocketSink:
         self._encoder = msgspec.json.Encoder()
         self._header_line = self._encoder.encode(header) + b"\n"
         self._pending: deque[Event] = deque()
+        self._setup_lines: dict[str, bytes] = {}  # what a late client is told first (see module doc)
         self._max_pending = max_pending
         self._clients: list[socket.socket] = []
         self._clients_lock = threading.Lock()
@@ -75,6 +78,10 @@ class LiveSocketSink:
         return len(self._clients)
 
     def record(self, event: Event) -> None:
+        if isinstance(event, (KVPoolInfo, CollectorStatus)):
+            key = "pool" if isinstance(event, KVPoolInfo) else f"status:{event.collector}"
+            if key in self._setup_lines or len(self._setup_lines) < 256:
+                self._setup_lines[key] = self._encoder.encode(event) + b"\n"
         if not self._clients:  # nobody listening: nothing to do on the hot path
             return
         if len(self._pending) >= self._max_pending:
@@ -93,7 +100,7 @@ class LiveSocketSink:
             except OSError:
                 return
             try:
-                conn.sendall(self._header_line)
+                conn.sendall(self._header_line + b"".join(list(self._setup_lines.values())))
             except OSError:
                 conn.close()
                 continue

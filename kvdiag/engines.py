@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from importlib import metadata
 from pathlib import Path
@@ -142,8 +143,10 @@ def build_vllm_env(progress: Progress = lambda stage: None, force: bool = False)
 
 def check_vllm_python(python: Path) -> Optional[str]:
     """None when ``python`` imports vLLM and kvdiag's plugin, else what is missing."""
+    # from a neutral folder: a kvdiag source checkout in the current one would shadow the install
     proc = subprocess.run([str(python), "-c", "import vllm, kvdiag.collectors.vllm_plugin"],
-                          capture_output=True, text=True, env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
+                          capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                          env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return f"{python} cannot import vLLM and kvdiag's plugin ({last})"

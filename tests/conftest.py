@@ -53,3 +53,29 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("skipped in CI (only missing GPU hardware may skip)", red=True)
         for line in _unexpected_skips:
             terminalreporter.write_line(line)
+
+
+VLLM_SKIP = "needs vLLM: run `kvdiag fetch-engine vllm` (.ci/run always does)"
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    """The interpreter of vLLM's environment (``kvdiag fetch-engine vllm``), or a skip."""
+    from kvdiag.engines import check_vllm_python, vllm_python as find
+
+    python = find()
+    if python is None:
+        pytest.skip(VLLM_SKIP)
+    problem = check_vllm_python(python)
+    if problem:
+        pytest.fail(problem)
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python, model_dir, tmp_path_factory):
+    """One real vLLM server for the session: prefix caching, KV events and kvdiag's plugin on."""
+    from vllm_harness import running_vllm
+
+    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-main")) as server:
+        yield server

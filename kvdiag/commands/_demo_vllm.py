@@ -68,8 +68,11 @@ class VllmServer:
 
         self.server_log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.server_log, "wb") as out:
+            # in the log's folder: a kvdiag source checkout as the current folder would shadow
+            # the kvdiag installed in vLLM's environment (python puts the folder first on sys.path)
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                         cwd=self.server_log.parent)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until ``/health`` answers 200 (and the plugin's socket exists); raises RuntimeError."""

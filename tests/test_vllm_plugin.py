@@ -1,0 +1,99 @@
+"""kvdiag's plugin inside a real vLLM server: its block and request events agree with vLLM's own
+counters and with a brute-force prefix cache, and the ledger balances."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
+from kvdiag.blockledger import BlockLedger
+from kvdiag.collectors.agent_client import AgentStream
+from kvdiag.schema import (BlockAllocated, BlockReleased, BlockStored, KVPoolInfo, KVPoolSample,
+                           RequestArrived, RequestFinished)
+from kvdiag.sinks import ListSink
+from vllm_harness import QUESTIONS, chat, counter, metrics_text
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the plugin's events"
+        time.sleep(0.05)
+
+
+def _brute_force_hits(arrived: list[RequestArrived], stored: dict[str, list[list[int]]],
+                      block: int) -> dict[str, int]:
+    """Prefix hits of sequential requests in an unbounded cache with vLLM's rule: the leading
+    full blocks of the prompt already cached, at most (prompt - 1) // block of them. Then the
+    request's full blocks are cached: its hit blocks followed by the blocks it stored (prompt
+    and generated tokens, in order, as its ``BlockStored`` events carry them)."""
+    cache: set[tuple[int, ...]] = set()
+    hits = {}
+    for ev in arrived:
+        tokens = list(ev.token_ids)
+        n = 0
+        while n < (len(tokens) - 1) // block and tuple(tokens[:(n + 1) * block]) in cache:
+            n += 1
+        hits[ev.request_id] = n * block
+        sequence = tokens[:n * block] + [t for chunk in stored.get(ev.request_id, []) for t in chunk]
+        for k in range(1, len(sequence) // block + 1):
+            cache.add(tuple(sequence[:k * block]))
+    return hits
+
+
+def test_plugin_events_match_vllm_counters_and_brute_force(vllm_server):
+    events = ListSink()
+    stream = AgentStream(vllm_server.socket_path, sink=events).start()
+    assert stream.header.engine == "vllm"
+    before = metrics_text(vllm_server)
+    answers = [chat(vllm_server, q) for q in QUESTIONS]
+    assert all(a["choices"][0]["message"]["content"] for a in answers)
+    finished = lambda: [e for e in events.events if isinstance(e, RequestFinished)]  # noqa: E731
+    _wait_for(lambda: len(finished()) >= len(QUESTIONS))
+    after = metrics_text(vllm_server)
+    stream.close(drain_s=0.5)
+
+    info = [e for e in events.events if isinstance(e, KVPoolInfo)]
+    assert info and info[-1].block_size_tokens == 128 and info[-1].prefix_sharing  # told to a late client
+    block = info[-1].block_size_tokens
+    fin = finished()
+    queries = counter(after, "vllm:prefix_cache_queries_total") - counter(before, "vllm:prefix_cache_queries_total")
+    hits = counter(after, "vllm:prefix_cache_hits_total") - counter(before, "vllm:prefix_cache_hits_total")
+    # the plugin's per-request numbers are vLLM's own counters, request by request
+    assert sum(e.prompt_tokens for e in fin) == queries
+    assert sum(e.cached_prompt_tokens for e in fin) == hits
+    assert hits > 0.5 * queries  # the long shared system prompt is served from the cache
+
+    arrived = [e for e in events.events if isinstance(e, RequestArrived)]
+    assert [e.request_id for e in arrived] == [e.request_id for e in fin]  # sequential traffic
+    stored: dict[str, list[list[int]]] = {}
+    for e in events.events:
+        if isinstance(e, BlockStored):
+            stored.setdefault(e.request_id, []).append(e.token_ids)
+    expected = _brute_force_hits(arrived, stored, block)
+    assert {e.request_id: e.cached_prompt_tokens for e in fin} == expected
+
+    # kvdiag's shadow cache at vLLM's settings, fed the same events, predicts the same hits
+    # (no prompt here is a whole number of blocks: there the shadow would count one block more)
+    assert all(e.prompt_tokens % block for e in arrived)
+    shadow = ShadowSharingSink([], engine_settings=True)
+    for e in events.events:
+        shadow.record(e)
+    assert shadow.engine_config == ShadowConfig("lru", block, info[-1].num_blocks)
+    assert shadow.gap() == pytest.approx(0.0, abs=1e-12)
+
+    # the ledger balances: every block a finished request held was released
+    ledger = BlockLedger()
+    for e in events.events:
+        ledger.apply(e)
+    assert ledger.held_by_finished(time.time_ns(), grace_ns=0) == {}
+    assert not ledger.anomalies
+    allocated = sum(isinstance(e, BlockAllocated) for e in events.events)
+    released = sum(isinstance(e, BlockReleased) for e in events.events)
+    assert allocated > 0 and released >= allocated
+    samples = [e for e in events.events if isinstance(e, KVPoolSample)]
+    assert samples and all(s.blocks_used + s.blocks_cached + s.blocks_free == s.num_blocks for s in samples)
