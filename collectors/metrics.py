@@ -1,20 +1,22 @@
-"""Prometheus text exposition (``/metrics``): a parser, and a scraper mapping the engine's
-counters to ``EngineMetrics`` (vLLM and SGLang names; everything else stays in ``raw``)."""
+"""Prometheus text exposition (``/metrics``): parsed by prometheus_client's parser, and a
+scraper mapping the engine's metrics onto ``EngineMetrics`` (vLLM and SGLang names; every other
+sample stays in ``raw``)."""
 
 from __future__ import annotations
 
 import math
-import re
 import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvdiag.schema import EngineMetrics
 
 
 class PrometheusParseError(ValueError):
-    """``line N: expected ...``."""
+    """``line N: expected ...`` naming the first line prometheus_client's parser rejects."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,50 +26,35 @@ class MetricSample:
     value: float
 
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LINE = re.compile(rf"^({_NAME})(?:\{{(.*)\}})?\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+def _parse(text: str) -> list[MetricSample]:
+    return [MetricSample(s.name, tuple(s.labels.items()), float(s.value))
+            for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def _value(text: str) -> float:
-    low = text.lower()
-    if low in ("+inf", "inf"):
-        return math.inf
-    if low == "-inf":
-        return -math.inf
-    return float(text)  # handles NaN and exponents
-
-
-def _labels(text: str, lineno: int) -> tuple[tuple[str, str], ...]:
-    out, pos, text = [], 0, text.strip()
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if not m:
-            raise PrometheusParseError(f"line {lineno}: expected label=\"value\" at {text[pos:pos + 20]!r}")
-        value = re.sub(r'\\\\|\\"|\\n', lambda x: _UNESCAPE[x.group(0)], m.group(2))
-        out.append((m.group(1), value))
-        pos = m.end()
-    return tuple(out)
+def _locate(text: str, exc: ValueError) -> str:
+    """Which line made the parse fail: the first that fails on its own (the parser reads line
+    by line and keeps no line numbers)."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            _parse(line + "\n")
+        except ValueError as line_exc:
+            why = f" ({line_exc})" if str(line_exc) else ""
+            return (f"line {lineno}: expected 'name{{labels}} value' or a # HELP/# TYPE line, "
+                    f"got {line[:80]!r}{why}")
+    return f"expected a Prometheus text exposition ({exc or type(exc).__name__})"
 
 
 def parse_prometheus(text: str) -> list[MetricSample]:
-    """Samples of a text exposition (comments and ``# HELP``/``# TYPE`` skipped); raises
-    :class:`PrometheusParseError` naming the line."""
-    out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            raise PrometheusParseError(f"line {lineno}: expected 'name{{labels}} value'")
-        try:
-            value = _value(m.group(3))
-        except ValueError:
-            raise PrometheusParseError(f"line {lineno}: expected a number, got {m.group(3)!r}") from None
-        out.append(MetricSample(m.group(1), _labels(m.group(2) or "", lineno), value))
-    return out
+    """The samples of a text exposition, read by ``prometheus_client.parser``; names as exposed
+    (``x_total``, ``x_bucket`` with its ``le`` label, ``x_created``), labels in their order,
+    HELP/TYPE lines and timestamps dropped. That parser names the samples of a counter declared
+    without ``_total`` with it. Raises :class:`PrometheusParseError` naming the line."""
+    try:
+        return _parse(text)
+    except ValueError as exc:
+        raise PrometheusParseError(_locate(text, exc)) from None
 
 
 # first matching name wins; sums over label sets (e.g. several model names or engines)
