@@ -1,0 +1,143 @@
+"""Engine /metrics end to end: expositions written by prometheus_client with vLLM's metric
+names, scraped into EngineMetrics and logged. Every check is
+against the values put into the registry or a direct computation on the raw observations."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from kvdiag.collectors import metrics
+from kvdiag.eventlog import LogWriter, iter_events, make_header, read_log
+from kvdiag.schema import EngineMetrics
+
+INF = EngineMetrics.INF_LE
+TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+E2E_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LABELS = ["model_name", "engine"]
+
+
+class FakeVllm:
+    """A registry with vLLM 0.32's metric names (vllm/v1/metrics/loggers.py) and labels, for
+    ``engines`` engine cores."""
+
+    def __init__(self, engines=("0",), block_size="128", blocks=("512",), prefix_caching="True"):
+        self.reg = r = CollectorRegistry()
+        self.engines = engines
+        self.queries = Counter("vllm:prefix_cache_queries", "q", LABELS, registry=r)
+        self.hits = Counter("vllm:prefix_cache_hits", "h", LABELS, registry=r)
+        self.preempt = Counter("vllm:num_preemptions", "p", LABELS, registry=r)
+        self.prompt = Counter("vllm:prompt_tokens", "p", LABELS, registry=r)
+        self.gen = Counter("vllm:generation_tokens", "g", LABELS, registry=r)
+        self.success = Counter("vllm:request_success", "s", LABELS + ["finished_reason"], registry=r)
+        self.usage = Gauge("vllm:kv_cache_usage_perc", "u", LABELS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "r", LABELS, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "w", LABELS, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "t", LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "i", LABELS, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "e", LABELS, buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "q", LABELS, buckets=E2E_BUCKETS, registry=r)
+        for m in (self.queries, self.hits, self.preempt, self.prompt, self.gen, self.usage, self.running,
+                  self.waiting, self.ttft, self.itl, self.e2e, self.queue):
+            for e in engines:
+                m.labels("m", e)  # vLLM creates its series at startup: zero until observed
+        info = Info("vllm:cache_config", "cache config", ["engine"], registry=r)
+        for e, n in zip(engines, blocks):
+            info.labels(e).info({"block_size": block_size, "num_gpu_blocks": n, "cache_dtype": "auto",
+                                 "enable_prefix_caching": prefix_caching, "gpu_memory_utilization": "0.9"})
+
+    def text(self) -> str:
+        return generate_latest(self.reg).decode()
+
+    def scrape(self, ts_ns: int) -> EngineMetrics:
+        return metrics.engine_metrics(metrics.parse_prometheus(self.text()), ts_ns=ts_ns)
+
+
+def cumulative(obs, bounds) -> list[tuple[float, float]]:
+    """Observations <= each bound, and all of them at +Inf: the buckets, counted directly."""
+    obs = np.asarray(obs, dtype="float64")
+    return [(float(b), float((obs <= b).sum())) for b in bounds] + [(INF, float(len(obs)))]
+
+
+def test_vllm_exposition_maps_onto_engine_metrics():
+    rng = np.random.default_rng(3)
+    v = FakeVllm(engines=("0", "1"), blocks=("512", "256"))
+    put = {"ttft": {}, "itl": {}}
+    for engine, (q, h, n_pre, p, g, use, run, wait) in {"0": (1000, 400, 2, 5000, 700, 0.25, 3, 1),
+                                                        "1": (600, 100, 1, 3000, 300, 0.5, 2, 4)}.items():
+        lab = ("m", engine)
+        v.queries.labels(*lab).inc(q); v.hits.labels(*lab).inc(h); v.preempt.labels(*lab).inc(n_pre)
+        v.prompt.labels(*lab).inc(p); v.gen.labels(*lab).inc(g)
+        v.usage.labels(*lab).set(use); v.running.labels(*lab).set(run); v.waiting.labels(*lab).set(wait)
+        v.success.labels(*lab, "stop").inc(5); v.success.labels(*lab, "length").inc(2)
+        put["ttft"][engine] = rng.lognormal(-2, 1, 40)
+        put["itl"][engine] = rng.lognormal(-4, 0.7, 300)
+        for x in put["ttft"][engine]:
+            v.ttft.labels(*lab).observe(x)
+        for x in put["itl"][engine]:
+            v.itl.labels(*lab).observe(x)
+    em = v.scrape(ts_ns=123)
+    assert em.ts_ns == 123
+    assert (em.prefix_cache_queries_tokens, em.prefix_cache_hits_tokens, em.num_preemptions) == (1600, 500, 3)
+    assert (em.prompt_tokens, em.generation_tokens) == (8000, 1000)
+    assert (em.kv_cache_usage, em.num_requests_running, em.num_requests_waiting) == (0.75, 5, 5)
+    assert (em.block_size_tokens, em.num_blocks, em.prefix_caching) == (128, 768, True)
+    both = lambda k: np.r_[put[k]["0"], put[k]["1"]]  # noqa: E731
+    assert em.histograms["ttft_s"] == cumulative(both("ttft"), TTFT_BUCKETS)
+    assert em.histograms["inter_token_s"] == cumulative(both("itl"), ITL_BUCKETS)
+    # declared but never observed: every bucket zero
+    assert em.histograms["e2e_s"] == cumulative([], E2E_BUCKETS)
+    assert em.histograms["queue_s"] == cumulative([], E2E_BUCKETS)
+    success = {k: x for k, x in em.raw.items() if k.startswith("vllm:request_success_total{")}
+    assert sum(success.values()) == 14
+    assert [x for k, x in success.items() if 'engine="1"' in k and 'finished_reason="length"' in k] == [2]
+    assert not any(k.endswith(("_bucket", "_created")) or "_bucket{" in k or "_created{" in k for k in em.raw)
+
+
+def test_cache_config_absent_or_unsized_stays_unknown():
+    v = FakeVllm(blocks=("None",), prefix_caching="False")
+    em = v.scrape(1)
+    assert (em.block_size_tokens, em.num_blocks, em.prefix_caching) == (128, None, False)
+    reg = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "u", registry=reg).set(0.5)
+    em = metrics.engine_metrics(metrics.parse_prometheus(generate_latest(reg).decode()), ts_ns=1)
+    assert (em.block_size_tokens, em.num_blocks, em.prefix_caching, em.histograms) == (None, None, None, {})
+
+
+def test_malformed_exposition_raises_parse_error():
+    good = FakeVllm().text()
+    lines = good.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("vllm:time_to_first_token_seconds_bucket"))
+    lines[at] = lines[at].replace('le="0.01"', "le=0.01")  # an unquoted label value
+    with pytest.raises(metrics.PrometheusParseError, match=f"line {at + 1}: expected"):
+        metrics.parse_prometheus("\n".join(lines) + "\n")
+    with pytest.raises(metrics.PrometheusParseError, match="line 1: expected"):
+        metrics.parse_prometheus("<html>not metrics</html>\n")
+    assert metrics.parse_prometheus("") == []
+
+
+# ---------------------------------------------------------------- the log
+
+
+
+def test_histograms_round_trip_through_the_log(tmp_path):
+    ev = EngineMetrics(ts_ns=5, block_size_tokens=16, num_blocks=1000, prefix_caching=False,
+                       prompt_tokens=10.0, generation_tokens=4.0,
+                       histograms={"ttft_s": [(0.1, 1.0), (1.0, 3.0), (math.inf, 4.0)]})
+    assert ev.histograms["ttft_s"][-1] == (INF, 4.0)  # +Inf kept as the documented sentinel
+    path = tmp_path / "m.jsonl"
+    with LogWriter(path, make_header()) as w:
+        w.record(ev)
+    back = list(iter_events(path, strict=True))
+    assert back == [ev]
+    row = read_log(path, strict=True).frame(EngineMetrics).iloc[0]
+    assert row["histograms"] == ev.histograms and row["num_blocks"] == 1000
+    # a 1.1 line (before these fields) still decodes, with the defaults
+    old = b'{"type":"engine_metrics","ts_ns":1,"kv_cache_usage":0.5,"raw":{}}'
+    em = msgspec.json.decode(old, type=EngineMetrics)
+    assert (em.histograms, em.block_size_tokens, em.prompt_tokens) == ({}, None, None)
