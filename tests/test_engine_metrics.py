@@ -1,5 +1,5 @@
 """Engine /metrics end to end: expositions written by prometheus_client with vLLM's metric
-names, scraped into EngineMetrics and logged. Every check is
+names, scraped into EngineMetrics, logged, and read back as latency percentiles. Every check is
 against the values put into the registry or a direct computation on the raw observations."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from kvdiag.analysis.engine_latency import engine_latency_frame, histogram_quantile
+from kvdiag.analysis.logs import load
 from kvdiag.collectors import metrics
 from kvdiag.eventlog import LogWriter, iter_events, make_header, read_log
 from kvdiag.schema import EngineMetrics
@@ -121,8 +123,76 @@ def test_malformed_exposition_raises_parse_error():
     assert metrics.parse_prometheus("") == []
 
 
-# ---------------------------------------------------------------- the log
+# ---------------------------------------------------------------- histogram_quantile
 
+
+def prometheus_formula(q: float, buckets: list[tuple[float, float]]) -> float:
+    """The documented definition, evaluated step by step on sorted, distinct, cumulative buckets
+    ending with +Inf: the first bucket whose count reaches q * total, linear inside it (from 0
+    for the first bucket); the highest finite bound when that bucket is +Inf."""
+    total = buckets[-1][1]
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for i, (le, c) in enumerate(buckets):
+        if c >= rank or i == len(buckets) - 1:
+            if i == len(buckets) - 1:
+                return buckets[-2][0]
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("buckets", [
+    [(0.1, 2.0), (0.5, 6.0), (1.0, 9.0), (math.inf, 10.0)],
+    [(1.0, 0.0), (2.0, 0.0), (4.0, 7.0), (8.0, 7.0), (16.0, 30.0), (INF, 31.0)],
+])
+def test_histogram_quantile_is_the_documented_interpolation(buckets):
+    for q in np.linspace(0.01, 1.0, 100):
+        assert histogram_quantile(q, buckets) == pytest.approx(prometheus_formula(q, buckets), rel=1e-12)
+    # worked by hand for the first vector: rank 5 of 10 lies 3 of 4 into (0.1, 0.5]
+    if buckets[0] == (0.1, 2.0):
+        assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 3 / 4)
+        assert histogram_quantile(0.95, buckets) == 1.0  # in the +Inf bucket: highest finite bound
+    # order and +Inf spelling do not matter
+    shuffled = [(math.inf if le == INF else le, c) for le, c in reversed(buckets)]
+    assert histogram_quantile(0.7, shuffled) == histogram_quantile(0.7, buckets)
+
+
+def test_histogram_quantile_special_cases_as_promql():
+    b = [(0.1, 2.0), (0.5, 6.0), (math.inf, 10.0)]
+    assert histogram_quantile(-0.1, b) == -math.inf and histogram_quantile(1.5, b) == math.inf
+    assert math.isnan(histogram_quantile(math.nan, b))
+    assert math.isnan(histogram_quantile(0.5, [(0.1, 2.0), (0.5, 6.0)]))  # no +Inf bucket
+    assert math.isnan(histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))  # no observations
+    assert math.isnan(histogram_quantile(0.5, [(math.inf, 4.0)]))  # fewer than two buckets
+    assert math.isnan(histogram_quantile(0.5, []))
+    assert histogram_quantile(0.5, [(-1.0, 3.0), (0.0, 4.0), (math.inf, 5.0)]) == -1.0
+    # equal bounds are merged (counts add) before the search
+    assert histogram_quantile(0.5, [(1.0, 1.0), (1.0, 3.0), (2.0, 5.0), (math.inf, 5.0)]) == \
+        pytest.approx(prometheus_formula(0.5, [(1.0, 4.0), (2.0, 5.0), (math.inf, 5.0)]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quantile_lies_in_the_bucket_of_the_exact_quantile(seed):
+    rng = np.random.default_rng(seed)
+    obs = rng.lognormal(-1.5, 1.0, 2000)
+    v = FakeVllm()
+    for x in obs:
+        v.ttft.labels("m", "0").observe(x)
+    buckets = v.scrape(1).histograms["ttft_s"]
+    edges = (0.0,) + TTFT_BUCKETS + (math.inf,)
+    for q in (0.1, 0.5, 0.9, 0.99):
+        exact = np.quantile(obs, q, method="inverted_cdf")
+        i = np.searchsorted(edges, exact, side="left")  # bucket (edges[i-1], edges[i]]
+        lo, hi = edges[i - 1], edges[i]
+        got = histogram_quantile(q, buckets)
+        if math.isinf(hi):
+            assert got == TTFT_BUCKETS[-1]
+        else:
+            assert lo <= got <= hi, (q, exact, got)
+
+
+# ---------------------------------------------------------------- the log and the analysis
 
 
 def test_histograms_round_trip_through_the_log(tmp_path):
@@ -137,7 +207,78 @@ def test_histograms_round_trip_through_the_log(tmp_path):
     assert back == [ev]
     row = read_log(path, strict=True).frame(EngineMetrics).iloc[0]
     assert row["histograms"] == ev.histograms and row["num_blocks"] == 1000
+    assert histogram_quantile(0.5, row["histograms"]["ttft_s"]) == pytest.approx(0.1 + 0.9 * 1 / 2)
     # a 1.1 line (before these fields) still decodes, with the defaults
     old = b'{"type":"engine_metrics","ts_ns":1,"kv_cache_usage":0.5,"raw":{}}'
     em = msgspec.json.decode(old, type=EngineMetrics)
     assert (em.histograms, em.block_size_tokens, em.prompt_tokens) == ({}, None, None)
+
+
+def write_scrapes(path, scrapes, node):
+    with LogWriter(path, make_header(node=node, engine="vllm")) as w:
+        for em in scrapes:
+            w.record(em)
+    return path
+
+
+def test_engine_latency_frame_per_interval(tmp_path):
+    rng = np.random.default_rng(7)
+    v = FakeVllm()
+    lab = ("m", "0")
+    batches, scrapes = [], [v.scrape(1_000_000_000)]
+    sizes = [300, 0, 500, 200]
+    for k, n in enumerate(sizes):
+        ttft, itl, e2e = rng.lognormal(-1.5, 1, n), rng.lognormal(-4, 0.5, 5 * n), rng.lognormal(0.5, 0.6, n)
+        for x in ttft:
+            v.ttft.labels(*lab).observe(x)
+        for x in itl:
+            v.itl.labels(*lab).observe(x)
+        for x in e2e:
+            v.e2e.labels(*lab).observe(x)
+        batches.append((ttft, itl, e2e))
+        if k == 2:  # the server restarts: a fresh registry holding only what came after
+            v = FakeVllm()
+            ttft, itl, e2e = rng.lognormal(-1.5, 1, 50), rng.lognormal(-4, 0.5, 250), rng.lognormal(0.5, 0.6, 50)
+            for x in ttft:
+                v.ttft.labels(*lab).observe(x)
+            for x in itl:
+                v.itl.labels(*lab).observe(x)
+            for x in e2e:
+                v.e2e.labels(*lab).observe(x)
+            batches[-1] = (ttft, itl, e2e)
+        scrapes.append(v.scrape(1_000_000_000 * (k + 2)))
+    logs, _ = load([write_scrapes(tmp_path / "a.jsonl", scrapes, "a")])
+    df = engine_latency_frame(logs)
+    assert list(df["ts_ns"]) == [s.ts_ns for s in scrapes[1:]]
+    assert list(df["start_ns"]) == [s.ts_ns for s in scrapes[:-1]]
+    assert set(df["node"]) == {"a"}
+    for k, (ttft, itl, e2e) in enumerate(batches):
+        row = df.iloc[k]
+        assert row["requests"] == len(e2e)  # never negative, also after the restart
+        for col, obs, bounds in (("ttft", ttft, TTFT_BUCKETS), ("inter_token", itl, ITL_BUCKETS),
+                                 ("e2e", e2e, E2E_BUCKETS)):
+            for q in (0.5, 0.99):
+                got = row[f"{col}_p{q * 100:g}_s"]
+                if len(obs) == 0:
+                    assert math.isnan(got)
+                else:
+                    assert got == pytest.approx(histogram_quantile(q, cumulative(obs, bounds)))
+    assert df["queue_p50_s"].isna().all()  # declared, never observed
+
+
+def test_engine_latency_frame_several_nodes_and_none_without_histograms(tmp_path):
+    a, b = FakeVllm(), FakeVllm()
+    scr_a, scr_b = [a.scrape(10)], [b.scrape(11)]
+    for x in (0.02, 0.03, 0.2):
+        a.ttft.labels("m", "0").observe(x)
+    b.ttft.labels("m", "0").observe(4.0)
+    scr_a.append(a.scrape(20))
+    scr_b.append(b.scrape(21))
+    logs, _ = load([write_scrapes(tmp_path / "a.jsonl", scr_a, "a"),
+                    write_scrapes(tmp_path / "b.jsonl", scr_b, "b")])
+    df = engine_latency_frame(logs).set_index("node")
+    assert df.loc["a", "ttft_p50_s"] == pytest.approx(histogram_quantile(0.5, cumulative([0.02, 0.03, 0.2], TTFT_BUCKETS)))
+    assert df.loc["b", "ttft_p50_s"] == pytest.approx(2.5 + 2.5 * 0.5)  # alone in (2.5, 5]
+    plain = EngineMetrics(ts_ns=1, kv_cache_usage=0.1)
+    logs, _ = load([write_scrapes(tmp_path / "c.jsonl", [plain, plain], "c")])
+    assert engine_latency_frame(logs) is None
