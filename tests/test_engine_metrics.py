@@ -282,3 +282,43 @@ def test_engine_latency_frame_several_nodes_and_none_without_histograms(tmp_path
     plain = EngineMetrics(ts_ns=1, kv_cache_usage=0.1)
     logs, _ = load([write_scrapes(tmp_path / "c.jsonl", [plain, plain], "c")])
     assert engine_latency_frame(logs) is None
+
+
+# ---------------------------------------------------------------- the report
+
+
+def test_report_plots_the_engine_latency(tmp_path):
+    """A log of vLLM scrapes only (as `kvdiag attach` records): the latency section charts the
+    engine's P50/P99, each point the quantile of what was observed between two scrapes."""
+    from kvdiag.cli import main
+    from kvdiag.reports.model import Absent, Chart
+    from kvdiag.reports.sections import build
+    rng = np.random.default_rng(11)
+    v = FakeVllm()
+    scrapes, batches = [v.scrape(10**9)], []
+    for k in range(3):
+        ttft, itl = rng.lognormal(-1.5, 1, 100), rng.lognormal(-4, 0.5, 400)
+        for x in ttft:
+            v.ttft.labels("m", "0").observe(x)
+        for x in itl:
+            v.itl.labels("m", "0").observe(x)
+        batches.append((ttft, itl))
+        scrapes.append(v.scrape(10**9 * (k + 2)))
+    log = write_scrapes(tmp_path / "vllm.jsonl", scrapes, "vllm-node")
+    logs, _ = load([log])
+    report, _ = build(logs)
+    sec = next(s for s in report.sections if s.key == "latency")
+    chart = next(b for b in sec.blocks if isinstance(b, Chart) and b.title.startswith("Engine-reported"))
+    assert not any(isinstance(b, Absent) for b in sec.blocks)
+    for k, (ttft, itl) in enumerate(batches):
+        at = chart.data[np.isclose(chart.data["time_s"], k + 1)].set_index("series")["ms"]
+        for series, obs, bounds, q in (("TTFT P50", ttft, TTFT_BUCKETS, 0.5), ("TTFT P99", ttft, TTFT_BUCKETS, 0.99),
+                                       ("inter-token P50", itl, ITL_BUCKETS, 0.5),
+                                       ("inter-token P99", itl, ITL_BUCKETS, 0.99)):
+            assert at[series] == pytest.approx(1e3 * histogram_quantile(q, cumulative(obs, bounds)))
+    for out in ("r.md", "r.html"):
+        assert main(["report", str(log), "-o", str(tmp_path / out)]) == 0
+    md = (tmp_path / "r.md").read_text()
+    body = md.split("## Latency and P99 regressions\n", 1)[1].split("\n## ", 1)[0]
+    assert "Engine-reported TTFT and inter-token latency" in body and "Not in these logs" not in body
+    assert "Engine-reported TTFT" in (tmp_path / "r.html").read_text()
