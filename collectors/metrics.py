@@ -1,20 +1,22 @@
-"""Prometheus text exposition (``/metrics``): a parser, and a scraper mapping the engine's
-counters to ``EngineMetrics`` (vLLM and SGLang names; everything else stays in ``raw``)."""
+"""Prometheus text exposition (``/metrics``): parsed by prometheus_client's parser, and a
+scraper mapping the engine's metrics onto ``EngineMetrics`` (vLLM and SGLang names; every other
+sample stays in ``raw``)."""
 
 from __future__ import annotations
 
 import math
-import re
 import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvdiag.schema import EngineMetrics
 
 
 class PrometheusParseError(ValueError):
-    """``line N: expected ...``."""
+    """``line N: expected ...`` naming the first line prometheus_client's parser rejects."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,50 +26,35 @@ class MetricSample:
     value: float
 
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_LINE = re.compile(rf"^({_NAME})(?:\{{(.*)\}})?\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+def _parse(text: str) -> list[MetricSample]:
+    return [MetricSample(s.name, tuple(s.labels.items()), float(s.value))
+            for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def _value(text: str) -> float:
-    low = text.lower()
-    if low in ("+inf", "inf"):
-        return math.inf
-    if low == "-inf":
-        return -math.inf
-    return float(text)  # handles NaN and exponents
-
-
-def _labels(text: str, lineno: int) -> tuple[tuple[str, str], ...]:
-    out, pos, text = [], 0, text.strip()
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if not m:
-            raise PrometheusParseError(f"line {lineno}: expected label=\"value\" at {text[pos:pos + 20]!r}")
-        value = re.sub(r'\\\\|\\"|\\n', lambda x: _UNESCAPE[x.group(0)], m.group(2))
-        out.append((m.group(1), value))
-        pos = m.end()
-    return tuple(out)
+def _locate(text: str, exc: ValueError) -> str:
+    """Which line made the parse fail: the first that fails on its own (the parser reads line
+    by line and keeps no line numbers)."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            _parse(line + "\n")
+        except ValueError as line_exc:
+            why = f" ({line_exc})" if str(line_exc) else ""
+            return (f"line {lineno}: expected 'name{{labels}} value' or a # HELP/# TYPE line, "
+                    f"got {line[:80]!r}{why}")
+    return f"expected a Prometheus text exposition ({exc or type(exc).__name__})"
 
 
 def parse_prometheus(text: str) -> list[MetricSample]:
-    """Samples of a text exposition (comments and ``# HELP``/``# TYPE`` skipped); raises
-    :class:`PrometheusParseError` naming the line."""
-    out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            raise PrometheusParseError(f"line {lineno}: expected 'name{{labels}} value'")
-        try:
-            value = _value(m.group(3))
-        except ValueError:
-            raise PrometheusParseError(f"line {lineno}: expected a number, got {m.group(3)!r}") from None
-        out.append(MetricSample(m.group(1), _labels(m.group(2) or "", lineno), value))
-    return out
+    """The samples of a text exposition, read by ``prometheus_client.parser``; names as exposed
+    (``x_total``, ``x_bucket`` with its ``le`` label, ``x_created``), labels in their order,
+    HELP/TYPE lines and timestamps dropped. That parser names the samples of a counter declared
+    without ``_total`` with it. Raises :class:`PrometheusParseError` naming the line."""
+    try:
+        return _parse(text)
+    except ValueError as exc:
+        raise PrometheusParseError(_locate(text, exc)) from None
 
 
 # first matching name wins; sums over label sets (e.g. several model names or engines)
@@ -78,7 +65,21 @@ _FIELDS: dict[str, tuple[str, ...]] = {
     "num_preemptions": ("vllm:num_preemptions_total", "sglang:num_retracted_reqs"),
     "num_requests_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
     "num_requests_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+    "prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
+    "generation_tokens": ("vllm:generation_tokens_total", "sglang:generation_tokens_total"),
 }
+
+# EngineMetrics.histograms keys -> histogram names, first present wins. vLLM before 0.11 called
+# its inter-token histogram time_per_output_token (SGLang's of that name is per request: not used)
+HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "ttft_s": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"),
+    "inter_token_s": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+                      "sglang:inter_token_latency_seconds"),
+    "e2e_s": ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds"),
+    "queue_s": ("vllm:request_queue_time_seconds",),
+}
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 
 def _series_key(s: MetricSample) -> str:
@@ -87,22 +88,71 @@ def _series_key(s: MetricSample) -> str:
     return s.name + "{" + ",".join(f'{k}="{v}"' for k, v in s.labels) + "}"
 
 
+def _histogram(buckets: list[MetricSample]) -> list[tuple[float, float]]:
+    """Cumulative ``(le, count)`` of one histogram's ``_bucket`` samples summed over label sets
+    (what PromQL's ``sum by (le)`` does), sorted by ``le``, +Inf as ``EngineMetrics.INF_LE``."""
+    by_le: dict[float, float] = {}
+    for s in buckets:
+        try:
+            le = float(dict(s.labels)["le"])  # "+Inf" -> inf
+        except (KeyError, ValueError):
+            continue  # without a numeric le it is not a bucket
+        by_le[le] = by_le.get(le, 0.0) + s.value
+    return [(EngineMetrics.INF_LE if le == math.inf else le, c) for le, c in sorted(by_le.items())]
+
+
+def _int(text: Optional[str]) -> Optional[int]:
+    try:
+        return int(text)  # vLLM writes None as "None" before the pool is sized
+    except (TypeError, ValueError):
+        return None
+
+
+def _bool(text: Optional[str]) -> Optional[bool]:
+    low = (text or "").strip().lower()
+    return True if low in ("true", "1") else False if low in ("false", "0") else None
+
+
+def _cache_config(samples: list[MetricSample]) -> dict:
+    """block_size_tokens, num_blocks and prefix_caching from vLLM's cache_config_info labels
+    (one label set per engine: blocks are summed, the block size and flag taken from the first)."""
+    infos = [dict(s.labels) for s in samples if s.name == CACHE_CONFIG_INFO]
+    if not infos:
+        return {}
+    blocks = [_int(i.get("num_gpu_blocks")) for i in infos]
+    return {"block_size_tokens": _int(infos[0].get("block_size")),
+            "num_blocks": sum(blocks) if None not in blocks else None,
+            "prefix_caching": _bool(infos[0].get("enable_prefix_caching"))}
+
+
 def engine_metrics(samples: Iterable[MetricSample], ts_ns: Optional[int] = None) -> EngineMetrics:
-    """Map known engine counters onto ``EngineMetrics`` fields (summed over label sets);
-    ``raw`` keeps every sample except histogram buckets and info-only ``_created`` series."""
+    """Map known engine metrics onto ``EngineMetrics`` fields (summed over label sets), the
+    cache config from ``vllm:cache_config_info``'s labels, and the latency histograms in
+    :data:`HISTOGRAMS`; ``raw`` keeps every sample except histogram buckets and ``_created``."""
     samples = list(samples)
     by_name: dict[str, float] = {}
     for s in samples:
         by_name[s.name] = by_name.get(s.name, 0.0) + s.value
     fields = {}
     for field, names in _FIELDS.items():
-        for n in names:
-            if n in by_name:
-                fields[field] = by_name[n]
+        # the parser adds _total to the samples of a counter declared without it
+        found = [n for name in names for n in (name, name + "_total") if n in by_name]
+        if found:
+            fields[field] = by_name[found[0]]
+    buckets: dict[str, list[MetricSample]] = {}
+    for s in samples:
+        if s.name.endswith("_bucket"):
+            buckets.setdefault(s.name[:-len("_bucket")], []).append(s)
+    histograms = {}
+    for key, names in HISTOGRAMS.items():
+        for name in names:
+            if name in buckets and (h := _histogram(buckets[name])):
+                histograms[key] = h
                 break
     raw = {_series_key(s): s.value for s in samples
            if not s.name.endswith(("_bucket", "_created")) and math.isfinite(s.value)}
-    return EngineMetrics(ts_ns=ts_ns or time.time_ns(), raw=raw, **fields)
+    return EngineMetrics(ts_ns=ts_ns or time.time_ns(), raw=raw, histograms=histograms,
+                         **fields, **_cache_config(samples))
 
 
 def fetch_metrics_text(url: str, timeout_s: float = 2.0) -> str:

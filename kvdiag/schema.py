@@ -15,11 +15,14 @@ that keep a log recorded today loadable next year:
 
 from __future__ import annotations
 
-from typing import Literal, NewType, Optional, Union
+import math
+import sys
+from typing import ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.1"  # 1.1: ProcessSample.pss_bytes, swap_bytes
+SCHEMA_VERSION = "1.2"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+# (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 RequestId = NewType("RequestId", str)
@@ -259,7 +262,18 @@ class PhaseProfile(Event, tag="phase_profile"):
 
 
 class EngineMetrics(Event, tag="engine_metrics"):
-    """Counters scraped from the engine's own Prometheus ``/metrics`` (cumulative)."""
+    """Metrics scraped from the engine's own Prometheus ``/metrics``, summed over label sets.
+    Counters (queries, hits, preemptions, tokens) are cumulative since the engine started and
+    restart from zero with it; gauges are their value at the scrape.
+
+    ``histograms``: the engine's latency histograms in seconds, keyed ``ttft_s`` (arrival to
+    first token), ``inter_token_s`` (between consecutive output tokens), ``e2e_s`` (arrival to
+    finish), ``queue_s`` (time waiting before scheduling); each a list of cumulative buckets
+    ``(le, count)``: observations <= ``le`` seconds since the engine started, sorted by ``le``.
+    The last bucket is +Inf, stored as ``INF_LE`` (the largest finite double) because JSON has
+    no infinity; an infinite ``le`` given here is replaced by it."""
+
+    INF_LE: ClassVar[float] = sys.float_info.max
 
     prefix_cache_queries_tokens: Optional[float] = None
     prefix_cache_hits_tokens: Optional[float] = None
@@ -267,7 +281,20 @@ class EngineMetrics(Event, tag="engine_metrics"):
     num_preemptions: Optional[float] = None
     num_requests_running: Optional[float] = None
     num_requests_waiting: Optional[float] = None
-    raw: dict[str, float] = {}
+    raw: dict[str, float] = {}  # every sample but histogram buckets and _created, by series
+    # 1.2: the engine's cache config (vLLM's vllm:cache_config_info labels)
+    block_size_tokens: Optional[int] = None
+    num_blocks: Optional[int] = None  # KV blocks of the pool, summed over engines
+    prefix_caching: Optional[bool] = None
+    prompt_tokens: Optional[float] = None  # prompt tokens processed (cumulative)
+    generation_tokens: Optional[float] = None  # output tokens generated (cumulative)
+    histograms: dict[str, list[tuple[float, float]]] = {}
+
+    def __post_init__(self) -> None:
+        # msgspec writes an infinite float as null, which would make the line unreadable
+        for key, buckets in self.histograms.items():
+            if any(le == math.inf for le, _ in buckets):
+                self.histograms[key] = [(self.INF_LE if le == math.inf else le, c) for le, c in buckets]
 
 
 # ---------------------------------------------------------------- shadow results

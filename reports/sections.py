@@ -17,13 +17,14 @@ from kvdiag.analysis import compression as _compression  # aliases: sections of 
 from kvdiag.analysis import latency
 from kvdiag.analysis import locality as _locality
 from kvdiag.analysis.doctor import forecast_frame, run_rules
+from kvdiag.analysis.engine_latency import engine_latency_frame
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
 from kvdiag.analysis.requests import request_table
 from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
                            ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
-from kvdiag.reports.model import Absent, Chart, Report, Section, Table, Text
+from kvdiag.reports.model import Absent, Block, Chart, Report, Section, Table, Text
 
 
 MAX_POINTS = 1500  # per series: charts stay light for million-event logs
@@ -325,6 +326,31 @@ def locality(logs: Logs) -> Section:
     return sec
 
 
+ENGINE_LATENCY = {"ttft_p50_s": "TTFT P50", "ttft_p99_s": "TTFT P99",
+                  "inter_token_p50_s": "inter-token P50", "inter_token_p99_s": "inter-token P99"}
+
+
+def engine_latency(logs: Logs, t0: int) -> list[Block]:
+    """The engine's own TTFT and inter-token P50 / P99 per scrape interval (its /metrics
+    histograms); nothing when the logs have none."""
+    fr = engine_latency_frame(logs)
+    if fr is None or fr.empty:
+        return []
+    long = fr.melt(id_vars=["ts_ns", "node"], value_vars=list(ENGINE_LATENCY), var_name="measure",
+                   value_name="s").dropna(subset=["s"])
+    if long.empty:
+        return []
+    long = long.assign(ms=long["s"] * 1e3, time_s=_secs(long["ts_ns"], t0), measure=long["measure"].map(ENGINE_LATENCY))
+    long["series"] = (long["node"] + ": " if len(logs.nodes) > 1 else "") + long["measure"]
+    tbl = long.groupby(["node", "measure"], sort=False)["ms"].agg(intervals="size", median="median", max="max")
+    return [Chart("Engine-reported TTFT and inter-token latency, P50 / P99 per scrape interval (ms)", "line",
+                  _thin(long, "series", "ms"), "time_s", "ms", color="series", x_title="time (s)", y_title="ms",
+                  table=tbl.round(2).reset_index()),
+            Text("From the engine's own /metrics histograms: the bucket increase between two scrapes, "
+                 "interpolated within its bucket as PromQL's histogram_quantile does (a quantile past the "
+                 "highest finite bucket shows as that bound); intervals without observations are left out.")]
+
+
 def latency_section(logs: Logs, t0: int, lat: pd.DataFrame, comps: list[latency.Comparison],
                     baseline: Optional[Logs]) -> Section:
     sec = Section("latency", "Latency and P99 regressions",
@@ -366,8 +392,11 @@ def latency_section(logs: Logs, t0: int, lat: pd.DataFrame, comps: list[latency.
                 qrows.append({"metric": metric, "node": node, "quantile": f"P{r.quantile * 100:g}",
                               "ms": round(r.value / 1e6, 2),
                               "95% CI": f"{r.ci_low / 1e6:.2f} .. {r.ci_high / 1e6:.2f}", "n": r.n})
-    if not any_data:
-        sec.blocks.append(Absent("latency samples (finished requests, engine steps)"))
+    engine = engine_latency(logs, t0)
+    sec.blocks += engine
+    if not any_data and not engine:
+        sec.blocks.append(Absent("latency samples (finished requests, engine steps, the engine's "
+                                 "/metrics histograms)"))
         return sec
     if qrows:
         sec.blocks.insert(0, Table("Percentiles with bootstrap 95% confidence intervals", pd.DataFrame(qrows)))

@@ -180,21 +180,25 @@ def test_classify_known_stacks():
     assert dict(pyspy.parse_raw(raw)) == {("a (a.py:1)", "wait (threading.py:2)"): 3, ("b (b.py:1)",): 2}
 
 
-def test_prometheus_parser_against_prometheus_client():
+def test_prometheus_parser_reads_what_prometheus_client_wrote():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
     reg = CollectorRegistry()
     Counter("vllm:prefix_cache_queries", "q", ["model_name"], registry=reg).labels("m").inc(300)
     Counter("vllm:prefix_cache_hits", "h", ["model_name"], registry=reg).labels("m").inc(120)
     Gauge("vllm:kv_cache_usage_perc", "u", registry=reg).set(0.25)
-    Gauge("weird", "w", ["path"], registry=reg).labels('a"b\\c').set(2)
-    Histogram("vllm:time_to_first_token_seconds", "t", registry=reg).observe(0.3)
-    text = generate_latest(reg).decode()
-    ours = {(s.name, s.labels, s.value) for s in metrics.parse_prometheus(text)}
-    theirs = {(s.name, tuple(sorted(s.labels.items())), s.value)
-              for fam in text_string_to_metric_families(text) for s in fam.samples}
-    assert {(n, tuple(sorted(l)), v) for n, l, v in ours} == theirs
-    em = metrics.engine_metrics(metrics.parse_prometheus(text))
+    Gauge("weird", "w", ["path"], registry=reg).labels('a"b\\c\nd').set(2)
+    Histogram("vllm:time_to_first_token_seconds", "t", buckets=(0.1, 1.0), registry=reg).observe(0.3)
+    samples = metrics.parse_prometheus(generate_latest(reg).decode())
+    got = {(s.name, s.labels): s.value for s in samples if not s.name.endswith("_created")}
+    ttft = "vllm:time_to_first_token_seconds"
+    assert got == {
+        ("vllm:prefix_cache_queries_total", (("model_name", "m"),)): 300,
+        ("vllm:prefix_cache_hits_total", (("model_name", "m"),)): 120,
+        ("vllm:kv_cache_usage_perc", ()): 0.25,
+        ("weird", (("path", 'a"b\\c\nd'),)): 2,  # escapes undone
+        (f"{ttft}_bucket", (("le", "0.1"),)): 0, (f"{ttft}_bucket", (("le", "1.0"),)): 1,
+        (f"{ttft}_bucket", (("le", "+Inf"),)): 1, (f"{ttft}_count", ()): 1, (f"{ttft}_sum", ()): 0.3}
+    em = metrics.engine_metrics(samples)
     assert (em.prefix_cache_queries_tokens, em.prefix_cache_hits_tokens, em.kv_cache_usage) == (300, 120, 0.25)
     assert not any(k.endswith("_bucket") for k in em.raw)
 
@@ -202,3 +206,5 @@ def test_prometheus_parser_against_prometheus_client():
 def test_prometheus_parse_error_names_line():
     with pytest.raises(metrics.PrometheusParseError, match="line 2: expected"):
         metrics.parse_prometheus("ok 1\nbroken{ 2\n")
+    with pytest.raises(ValueError, match="line 3: expected .*'# TYPE x bogus'"):
+        metrics.parse_prometheus("# HELP x a metric\nx 1\n# TYPE x bogus\n")
