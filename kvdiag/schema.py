@@ -206,6 +206,43 @@ class KVPoolSample(Event, tag="kv_pool_sample"):
     waiting_requests: int = 0
 
 
+# ---------------------------------------------------------------- prefix-cache content (engine events)
+
+
+class PrefixCacheStored(Event, tag="prefix_cache_stored"):
+    """Content keys entered the engine's prefix cache, as the engine published them (vLLM's
+    ``BlockStored``): ``block_hashes`` chain from ``parent_hash`` (None: from the start of a
+    prompt), each over ``block_size_tokens`` of ``token_ids``. No block ids: these are content,
+    not the pool ledger of :class:`BlockStored`. ``seq``: the publisher's batch sequence
+    number (events of one batch share it); ``medium``: the tier (e.g. "GPU", "CPU");
+    ``group_idx``: the KV cache group of hybrid models."""
+
+    seq: int
+    block_hashes: list[BlockHash]
+    parent_hash: Optional[BlockHash] = None
+    token_ids: list[int] = []
+    block_size_tokens: int = 0
+    medium: Optional[str] = None
+    group_idx: Optional[int] = None
+
+
+class PrefixCacheRemoved(Event, tag="prefix_cache_removed"):
+    """Content keys left the engine's prefix cache (evicted), as the engine published them
+    (vLLM's ``BlockRemoved``); ``seq``, ``medium``, ``group_idx`` as in
+    :class:`PrefixCacheStored`."""
+
+    seq: int
+    block_hashes: list[BlockHash]
+    medium: Optional[str] = None
+    group_idx: Optional[int] = None
+
+
+class PrefixCacheCleared(Event, tag="prefix_cache_cleared"):
+    """The engine dropped every key of its prefix cache (vLLM's ``AllBlocksCleared``)."""
+
+    seq: int
+
+
 # ---------------------------------------------------------------- memory and hardware
 
 
@@ -429,6 +466,9 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CollectorGap,
     CollectorError,
     CollectorStatus,
+    PrefixCacheStored,
+    PrefixCacheRemoved,
+    PrefixCacheCleared,
 )
 
 AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]

@@ -11,7 +11,8 @@ P99 spike: ``p99.regression`` (a P99 shift inside the log or against a baseline)
 ``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.analysis.causes`).
 Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs free blocks).
 Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's, measured by
-the shadow cache at the engine's settings). Pool: ``pool.preemptions``.
+the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observation:
+``kv_events.gaps`` (batches of the engine's KV event stream lost by the subscriber).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
+from kvdiag.prefix_cache import VLLM_KV_EVENTS_COLLECTOR
 from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
-                           BlockReleased, EngineMetrics, EngineStep, KVPoolInfo, KVPoolSample,
-                           NvmlSample, PrefixHit, ProcessSample, RequestArrived, RequestFinished,
-                           RequestPreempted, ShadowSharing)
+                           BlockReleased, CollectorGap, EngineMetrics, EngineStep, KVPoolInfo,
+                           KVPoolSample, NvmlSample, PrefixCacheCleared, PrefixCacheRemoved,
+                           PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived,
+                           RequestFinished, RequestPreempted, ShadowSharing)
 
 _NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
 
@@ -379,9 +382,38 @@ def preemptions(logs: Logs) -> Finding:
                    {"preemptions": int(len(pre)), "requests": pre["request_id"].astype(str).unique().tolist()[:20]})
 
 
+def kv_event_gaps(logs: Logs) -> Finding:
+    """``kv_events.gaps``: batches of the engine's KV event stream that the subscriber lost
+    and could not replay (its ``CollectorGap`` events; ``dropped_events`` counts batches),
+    beside the batches received (distinct node, seq and timestamp of ``prefix_cache_*``
+    events). Verdict: :func:`kvdiag.analysis.rules.kv_event_gaps_status`."""
+    title = "engine KV event stream complete (no lost batches)"
+    gaps = logs.frame(CollectorGap)
+    gaps = gaps[gaps["collector"] == VLLM_KV_EVENTS_COLLECTOR]
+    frames = [logs.frame(cls) for cls in (PrefixCacheStored, PrefixCacheRemoved, PrefixCacheCleared)]
+    n_events = sum(len(f) for f in frames)
+    received = len(pd.concat([f[["node", "seq", "ts_ns"]] for f in frames]).drop_duplicates()) \
+        if n_events else 0
+    status = rules.kv_event_gaps_status(n_events, len(gaps))
+    if status == "n/a":
+        return Finding("kv_events.gaps", status, title, "no engine KV cache events in the log")
+    lost = int(gaps["dropped_events"].sum())
+    evidence = {"batches_received": received, "kv_events": n_events, "gaps": int(len(gaps)),
+                "lost_batches": lost}
+    if len(gaps):
+        first = gaps.sort_values("ts_ns", kind="stable").iloc[0]
+        evidence["first_gap_ns"] = [int(first["start_ns"]), int(first["end_ns"])]
+        return Finding("kv_events.gaps", status, title,
+                       f"{len(gaps)} gaps: {lost} batches lost (not replayed) beside {received} "
+                       "received; stored/removed keys derived from the stream miss them", evidence)
+    return Finding("kv_events.gaps", status, title,
+                   f"{received} batches, {n_events} events, no sequence gap", evidence)
+
+
 def run_rules(logs: Logs, baseline: Optional[Logs] = None) -> tuple[list[Finding], list[latency.Comparison]]:
     """All rules of both checklists, the forecast, sharing and the pool; also the latency
     comparisons behind the P99 rules (for reports)."""
     findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs)]
     p, comps = p99(logs, baseline)
-    return findings + p + [memory_pressure(logs), sharing_consistency(logs), preemptions(logs)], comps
+    return findings + p + [memory_pressure(logs), sharing_consistency(logs), preemptions(logs),
+                           kv_event_gaps(logs)], comps

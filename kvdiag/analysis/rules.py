@@ -53,6 +53,21 @@ RATE_RATIO = 1.5
 PRESSURE_HIGH = 0.90
 FRAGMENTATION_RISE = 0.05
 
+# ---------------------------------------------------------------- engine event streams
+
+
+def kv_event_gaps_status(kv_events: int, gaps: int) -> Status:
+    """Verdict of ``kv_events.gaps``: n/a with neither KV cache events nor gaps of their
+    stream; warn on any gap (batches the subscriber lost and could not replay); pass otherwise.
+    Warn, not fail: the observation is incomplete, not the engine faulty. What is derived
+    from the stream (the keys the cache holds, duplicate stores, the replayed traffic) misses
+    the lost batches and must be read with that in mind, but no request was served worse, so
+    ``kvdiag doctor`` does not exit non-zero for it."""
+    if not kv_events and not gaps:
+        return "n/a"
+    return "warn" if gaps else "pass"
+
+
 # ---------------------------------------------------------------- compression
 
 COMPRESSION_USE_MAX = 0.01

@@ -14,11 +14,14 @@ holds. Formats:
 - ``tokens``: JSONL of ``{"timestamp": ..., "token_ids": [...]}`` (optional ``request_id``,
   ``extra_keys``), chunked at ``block_size_tokens`` (default 16); only full blocks get keys.
 - ``vllm``: vLLM KV events recorded as JSONL, one ZMQ batch ``[ts, [event, ...]]`` (or
-  ``{"ts":..., "events": [...]}``, or one event) a line; events as vLLM's array form
+  ``{"seq":..., "ts":..., "events": [...]}`` as kvdiag's subscriber records it, ``seq``
+  optional, or one event) a line; events as vLLM's array form
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, ...]`` or as
   objects with a ``type``. KV events carry no request ids: each ``BlockStored`` is replayed as
   one request whose prompt is its parent chain (served from cache, hence not stored again)
   followed by the stored blocks. Token ids make the prompts re-chunkable at any block size.
+  The notes count stored, duplicate, removed and cleared blocks
+  (:class:`kvdiag.prefix_cache.PrefixCacheTally`); :func:`kv_event_gaps` finds missing seqs.
 
 Errors are :class:`TraceFormatError` with ``file:line: expected ...``.
 """
@@ -37,6 +40,9 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.kernels.hashing import chunk_hashes
+from kvdiag.prefix_cache import (VLLM_TAGS, PrefixCacheTally, SeqGap, SeqTracker, event_batches,
+                                 find_seq_gaps, fold_block_hash, vllm_event_dict)
+from kvdiag.schema import event_tag
 
 FORMATS = ("kvdiag", "mooncake", "tokens", "vllm")
 MOONCAKE_BLOCK_TOKENS = 512
@@ -337,50 +343,79 @@ def load_tokens(path: Path, block_size_tokens: Optional[int] = None,
     return _build(_token_records(path, bs, hash_algorithm), bs, "tokens", path)
 
 
-_VLLM_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+_VLLM_TAGS = VLLM_TAGS
 
 
-def _vllm_events(path: Path) -> Iterator[tuple[int, Optional[float], dict]]:
-    """(line, batch timestamp, event as dict) for each event of a vLLM KV event JSONL."""
+def _vllm_batches(path: Path) -> Iterator[tuple[int, Optional[int], Optional[float], list]]:
+    """(line, seq or None, batch timestamp, events) for each line of a vLLM KV event JSONL."""
     for lineno, obj in _json_lines(path):
-        ts = None
+        ts, seq = None, None
         if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
             ts, events = obj
         elif isinstance(obj, dict) and "events" in obj:
-            ts, events = obj.get("ts"), obj["events"]
+            ts, events, seq = obj.get("ts"), obj["events"], obj.get("seq")
+            if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+                raise TraceFormatError(f"{path}:{lineno}: expected \"seq\" to be a non-negative "
+                                       "integer")
+            if not isinstance(events, list):
+                raise TraceFormatError(f"{path}:{lineno}: expected \"events\" to be a list")
         elif isinstance(obj, dict):
             events = [obj]
         else:
             raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event batch "
                                    "[ts, [events]]")
+        yield lineno, seq, ts, events
+
+
+def _vllm_events(path: Path) -> Iterator[tuple[int, Optional[int], Optional[float], dict]]:
+    """(line, batch seq or None, batch timestamp, event as dict) for each event of a vLLM KV
+    event JSONL."""
+    for lineno, seq, ts, events in _vllm_batches(path):
         for ev in events:
-            yield lineno, ts, _vllm_event_dict(ev, path, lineno)
+            yield lineno, seq, ts, _vllm_event_dict(ev, path, lineno)
 
 
 def _vllm_event_dict(ev, path: Path, lineno: int) -> dict:
-    if isinstance(ev, list) and ev and ev[0] in _VLLM_TAGS:
-        names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                                 "lora_id", "medium"),
-                 "BlockRemoved": ("block_hashes", "medium"),
-                 "AllBlocksCleared": ()}[ev[0]]
-        out = dict(zip(names, ev[1:]))
-        out["type"] = ev[0]
-        return out
-    if isinstance(ev, dict) and ev.get("type") in _VLLM_TAGS:
-        return ev
-    raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event (BlockStored, "
-                           "BlockRemoved or AllBlocksCleared)")
+    try:
+        return vllm_event_dict(ev)
+    except ValueError as exc:
+        raise TraceFormatError(f"{path}:{lineno}: {exc}") from None
 
 
 def _hash_key(h) -> int:
     """vLLM block hashes are ints or bytes (sha256); fold to a 63-bit int."""
-    if isinstance(h, int):
-        return h & ((1 << 63) - 1)
-    if isinstance(h, str):
-        return int.from_bytes(h.encode()[:8].ljust(8, b"\0"), "little") & ((1 << 63) - 1)
-    if isinstance(h, list):  # bytes encoded as a list of ints
-        return int.from_bytes(bytes(h)[:8], "little") & ((1 << 63) - 1)
-    raise TypeError
+    return fold_block_hash(h)
+
+
+def kv_event_gaps(path: str | Path, format: Optional[str] = None) -> list[SeqGap]:
+    """Batches missing from a recorded KV event stream, by their sequence numbers
+    (:func:`kvdiag.prefix_cache.find_seq_gaps`): a vLLM JSONL whose lines carry ``seq`` (as
+    ``kvdiag.collectors.vllm_kv_events`` records them), or a kvdiag log's ``prefix_cache_*``
+    events. A JSONL without any ``seq`` has no gaps to find: TraceFormatError."""
+    path = Path(path)
+    fmt = format or detect_format(path)
+    if fmt == "vllm":
+        batches, unnumbered = [], 0
+        for _, seq, ts, _ in _vllm_batches(path):
+            if seq is None:
+                unnumbered += 1
+                continue
+            batches.append((seq, None if ts is None else int(float(ts) * 1e9)))
+        if not batches and unnumbered:
+            raise TraceFormatError(f"{path}:1: expected batches with \"seq\" to find gaps in")
+        return find_seq_gaps(batches)
+    if fmt == "kvdiag":
+        from kvdiag import eventlog
+
+        tags = {"prefix_cache_stored", "prefix_cache_removed", "prefix_cache_cleared"}
+        try:
+            events = (ev for ev in eventlog.iter_events(path, strict=True)
+                      if event_tag(ev) in tags)
+            return find_seq_gaps(event_batches(events))
+        except eventlog.LogFormatError as exc:
+            raise TraceFormatError(str(exc)) from None
+    raise TraceFormatError(f"{path}:1: expected a vLLM KV event JSONL or a kvdiag log "
+                           f"(a {fmt} trace has no sequence numbers)")
 
 
 def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
@@ -388,8 +423,22 @@ def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
     chains: dict[int, tuple[Optional[int], list[int]]] = {}  # key -> (parent key, its tokens)
     prompts: list[tuple[list[int], Optional[float], int]] = []  # (token ids, ts, line)
     engine_bs = None
-    for lineno, ts, ev in _vllm_events(path):
+    tally, seqs, last_seq = PrefixCacheTally(), SeqTracker(), None
+    for lineno, seq, ts, ev in _vllm_events(path):
+        if seq is not None and (seq, lineno) != last_seq:
+            last_seq = (seq, lineno)
+            if seqs.observe(seq)[0] == "restart":
+                tally.restarted()
         if ev["type"] != "BlockStored":
+            try:
+                if ev["type"] == "AllBlocksCleared":
+                    tally.cleared()
+                else:
+                    tally.removed([_hash_key(h) for h in ev["block_hashes"]], ev.get("medium"),
+                                  ev.get("group_idx"))
+            except (KeyError, TypeError):
+                raise TraceFormatError(f"{path}:{lineno}: expected BlockRemoved with "
+                                       "block_hashes") from None
             continue
         try:
             hashes = [_hash_key(h) for h in ev["block_hashes"]]
@@ -404,6 +453,7 @@ def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
             raise TraceFormatError(f"{path}:{lineno}: expected len(token_ids) = block_size x "
                                    f"len(block_hashes) = {bs * len(hashes)}, got {len(tokens)}")
         engine_bs = engine_bs or bs
+        tally.stored(hashes, ev.get("medium"), ev.get("group_idx"))
         prefix: list[int] = []
         p = parent
         seen = 0
@@ -423,6 +473,10 @@ def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
     trace = b.build()
     trace.notes.append("vLLM KV events: each BlockStored is one request (its parent chain + "
                        "the stored blocks); requests served wholly from cache are not visible")
+    c = tally.counts
+    trace.notes.append(f"vLLM KV events: {c.stored_blocks} blocks stored, {c.duplicate_stores} of "
+                       f"them already cached (duplicate stores), {c.removed_blocks} removed, "
+                       f"{c.clears} clears")
     return trace
 
 
