@@ -9,6 +9,10 @@ big-endian counting batches from 0, ``payload`` msgpack of ``[ts, [event, ...], 
 ``PrefixCacheRemoved`` or ``PrefixCacheCleared`` (:mod:`kvdiag.prefix_cache`), with the
 batch's ``ts`` as ``ts_ns`` and its ``seq``.
 
+vLLM binds a wildcard endpoint (``tcp://*:5557``) and connects to any other: for those the
+subscriber is the side that binds (``bind=True``; :func:`kvdiag.collectors.vllm.subscriber_side`
+decides).
+
 Health, as events, never exceptions: a seq above the expected one means batches were lost (the
 subscriber joined a busy PUB socket late, or its queue overflowed). With ``replay_endpoint``
 the missing batches are first asked for on vLLM's ROUTER replay socket; what it cannot return
@@ -91,9 +95,11 @@ class KVEventSubscriber:
 
     def __init__(self, endpoint: str, sink: Sink, topic: str = "",
                  replay_endpoint: Optional[str] = None,
-                 raw_path: Optional[str | os.PathLike] = None, *, replay_history: bool = False,
+                 raw_path: Optional[str | os.PathLike] = None, *, bind: bool = False,
+                 replay_history: bool = False,
                  replay_timeout_s: float = 1.0, poll_interval_s: float = 0.1) -> None:
         self.endpoint = endpoint
+        self.bind = bind  # listen on endpoint (vLLM connects to a non-wildcard address)
         self.sink = sink
         self.topic = topic
         self.replay_endpoint = replay_endpoint
@@ -167,7 +173,7 @@ class KVEventSubscriber:
             if self.raw_path is not None:
                 self._raw = open(self.raw_path, "a", encoding="utf-8", buffering=1)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-            sub.connect(self.endpoint)
+            (sub.bind if self.bind else sub.connect)(self.endpoint)
         except Exception as exc:
             self._error(f"cannot subscribe to {self.endpoint}: {type(exc).__name__}: {exc}")
             self._ready.set()

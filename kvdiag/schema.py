@@ -22,7 +22,8 @@ from typing import ClassVar, Literal, NewType, Optional, Union
 import msgspec
 
 SCHEMA_VERSION = "1.2"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
-# (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms
+# (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
+# PrefixCacheStored/Removed/Cleared (an engine's own KV events)
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 RequestId = NewType("RequestId", str)

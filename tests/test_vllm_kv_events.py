@@ -3,7 +3,7 @@ restarts, malformed payloads), recorded streams (gap finder, replay loader), the
 stored/duplicate/removed blocks and the ``kv_events.gaps`` rule.
 
 Frames are encoded with msgspec structs that mirror vLLM's (``vllm.distributed.kv_events``);
-with ``KVDIAG_VLLM_PYTHON`` set to a Python that has vLLM, vLLM's own ``ZmqEventPublisher``
+with vLLM's environment (``kvdiag fetch-engine vllm``), vLLM's own ``ZmqEventPublisher``
 publishes in a subprocess and the subscriber must receive what that process printed."""
 
 from __future__ import annotations
@@ -518,9 +518,6 @@ def test_kv_events_gaps_rule_live_and_offline(tmp_path):
 
 # ---------------------------------------------------------------- vLLM's own publisher
 
-VLLM_PYTHON = os.environ.get("KVDIAG_VLLM_PYTHON")
-needs_vllm = pytest.mark.skipif(
-    not VLLM_PYTHON, reason="needs vLLM: set KVDIAG_VLLM_PYTHON to a Python with vllm installed")
 
 DRIVER = textwrap.dedent('''
     import hashlib, json, sys, time
@@ -592,10 +589,10 @@ class VllmDriver:
     """vLLM's ZmqEventPublisher in a subprocess with vLLM's Python; every batch it publishes
     it also prints (seq, ts, events), which the tests compare the subscriber's events with."""
 
-    def __init__(self) -> None:
+    def __init__(self, python) -> None:
         self.replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
         env = dict(os.environ, VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="ERROR")
-        self.proc = subprocess.Popen([VLLM_PYTHON, "-c", DRIVER, self.replay_endpoint],
+        self.proc = subprocess.Popen([str(python), "-c", DRIVER, self.replay_endpoint],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env)
         ready = self.proc.stdout.readline()
@@ -631,13 +628,13 @@ class VllmDriver:
 
 
 @pytest.fixture(scope="module")
-def vllm_publisher():
-    driver = VllmDriver()
+def vllm_publisher(vllm_python):
+    driver = VllmDriver(vllm_python)
     yield driver
     driver.close()
 
 
-@needs_vllm
+@pytest.mark.vllm
 def test_vllm_publisher_batches_arrive_as_published(vllm_publisher):
     sink = WaitSink()
     sub = KVEventSubscriber(vllm_publisher.endpoint, sink, topic="kv",
@@ -658,7 +655,7 @@ def test_vllm_publisher_batches_arrive_as_published(vllm_publisher):
     assert not sink.of(CollectorGap, CollectorError)
 
 
-@needs_vllm
+@pytest.mark.vllm
 def test_vllm_replay_endpoint_fills_a_late_join_and_a_dropped_batch(vllm_publisher):
     for _ in range(3):  # published before the subscriber exists
         vllm_publisher.send(op="publish")
