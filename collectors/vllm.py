@@ -59,19 +59,20 @@ def is_vllm_cmdline(argv: Iterable[str]) -> bool:
     return False
 
 
-def identify(root, children: Optional[list] = None) -> Optional[VllmServer]:
-    """The vLLM server rooted at psutil process ``root``, or None when it is not one (neither
-    its command line nor its children's titles say vLLM)."""
-    if children is None:
-        try:
-            children = root.children(recursive=True)
-        except Exception:
-            children = []
-    cores = [c.pid for c in children if _title(c).startswith(ENGINE_CORE_TITLE)]
-    workers = [c.pid for c in children if _title(c).startswith(WORKER_TITLE)]
-    if not (cores or workers or is_vllm_cmdline(_cmdline(root))):
+def identify(root) -> Optional[VllmServer]:
+    """The vLLM server rooted at psutil process ``root``, or None when it is not one: neither
+    its command line runs vLLM nor is one of its own children vLLM's engine core (a shell or a
+    supervisor that merely has a vLLM server somewhere below it is not a vLLM server)."""
+    try:
+        direct = root.children()
+        below = root.children(recursive=True)
+    except Exception:
+        direct, below = [], []
+    if not (is_vllm_cmdline(_cmdline(root)) or any(_title(c).startswith(ENGINE_CORE_TITLE) for c in direct)):
         return None
-    return VllmServer(pid=root.pid, engine_core_pids=cores, worker_pids=workers)
+    return VllmServer(pid=root.pid,
+                      engine_core_pids=[c.pid for c in below if _title(c).startswith(ENGINE_CORE_TITLE)],
+                      worker_pids=[c.pid for c in below if _title(c).startswith(WORKER_TITLE)])
 
 
 def kv_events_from_cmdline(argv: Iterable[str]) -> Optional[dict]:

@@ -27,12 +27,19 @@ vLLM                                            kvdiag event
 ``Scheduler._preempt_request``                  ``RequestPreempted``
 ``Scheduler.schedule`` → ``update_from_output``  ``EngineStep`` (wall time between them) and, every
                                                 sample interval, ``KVPoolSample``
+``Scheduler.shutdown``                          the agent stops: last pool sample, final shadow
+                                                results, log and socket closed
 ==============================================  =============================================
 
 Every hook runs vLLM's own method first and unchanged, then records; an exception in kvdiag's
 part is counted (``CollectorError``, once per hook with the running count at the end) and never
 reaches vLLM. Each hook checks that the method exists with the parameters it reads; on a vLLM
 whose internals differ, the hook is skipped and a ``CollectorStatus`` says which one.
+
+vLLM's default ``--shutdown-timeout 0`` kills the engine core the moment the server stops, so
+the agent's last events (those of the final half second: the last pool sample and shadow
+results) are lost; serve with ``--shutdown-timeout 10`` (as ``kvdiag demo --engine vllm`` does)
+to have them flushed by ``Scheduler.shutdown``.
 
 Environment: ``KVDIAG_AGENT=1`` turns it on; ``KVDIAG_LOG=PATH`` also writes an event log (the
 live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it; ``KVDIAG_SOCKET=PATH``
@@ -418,11 +425,33 @@ def _start_agent(h: _Hooks, sched) -> None:
         version = getattr(vllm, "__version__", "")
     except Exception:
         version = ""
-    h.agent = agent_mod.start(log_path=os.environ.get("KVDIAG_LOG") or None,
+    try:
+        block_size = int(sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    except Exception:
+        block_size = None
+    agent = agent_mod.start(log_path=os.environ.get("KVDIAG_LOG") or None,
                               socket_path=os.environ.get("KVDIAG_SOCKET") or None, model=model, engine=ENGINE,
+                              block_size_tokens=block_size,
                               adapter=install, sample_interval_s=h.sample_interval_ns / 1e9,
                               extra={"vllm_version": version})
+    h.agent = agent
+    # the engine core is a multiprocessing child: it leaves through os._exit, which skips
+    # atexit, so the last events (final pool sample, shadow results) are flushed by vLLM's own
+    # shutdown (Scheduler.shutdown, wrapped below) or multiprocessing's exit finalizers
     atexit.register(agent_mod.stop)
+    try:
+        from multiprocessing import util
+        util.Finalize(agent, agent_mod.stop, exitpriority=100)
+    except Exception:
+        pass
+
+
+def _shutdown(h: _Hooks):
+    def after(_note, _result, sched, *a, **kw) -> None:
+        if h.agent is not None:
+            from kvdiag import agent as agent_mod
+            agent_mod.stop()
+    return after
 
 
 def install_hooks() -> _Hooks:
@@ -454,6 +483,7 @@ def install_hooks() -> _Hooks:
     before, after = _schedule(h)
     h.wrap(Scheduler, "schedule", (), after, before)
     h.wrap(Scheduler, "update_from_output", ("scheduler_output",), _update_from_output(h))
+    h.wrap(Scheduler, "shutdown", (), _shutdown(h))
     _HOOKS = h
     return h
 

@@ -4,6 +4,7 @@ counters and with a brute-force prefix cache, and the ledger balances."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -13,7 +14,7 @@ from kvdiag.collectors.agent_client import AgentStream
 from kvdiag.schema import (BlockAllocated, BlockReleased, BlockStored, KVPoolInfo, KVPoolSample,
                            RequestArrived, RequestFinished)
 from kvdiag.sinks import ListSink
-from vllm_harness import QUESTIONS, chat, counter, metrics_text
+from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,7 +51,9 @@ def test_plugin_events_match_vllm_counters_and_brute_force(vllm_server):
     stream = AgentStream(vllm_server.socket_path, sink=events).start()
     assert stream.header.engine == "vllm"
     before = metrics_text(vllm_server)
-    answers = [chat(vllm_server, q) for q in QUESTIONS]
+    # a system prompt no earlier test sent (this server is shared by the session): a cold start
+    system = f"[plugin test {uuid.uuid4().hex}] {SYSTEM}"
+    answers = [chat(vllm_server, q, system=system) for q in QUESTIONS]
     assert all(a["choices"][0]["message"]["content"] for a in answers)
     finished = lambda: [e for e in events.events if isinstance(e, RequestFinished)]  # noqa: E731
     _wait_for(lambda: len(finished()) >= len(QUESTIONS))

@@ -50,7 +50,10 @@ class VllmServer:
                         "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1",
                         "--port", str(self.port),
                         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-                        "--kv-events-config", json.dumps(events)]
+                        "--kv-events-config", json.dumps(events),
+                        # let the engine core leave through vLLM's own shutdown (the default, 0,
+                        # kills it at once), so that kvdiag's plugin flushes its last events
+                        "--shutdown-timeout", "10"]
         cpus = threads if threads > 0 else (os.cpu_count() or 1)
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                         VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{cpus - 1}")
