@@ -156,3 +156,32 @@ def test_uninstall_and_reinstall_in_any_order_keep_kvdiag_working(newcomer):
                      and not p.name.endswith(".pyc")]  # Python's own bytecode cache is fine
             assert not stray, f"after `{step}`: files inside the installed package: {stray[:5]}"
     assert list((person.home / ".cache" / "kvdiag" / "numba").rglob("*.nbi"))
+
+
+@pytest.mark.vllm
+def test_readme_vllm_commands(newcomer, vllm_python):
+    """The README's vLLM line, verbatim but for ``--requests``, in the newcomer's environment
+    (kvdiag installed from the copy of the checkout). The one liberty: vLLM's 3.5 GB
+    environment is the one this machine already built (``$KVDIAG_VLLM_ENV``), so
+    ``fetch-engine`` refreshes the kvdiag inside it from the newcomer's install instead of
+    downloading vLLM again."""
+    from kvdiag.engines import vllm_env_dir
+
+    person, checkout, base = newcomer
+    lines = readme_block("## On vLLM")
+    assert len(lines) == 1 and "kvdiag fetch-engine vllm" in lines[0]
+    line, count = re.subn(r"--requests \d+", f"--requests {SMALL_REQUESTS}", lines[0])
+    assert count == 1 and "kvdiag demo --engine vllm" in line
+    person.ok("pip install -q --no-deps .", cwd=checkout)
+    person.env["KVDIAG_VLLM_ENV"] = str(vllm_env_dir())
+    here = base / "vllm-user"
+    here.mkdir()
+    try:
+        out = person.ok(line, cwd=here)
+    finally:
+        person.env.pop("KVDIAG_VLLM_ENV")
+    assert "Traceback" not in out and "0 lost" in out
+    log = _event_log(out)
+    assert log.is_file() and log.is_relative_to(person.home)
+    _doctor_reads(person, log, here)
+    assert not list(here.iterdir())

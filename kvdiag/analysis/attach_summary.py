@@ -31,14 +31,32 @@ def _num(x: Any) -> Any:
     return x
 
 
+STALE_SAMPLE_NS = 5_000_000_000
+"""A process not sampled for this long is taken to have exited (samples come every 0.5-1 s)."""
+
+
+def tree_rss_over_time(proc: pd.DataFrame) -> pd.DataFrame:
+    """Resident memory of the whole process tree at each sample time: every process's latest
+    sample at that time (samples of one process come from several collectors at their own
+    cadence: the attach's round over the tree, an agent's own process), leaving out processes
+    not sampled for :data:`STALE_SAMPLE_NS`. Columns ``ts_ns``, ``rss_bytes``, ``processes``."""
+    proc = proc.sort_values("ts_ns", kind="stable").assign(seen_ns=lambda f: f["ts_ns"])
+    rss = proc.pivot_table(index="ts_ns", columns="pid", values="rss_bytes", aggfunc="last").ffill()
+    seen = proc.pivot_table(index="ts_ns", columns="pid", values="seen_ns", aggfunc="last").ffill()
+    fresh = seen.rsub(seen.index.to_numpy(), axis=0) <= STALE_SAMPLE_NS
+    rss = rss.where(fresh)
+    return pd.DataFrame({"ts_ns": rss.index.to_numpy(), "rss_bytes": rss.sum(axis=1).to_numpy(),
+                         "processes": rss.notna().sum(axis=1).to_numpy()})
+
+
 def _memory(frames: dict, block_bytes: Optional[int]) -> dict:
     out: dict[str, Any] = {}
     proc = _f(frames, "process_sample")
     if not proc.empty:
-        per_ts = proc.groupby("ts_ns")["rss_bytes"].sum()
-        out["process_rss_bytes"] = int(per_ts.iloc[-1])
-        out["process_rss_peak_bytes"] = int(per_ts.max())
-        out["processes"] = int(proc[proc["ts_ns"] == proc["ts_ns"].max()]["pid"].nunique())
+        tree = tree_rss_over_time(proc)
+        out["process_rss_bytes"] = int(tree["rss_bytes"].iloc[-1])
+        out["process_rss_peak_bytes"] = int(tree["rss_bytes"].max())
+        out["processes"] = int(tree["processes"].iloc[-1])
     nv = _f(frames, "nvml_sample")
     if not nv.empty:
         last = nv[nv["ts_ns"] == nv["ts_ns"].max()]
@@ -150,7 +168,8 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
                            "longest_free_run_blocks": free_list.longest_free_run_blocks,
                            "free_list_fragmentation": free_list.free_list_fragmentation}
     status = _f(frames, "collector_status")
-    start = events[0].ts_ns if events else header.start_ns
+    # the recording's own start: an agent tells a late client what it set up earlier (the pool)
+    start = header.start_ns or (events[0].ts_ns if events else 0)
     end = events[-1].ts_ns if events else header.start_ns
     return {
         "target_pid": header.pid,

@@ -3,7 +3,8 @@
 Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids`` at each
 configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
 (policy, block size, capacity) — exactly the offline simulator, one request at a time — and
-every ``interval_s`` records one ``ShadowSharing`` event per configuration into ``out``.
+every ``interval_s`` (and whenever the last request in flight finished) records one
+``ShadowSharing`` event per configuration into ``out``.
 When a request finishes, the full blocks of its prompt and generated tokens (from the
 adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
 
@@ -169,7 +170,10 @@ class ShadowSharingSink:
                         (self._arrived if arrived else self._finished)(tokens, only=self.engine_config)
                 self._before_pool = None
             now = self.clock()
-            if now - self._last_emit_ns >= self.interval_ns:
+            drained = isinstance(event, RequestFinished) and not self._live
+            # every interval, and whenever the last live request finished: then shadow (counted
+            # at arrival) and engine (counted at finish) cover the same requests
+            if drained or now - self._last_emit_ns >= self.interval_ns:
                 self._emit(now)
         except Exception:  # a shadow analysis never breaks the observed process
             self.errors += 1
