@@ -12,35 +12,35 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from kvdiag.commands._server_process import ServerProcess, free_port
 from kvdiag.paths import runtime_dir
 
 READY_TIMEOUT_S = 420.0  # a first start compiles the model (~2 min on 2 cores)
 KV_CACHE_GIB = 1
 
 
-def _free_port() -> int:
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class VllmServer(ServerProcess):
+    """vLLM's OpenAI server as a child process, with kvdiag's plugin and KV events on. It runs
+    in the log's folder: a kvdiag source checkout as the current folder would shadow the
+    kvdiag installed in vLLM's environment (python puts the folder first on sys.path)."""
 
-
-class VllmServer:
-    """vLLM's OpenAI server as a child process, with kvdiag's plugin and KV events on."""
+    ready_path = "/health"
+    # SIGTERM: vLLM shuts its engine core down (within --shutdown-timeout), whose agent flushes
+    stop_signals = ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0))
 
     def __init__(self, python: Path, model_dir: Path, log_path: Path, port: int = 0, events_port: int = 0,
                  threads: int = 1, prefix_caching: bool = True, plugin: bool = True,
                  extra_env: Optional[dict] = None) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.events_endpoint = f"tcp://127.0.0.1:{events_port or _free_port()}"
+        self.events_endpoint = f"tcp://127.0.0.1:{events_port or free_port()}"
         self.plugin = plugin
         self.socket_path = runtime_dir() / f"demo-{os.getpid()}-{self.port}.sock"
         self.server_log = log_path.with_name(log_path.name + ".server.txt")
@@ -62,57 +62,14 @@ class VllmServer:
         else:
             self.env.pop("KVDIAG_AGENT", None)
         self.env.update(extra_env or {})
+        self.cwd = self.server_log.parent
         self.proc = None
 
-    def start(self) -> None:
-        import subprocess
-
-        from kvdiag.commands.demo import _die_with_parent
-
-        self.server_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.server_log, "wb") as out:
-            # in the log's folder: a kvdiag source checkout as the current folder would shadow
-            # the kvdiag installed in vLLM's environment (python puts the folder first on sys.path)
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                         cwd=self.server_log.parent)
+    def ready_extra(self) -> bool:
+        return not self.plugin or self.socket_path.exists()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until ``/health`` answers 200 (and the plugin's socket exists); raises RuntimeError."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with code {self.proc.returncode}; see {self.server_log}:\n"
-                                   f"{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as resp:
-                    if resp.status == 200 and (not self.plugin or self.socket_path.exists()):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM did not answer within {timeout_s:.0f} s; see {self.server_log}")
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.server_log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM (vLLM shuts its engine core down, whose agent flushes), then SIGKILL."""
-        import signal
-        import subprocess
-
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            self.proc.send_signal(sig)
-            try:
-                return self.proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.returncode
+        super().wait_ready(timeout_s)
 
 
 class MetricsPoller:

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Optional
 
 from kvdiag.child import kvdiag_module, reset_interrupt_signal
 from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.commands import _demo_shadow
+from kvdiag.commands._server_process import ServerProcess, free_port
 from kvdiag.commands.fetch_model import resolve_with_progress
 from kvdiag.model import ModelFetchError
 from kvdiag.paths import log_dir, runtime_dir
@@ -81,11 +80,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _default_log_path() -> Path:
     return log_dir() / time.strftime("demo-%Y%m%d-%H%M%S.kvlog")
@@ -140,8 +134,12 @@ class LiveStats:
             self._conn.close()
 
 
-class DemoServer:
+class DemoServer(ServerProcess):
     """The child process: ``python -m kvdiag.run ... -- transformers serve MODEL ...``."""
+
+    # SIGTERM: uvicorn's graceful shutdown, then the agent flushes the log and the wrapper exits
+    # 143; SIGINT: uvicorn's forced exit; then SIGKILL
+    stop_signals = ((signal.SIGTERM, 60.0), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0))
 
     def __init__(self, model_dir: Path, log_path: Path, port: int, page_size: int, num_blocks: int,
                  max_batch_tokens: int, inject_leak: int, threads: int, agent_args: tuple = ()) -> None:
@@ -166,46 +164,11 @@ class DemoServer:
             self.env["OMP_NUM_THREADS"] = self.env["MKL_NUM_THREADS"] = str(threads)
         self.proc: Optional[subprocess.Popen] = None
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.server_log, "wb")
-        self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        out.close()
+    def ready_extra(self) -> bool:
+        return self.socket_path.exists()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}; "
-                                   f"see {self.server_log}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as resp:
-                    if resp.status == 200 and self.socket_path.exists():
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s; see {self.server_log}")
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.server_log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM (uvicorn's graceful shutdown, then the agent flushes the log and the wrapper
-        exits 143); escalate to SIGINT (uvicorn's forced exit), then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0)):
-            self.proc.send_signal(sig)
-            try:
-                return self.proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.returncode
+        super().wait_ready(timeout_s)
 
 
 def _live_line(done: int, total: Optional[int], tokens: int, elapsed_s: float, stats: LiveStats) -> str:
@@ -239,7 +202,7 @@ def run(args) -> int:
     log_path = Path(args.log).expanduser().resolve() if args.log else _default_log_path()
     if args.engine == "vllm":
         return _run_vllm(args, plan, model_dir, log_path)
-    server = DemoServer(model_dir, log_path, args.port or _free_port(), args.page_size, args.num_blocks,
+    server = DemoServer(model_dir, log_path, args.port or free_port(), args.page_size, args.num_blocks,
                         args.max_batch_tokens, args.inject_leak, args.threads, _demo_shadow.agent_args(args))
     stats = LiveStats()
     print(f"kvdiag demo: starting {model_dir.name} on transformers' continuous-batching engine "
