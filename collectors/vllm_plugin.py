@@ -13,6 +13,7 @@ vLLM                                            kvdiag event
 ``Scheduler.__init__``                          ``KVPoolInfo`` (usable blocks: the pool minus
                                                 vLLM's null block)
 ``Scheduler.add_request``                       ``RequestArrived`` with the prompt token ids
+``KVCacheManager.allocate_slots``               ``RequestScheduled`` (its first slots)
 ``BlockPool.get_new_blocks``                    ``BlockAllocated`` (inside ``allocate_slots``)
 ``BlockPool.touch``                             ``PrefixHit`` (a cached block reused)
 ``BlockPool.cache_full_blocks``                 ``BlockStored`` with its token ids
@@ -25,8 +26,9 @@ vLLM                                            kvdiag event
 ``Scheduler._free_request``                     ``RequestFinished`` (``cached_prompt_tokens``:
                                                 those hits at its first admission)
 ``Scheduler._preempt_request``                  ``RequestPreempted``
-``Scheduler.schedule`` → ``update_from_output``  ``EngineStep`` (wall time between them) and, every
-                                                sample interval, ``KVPoolSample``
+``Scheduler.schedule`` → ``update_from_output``  ``EngineStep`` (wall time between them),
+                                                ``RequestFirstToken`` and, every sample
+                                                interval, ``KVPoolSample``
 ``Scheduler.shutdown``                          the agent stops: last pool sample, final shadow
                                                 results, log and socket closed
 ==============================================  =============================================
@@ -60,7 +62,8 @@ from typing import Any, Callable, Optional
 
 from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, BlockStored, CollectorError,
                            CollectorStatus, EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
-                           RequestArrived, RequestFinished, RequestPreempted)
+                           RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted,
+                           RequestScheduled)
 from kvdiag.sinks import NullSink, Sink
 
 ENGINE = "vllm"
@@ -98,6 +101,8 @@ class _Hooks:
         self.fail_hook = os.environ.get("KVDIAG_FAIL_HOOK", "")
         self.current_request: Optional[str] = None  # inside allocate_slots
         self.cached_tokens: dict[str, int] = {}  # request -> prefix hits at first admission
+        self.scheduled: set[str] = set()  # requests given their first slots
+        self.first_token_ns: dict[str, int] = {}  # request -> time to its first output token
         self.step_started: dict[int, int] = {}  # id(scheduler output) -> ns
         self.step_id = 0
         self.sample_interval_ns = int(float(os.environ.get("KVDIAG_SAMPLE_INTERVAL_S", "0.5")) * 1e9)
@@ -223,8 +228,14 @@ def _allocate_slots(h: _Hooks):
         previous, h.current_request = h.current_request, str(request.request_id)
         return previous
 
-    def after(previous, _result, mgr, request, *a, **kw) -> None:
+    def after(previous, result, mgr, request, *a, **kw) -> None:
         h.current_request = previous
+        rid = str(request.request_id)
+        if result is not None and rid not in h.scheduled:  # None: no room, it waits on
+            h.scheduled.add(rid)
+            arrival = getattr(request, "arrival_time", None)
+            h.record(RequestScheduled(ts_ns=_now(), request_id=rid,
+                                      queue_ns=int(_now() - arrival * 1e9) if arrival else None))
     return before, after
 
 
@@ -306,6 +317,7 @@ _STATUS = {"FINISHED_ABORTED": "aborted", "FINISHED_ERROR": "failed"}
 
 def _free_request(h: _Hooks):
     def after(_note, _result, sched, request, *a, **kw) -> None:
+        h.scheduled.discard(str(request.request_id))
         now = _now()
         arrival = getattr(request, "arrival_time", None)
         status = _STATUS.get(getattr(request.status, "name", ""), "finished")
@@ -313,7 +325,7 @@ def _free_request(h: _Hooks):
                                  prompt_tokens=int(request.num_prompt_tokens),
                                  output_tokens=int(request.num_output_tokens),
                                  cached_prompt_tokens=h.cached_tokens.pop(str(request.request_id), 0),
-                                 status=status,
+                                 status=status, ttft_ns=h.first_token_ns.pop(str(request.request_id), None),
                                  e2e_ns=int(now - arrival * 1e9) if arrival else None))
     return after
 
@@ -337,6 +349,13 @@ def _schedule(h: _Hooks):
 def _update_from_output(h: _Hooks):
     def after(_note, _result, sched, scheduler_output, *a, **kw) -> None:
         started = h.step_started.pop(id(scheduler_output), None)
+        for rid in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}:
+            request = sched.requests.get(rid)
+            if (request is not None and rid not in h.first_token_ns and request.num_output_tokens > 0
+                    and getattr(request, "arrival_time", None)):
+                ttft = int(_now() - request.arrival_time * 1e9)
+                h.first_token_ns[str(rid)] = ttft
+                h.record(RequestFirstToken(ts_ns=_now(), request_id=str(rid), ttft_ns=ttft))
         if len(h.step_started) > 64:  # outputs never updated (aborted steps)
             h.step_started.clear()
         per_request: dict = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}

@@ -347,6 +347,9 @@ class RequestsPanel(Panel):
             return _reason(req.reason, width)
         wide = width >= 60
         id_w, hit_w = (13, 8) if wide else (11, 6)
+        if wide:  # long ids (vLLM's "chatcmpl-<id>-<suffix>") get the room the panel has
+            longest = max((len(r.request_id) for r in req.rows), default=0)
+            id_w = max(id_w, min(longest + 1, 40, width - 60))
         cols = (f"{'request':<{id_w}}{'KV':>7}{'blk':>4}{'hit tok' if wide else 'hit':>{hit_w}}{'age':>7}"
                 + (f"  {'state':<9}{'prompt':>6}{'TTFT':>8}" if wide else ""))
         rows = [line((cols, "bold"), (f"  {req.live} live, {req.finished} done" if wide else "", DIM))]
