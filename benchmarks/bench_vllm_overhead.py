@@ -80,8 +80,16 @@ def round_prompts(seed: int, requests: int) -> list[tuple[str, str]]:
 
     corpus = load_corpus()
     rng = random.Random(seed)
-    system = f"[round {seed}] " + rng.choice(corpus["system_prompts"])
-    return [(system, str(rng.choice(corpus["questions"]))) for _ in range(requests)]
+    system = f"[round {seed}] " + rng.choice(corpus["system_prompts"])["text"]
+    fill = {"order": "NW1001", "days": "5", "item": "tent"}
+    return [(system, rng.choice(corpus["questions"]).format_map(_Defaults(fill))) for _ in range(requests)]
+
+
+class _Defaults(dict):
+    """Template fields the corpus uses that ``round_prompts`` does not fill stay as they are."""
+
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
 
 
 def bootstrap_ratio(a: np.ndarray, b: np.ndarray, n: int = 5000, seed: int = 0) -> tuple[float, float, float]:
@@ -99,6 +107,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
+    from kvdiag.child import reset_interrupt_signal
     from kvdiag.commands._demo_vllm import VllmServer
     from kvdiag.engines import SETUP_HINT, vllm_python
     from kvdiag.model import resolve_model
@@ -128,7 +137,10 @@ def main() -> int:
                 if cond == "plain+attach":
                     attach = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(server.proc.pid),
                                                "--duration", "600", "--out", str(tmp / f"attach-{r}.kvlog")],
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                              # started from a background shell, SIGINT would be
+                                              # ignored here and inherited: attach would not stop
+                                              preexec_fn=reset_interrupt_signal)
                     time.sleep(3.0)  # attach up: probes done, py-spy sampling
                 cpu0 = tree_cpu_s(server.proc.pid)
                 tokens = 0

@@ -81,6 +81,33 @@ def test_python_target_without_agent(tmp_path):
         target.wait()
 
 
+def test_sigterm_ends_attach_early_with_its_summary(tmp_path):
+    """Started in the background (SIGINT ignored, as a non-interactive shell leaves it),
+    attach still ends on SIGTERM: exit 0, the summary printed, the log kept."""
+    import signal
+    import time
+
+    target = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    out = tmp_path / "x.kvlog"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(target.pid), "--duration", "120",
+                                 "--no-pyspy", "--json", "--out", str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        deadline = time.monotonic() + 30
+        while not (out.exists() and "process_sample" in out.read_text()):  # attached and sampling
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        summary = json.loads(stdout)
+        assert summary["window"]["duration_s"] < 60 and summary["memory"]["processes"] == 1
+    finally:
+        target.kill()
+        target.wait()
+
+
 def test_agent_stream_reads_the_live_socket(tmp_path):
     """AgentStream against the agent's real LiveSocketSink: header, then every event in order;
     the socket is found from the process's own listening Unix sockets."""

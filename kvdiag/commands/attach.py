@@ -29,7 +29,7 @@ exited while attached (the log recorded so far is kept).
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pid", type=int, help="process id of the server")
     parser.add_argument("--duration", type=float, default=30.0, metavar="S",
-                        help="seconds to stay attached (default 30; Ctrl-C ends early)")
+                        help="seconds to stay attached (default 30; Ctrl-C or SIGTERM ends early)")
     parser.add_argument("--out", metavar="LOG", help="event log to write (default: kvdiag log dir)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--interval", type=float, default=1.0, metavar="S",
@@ -194,7 +194,13 @@ def _check_pyspy(pid: int, writer) -> Optional[str]:
     return None
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     from kvdiag.collectors import procfs
     from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
     from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
@@ -253,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
             _err(fatal)
             return 1
         session = _Session(args, procs, writer)
+        # SIGTERM (a supervisor, a script that started attach in the background, where SIGINT
+        # is ignored) ends the session as Ctrl-C does: summary printed, log kept
+        signal.signal(signal.SIGTERM, _interrupted)
         deadline = time.monotonic() + args.duration
         try:
             while True:
