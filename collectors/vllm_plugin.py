@@ -69,6 +69,8 @@ from kvdiag.sinks import NullSink, Sink
 ENGINE = "vllm"
 COLLECTOR = "vllm-plugin"
 ENV_ON = "KVDIAG_AGENT"
+SAMPLE_BUDGET = 0.005
+"""Share of the engine core's time the periodic pool sample may take (it walks every block)."""
 
 
 def enabled() -> bool:
@@ -106,7 +108,7 @@ class _Hooks:
         self.step_started: dict[int, int] = {}  # id(scheduler output) -> ns
         self.step_id = 0
         self.sample_interval_ns = int(float(os.environ.get("KVDIAG_SAMPLE_INTERVAL_S", "0.5")) * 1e9)
-        self.last_sample_ns = 0
+        self.next_sample_ns = 0
         self.scheduler: Any = None
         self.agent: Any = None
         self.lock = threading.Lock()
@@ -116,6 +118,9 @@ class _Hooks:
 
     def failed(self, hook: str, exc: BaseException) -> None:
         self.errors[hook] += 1
+        if self.errors[hook] == 1 and isinstance(self.sink, NullSink):  # no agent to tell
+            import sys
+            print(f"kvdiag: vLLM plugin: {hook}: {type(exc).__name__}: {exc}", file=sys.stderr)
         if self.errors[hook] == 1:  # the first of a kind is told at once; the count at the end
             self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=f"{COLLECTOR}:{hook}",
                                             message=f"{type(exc).__name__}: {exc}"))
@@ -370,9 +375,13 @@ def _update_from_output(h: _Hooks):
                                 duration_ns=time.perf_counter_ns() - started,
                                 prefill_tokens=prefill, decode_tokens=decode))
         now = _now()
-        if now - h.last_sample_ns >= h.sample_interval_ns:
-            h.last_sample_ns = now
+        if now >= h.next_sample_ns:
+            started_ns = time.perf_counter_ns()
             h.record(pool_sample(sched))
+            # the sample walks the pool's blocks: on a large pool, sample less often so that it
+            # costs the scheduler at most SAMPLE_BUDGET of its time
+            cost_ns = time.perf_counter_ns() - started_ns
+            h.next_sample_ns = now + max(h.sample_interval_ns, int(cost_ns / SAMPLE_BUDGET))
     return after
 
 
