@@ -58,7 +58,10 @@ def attached(tmp_path_factory, model_dir):
                                    str(ATTACH_S), "--out", str(out), "--json", "--grace", str(GRACE_S),
                                    "--pyspy-window", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
-        time.sleep(5)  # attach imports, finds the agent and connects
+        deadline = time.monotonic() + 60  # attach imports, finds the agent and connects: its
+        while not (out.exists() and '"collector":"agent","available":true' in out.read_text()):  # log says so
+            assert attach.poll() is None and time.monotonic() < deadline, attach.stderr.read()
+            time.sleep(0.1)
         clients = [threading.Thread(target=ask, args=(i,)) for i in range(1, len(QUESTIONS) + 1)]
         for c in clients:
             c.start()
@@ -76,7 +79,7 @@ def test_attach_records_process_pyspy_and_agent_events(attached):
     assert attached["rc"] == 0, attached["stderr"]
     summary = json.loads(attached["stdout"])
     status = {c["collector"]: c["available"] for c in summary["collectors"]}
-    assert status["agent"] and status["py-spy"] and not status["nvml"]
+    assert status["agent"] and status["py-spy"] and not status["nvml"], summary["collectors"]
     events = list(iter_events(attached["out"]))
     procs = [e for e in events if tag(e) == "process_sample"]
     assert attached["pid"] in {e.pid for e in procs} and len(procs) >= ATTACH_S // 2

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -175,6 +176,9 @@ class _Session:
         self.nvml.close()
 
 
+PYSPY_PROBES = 3
+
+
 def _check_pyspy(pid: int, writer) -> Optional[str]:
     """Record py-spy's status; returns a fatal message (no permission) or None."""
     from kvdiag.collectors import pyspy
@@ -183,12 +187,19 @@ def _check_pyspy(pid: int, writer) -> Optional[str]:
     if not st.available:
         writer.record(st)
         return None
-    try:
-        pyspy.dump(pid)
-    except pyspy.PySpyError as exc:
-        msg = str(exc)
-        writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=False, hint=msg))
-        return msg if "may not read" in msg else None
+    # a non-blocking dump reads the target's memory while it runs and can catch it mid-update
+    # (py-spy then fails to copy an object): only a dump that fails every time, or for want of
+    # permission, makes the phases N/A
+    for attempt in range(PYSPY_PROBES):
+        try:
+            pyspy.dump(pid)
+            break
+        except (pyspy.PySpyError, subprocess.TimeoutExpired) as exc:
+            msg = str(exc)
+            if "may not read" in msg or attempt == PYSPY_PROBES - 1:
+                writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=False,
+                                              hint=msg))
+                return msg if "may not read" in msg else None
     writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=True,
                                   hint="non-blocking sampling"))
     return None
