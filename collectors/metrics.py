@@ -175,3 +175,16 @@ def find_metrics_url(candidates: Iterable[tuple[str, int]], timeout_s: float = 1
         except (OSError, ValueError):
             continue
     return None
+
+
+def scrape_into(url: str, sink, timeout_s: float = 2.0) -> bool:
+    """GET ``url`` once and record its ``EngineMetrics`` into ``sink``; a failure is recorded as
+    a ``CollectorError`` (never raised). True when the scrape succeeded."""
+    from kvdiag.schema import CollectorError
+
+    try:
+        sink.record(engine_metrics(parse_prometheus(fetch_metrics_text(url, timeout_s))))
+        return True
+    except (OSError, ValueError) as exc:
+        sink.record(CollectorError(ts_ns=time.time_ns(), collector="metrics", message=str(exc)))
+        return False

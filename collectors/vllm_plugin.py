@@ -60,6 +60,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Optional
 
+from kvdiag.prefix_cache import fold_block_hash
 from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, BlockStored, CollectorError,
                            CollectorStatus, EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
                            RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted,
@@ -78,15 +79,14 @@ def enabled() -> bool:
     return os.environ.get(ENV_ON, "") == "1"
 
 
-def fold_hash(value: Any) -> Optional[int]:
-    """A vLLM block hash (bytes, an int, or a (hash, group id) key) folded to 63 bits."""
-    if value is None:
+def fold_hash(key: Any) -> Optional[int]:
+    """A block's key in vLLM's pool (its hash bytes followed by a 4-byte group id) as the key
+    vLLM publishes for it in its KV events (the hash's low 64 bits, big-endian, as
+    ``maybe_convert_block_hash`` makes it), folded by :func:`kvdiag.prefix_cache.fold_block_hash`:
+    a block's ``BlockStored`` from the plugin and its ``PrefixCacheStored`` share one key."""
+    if key is None:
         return None
-    if isinstance(value, tuple):
-        value = value[0]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return int.from_bytes(bytes(value)[:8], "big") & ((1 << 63) - 1)
-    return int(value) & ((1 << 63) - 1)
+    return fold_block_hash(int.from_bytes(bytes(key)[:-4], "big"))
 
 
 # ------------------------------------------------------------------------------ hook plumbing
@@ -493,7 +493,8 @@ def install_hooks() -> _Hooks:
 
     h = _Hooks()
     h.wrap(Scheduler, "__init__", (), _scheduler_init(h))
-    h.wrap(Scheduler, "add_request", ("request",), _add_request(h)[1], _add_request(h)[0])
+    before, after = _add_request(h)
+    h.wrap(Scheduler, "add_request", ("request",), after, before)
     before, after = _allocate_slots(h)
     h.wrap(KVCacheManager, "allocate_slots", ("request",), after, before)
     h.wrap(BlockPool, "get_new_blocks", ("num_blocks",), _get_new_blocks(h))

@@ -17,7 +17,7 @@ import pytest
 from kvdiag.analysis.traces import kv_event_gaps
 from kvdiag.collectors.vllm import identify
 from kvdiag.eventlog import iter_events
-from kvdiag.schema import CollectorGap, CollectorStatus, EngineMetrics, PrefixCacheStored, RequestFinished
+from kvdiag.schema import BlockStored, CollectorGap, CollectorStatus, EngineMetrics, PrefixCacheStored, RequestFinished
 from vllm_harness import QUESTIONS, chat, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -80,6 +80,10 @@ def test_attach_records_metrics_kv_events_and_the_plugin(vllm_server, tmp_path):
     assert (sum(e.prompt_tokens // 128 for e in finished) <= stored
             <= sum((e.prompt_tokens + e.output_tokens) // 128 for e in finished))
     assert not [e for e in events if isinstance(e, CollectorGap) and e.collector == "vllm-kv-events"]
+    # the keys vLLM published for the blocks it cached are those the plugin recorded for them
+    published = {h for e in events if isinstance(e, PrefixCacheStored) for h in e.block_hashes}
+    recorded = {e.block_hash for e in events if isinstance(e, BlockStored)}
+    assert published and published == recorded
     raw = Path(str(out) + ".kvevents.jsonl")
     assert raw.is_file() and kv_event_gaps(raw) == []
     assert {f["rule"]: f["status"] for f in summary["findings"]}.get("kv_events.gaps", "pass") == "pass"

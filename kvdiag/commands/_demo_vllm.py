@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -87,16 +86,12 @@ class MetricsPoller:
         return self
 
     def scrape(self) -> None:
-        from kvdiag.collectors import metrics
-        from kvdiag.schema import CollectorError
+        from kvdiag.collectors.metrics import scrape_into
 
-        try:
-            text = metrics.fetch_metrics_text(self.url, timeout_s=2.0)
-            self.sink.record(metrics.engine_metrics(metrics.parse_prometheus(text)))
+        if scrape_into(self.url, self.sink):
             self.scrapes += 1
-        except (OSError, ValueError) as exc:
+        else:
             self.errors += 1
-            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector="metrics", message=str(exc)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

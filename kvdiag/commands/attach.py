@@ -131,12 +131,7 @@ class _Session:
         if self.metrics_url and self.vllm is not None and not self.kv_events_tried:
             self.subscribe_kv_events()
         if self.metrics_url:
-            try:
-                text = self.metrics_mod.fetch_metrics_text(self.metrics_url, timeout_s=2.0)
-                self.writer.record(self.metrics_mod.engine_metrics(self.metrics_mod.parse_prometheus(text)))
-            except (OSError, ValueError) as exc:
-                from kvdiag.schema import CollectorError
-                self.writer.record(CollectorError(ts_ns=time.time_ns(), collector="metrics", message=str(exc)))
+            self.metrics_mod.scrape_into(self.metrics_url, self.writer)
 
     def pyspy_tick(self, remaining_s: float) -> None:
         from kvdiag.collectors import pyspy
