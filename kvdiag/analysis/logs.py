@@ -166,18 +166,18 @@ ids: skipping it keeps the memory of a large log's frames down)."""
 
 
 def load(paths: Iterable[str | Path], on_progress: Optional[Callable[[int], None]] = None,
-         allow_truncated: bool = False,
-         skip: frozenset[str] = UNUSED_BY_REPORTS) -> tuple[Logs, list[str]]:
+         allow_truncated: bool = False, skip: frozenset[str] = UNUSED_BY_REPORTS,
+         strict: bool = False) -> tuple[Logs, list[str]]:
     """Read and merge logs, leaving out the event types in ``skip``. Returns the merged logs
     and the reader's problems (unreadable lines that were skipped). Raises LogFormatError for
     a log that is not a kvdiag log, has no events, or (unless ``allow_truncated``) was cut
-    short by a writer that stopped mid-line."""
+    short by a writer that stopped mid-line; with ``strict``, also for any unreadable line."""
     items, problems = [], []
     wanted = set(TAGS) - set(skip)
     for path in paths:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            log = read_log(path, types=wanted, on_progress=on_progress)
+            log = read_log(path, types=wanted, on_progress=on_progress, strict=strict)
         cut = [str(w.message) for w in caught
                if "truncated" in str(w.message) or "ends early" in str(w.message)]
         if cut and not allow_truncated:

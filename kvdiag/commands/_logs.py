@@ -1,7 +1,14 @@
-"""Reading logs for a command: a rich progress bar while reading, one-line errors."""
+"""Reading logs for a command: a rich progress bar while reading, one-line errors, and one
+way to say which input lines were skipped.
+
+Every command that reads logs or traces treats input the same way: an unreadable line in the
+middle is skipped and reported (how many, and the first few as ``file:line: why``, on stderr
+and under ``"skipped_lines"`` in ``--json``); ``--strict`` makes the first one an error (exit
+2); a last line cut short by a killed writer is an error unless ``--partial``."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -26,9 +33,36 @@ def _estimated_lines(path: Path) -> Optional[int]:
         return None
 
 
-def read_logs(paths: Iterable[str], quiet: bool = False,
-              allow_truncated: bool = False) -> tuple[Logs, list[str]]:
-    """Load and merge logs with a progress bar on stderr (shown only on a terminal)."""
+SKIPPED_SHOWN = 3
+"""How many skipped lines a command names (all are counted)."""
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--partial`` and ``--strict``: how a command treats cut and unreadable input lines."""
+    parser.add_argument("--partial", action="store_true",
+                        help="accept input cut short mid-line (use what comes before the cut)")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail (exit 2) at the first unreadable line instead of skipping it")
+
+
+def skipped_lines(problems: list[str]) -> dict:
+    """The ``--json`` form of the skipped lines: their count and the first few."""
+    return {"count": len(problems), "first": problems[:SKIPPED_SHOWN]}
+
+
+def tell_skipped(command: str, problems: list[str]) -> None:
+    """Say on stderr how many input lines were skipped, naming the first few."""
+    if not problems:
+        return
+    print(f"kvdiag {command}: skipped {len(problems)} unreadable line(s); "
+          + ("first: " if len(problems) > SKIPPED_SHOWN else "")
+          + "; ".join(problems[:SKIPPED_SHOWN]), file=sys.stderr)
+
+
+def read_logs(paths: Iterable[str], quiet: bool = False, allow_truncated: bool = False,
+              strict: bool = False) -> tuple[Logs, list[str]]:
+    """Load and merge logs with a progress bar on stderr (shown only on a terminal).
+    Returns the logs and the skipped lines (``strict``: the first one raises LogFormatError)."""
     paths = [Path(p) for p in paths]
     total = [_estimated_lines(p) for p in paths]
     progress = Progress(TextColumn("reading {task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -38,7 +72,7 @@ def read_logs(paths: Iterable[str], quiet: bool = False,
         task = progress.add_task(", ".join(p.name for p in paths),
                                  total=sum(total) if all(total) else None)
         return load(paths, on_progress=lambda n: progress.advance(task, n),
-                    allow_truncated=allow_truncated)
+                    allow_truncated=allow_truncated, strict=strict)
 
 
 def write_atomic(path: Path, text: str) -> None:

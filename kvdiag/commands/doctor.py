@@ -8,7 +8,8 @@ import math
 import sys
 
 from kvdiag.analysis import rules
-from kvdiag.commands._logs import LogFormatError, fail, read_logs
+from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
+                                   skipped_lines, tell_skipped)
 
 DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts
 are these same rules over the events it has seen (kvdiag/analysis/rules.py defines them):
@@ -37,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", nargs="+", metavar="LOG", default=None,
                         help="compare latency against these logs")
     parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
-    parser.add_argument("--partial", action="store_true",
-                        help="accept a log cut short mid-line (use the events before the cut)")
+    add_input_arguments(parser)
 
 
 def _clean(x):
@@ -62,10 +62,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.logs:
         return fail("doctor", "expected a LOG or --pid PID")
     try:
-        logs, _ = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial)
-        baseline = read_logs(args.baseline, quiet=True, allow_truncated=args.partial)[0] if args.baseline else None
+        logs, problems = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial,
+                                   strict=args.strict)
+        baseline = None
+        if args.baseline:
+            baseline, more = read_logs(args.baseline, quiet=True, allow_truncated=args.partial,
+                                       strict=args.strict)
+            problems += more
     except LogFormatError as exc:
         return fail("doctor", str(exc))
+    tell_skipped("doctor", problems)
     from kvdiag.analysis.doctor import run_rules
     from kvdiag.analysis.findings import worst
     findings, _ = run_rules(logs, baseline)
@@ -73,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
             print(json.dumps(_clean({"status": status, "logs": list(logs.paths.values()),
-                                     "findings": [f.to_dict() for f in findings]}), indent=1))
+                                     "findings": [f.to_dict() for f in findings],
+                                     "skipped_lines": skipped_lines(problems)}), indent=1))
         else:
             _print(findings)
     except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands

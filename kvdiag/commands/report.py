@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvdiag.commands._logs import LogFormatError, fail, read_logs, write_atomic
+from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
+                                   tell_skipped, write_atomic)
 
 DESCRIPTION = """Turn recorded event logs into one report: findings first, then memory over time
 and where it goes, block occupancy and fragmentation, prefix sharing, compression, attention
@@ -25,8 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="html (default; inferred from -o's suffix) or md")
     parser.add_argument("--baseline", metavar="LOG", nargs="+", default=None,
                         help="log(s) to compare latency against (P99 regression detection)")
-    parser.add_argument("--partial", action="store_true",
-                        help="accept a log cut short mid-line (use the events before the cut)")
+    add_input_arguments(parser)
     parser.add_argument("--title", default="kvdiag report")
 
 
@@ -36,10 +36,15 @@ def run(args: argparse.Namespace) -> int:
     if not out.parent.exists():
         return fail("report", f"{out.parent}: no such folder for the report")
     try:
-        logs, problems = read_logs(args.logs, allow_truncated=args.partial)
-        baseline = read_logs(args.baseline, allow_truncated=args.partial)[0] if args.baseline else None
+        logs, problems = read_logs(args.logs, allow_truncated=args.partial, strict=args.strict)
+        baseline = None
+        if args.baseline:
+            baseline, more = read_logs(args.baseline, allow_truncated=args.partial,
+                                       strict=args.strict)
+            problems += more
     except LogFormatError as exc:
         return fail("report", str(exc))
+    tell_skipped("report", problems)
     import contextlib
     import sys
 
