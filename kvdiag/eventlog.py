@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import gc
 import gzip
 import os
+import re
 import signal
 import socket
 import threading
@@ -381,7 +383,7 @@ class _EventStream:
             warnings.warn(f"{self.path}:{lineno}: skipped a truncated last line "
                           f"(the writer stopped mid-line)")
             return
-        message = f"{self.path}:{lineno}: expected a kvdiag event line ({exc})"
+        message = f"{self.path}:{lineno}: {_why(exc, obj)}"
         if self.strict:
             raise LogFormatError(message)
         self.problems.append(message)
@@ -389,6 +391,24 @@ class _EventStream:
     def _progress(self, n: int) -> None:
         if self.on_progress is not None:
             self.on_progress(n)
+
+
+_AT_FIELD = re.compile(r"^(?P<what>.*) - at `\$(?P<where>[^`]*)`$", re.S)
+
+
+def _why(exc: Exception, obj: object) -> str:
+    """msgspec's complaint as ``type.field: expected ..., got VALUE`` where it names a field
+    (``Expected `int` >= 0 - at `$.ts_ns```), else ``expected a kvdiag event line (...)``."""
+    if not isinstance(obj, dict) or not isinstance(exc, msgspec.ValidationError):
+        return f"expected a kvdiag event line ({exc})"
+    m = _AT_FIELD.match(str(exc))
+    where = m["where"].lstrip(".") if m else ""
+    what = (m["what"] if m else str(exc)).replace("`", "")
+    what = what[0].lower() + what[1:]
+    field = re.match(r"[A-Za-z_]\w*", where)
+    if field and field.group(0) in obj and not where[field.end():] and ", got" not in what:
+        what += f", got {msgspec.json.encode(obj[field.group(0)]).decode()[:60]}"
+    return f"{obj.get('type', 'event')}{'.' if where else ''}{where}: {what}"
 
 
 def iter_events(path: str | os.PathLike, strict: bool = False) -> Iterator[Event]:
@@ -450,23 +470,42 @@ def _read_log(path: Path, wanted: Optional[set[str]], strict: bool,
 
 def _to_frame(cls: type[Event], rows: list[tuple]) -> pd.DataFrame:
     columns = zip(*rows) if rows else [[] for _ in fields_of(cls)]
-    return pd.DataFrame({name: _column(values) for name, values in zip(fields_of(cls), columns)},
+    return pd.DataFrame({name: _column(values, kind)
+                         for (name, kind), values in zip(_column_kinds(cls).items(), columns)},
                         copy=False)
 
 
-def _column(values: tuple) -> "np.ndarray | pd.Series":
-    """A typed numpy column for all-int/float/bool values, an object column otherwise
-    (strings, lists and columns with nulls keep their Python values)."""
-    kind = type(values[0]) if values else object
-    try:
-        if kind is int:
-            return np.fromiter(values, dtype=np.int64, count=len(values))
-        if kind is float:
-            return np.fromiter(values, dtype=np.float64, count=len(values))
-        if kind is bool:
-            return np.fromiter(values, dtype=np.bool_, count=len(values))
-    except (TypeError, OverflowError, ValueError):
-        pass  # mixed with None or ints beyond int64
+@functools.cache
+def _column_kinds(cls: type[Event]) -> dict[str, str]:
+    """Each field's column dtype, from the schema: float64 for (optional) floats (null is
+    NaN), int64 and bool for required ints and bools, object for the rest (strings, lists,
+    optional ints: a 63-bit hash does not survive float64)."""
+    kinds = {}
+    for f in msgspec.inspect.type_info(cls).fields:
+        t = f.type
+        types = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
+        real = [x for x in types if not isinstance(x, msgspec.inspect.NoneType)]
+        kind = "object"
+        if len(real) == 1 and isinstance(real[0], msgspec.inspect.FloatType):
+            kind = "float64"
+        elif len(types) == 1 and isinstance(t, msgspec.inspect.IntType):
+            kind = "int64"
+        elif len(types) == 1 and isinstance(t, msgspec.inspect.BoolType):
+            kind = "bool"
+        kinds[f.name] = kind
+    return kinds
+
+
+def _column(values: tuple, kind: str) -> "np.ndarray | pd.Series":
+    """A typed numpy column of ``kind``; an optional int column whose values are all present
+    is int64 too. Values come from the reader, which checked their ranges."""
+    if kind == "float64":
+        return np.fromiter((np.nan if v is None else v for v in values), dtype=np.float64,
+                           count=len(values))
+    if kind == "object" and values and all(type(v) is int for v in values):
+        kind = "int64"
+    if kind in ("int64", "bool"):
+        return np.fromiter(values, dtype=kind, count=len(values))
     return pd.Series(values, dtype=object)
 
 

@@ -11,13 +11,17 @@ that keep a log recorded today loadable next year:
   ``_pct`` (0-100), ``_mw`` (milliwatts), ``_mj`` (millijoules). Rates are fractions 0-1.
 - Timestamps ``ts_ns`` are wall-clock (``time.time_ns()``) so that events of several
   processes and nodes merge on one axis.
+- Ranges are part of the types and checked where a line is decoded, once: every integer fits
+  an int64, sizes, counts, ids and durations are non-negative, timestamps fall
+  between 1970 and 2100, floats are finite,
+  rates are fractions 0-1 and ``_pct`` 0-100. Analyses trust what the reader let through.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import ClassVar, Literal, NewType, Optional, Union
+from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
@@ -26,13 +30,31 @@ SCHEMA_VERSION = "1.2"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineM
 # PrefixCacheStored/Removed/Cleared (an engine's own KV events)
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+"""An integer that fits an int64 column (device indices, temperatures)."""
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+"""A non-negative int64: sizes, lengths, counts, ids, durations and timestamps."""
+TimestampNs = Annotated[int, msgspec.Meta(ge=0, le=4_102_444_800 * 10**9)]
+"""Wall-clock nanoseconds since 1970, before 2100: a time axis that arithmetic cannot overflow."""
+Positive = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+"""A positive int64: a size that is divided by (tokens per block)."""
+Real = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+"""A finite float."""
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=sys.float_info.max)]
+"""A finite float >= 0 (errors, ratios, cumulative counters)."""
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+"""A rate in [0, 1]."""
+Pct = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+"""A percentage in [0, 100]."""
+
 RequestId = NewType("RequestId", str)
-BlockId = NewType("BlockId", int)
+BlockId = NewType("BlockId", Count)
 """Index of a KV block (page) in the engine's pool; unique within one pool at a time."""
-BlockHash = NewType("BlockHash", int)
+BlockHash = NewType("BlockHash", Count)
 """A chained content key of a full block: equal keys mean equal prefixes. Adapters fold wider
 hashes (blake2b, sha256) to 63 bits so that the key fits an int64 column."""
-StepId = NewType("StepId", int)
+StepId = NewType("StepId", Count)
 
 
 class LogHeader(msgspec.Struct, kw_only=True):
@@ -41,12 +63,12 @@ class LogHeader(msgspec.Struct, kw_only=True):
     schema_version: str  # required: a first line without it is not a kvdiag log
     kvdiag_version: str = ""
     host: str = ""
-    pid: int = 0
+    pid: Count = 0
     engine: str = ""  # e.g. "transformers-cb", "vllm", "attach"
     model: str = ""
-    block_size_tokens: Optional[int] = None
-    bytes_per_token: Optional[int] = None  # KV bytes of one token over all layers, K and V
-    start_ns: int = 0
+    block_size_tokens: Optional[Positive] = None
+    bytes_per_token: Optional[Count] = None  # KV bytes of one token over all layers, K and V
+    start_ns: TimestampNs = 0
     node: str = ""  # a label for merging logs of several nodes; defaults to host
     extra: dict = {}
 
@@ -54,7 +76,7 @@ class LogHeader(msgspec.Struct, kw_only=True):
 class Event(msgspec.Struct, kw_only=True, tag_field="type"):
     """Base of all events. ``ts_ns``: wall-clock time the event was observed."""
 
-    ts_ns: int
+    ts_ns: TimestampNs
 
 
 # ---------------------------------------------------------------- request lifecycle
@@ -65,9 +87,9 @@ class RequestArrived(Event, tag="request_arrived"):
     the prompt at any block size; ``conversation_id`` groups the turns of one chat."""
 
     request_id: RequestId
-    prompt_tokens: int
-    max_new_tokens: Optional[int] = None
-    token_ids: Optional[list[int]] = None
+    prompt_tokens: Count
+    max_new_tokens: Optional[Count] = None
+    token_ids: Optional[list[Count]] = None
     conversation_id: Optional[str] = None
 
 
@@ -75,14 +97,14 @@ class RequestScheduled(Event, tag="request_scheduled"):
     """The scheduler gave the request its first slot; ``queue_ns`` = scheduled - arrived."""
 
     request_id: RequestId
-    queue_ns: Optional[int] = None
+    queue_ns: Optional[Count] = None
 
 
 class RequestFirstToken(Event, tag="request_first_token"):
     """The first output token was produced; ``ttft_ns`` = first token - arrived."""
 
     request_id: RequestId
-    ttft_ns: int
+    ttft_ns: Count
 
 
 class RequestFinished(Event, tag="request_finished"):
@@ -90,19 +112,19 @@ class RequestFinished(Event, tag="request_finished"):
     prefix cache instead of being recomputed. ``status``: finished, aborted or failed."""
 
     request_id: RequestId
-    prompt_tokens: int
-    output_tokens: int
-    cached_prompt_tokens: int = 0
+    prompt_tokens: Count
+    output_tokens: Count
+    cached_prompt_tokens: Count = 0
     status: Literal["finished", "aborted", "failed"] = "finished"
-    e2e_ns: Optional[int] = None  # finished - arrived
-    ttft_ns: Optional[int] = None
+    e2e_ns: Optional[Count] = None  # finished - arrived
+    ttft_ns: Optional[Count] = None
 
 
 class RequestPreempted(Event, tag="request_preempted"):
     """The engine evicted a running request's KV to make room (it will be recomputed)."""
 
     request_id: RequestId
-    blocks_freed: int = 0
+    blocks_freed: Count = 0
 
 
 # ---------------------------------------------------------------- engine steps
@@ -114,11 +136,11 @@ class EngineStep(Event, tag="engine_step"):
 
     step_id: StepId
     phase: Literal["prefill", "decode", "mixed"]
-    batch_size: int
-    num_tokens: int
-    duration_ns: int
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
+    batch_size: Count
+    num_tokens: Count
+    duration_ns: Count
+    prefill_tokens: Count = 0
+    decode_tokens: Count = 0
 
 
 # ---------------------------------------------------------------- KV blocks
@@ -127,12 +149,12 @@ class EngineStep(Event, tag="engine_step"):
 class KVPoolInfo(Event, tag="kv_pool_info"):
     """The shape of the engine's KV block pool; emitted once when it is created."""
 
-    num_blocks: int
-    block_size_tokens: int
-    block_bytes: int  # one block over all layers, K and V
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_blocks: Count
+    block_size_tokens: Positive
+    block_bytes: Count  # one block over all layers, K and V
+    num_layers: Count
+    num_kv_heads: Count
+    head_dim: Count
     dtype: str
     prefix_sharing: bool = False
 
@@ -142,7 +164,7 @@ class BlockAllocated(Event, tag="block_allocated"):
 
     request_id: RequestId
     block_id: BlockId
-    num_blocks_free: Optional[int] = None  # free-list size after the allocation
+    num_blocks_free: Optional[Count] = None  # free-list size after the allocation
 
 
 class BlockStored(Event, tag="block_stored"):
@@ -151,9 +173,9 @@ class BlockStored(Event, tag="block_stored"):
     block_id: BlockId
     block_hash: BlockHash
     parent_hash: Optional[BlockHash] = None
-    num_tokens: int = 0
+    num_tokens: Count = 0
     request_id: Optional[RequestId] = None
-    token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[Count]] = None
 
 
 class PrefixHit(Event, tag="prefix_hit"):
@@ -162,7 +184,7 @@ class PrefixHit(Event, tag="prefix_hit"):
     request_id: RequestId
     block_id: BlockId
     block_hash: Optional[BlockHash] = None
-    num_tokens: int = 0
+    num_tokens: Count = 0
 
 
 class BlockDeduplicated(Event, tag="block_deduplicated"):
@@ -184,7 +206,7 @@ class BlockReleased(Event, tag="block_released"):
     request_id: RequestId
     block_id: BlockId
     cached: bool = False
-    num_blocks_free: Optional[int] = None
+    num_blocks_free: Optional[Count] = None
 
 
 class BlockEvicted(Event, tag="block_evicted"):
@@ -198,13 +220,13 @@ class KVPoolSample(Event, tag="kv_pool_sample"):
     """Periodic occupancy of the pool. Block occupancy = blocks_used / num_blocks; token
     occupancy = tokens_held / (blocks_used * block_size)."""
 
-    num_blocks: int
-    blocks_used: int  # held by live requests
-    blocks_cached: int = 0  # held only by the prefix cache (evictable)
-    blocks_free: int = 0
-    tokens_held: int = 0  # tokens actually written in blocks held by live requests
-    running_requests: int = 0
-    waiting_requests: int = 0
+    num_blocks: Count
+    blocks_used: Count  # held by live requests
+    blocks_cached: Count = 0  # held only by the prefix cache (evictable)
+    blocks_free: Count = 0
+    tokens_held: Count = 0  # tokens actually written in blocks held by live requests
+    running_requests: Count = 0
+    waiting_requests: Count = 0
 
 
 # ---------------------------------------------------------------- prefix-cache content (engine events)
@@ -218,13 +240,13 @@ class PrefixCacheStored(Event, tag="prefix_cache_stored"):
     number (events of one batch share it); ``medium``: the tier (e.g. "GPU", "CPU");
     ``group_idx``: the KV cache group of hybrid models."""
 
-    seq: int
+    seq: Count
     block_hashes: list[BlockHash]
     parent_hash: Optional[BlockHash] = None
-    token_ids: list[int] = []
-    block_size_tokens: int = 0
+    token_ids: list[Count] = []
+    block_size_tokens: Count = 0
     medium: Optional[str] = None
-    group_idx: Optional[int] = None
+    group_idx: Optional[Count] = None
 
 
 class PrefixCacheRemoved(Event, tag="prefix_cache_removed"):
@@ -232,16 +254,16 @@ class PrefixCacheRemoved(Event, tag="prefix_cache_removed"):
     (vLLM's ``BlockRemoved``); ``seq``, ``medium``, ``group_idx`` as in
     :class:`PrefixCacheStored`."""
 
-    seq: int
+    seq: Count
     block_hashes: list[BlockHash]
     medium: Optional[str] = None
-    group_idx: Optional[int] = None
+    group_idx: Optional[Count] = None
 
 
 class PrefixCacheCleared(Event, tag="prefix_cache_cleared"):
     """The engine dropped every key of its prefix cache (vLLM's ``AllBlocksCleared``)."""
 
-    seq: int
+    seq: Count
 
 
 # ---------------------------------------------------------------- memory and hardware
@@ -250,26 +272,26 @@ class PrefixCacheCleared(Event, tag="prefix_cache_cleared"):
 class AllocatorSample(Event, tag="allocator_sample"):
     """``torch.cuda.memory_stats()`` of one device (the "all" pool, current values)."""
 
-    device: int
-    reserved_bytes: int
-    allocated_bytes: int
-    active_bytes: int = 0
-    inactive_split_bytes: int = 0
-    alloc_retries: int = 0
-    num_ooms: int = 0
+    device: Int64
+    reserved_bytes: Count
+    allocated_bytes: Count
+    active_bytes: Count = 0
+    inactive_split_bytes: Count = 0
+    alloc_retries: Count = 0
+    num_ooms: Count = 0
 
 
 class NvmlSample(Event, tag="nvml_sample"):
     """One NVML reading of a device; a field NVML could not read is null."""
 
-    device: int
-    memory_used_bytes: Optional[int] = None
-    memory_total_bytes: Optional[int] = None
-    gpu_util_pct: Optional[float] = None
-    power_mw: Optional[int] = None
-    energy_mj: Optional[int] = None  # total energy since driver load
-    temperature_c: Optional[int] = None
-    process_memory_bytes: Optional[int] = None  # used by the target and its children
+    device: Int64
+    memory_used_bytes: Optional[Count] = None
+    memory_total_bytes: Optional[Count] = None
+    gpu_util_pct: Optional[Pct] = None
+    power_mw: Optional[Count] = None
+    energy_mj: Optional[Count] = None  # total energy since driver load
+    temperature_c: Optional[Int64] = None
+    process_memory_bytes: Optional[Count] = None  # used by the target and its children
 
 
 class ProcessSample(Event, tag="process_sample"):
@@ -280,23 +302,23 @@ class ProcessSample(Event, tag="process_sample"):
     the process in swap, both from ``/proc/PID/smaps_rollup``; None when not read in this
     sample (not readable, or read less often than RSS because it walks the page tables)."""
 
-    pid: int
-    rss_bytes: int
-    num_threads: int = 0
-    cpu_time_ns: int = 0
+    pid: Count
+    rss_bytes: Count
+    num_threads: Count = 0
+    cpu_time_ns: Count = 0
     name: str = ""
-    pss_bytes: Optional[int] = None
-    swap_bytes: Optional[int] = None
+    pss_bytes: Optional[Count] = None
+    swap_bytes: Optional[Count] = None
 
 
 class PhaseProfile(Event, tag="phase_profile"):
     """Share of sampled stacks per phase over ``window_ns`` (py-spy); ``shares`` sum to 1."""
 
-    pid: int
-    window_ns: int
-    num_samples: int
-    shares: dict[str, float] = {}
-    top_functions: list[tuple[str, float]] = []
+    pid: Count
+    window_ns: Count
+    num_samples: Count
+    shares: dict[str, Fraction] = {}
+    top_functions: list[tuple[str, NonNegative]] = []
 
 
 class EngineMetrics(Event, tag="engine_metrics"):
@@ -313,20 +335,20 @@ class EngineMetrics(Event, tag="engine_metrics"):
 
     INF_LE: ClassVar[float] = sys.float_info.max
 
-    prefix_cache_queries_tokens: Optional[float] = None
-    prefix_cache_hits_tokens: Optional[float] = None
-    kv_cache_usage: Optional[float] = None  # fraction 0-1
-    num_preemptions: Optional[float] = None
-    num_requests_running: Optional[float] = None
-    num_requests_waiting: Optional[float] = None
-    raw: dict[str, float] = {}  # every sample but histogram buckets and _created, by series
+    prefix_cache_queries_tokens: Optional[NonNegative] = None
+    prefix_cache_hits_tokens: Optional[NonNegative] = None
+    kv_cache_usage: Optional[NonNegative] = None  # fraction 0-1
+    num_preemptions: Optional[NonNegative] = None
+    num_requests_running: Optional[NonNegative] = None
+    num_requests_waiting: Optional[NonNegative] = None
+    raw: dict[str, Real] = {}  # every sample but histogram buckets and _created, by series
     # 1.2: the engine's cache config (vLLM's vllm:cache_config_info labels)
-    block_size_tokens: Optional[int] = None
-    num_blocks: Optional[int] = None  # KV blocks of the pool, summed over engines
+    block_size_tokens: Optional[Count] = None
+    num_blocks: Optional[Count] = None  # KV blocks of the pool, summed over engines
     prefix_caching: Optional[bool] = None
-    prompt_tokens: Optional[float] = None  # prompt tokens processed (cumulative)
-    generation_tokens: Optional[float] = None  # output tokens generated (cumulative)
-    histograms: dict[str, list[tuple[float, float]]] = {}
+    prompt_tokens: Optional[NonNegative] = None  # prompt tokens processed (cumulative)
+    generation_tokens: Optional[NonNegative] = None  # output tokens generated (cumulative)
+    histograms: dict[str, list[tuple[Real, NonNegative]]] = {}
 
     def __post_init__(self) -> None:
         # msgspec writes an infinite float as null, which would make the line unreadable
@@ -344,31 +366,31 @@ class ShadowSharing(Event, tag="shadow_sharing"):
     means unbounded. ``engine_hit_rate``: the engine's own token hit rate for comparison."""
 
     policy: str
-    block_size_tokens: int
-    capacity_blocks: Optional[int]
-    requests: int
-    block_hit_rate: float
-    token_hit_rate: float
-    request_hit_rate: Optional[float] = None
-    bytes_saved: Optional[int] = None
-    engine_hit_rate: Optional[float] = None
+    block_size_tokens: Count
+    capacity_blocks: Optional[Count]
+    requests: Count
+    block_hit_rate: Fraction
+    token_hit_rate: Fraction
+    request_hit_rate: Optional[Fraction] = None
+    bytes_saved: Optional[Count] = None
+    engine_hit_rate: Optional[Fraction] = None
 
 
 class ShadowCompression(Event, tag="shadow_compression"):
     """A compressor run on a copy of one layer/head's live KV. Relative errors are
     ||x - x_hat|| / ||x|| (Frobenius); ``ratio`` = original bytes / stored bytes."""
 
-    layer: int
-    head: int
+    layer: Count
+    head: Count
     method: str
-    seq_len_tokens: int
-    ratio: float
-    k_rel_error: float
-    v_rel_error: float
-    attn_score_error: Optional[float] = None
-    attn_out_rel_error: Optional[float] = None
-    encode_ns: Optional[int] = None
-    decode_ns: Optional[int] = None
+    seq_len_tokens: Count
+    ratio: NonNegative
+    k_rel_error: NonNegative
+    v_rel_error: NonNegative
+    attn_score_error: Optional[NonNegative] = None
+    attn_out_rel_error: Optional[NonNegative] = None
+    encode_ns: Optional[Count] = None
+    decode_ns: Optional[Count] = None
 
 
 DISTANCE_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -380,35 +402,35 @@ open-ended."""
 class ShadowLocality(Event, tag="shadow_locality"):
     """Where one query head's attention went on a sampled decode step (fractions of 1)."""
 
-    layer: int
-    head: int
-    seq_len_tokens: int
-    recent_mass: float  # on the most recent 20% of positions
-    sink_mass: float  # on the first 4 positions
-    other_mass: float
-    entropy_nats: float
-    outside_share: Optional[float] = None  # this head's share of the layer's non-recent mass
-    distance_hist: list[float] = []
+    layer: Count
+    head: Count
+    seq_len_tokens: Count
+    recent_mass: NonNegative  # on the most recent 20% of positions
+    sink_mass: NonNegative  # on the first 4 positions
+    other_mass: Real
+    entropy_nats: Real
+    outside_share: Optional[NonNegative] = None  # this head's share of the layer's non-recent mass
+    distance_hist: list[NonNegative] = []
 
 
 class ShadowSimilarity(Event, tag="shadow_similarity"):
     """Mean cosine similarity of K (and V) at the first ``positions`` of two request groups."""
 
-    layer: int
-    positions: int
+    layer: Count
+    positions: Count
     same_prompt: bool
-    k_cosine: float
-    v_cosine: float
-    pairs: int = 0
+    k_cosine: Real
+    v_cosine: Real
+    pairs: Count = 0
 
 
 class ShadowLogits(Event, tag="shadow_logits"):
     """Teacher-forced next-token agreement of the whole model with compressed KV."""
 
     method: str
-    tokens: int
-    kl_divergence: float
-    top1_agreement: float
+    tokens: Count
+    kl_divergence: Real
+    top1_agreement: Fraction
 
 
 # ---------------------------------------------------------------- collector health
@@ -418,9 +440,9 @@ class CollectorGap(Event, tag="collector_gap"):
     """Events between ``start_ns`` and ``end_ns`` were dropped (queue full, target busy)."""
 
     collector: str
-    start_ns: int
-    end_ns: int
-    dropped_events: int
+    start_ns: TimestampNs
+    end_ns: TimestampNs
+    dropped_events: Count
 
 
 class CollectorError(Event, tag="collector_error"):
@@ -428,7 +450,7 @@ class CollectorError(Event, tag="collector_error"):
 
     collector: str
     message: str
-    count: int = 1
+    count: Count = 1
 
 
 class CollectorStatus(Event, tag="collector_status"):

@@ -8,10 +8,19 @@ import os
 import tempfile
 
 import pytest
+from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 # hypothesis keeps its example database outside the repository (tests write nothing there)
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"kvdiag-tests-hypothesis-{os.getuid()}"))
+# `pytest --hypothesis-profile=soak`: property tests that bound their examples for CI run
+# 2,000 each instead (tests/test_hostile_logs.py reads it through hypothesis_examples).
+settings.register_profile("soak", max_examples=2_000)
+
+
+def hypothesis_examples(ci: int) -> int:
+    """``ci`` examples, or the loaded profile's count where a soak profile asks for more."""
+    return max(ci, settings().max_examples) if settings().max_examples > 100 else ci
 
 HARDWARE_SKIP = "needs a GPU"
 """Prefix of the only skip reason CI accepts: hardware this machine does not have."""

@@ -78,8 +78,9 @@ def test_bad_lines_are_reported_with_file_and_line(tmp_path):
     log = read_log(path)
     assert len(log.frame(EngineStep)) == 4
     assert [p.split(": ")[0] for p in log.problems] == [f"{path}:5", f"{path}:6"]
-    assert all("expected a kvdiag event" in p for p in log.problems)
-    with pytest.raises(LogFormatError, match=r"bad\.kvlog:5: expected"):
+    assert log.problems[0].endswith(": engine_step.step_id: expected int, got str")
+    assert log.problems[1].endswith(": expected a kvdiag event line (JSON is malformed: invalid character (byte 4))")
+    with pytest.raises(LogFormatError, match=r"bad\.kvlog:5: engine_step.step_id: expected"):
         read_log(path, strict=True)
 
 
