@@ -8,10 +8,14 @@ import os
 import tempfile
 
 import pytest
+from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 # hypothesis keeps its example database outside the repository (tests write nothing there)
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"kvdiag-tests-hypothesis-{os.getuid()}"))
+# `pytest --hypothesis-profile=soak`: 20x the examples of property tests that take the
+# profile's count (tests that set max_examples themselves keep theirs)
+settings.register_profile("soak", max_examples=2000)
 
 HARDWARE_SKIP = "needs a GPU"
 """Prefix of the only skip reason CI accepts: hardware this machine does not have."""
