@@ -114,3 +114,35 @@ def test_read_options_collect_problems_instead_of_raising(tmp_path):
     trace = load_trace(path, read=opts)
     assert trace.requests == 2
     assert [p.split(": ")[0] for p in opts.problems] == [f"{path}:2", f"{path}:3"]
+
+
+def _kvdiag_log(tmp_path, extra: bytes, name: str = "run.kvlog"):
+    """A kvdiag log of three requests with token ids, ``extra`` inserted as its third line."""
+    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.schema import RequestArrived
+
+    path = tmp_path / name
+    with LogWriter(path, make_header(engine="test", block_size_tokens=4)) as w:
+        for i in range(3):
+            w.record(RequestArrived(ts_ns=i + 1, request_id=str(i), prompt_tokens=8,
+                                    token_ids=list(range(i, i + 8))))
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\n".join(lines[:2] + [extra] + lines[2:]))
+    return path
+
+
+def test_kvdiag_log_lines_follow_the_same_convention(tmp_path, capsys):
+    path = _kvdiag_log(tmp_path, b'{"type": "request_arrived", "oops')
+    code, out, err = _replay_json(capsys, path)
+    assert code == 0, err
+    assert out["requests"] == 3 and out["skipped_lines"]["count"] == 1
+    assert out["skipped_lines"]["first"][0].startswith(f"{path}:3: ")
+    code, _, err = _replay_json(capsys, path, "--strict")
+    assert code == 2 and err.startswith(f"{path}:3: ")
+    cut = tmp_path / "cut.kvlog"
+    whole = _kvdiag_log(tmp_path, b"", "whole.kvlog").read_bytes()
+    cut.write_bytes(whole.rstrip(b"\n") + b'\n{"type": "req')
+    code, _, err = _replay_json(capsys, cut)
+    assert code == 2 and "--partial" in err
+    code, out, err = _replay_json(capsys, cut, "--partial")
+    assert code == 0 and out["requests"] == 3 and out["skipped_lines"]["count"] == 0

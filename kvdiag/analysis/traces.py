@@ -507,7 +507,7 @@ def _log_events(path: Path, read: ReadOptions, keep: Callable[[object], bool]) -
         raise TraceFormatError(str(exc)) from None
     for w in caught:
         message = str(w.message)
-        if "truncated" in message or "ends early" in message:
+        if "truncated last line" in message or "ends early" in message:  # eventlog's cut
             if not read.partial:
                 raise TraceFormatError(f"{message}; expected a complete log (pass --partial to "
                                        "use the events before the cut)")
