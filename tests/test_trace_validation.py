@@ -14,7 +14,7 @@ from kvdiag.analysis.traces import ReadOptions, TraceFormatError, load_trace
 from kvdiag.cli import main
 
 GOOD_MOONCAKE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
-GOOD_TOKENS = '{"timestamp": 1.5, "token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]}'
+GOOD_TOKENS = '{"timestamp": 1.5, "token_ids": ' + str(list(range(1, 18))) + '}'
 GOOD_VLLM = '{"seq": 0, "ts": 1.0, "events": [["BlockStored", [7], null, [1, 2], 2, null, "GPU"]]}'
 
 # (format, hostile line, the field its message names)
@@ -146,3 +146,20 @@ def test_kvdiag_log_lines_follow_the_same_convention(tmp_path, capsys):
     assert code == 2 and "--partial" in err
     code, out, err = _replay_json(capsys, cut, "--partial")
     assert code == 0 and out["requests"] == 3 and out["skipped_lines"]["count"] == 0
+
+
+def test_live_subscriber_counts_a_seq_beyond_int64_as_malformed():
+    """A seq vLLM never sends (>= 2^63: only the end-of-replay marker is all ones) is a counted
+    malformed message, not a gap of 2^64 batches."""
+    import msgspec
+
+    from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
+    from kvdiag.sinks import ListSink
+
+    sink = ListSink()
+    sub = KVEventSubscriber("tcp://127.0.0.1:1", sink)
+    payload = msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1, 2], 2, None, "GPU"]]])
+    sub._on_message([b"kv", (0).to_bytes(8, "big"), payload])
+    sub._on_message([b"kv", (2**64 - 1).to_bytes(8, "big"), payload])
+    sub._on_message([b"kv", (1).to_bytes(8, "big"), payload])
+    assert (sub.batches, sub.malformed, sub.gaps, sub.dropped_batches) == (2, 1, 0, 0)
