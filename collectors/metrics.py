@@ -4,6 +4,7 @@ sample stays in ``raw``)."""
 
 from __future__ import annotations
 
+import http.client
 import math
 import time
 import urllib.request
@@ -13,6 +14,8 @@ from typing import Iterable, Optional
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.schema import EngineMetrics
+
+INT64_MAX = 2**63 - 1
 
 
 class PrometheusParseError(ValueError):
@@ -39,7 +42,7 @@ def _locate(text: str, exc: ValueError) -> str:
             continue
         try:
             _parse(line + "\n")
-        except ValueError as line_exc:
+        except Exception as line_exc:
             why = f" ({line_exc})" if str(line_exc) else ""
             return (f"line {lineno}: expected 'name{{labels}} value' or a # HELP/# TYPE line, "
                     f"got {line[:80]!r}{why}")
@@ -50,10 +53,12 @@ def parse_prometheus(text: str) -> list[MetricSample]:
     """The samples of a text exposition, read by ``prometheus_client.parser``; names as exposed
     (``x_total``, ``x_bucket`` with its ``le`` label, ``x_created``), labels in their order,
     HELP/TYPE lines and timestamps dropped. That parser names the samples of a counter declared
-    without ``_total`` with it. Raises :class:`PrometheusParseError` naming the line."""
+    without ``_total`` with it. Values may be NaN or infinite (Prometheus allows them):
+    :func:`engine_metrics` keeps only finite ones. Raises :class:`PrometheusParseError` naming
+    the line."""
     try:
         return _parse(text)
-    except ValueError as exc:
+    except Exception as exc:  # the parser raises ValueError, and on some garbage others
         raise PrometheusParseError(_locate(text, exc)) from None
 
 
@@ -97,15 +102,20 @@ def _histogram(buckets: list[MetricSample]) -> list[tuple[float, float]]:
             le = float(dict(s.labels)["le"])  # "+Inf" -> inf
         except (KeyError, ValueError):
             continue  # without a numeric le it is not a bucket
+        if math.isnan(le) or le == -math.inf or not math.isfinite(s.value) or s.value < 0:
+            continue  # not a bucket a histogram can have: no place to put it
         by_le[le] = by_le.get(le, 0.0) + s.value
     return [(EngineMetrics.INF_LE if le == math.inf else le, c) for le, c in sorted(by_le.items())]
 
 
 def _int(text: Optional[str]) -> Optional[int]:
+    """A count from a label: 0..2^63-1, else None (vLLM writes "None" before the pool is
+    sized)."""
     try:
-        return int(text)  # vLLM writes None as "None" before the pool is sized
+        value = int(text)
     except (TypeError, ValueError):
         return None
+    return value if 0 <= value <= INT64_MAX else None
 
 
 def _bool(text: Optional[str]) -> Optional[bool]:
@@ -120,8 +130,9 @@ def _cache_config(samples: list[MetricSample]) -> dict:
     if not infos:
         return {}
     blocks = [_int(i.get("num_gpu_blocks")) for i in infos]
+    total = sum(blocks) if None not in blocks else None
     return {"block_size_tokens": _int(infos[0].get("block_size")),
-            "num_blocks": sum(blocks) if None not in blocks else None,
+            "num_blocks": total if total is None or total <= INT64_MAX else None,
             "prefix_caching": _bool(infos[0].get("enable_prefix_caching"))}
 
 
@@ -137,7 +148,7 @@ def engine_metrics(samples: Iterable[MetricSample], ts_ns: Optional[int] = None)
     for field, names in _FIELDS.items():
         # the parser adds _total to the samples of a counter declared without it
         found = [n for name in names for n in (name, name + "_total") if n in by_name]
-        if found:
+        if found and math.isfinite(by_name[found[0]]):  # NaN/Inf gauges: not a value to keep
             fields[field] = by_name[found[0]]
     buckets: dict[str, list[MetricSample]] = {}
     for s in samples:
@@ -172,7 +183,7 @@ def find_metrics_url(candidates: Iterable[tuple[str, int]], timeout_s: float = 1
         try:
             if parse_prometheus(fetch_metrics_text(url, timeout_s)):
                 return url
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             continue
     return None
 
@@ -185,6 +196,7 @@ def scrape_into(url: str, sink, timeout_s: float = 2.0) -> bool:
     try:
         sink.record(engine_metrics(parse_prometheus(fetch_metrics_text(url, timeout_s))))
         return True
-    except (OSError, ValueError) as exc:
-        sink.record(CollectorError(ts_ns=time.time_ns(), collector="metrics", message=str(exc)))
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        sink.record(CollectorError(ts_ns=time.time_ns(), collector="metrics",
+                                   message=str(exc) or type(exc).__name__))
         return False

@@ -36,8 +36,9 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag.prefix_cache import (VLLM_KV_EVENTS_COLLECTOR, PrefixCacheTally, SeqTracker,
-                                 schema_event, vllm_event_dict)
+from kvdiag.prefix_cache import (INT64_MAX, VLLM_KV_EVENTS_COLLECTOR, PrefixCacheTally,
+                                 SeqTracker, batch_ts_ns, checked_int, schema_event,
+                                 vllm_event_dict)
 from kvdiag.schema import CollectorError, CollectorGap, CollectorStatus, Event
 from kvdiag.sinks import Sink
 
@@ -51,27 +52,28 @@ class MalformedBatch(ValueError):
 
 def decode_batch(payload: bytes, seq: int) -> tuple[float, list, list[Event], Optional[int]]:
     """(ts in seconds, the raw events, their schema events, data-parallel rank) of one
-    payload; raises :class:`MalformedBatch`."""
+    payload, every field checked as :func:`kvdiag.prefix_cache.schema_event` does (the
+    replay loader checks recorded batches the same way); raises :class:`MalformedBatch`."""
     try:
         obj = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, ValueError) as exc:
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise MalformedBatch(f"seq {seq}: not msgpack ({exc})") from None
-    if not isinstance(obj, list) or len(obj) not in (2, 3) or not isinstance(obj[1], list) \
-            or isinstance(obj[0], bool) or not isinstance(obj[0], (int, float)) \
-            or not math.isfinite(obj[0]):
+    if not isinstance(obj, list) or len(obj) not in (2, 3) or not isinstance(obj[1], list):
         raise MalformedBatch(f"seq {seq}: expected a batch [ts, [events], dp_rank?]")
-    ts, raw = float(obj[0]), obj[1]
-    rank = obj[2] if len(obj) == 3 and isinstance(obj[2], int) else None
-    ts_ns = int(ts * 1e9)
     try:
-        events = [schema_event(vllm_event_dict(ev), ts_ns, seq) for ev in raw]
-    except (ValueError, KeyError) as exc:
+        ts_ns = batch_ts_ns(obj[0])
+        rank = checked_int(obj[2], "dp_rank") if len(obj) == 3 else None
+        events = [schema_event(vllm_event_dict(ev), ts_ns, seq) for ev in obj[1]]
+    except (ValueError, KeyError, TypeError) as exc:
         raise MalformedBatch(f"seq {seq}: {exc}") from None
-    return ts, raw, events, rank
+    return float(obj[0]), obj[1], events, rank
 
 
 def _jsonable(value):
-    """msgpack-decoded values as JSON: bytes as lists of ints (what the replay loader folds)."""
+    """msgpack-decoded values as JSON: bytes as lists of ints (what the replay loader folds),
+    a non-finite float (in a field kvdiag does not read) as null: JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if isinstance(value, (bytes, bytearray, memoryview)):
         return list(bytes(value))
     if isinstance(value, (list, tuple)):
@@ -213,6 +215,9 @@ class KVEventSubscriber:
                             f"{len(frames)} frames")
             return
         seq = int.from_bytes(frames[1], "big")
+        if seq > INT64_MAX:  # vLLM counts from 0; -1 (all ones) only ends a replay
+            self._malformed(f"seq {seq}: expected a sequence number 0..{INT64_MAX}")
+            return
         expected = self._seq.expected
         step, _ = self._seq.observe(seq)
         if step == "first" and self.replay_history and self.replay_endpoint and seq > 0:

@@ -66,46 +66,83 @@ def vllm_event_dict(ev: object) -> dict:
     raise ValueError("expected a vLLM KV event (BlockStored, BlockRemoved or AllBlocksCleared)")
 
 
-def _opt_int(value: object, name: str) -> Optional[int]:
-    if value is None:
+INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
+MAX_TS_S = INT64_MAX // 10**9  # batch timestamps whose nanoseconds fit in int64
+
+
+def checked_int(value: object, name: str, lo: int = 0, hi: int = INT64_MAX,
+         optional: bool = True) -> Optional[int]:
+    """``value`` as an int in ``lo..hi`` (None allowed when ``optional``); ValueError naming
+    the field otherwise."""
+    if value is None and optional:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"expected {name} to be an integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected an integer {lo}..{hi}, found {_show(value)}")
     return value
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _hash(value: object, name: str) -> BlockHash:
+    """A block hash as vLLM defines it: a 64-bit int (signed or unsigned), or non-empty bytes
+    (in JSON: a list of ints 0..255); folded by :func:`fold_block_hash`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        checked_int(value, name, -(2**63), UINT64_MAX)
+    elif isinstance(value, list):
+        if not value or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 255
+                                for b in value):
+            raise ValueError(f"{name}: expected bytes (a non-empty list of integers 0..255)")
+    elif not isinstance(value, (bytes, bytearray, str)) or not value:
+        raise ValueError(f"{name}: expected a 64-bit integer or non-empty bytes, found "
+                         f"{_show(value)}")
+    return fold_block_hash(value)
+
+
+def batch_ts_ns(ts: object, name: str = "ts") -> int:
+    """A batch's wall-clock seconds as ns; ValueError unless a finite number 0..MAX_TS_S."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts <= MAX_TS_S:
+        raise ValueError(f"{name}: expected seconds 0..{MAX_TS_S} (a finite number), found "
+                         f"{_show(ts)}")
+    return int(ts * 1e9)
+
+
+def check_seq(seq: object, name: str = "seq") -> int:
+    """A batch sequence number: 0..2^63-1; ValueError otherwise."""
+    return checked_int(seq, name, optional=False)
 
 
 def schema_event(ev: dict, ts_ns: int, seq: int) -> Event:
     """A :func:`vllm_event_dict` as the schema's ``PrefixCache*`` event (hashes folded by
-    :func:`fold_block_hash`). Raises ValueError on missing or mistyped fields."""
+    :func:`fold_block_hash`), every field checked: ints within their ranges (token ids,
+    block size, group and LoRA ids non-negative, within int64), hashes as vLLM defines them.
+    Raises ValueError ``Kind.field: expected ...``."""
     kind = ev["type"]
     if kind == "AllBlocksCleared":
         return PrefixCacheCleared(ts_ns=ts_ns, seq=seq)
     hashes = ev.get("block_hashes")
     if not isinstance(hashes, list):
-        raise ValueError(f"expected {kind}.block_hashes to be a list")
-    try:
-        keys = [fold_block_hash(h) for h in hashes]
-    except TypeError as exc:
-        raise ValueError(f"{kind}.block_hashes: {exc}") from None
+        raise ValueError(f"{kind}.block_hashes: expected a list, found {_show(hashes)}")
+    keys = [_hash(h, f"{kind}.block_hashes[{i}]") for i, h in enumerate(hashes)]
     medium = ev.get("medium")
     if medium is not None and not isinstance(medium, str):
-        raise ValueError(f"expected {kind}.medium to be a string")
-    group = _opt_int(ev.get("group_idx"), f"{kind}.group_idx")
+        raise ValueError(f"{kind}.medium: expected a string, found {_show(medium)}")
+    group = checked_int(ev.get("group_idx"), f"{kind}.group_idx")
     if kind == "BlockRemoved":
         return PrefixCacheRemoved(ts_ns=ts_ns, seq=seq, block_hashes=keys, medium=medium,
                                   group_idx=group)
     parent = ev.get("parent_block_hash")
-    try:
-        parent_key = None if parent is None else fold_block_hash(parent)
-    except TypeError as exc:
-        raise ValueError(f"BlockStored.parent_block_hash: {exc}") from None
+    parent_key = None if parent is None else _hash(parent, "BlockStored.parent_block_hash")
     tokens = ev.get("token_ids")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                               for t in tokens):
-        raise ValueError("expected BlockStored.token_ids to be a list of integers")
-    block_size = _opt_int(ev.get("block_size"), "BlockStored.block_size")
-    if block_size is None or block_size <= 0:
-        raise ValueError("expected BlockStored.block_size to be a positive integer")
+    if not isinstance(tokens, list):
+        raise ValueError(f"BlockStored.token_ids: expected a list, found {_show(tokens)}")
+    for i, t in enumerate(tokens):
+        checked_int(t, f"BlockStored.token_ids[{i}]", optional=False)
+    block_size = checked_int(ev.get("block_size"), "BlockStored.block_size", lo=1, optional=False)
+    checked_int(ev.get("lora_id"), "BlockStored.lora_id")
     return PrefixCacheStored(ts_ns=ts_ns, seq=seq, block_hashes=keys, parent_hash=parent_key,
                              token_ids=tokens, block_size_tokens=block_size, medium=medium,
                              group_idx=group)

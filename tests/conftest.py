@@ -14,7 +14,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 # hypothesis keeps its example database outside the repository (tests write nothing there)
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"kvdiag-tests-hypothesis-{os.getuid()}"))
 # `pytest --hypothesis-profile=soak`: property tests that bound their examples for CI run
-# 2,000 each instead (tests/test_hostile_logs.py reads it through hypothesis_examples).
+# 2,000 each instead; tests that take the profile's count keep 100 by default.
 settings.register_profile("soak", max_examples=2_000)
 
 

@@ -19,8 +19,13 @@ KEYS = ["policy", "capacity_blocks", "block_hit_rate", "token_hit_rate", "reques
 
 
 def _json(capsys, *argv):
+    """The rows of `kvdiag replay --json` (checking the object around them)."""
     assert main(["replay", str(MOONCAKE), "--json", *argv]) == 0
-    return json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    assert out["skipped_lines"] == {"count": 0, "first": []}
+    assert (out["requests"], out["block_refs"], out["distinct_blocks"]) == _raw_counts()
+    assert out["format"] == "mooncake" and out["block_size_tokens"] == 512
+    return out["rows"]
 
 
 def test_json_rows_per_policy_and_capacity(capsys):
@@ -80,11 +85,20 @@ def test_table_and_help_define_the_rates(capsys):
 
 
 def test_bad_trace_one_line_error_no_traceback(tmp_path):
+    """A bad line is skipped and named; with --strict it is a one-line error (exit 2)."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"hash_ids": [1], "input_length": 10, "timestamp": 0}\n{"hash_ids": [2]}\n')
     out = tmp_path / "out.json"
+    proc = subprocess.run(f"{sys.executable} -m kvdiag replay {bad} --json --strict > {out}",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    why = "timestamp: expected a value, found the field missing"  # input_length is missing too
+    assert proc.stderr.strip() == f"{bad}:2: {why}"
+    assert out.read_text() == ""
     proc = subprocess.run(f"{sys.executable} -m kvdiag replay {bad} --json > {out}", shell=True,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f'{bad}:2: expected field "input_length"'
-    assert out.read_text() == ""
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"kvdiag replay: skipped 1 unreadable line(s); {bad}:2: {why}"
+    got = json.loads(out.read_text())
+    assert got["requests"] == 1 and got["skipped_lines"] == {"count": 1,
+                                                             "first": [f"{bad}:2: {why}"]}

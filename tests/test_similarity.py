@@ -84,7 +84,9 @@ def test_replay_similarity_on_a_kvdiag_log(model_and_tokenizer, tmp_path, capsys
                                     token_ids=t))
     assert main(["replay", str(log), "--similarity", "--json", "--offset", "12",
                  "--positions", "6"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    assert out["skipped_lines"] == {"count": 0, "first": []}
+    rows = out["similarity"]
     want = kv_similarity(model, tok, ids, positions=6, offset=12).frame
     assert len(rows) == len(want) == 2 * model.config.num_hidden_layers
     for row in rows:

@@ -123,21 +123,21 @@ def load_trace_from_lists(prompts, block):
 
 @pytest.mark.parametrize("content,where,expected", [
     ('{"hash_ids": [1, 2], "input_length": 600, "timestamp": 0}\n{"hash_ids": [1], '
-     '"input_length": 600, "timestamp": 1}\n', 2, "expected ceil(input_length/512)"),
+     '"input_length": 600, "timestamp": 1}\n', 2, "hash_ids: expected ceil(input_length/512)"),
     ('{"hash_ids": [1], "input_length": 10, "timestamp": 0}\n{oops\n', 2, "expected one JSON"),
-    ('{"token_ids": [1, 2, "x"]}\n', 1, "expected \"token_ids\" to be a list of integers"),
+    ('{"token_ids": [1, 2, "x"]}\n', 1, "token_ids[2]: expected int, got str"),
     ('{"hello": 1}\n', 1, "expected a kvdiag log header"),
     ('["BlockStored", 1]\n', 1, "expected a kvdiag log header"),
     ('[1.0, [["BlockStored", [1], null, [1, 2, 3], 2, null, "GPU"]]]\n', 1,
-     "expected len(token_ids) = block_size x len(block_hashes)"),
+     "BlockStored.token_ids: expected len(token_ids) = block_size x len(block_hashes)"),
 ])
 def test_bad_input_names_file_and_line(tmp_path, content, where, expected):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(TraceFormatError) as err:
         load_trace(path)
-    assert str(err.value).startswith(f"{path}:{where}: expected")
-    assert expected in str(err.value)
+    assert str(err.value).startswith(f"{path}:{where}: ")
+    assert expected in str(err.value)  # file:line: [field: ]expected ...
 
 
 # ---------------------------------------------------------------- hashing

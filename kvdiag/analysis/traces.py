@@ -23,34 +23,38 @@ holds. Formats:
   The notes count stored, duplicate, removed and cleared blocks
   (:class:`kvdiag.prefix_cache.PrefixCacheTally`); :func:`kv_event_gaps` finds missing seqs.
 
-Errors are :class:`TraceFormatError` with ``file:line: expected ...``.
+Every line is checked where it is decoded (:mod:`kvdiag.analysis.trace_lines`; vLLM events by
+:func:`kvdiag.prefix_cache.schema_event`, as the live subscriber decodes them): integers within
+int64 (sizes, lengths, ids non-negative), finite non-negative timestamps. Errors are
+:class:`TraceFormatError` ``file:line: field: expected ...``; :class:`ReadOptions` skips bad
+lines and lists them instead.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
-import math
+import warnings
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
+import msgspec
 import numpy as np
 import pandas as pd
 
 from kvdiag.kernels.hashing import chunk_hashes
-from kvdiag.prefix_cache import (VLLM_TAGS, PrefixCacheTally, SeqGap, SeqTracker, event_batches,
-                                 find_seq_gaps, fold_block_hash, vllm_event_dict)
-from kvdiag.schema import event_tag
+from kvdiag.analysis.trace_lines import (BadLine, Count, Millis, ReadOptions, Seconds,
+                                         TraceFormatError, decode_json, decoded_lines, raw_lines)
+from kvdiag.prefix_cache import (VLLM_TAGS, PrefixCacheTally, SeqGap, SeqTracker, batch_ts_ns,
+                                 check_seq, event_batches, find_seq_gaps, schema_event,
+                                 vllm_event_dict)
+from kvdiag.schema import (PrefixCacheCleared, PrefixCacheRemoved, PrefixCacheStored,
+                           event_tag)
 
 FORMATS = ("kvdiag", "mooncake", "tokens", "vllm")
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
-
-
-class TraceFormatError(ValueError):
-    """An unreadable trace; the message is ``file:line: expected ...``."""
 
 
 @dataclass
@@ -193,69 +197,90 @@ class TraceBuilder:
         )
 
 
-# ---------------------------------------------------------------- reading lines
+# ---------------------------------------------------------------- lines of each format
 
 
-def _open_text(path: Path):
-    with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gz else open(path, "r", encoding="utf-8")
+class MooncakeLine(msgspec.Struct):
+    """One Mooncake request: ``timestamp`` in ms, lengths in tokens, ``hash_ids`` ids of
+    512-token blocks."""
+
+    timestamp: Millis
+    input_length: Count
+    hash_ids: list[Count]
+    output_length: Optional[Count] = None
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed JSON) for each non-empty line; bad JSON is a TraceFormatError."""
-    try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield lineno, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceFormatError(f"{path}:{lineno}: expected one JSON value per line "
-                                           f"({exc.msg})") from None
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
-        raise TraceFormatError(f"{path}:1: expected a readable JSONL trace ({exc})") from None
+class TokensLine(msgspec.Struct):
+    """One token-id request: ``timestamp`` in seconds (optional), ``token_ids``, optional
+    ``extra_keys`` (any JSON, hashed into the first block's key)."""
+
+    token_ids: list[Count]
+    timestamp: Optional[Seconds] = None
+    extra_keys: Optional[list] = None
 
 
-def _int_list(value, path: Path, lineno: int, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                              for v in value):
-        raise TraceFormatError(f"{path}:{lineno}: expected \"{name}\" to be a list of integers")
-    return value
+_MOONCAKE = msgspec.json.Decoder(MooncakeLine)
+_TOKENS = msgspec.json.Decoder(TokensLine)
 
 
-def _number(obj: dict, name: str, path: Path, lineno: int, default=None):
-    value = obj.get(name, default)
-    if value is None and default is None and name not in obj:
-        raise TraceFormatError(f"{path}:{lineno}: expected field \"{name}\"")
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise TraceFormatError(f"{path}:{lineno}: expected \"{name}\" to be a non-negative number")
-    return value
+def _mooncake_line(line: bytes) -> MooncakeLine:
+    req = decode_json(line, _MOONCAKE)
+    want = -(-req.input_length // MOONCAKE_BLOCK_TOKENS)
+    if len(req.hash_ids) != want:
+        raise BadLine(f"hash_ids: expected ceil(input_length/512) = {want} ids, got "
+                      f"{len(req.hash_ids)}")
+    return req
+
+
+def _tokens_line(line: bytes) -> TokensLine:
+    return decode_json(line, _TOKENS)
 
 
 # ---------------------------------------------------------------- detection
 
+_DETECT_LINES = 100  # lines detection looks at for the first recognisable one
+
+
+def _shape(line: bytes) -> Optional[str]:
+    """The format one line looks like (None: not JSON, or no format's shape)."""
+    try:
+        obj = msgspec.json.decode(line)
+    except (msgspec.DecodeError, RecursionError):
+        try:
+            obj = json.loads(line)  # NaN/Infinity: still the shape of a format
+        except (ValueError, RecursionError):
+            return None
+    if isinstance(obj, dict):
+        if "schema_version" in obj or obj.get("type") == "log_header" or "header" in obj:
+            return "kvdiag"
+        if "hash_ids" in obj:
+            return "mooncake"
+        if "token_ids" in obj and "type" not in obj:
+            return "tokens"
+        if "events" in obj or obj.get("type") in _VLLM_TAGS:
+            return "vllm"
+    if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
+        return "vllm"
+    return None
+
 
 def detect_format(path: str | Path) -> str:
-    """Guess a trace's format from its first line (see the module docstring)."""
+    """Guess a trace's format from its first line of a known shape (see the module docstring;
+    unreadable lines before it are left to the reader to skip or reject)."""
     path = Path(path)
-    for lineno, obj in _json_lines(path):
-        if isinstance(obj, dict):
-            if "schema_version" in obj or obj.get("type") == "log_header" or "header" in obj:
-                return "kvdiag"
-            if "hash_ids" in obj:
-                return "mooncake"
-            if "token_ids" in obj and "type" not in obj:
-                return "tokens"
-            if "events" in obj or obj.get("type") in _VLLM_TAGS:
-                return "vllm"
-        if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
-            return "vllm"
-        raise TraceFormatError(
-            f"{path}:{lineno}: expected a kvdiag log header, a Mooncake request (\"hash_ids\"), "
-            "a token-id request (\"token_ids\") or a vLLM KV event batch")
-    raise TraceFormatError(f"{path}:1: expected at least one request, found an empty file")
+    first = None
+    for n, (lineno, line, _) in enumerate(raw_lines(path, ReadOptions(partial=True))):
+        first = first or lineno
+        fmt = _shape(line)
+        if fmt is not None:
+            return fmt
+        if n + 1 >= _DETECT_LINES:
+            break
+    if first is None:
+        raise TraceFormatError(f"{path}:1: expected at least one request, found an empty file")
+    raise TraceFormatError(
+        f"{path}:{first}: expected a kvdiag log header, a Mooncake request (\"hash_ids\"), "
+        "a token-id request (\"token_ids\") or a vLLM KV event batch")
 
 
 # ---------------------------------------------------------------- loaders
@@ -270,36 +295,19 @@ class RequestRecord:
     arrival_ns: int = -1
 
 
-def _mooncake_records(path: Path) -> Iterator[RequestRecord]:
-    for lineno, obj in _json_lines(path):
-        if not isinstance(obj, dict) or "hash_ids" not in obj:
-            raise TraceFormatError(f"{path}:{lineno}: expected a Mooncake request object with "
-                                   "\"hash_ids\"")
-        ids = _int_list(obj["hash_ids"], path, lineno, "hash_ids")
-        n_in = int(_number(obj, "input_length", path, lineno))
-        if len(ids) != math.ceil(n_in / MOONCAKE_BLOCK_TOKENS):
-            raise TraceFormatError(f"{path}:{lineno}: expected ceil(input_length/512) = "
-                                   f"{math.ceil(n_in / MOONCAKE_BLOCK_TOKENS)} hash_ids, "
-                                   f"got {len(ids)}")
-        ts_ms = _number(obj, "timestamp", path, lineno)
-        yield RequestRecord(np.asarray(ids, dtype=np.int64), n_in, int(ts_ms * 1_000_000))
+def _mooncake_records(path: Path, opts: ReadOptions) -> Iterator[RequestRecord]:
+    for _, req in decoded_lines(path, _mooncake_line, opts):
+        yield RequestRecord(np.asarray(req.hash_ids, dtype=np.int64), req.input_length,
+                            int(req.timestamp * 1_000_000))
 
 
-def _token_records(path: Path, block_size_tokens: int,
-                   hash_algorithm: str) -> Iterator[RequestRecord]:
-    for lineno, obj in _json_lines(path):
-        if not isinstance(obj, dict) or "token_ids" not in obj:
-            raise TraceFormatError(f"{path}:{lineno}: expected an object with \"token_ids\"")
-        tokens = _int_list(obj["token_ids"], path, lineno, "token_ids")
-        ts = obj.get("timestamp")
-        if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool)):
-            raise TraceFormatError(f"{path}:{lineno}: expected \"timestamp\" to be a number")
-        extra = obj.get("extra_keys") or ()
-        if not isinstance(extra, (list, tuple)):
-            raise TraceFormatError(f"{path}:{lineno}: expected \"extra_keys\" to be a list")
-        keys = chunk_hashes(tokens, block_size_tokens, extra_keys=tuple(extra),
-                            algorithm=hash_algorithm)
-        yield RequestRecord(keys, len(tokens), -1 if ts is None else int(ts * 1e9))
+def _token_records(path: Path, block_size_tokens: int, hash_algorithm: str,
+                   opts: ReadOptions) -> Iterator[RequestRecord]:
+    for _, req in decoded_lines(path, _tokens_line, opts):
+        keys = chunk_hashes(req.token_ids, block_size_tokens,
+                            extra_keys=tuple(req.extra_keys or ()), algorithm=hash_algorithm)
+        ts = req.timestamp
+        yield RequestRecord(keys, len(req.token_ids), -1 if ts is None else int(ts * 1e9))
 
 
 def _mooncake_block_size(path: Path, block_size_tokens: Optional[int]) -> int:
@@ -311,17 +319,20 @@ def _mooncake_block_size(path: Path, block_size_tokens: Optional[int]) -> int:
 
 def iter_requests(path: str | Path, format: Optional[str] = None,
                   block_size_tokens: Optional[int] = None,
-                  hash_algorithm: str = "fast") -> tuple[int, Iterator[RequestRecord]]:
+                  hash_algorithm: str = "fast",
+                  read: Optional[ReadOptions] = None) -> tuple[int, Iterator[RequestRecord]]:
     """(block size, requests streamed one by one) of a Mooncake or token-id trace: memory for
     a replay then grows with distinct blocks, not with the trace. Other formats need the whole
-    file (requests are rebuilt from events): use :func:`load_trace`."""
+    file (requests are rebuilt from events): use :func:`load_trace`. ``read``: how bad lines
+    are treated (default: the first raises TraceFormatError)."""
     path = Path(path)
     fmt = format or detect_format(path)
+    read = ReadOptions() if read is None else read
     if fmt == "mooncake":
-        return _mooncake_block_size(path, block_size_tokens), _mooncake_records(path)
+        return _mooncake_block_size(path, block_size_tokens), _mooncake_records(path, read)
     if fmt == "tokens":
         bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
-        return bs, _token_records(path, bs, hash_algorithm)
+        return bs, _token_records(path, bs, hash_algorithm, read)
     raise ValueError(f"{fmt} traces are not streamed")
 
 
@@ -332,144 +343,123 @@ def _build(records: Iterable[RequestRecord], bs: int, fmt: str, path: Path) -> T
     return b.build()
 
 
-def load_mooncake(path: Path, block_size_tokens: Optional[int] = None) -> Trace:
+def load_mooncake(path: Path, block_size_tokens: Optional[int] = None,
+                  read: Optional[ReadOptions] = None) -> Trace:
     bs = _mooncake_block_size(path, block_size_tokens)
-    return _build(_mooncake_records(path), bs, "mooncake", path)
+    return _build(_mooncake_records(path, read or ReadOptions()), bs, "mooncake", path)
 
 
 def load_tokens(path: Path, block_size_tokens: Optional[int] = None,
-                hash_algorithm: str = "fast") -> Trace:
+                hash_algorithm: str = "fast", read: Optional[ReadOptions] = None) -> Trace:
     bs = block_size_tokens or DEFAULT_BLOCK_TOKENS
-    return _build(_token_records(path, bs, hash_algorithm), bs, "tokens", path)
+    return _build(_token_records(path, bs, hash_algorithm, read or ReadOptions()), bs,
+                  "tokens", path)
 
 
 _VLLM_TAGS = VLLM_TAGS
 
 
-def _vllm_batches(path: Path) -> Iterator[tuple[int, Optional[int], Optional[float], list]]:
-    """(line, seq or None, batch timestamp, events) for each line of a vLLM KV event JSONL."""
-    for lineno, obj in _json_lines(path):
-        ts, seq = None, None
-        if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
-            ts, events = obj
-        elif isinstance(obj, dict) and "events" in obj:
-            ts, events, seq = obj.get("ts"), obj["events"], obj.get("seq")
-            if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
-                raise TraceFormatError(f"{path}:{lineno}: expected \"seq\" to be a non-negative "
-                                       "integer")
-            if not isinstance(events, list):
-                raise TraceFormatError(f"{path}:{lineno}: expected \"events\" to be a list")
-        elif isinstance(obj, dict):
-            events = [obj]
-        else:
-            raise TraceFormatError(f"{path}:{lineno}: expected a vLLM KV event batch "
-                                   "[ts, [events]]")
-        yield lineno, seq, ts, events
+@dataclass
+class KVEventBatch:
+    """One line of a vLLM KV event JSONL, checked: its events as schema ``PrefixCache*``
+    events (:func:`kvdiag.prefix_cache.schema_event`, as the live subscriber decodes them)."""
+
+    seq: Optional[int]
+    ts_ns: Optional[int]
+    events: list
 
 
-def _vllm_events(path: Path) -> Iterator[tuple[int, Optional[int], Optional[float], dict]]:
-    """(line, batch seq or None, batch timestamp, event as dict) for each event of a vLLM KV
-    event JSONL."""
-    for lineno, seq, ts, events in _vllm_batches(path):
-        for ev in events:
-            yield lineno, seq, ts, _vllm_event_dict(ev, path, lineno)
-
-
-def _vllm_event_dict(ev, path: Path, lineno: int) -> dict:
+def _vllm_line(line: bytes) -> KVEventBatch:
+    obj = decode_json(line)
+    ts, seq = None, None
+    if isinstance(obj, list) and len(obj) == 2 and isinstance(obj[1], list):
+        ts, raw = obj
+    elif isinstance(obj, dict) and "events" in obj:
+        ts, raw, seq = obj.get("ts"), obj["events"], obj.get("seq")
+        if not isinstance(raw, list):
+            raise BadLine("events: expected a list of vLLM KV events")
+    elif isinstance(obj, dict):
+        raw = [obj]
+    else:
+        raise BadLine("expected a vLLM KV event batch [ts, [events]] or {\"seq\", \"ts\", "
+                      "\"events\"}")
     try:
-        return vllm_event_dict(ev)
-    except ValueError as exc:
-        raise TraceFormatError(f"{path}:{lineno}: {exc}") from None
+        ts_ns = None if ts is None else batch_ts_ns(ts)
+        seq = None if seq is None else check_seq(seq)
+        events = [schema_event(vllm_event_dict(ev), ts_ns or 0, seq or 0) for ev in raw]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadLine(str(exc)) from None
+    for ev in events:
+        if isinstance(ev, PrefixCacheStored):
+            want = ev.block_size_tokens * len(ev.block_hashes)
+            if len(ev.token_ids) != want:
+                raise BadLine(f"BlockStored.token_ids: expected len(token_ids) = block_size x "
+                              f"len(block_hashes) = {want}, got {len(ev.token_ids)}")
+    return KVEventBatch(seq, ts_ns, events)
 
 
-def _hash_key(h) -> int:
-    """vLLM block hashes are ints or bytes (sha256); fold to a 63-bit int."""
-    return fold_block_hash(h)
-
-
-def kv_event_gaps(path: str | Path, format: Optional[str] = None) -> list[SeqGap]:
+def kv_event_gaps(path: str | Path, format: Optional[str] = None,
+                  read: Optional[ReadOptions] = None) -> list[SeqGap]:
     """Batches missing from a recorded KV event stream, by their sequence numbers
     (:func:`kvdiag.prefix_cache.find_seq_gaps`): a vLLM JSONL whose lines carry ``seq`` (as
     ``kvdiag.collectors.vllm_kv_events`` records them), or a kvdiag log's ``prefix_cache_*``
-    events. A JSONL without any ``seq`` has no gaps to find: TraceFormatError."""
+    events. A JSONL without any ``seq`` has no gaps to find: TraceFormatError. A skipped
+    (unreadable) line counts as missing."""
     path = Path(path)
+    read = ReadOptions() if read is None else read
     fmt = format or detect_format(path)
     if fmt == "vllm":
         batches, unnumbered = [], 0
-        for _, seq, ts, _ in _vllm_batches(path):
-            if seq is None:
+        for _, batch in decoded_lines(path, _vllm_line, read):
+            if batch.seq is None:
                 unnumbered += 1
                 continue
-            batches.append((seq, None if ts is None else int(float(ts) * 1e9)))
+            batches.append((batch.seq, batch.ts_ns))
         if not batches and unnumbered:
             raise TraceFormatError(f"{path}:1: expected batches with \"seq\" to find gaps in")
         return find_seq_gaps(batches)
     if fmt == "kvdiag":
-        from kvdiag import eventlog
-
         tags = {"prefix_cache_stored", "prefix_cache_removed", "prefix_cache_cleared"}
-        try:
-            events = (ev for ev in eventlog.iter_events(path, strict=True)
-                      if event_tag(ev) in tags)
-            return find_seq_gaps(event_batches(events))
-        except eventlog.LogFormatError as exc:
-            raise TraceFormatError(str(exc)) from None
+        events = _log_events(path, read, lambda ev: event_tag(ev) in tags)
+        return find_seq_gaps(event_batches(events))
     raise TraceFormatError(f"{path}:1: expected a vLLM KV event JSONL or a kvdiag log "
                            f"(a {fmt} trace has no sequence numbers)")
 
 
 def load_vllm(path: Path, block_size_tokens: Optional[int] = None,
-              hash_algorithm: str = "fast") -> Trace:
+              hash_algorithm: str = "fast", read: Optional[ReadOptions] = None) -> Trace:
     chains: dict[int, tuple[Optional[int], list[int]]] = {}  # key -> (parent key, its tokens)
-    prompts: list[tuple[list[int], Optional[float], int]] = []  # (token ids, ts, line)
+    prompts: list[tuple[list[int], Optional[int]]] = []  # (token ids, ts_ns)
     engine_bs = None
-    tally, seqs, last_seq = PrefixCacheTally(), SeqTracker(), None
-    for lineno, seq, ts, ev in _vllm_events(path):
-        if seq is not None and (seq, lineno) != last_seq:
-            last_seq = (seq, lineno)
-            if seqs.observe(seq)[0] == "restart":
-                tally.restarted()
-        if ev["type"] != "BlockStored":
-            try:
-                if ev["type"] == "AllBlocksCleared":
-                    tally.cleared()
-                else:
-                    tally.removed([_hash_key(h) for h in ev["block_hashes"]], ev.get("medium"),
-                                  ev.get("group_idx"))
-            except (KeyError, TypeError):
-                raise TraceFormatError(f"{path}:{lineno}: expected BlockRemoved with "
-                                       "block_hashes") from None
-            continue
-        try:
-            hashes = [_hash_key(h) for h in ev["block_hashes"]]
-            parent = ev.get("parent_block_hash")
-            parent = None if parent is None else _hash_key(parent)
-            tokens = _int_list(ev.get("token_ids"), path, lineno, "token_ids")
-            bs = int(ev["block_size"])
-        except (KeyError, TypeError, ValueError):
-            raise TraceFormatError(f"{path}:{lineno}: expected BlockStored with block_hashes, "
-                                   "parent_block_hash, token_ids and block_size") from None
-        if bs <= 0 or len(tokens) != bs * len(hashes):
-            raise TraceFormatError(f"{path}:{lineno}: expected len(token_ids) = block_size x "
-                                   f"len(block_hashes) = {bs * len(hashes)}, got {len(tokens)}")
-        engine_bs = engine_bs or bs
-        tally.stored(hashes, ev.get("medium"), ev.get("group_idx"))
-        prefix: list[int] = []
-        p = parent
-        seen = 0
-        while p is not None and p in chains and seen < 1_000_000:
-            pp, toks = chains[p]
-            prefix[:0] = toks
-            p = pp
-            seen += 1
-        for i, h in enumerate(hashes):
-            chains[h] = (parent if i == 0 else hashes[i - 1], tokens[i * bs:(i + 1) * bs])
-        prompts.append((prefix + tokens, ts, lineno))
+    tally, seqs = PrefixCacheTally(), SeqTracker()
+    for _, batch in decoded_lines(path, _vllm_line, read or ReadOptions()):
+        if batch.seq is not None and seqs.observe(batch.seq)[0] == "restart":
+            tally.restarted()
+        for ev in batch.events:
+            if isinstance(ev, PrefixCacheCleared):
+                tally.cleared()
+                continue
+            if isinstance(ev, PrefixCacheRemoved):
+                tally.removed(ev.block_hashes, ev.medium, ev.group_idx)
+                continue
+            hashes, parent, tokens = ev.block_hashes, ev.parent_hash, ev.token_ids
+            bs = ev.block_size_tokens
+            engine_bs = engine_bs or bs
+            tally.stored(hashes, ev.medium, ev.group_idx)
+            parts, seen, p = [], set(), parent
+            while p is not None and p in chains and p not in seen:  # a cycle ends the chain
+                seen.add(p)
+                p, toks = chains[p]
+                parts.append(toks)
+            prefix = [t for toks in reversed(parts) for t in toks]
+            for i, h in enumerate(hashes):
+                chains[h] = (parent if i == 0 else hashes[i - 1], tokens[i * bs:(i + 1) * bs])
+            prompts.append((prefix + tokens, batch.ts_ns))
     bs = block_size_tokens or engine_bs or DEFAULT_BLOCK_TOKENS
     b = TraceBuilder(bs, "vllm", str(path))
-    for tokens, ts, _ in prompts:
+    for tokens, ts_ns in prompts:
         b.add(chunk_hashes(tokens, bs, algorithm=hash_algorithm), len(tokens),
-              arrival_ns=-1 if ts is None else int(float(ts) * 1e9))
+              arrival_ns=-1 if ts_ns is None else ts_ns)
     trace = b.build()
     trace.notes.append("vLLM KV events: each BlockStored is one request (its parent chain + "
                        "the stored blocks); requests served wholly from cache are not visible")
@@ -503,33 +493,58 @@ def full_sequence(prompt: list[int], stored_blocks: list[list[int]]) -> list[int
     return list(prompt[:k * bs]) + [t for blk in generated for t in blk]
 
 
+def _log_events(path: Path, read: ReadOptions, keep: Callable[[object], bool]) -> list:
+    """The events of a kvdiag log that ``keep`` selects, read and checked by
+    :mod:`kvdiag.eventlog`; its unreadable lines go through ``read`` as other formats' do
+    (``strict``: the first raises; a cut last line raises unless ``partial``)."""
+    from kvdiag import eventlog  # the log reader; imported lazily (only this format needs it)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            events = [ev for ev in eventlog.iter_events(path, strict=read.strict) if keep(ev)]
+    except eventlog.LogFormatError as exc:
+        raise TraceFormatError(str(exc)) from None
+    for w in caught:
+        message = str(w.message)
+        if "truncated last line" in message or "ends early" in message:  # eventlog's cut
+            if not read.partial:
+                raise TraceFormatError(f"{message}; expected a complete log (pass --partial to "
+                                       "use the events before the cut)")
+        elif str(path) in message:
+            read.problems.append(message)
+    return events
+
+
 def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
-                hash_algorithm: str = "fast") -> Trace:
+                hash_algorithm: str = "fast", read: Optional[ReadOptions] = None) -> Trace:
     """Each request is a row at its arrival; when it finishes, a second, uncounted row touches
     or inserts the full blocks of its prompt and generated tokens (engines cache both, so a
     later turn of a chat can reuse the previous answer)."""
-    from kvdiag import eventlog  # the log reader; imported lazily (only this format needs it)
-    from kvdiag.schema import RequestArrived, RequestFinished, event_tag
+    from kvdiag import eventlog
+    from kvdiag.schema import RequestArrived, RequestFinished
 
     try:
         header = eventlog.read_header(path)
-        arrived: dict[str, RequestArrived] = {}
-        blocks: dict[str, list[tuple[int, int]]] = {}  # (chained key, tokens in block)
-        stored: dict[str, list[list[int]]] = {}
-        finished: dict[str, RequestFinished] = {}
-        for ev in eventlog.iter_events(path, strict=True):
-            if isinstance(ev, RequestArrived):
-                arrived.setdefault(ev.request_id, ev)
-            elif isinstance(ev, RequestFinished):
-                finished[ev.request_id] = ev
-            elif event_tag(ev) in _BLOCK_REF_TAGS and getattr(ev, "request_id", None) is not None \
-                    and getattr(ev, "block_hash", None) is not None:
-                blocks.setdefault(ev.request_id, []).append(
-                    (int(ev.block_hash), int(getattr(ev, "num_tokens", 0) or 0)))
-                if event_tag(ev) == "block_stored" and ev.token_ids:
-                    stored.setdefault(ev.request_id, []).append(ev.token_ids)
     except eventlog.LogFormatError as exc:
         raise TraceFormatError(str(exc)) from None
+    arrived: dict[str, RequestArrived] = {}
+    blocks: dict[str, list[tuple[int, int]]] = {}  # (chained key, tokens in block)
+    stored: dict[str, list[list[int]]] = {}
+    finished: dict[str, RequestFinished] = {}
+    wanted = (RequestArrived, RequestFinished)
+    for ev in _log_events(path, read or ReadOptions(),
+                          lambda ev: isinstance(ev, wanted) or event_tag(ev) in _BLOCK_REF_TAGS):
+        if isinstance(ev, RequestArrived):
+            arrived.setdefault(ev.request_id, ev)
+        elif isinstance(ev, RequestFinished):
+            finished[ev.request_id] = ev
+        elif getattr(ev, "request_id", None) is not None \
+                and getattr(ev, "block_hash", None) is not None:
+            blocks.setdefault(ev.request_id, []).append(
+                (int(ev.block_hash), int(getattr(ev, "num_tokens", 0) or 0)))
+            if event_tag(ev) == "block_stored" and ev.token_ids:
+                stored.setdefault(ev.request_id, []).append(ev.token_ids)
     if not arrived:
         raise TraceFormatError(f"{path}:1: expected request_arrived events in the log")
     engine_bs = header.block_size_tokens
@@ -579,8 +594,11 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
 
 
 def load_trace(path: str | Path, format: Optional[str] = None,
-               block_size_tokens: Optional[int] = None, hash_algorithm: str = "fast") -> Trace:
-    """Read a trace of any supported format (auto-detected unless ``format`` is given)."""
+               block_size_tokens: Optional[int] = None, hash_algorithm: str = "fast",
+               read: Optional[ReadOptions] = None) -> Trace:
+    """Read a trace of any supported format (auto-detected unless ``format`` is given).
+    ``read``: how bad lines are treated (default: the first raises TraceFormatError; with
+    ``ReadOptions(strict=False)`` they are skipped and listed in its ``problems``)."""
     path = Path(path)
     if not path.exists():
         raise TraceFormatError(f"{path}:0: expected an existing trace file")
@@ -589,11 +607,12 @@ def load_trace(path: str | Path, format: Optional[str] = None,
         raise TraceFormatError(f"{path}:0: expected --format to be one of {', '.join(FORMATS)}")
     if block_size_tokens is not None and block_size_tokens <= 0:
         raise TraceFormatError(f"{path}:0: expected a positive block size")
+    read = ReadOptions() if read is None else read
     loaders: dict[str, Callable[..., Trace]] = {
-        "mooncake": lambda: load_mooncake(path, block_size_tokens),
-        "tokens": lambda: load_tokens(path, block_size_tokens, hash_algorithm),
-        "vllm": lambda: load_vllm(path, block_size_tokens, hash_algorithm),
-        "kvdiag": lambda: load_kvdiag(path, block_size_tokens, hash_algorithm),
+        "mooncake": lambda: load_mooncake(path, block_size_tokens, read),
+        "tokens": lambda: load_tokens(path, block_size_tokens, hash_algorithm, read),
+        "vllm": lambda: load_vllm(path, block_size_tokens, hash_algorithm, read),
+        "kvdiag": lambda: load_kvdiag(path, block_size_tokens, hash_algorithm, read),
     }
     return loaders[fmt]()
 
@@ -617,25 +636,26 @@ def trace_from_tokens(requests: list[list[int]], block_size_tokens: int,
     return b.build()
 
 
-def prompt_token_ids(path: str | Path, format: Optional[str] = None) -> list[list[int]]:
+def prompt_token_ids(path: str | Path, format: Optional[str] = None,
+                     read: Optional[ReadOptions] = None) -> list[list[int]]:
     """The prompts' token ids of a kvdiag log (``request_arrived.token_ids``) or a token-id
-    trace, in arrival order; other formats carry no tokens."""
+    trace, in arrival order; other formats carry no tokens. ``read`` as in :func:`load_trace`."""
     path = Path(path)
+    read = ReadOptions() if read is None else read
     fmt = format or detect_format(path)
     if fmt == "tokens":
-        return [_int_list(obj.get("token_ids") if isinstance(obj, dict) else None, path, lineno,
-                          "token_ids") for lineno, obj in _json_lines(path)]
-    if fmt != "kvdiag":
+        prompts = [req.token_ids for _, req in decoded_lines(path, _tokens_line, read)]
+    elif fmt == "kvdiag":
+        from kvdiag.schema import RequestArrived
+
+        prompts = [ev.token_ids for ev in _log_events(
+            path, read, lambda ev: isinstance(ev, RequestArrived) and ev.token_ids is not None)]
+    else:
         raise TraceFormatError(f"{path}:1: expected a kvdiag log or token-id trace with token ids "
                                f"(a {fmt} trace has none)")
-    from kvdiag import eventlog
-    from kvdiag.schema import RequestArrived
-
-    try:
-        prompts = [ev.token_ids for ev in eventlog.iter_events(path, strict=True)
-                   if isinstance(ev, RequestArrived) and ev.token_ids is not None]
-    except eventlog.LogFormatError as exc:
-        raise TraceFormatError(str(exc)) from None
     if not prompts:
-        raise TraceFormatError(f"{path}:1: expected request_arrived events with token_ids")
+        raise TraceFormatError(f"{path}:1: expected " + (
+            "request_arrived events with token_ids" if fmt == "kvdiag" else "token-id requests")
+            + (f", found only unreadable lines (first: {read.problems[0]})"
+               if read.problems else ""))
     return prompts

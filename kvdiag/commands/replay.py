@@ -10,6 +10,8 @@ import re
 import sys
 from typing import Optional
 
+from kvdiag.commands._logs import add_input_arguments, skipped_lines, tell_skipped
+
 DESCRIPTION = """\
 Replay a trace through shadow prefix caches and print hit rates per policy and capacity.
 
@@ -66,7 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-shared-tokens", type=int, default=16, metavar="N",
                         help="--similarity: two requests share a system prompt when their first "
                              "N tokens are equal (default 16)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of a table: the trace's counts, "
+                             "\"rows\" (one per policy and capacity, or curve point) and "
+                             "\"skipped_lines\" ({\"count\", \"first\"})")
+    add_input_arguments(parser)
 
 
 def parse_capacity(text: str) -> tuple[Optional[int], Optional[int]]:
@@ -122,38 +128,59 @@ def _streamable(args, fmt: str, policies: list[str]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdiag.analysis.traces import TraceFormatError, detect_format
+    from kvdiag.analysis.traces import ReadOptions, TraceFormatError, detect_format
 
+    read = ReadOptions(strict=args.strict, partial=args.partial)
     try:
         caps = [parse_capacity(c) for c in (args.capacity or ["unbounded"])]
     except ValueError as exc:
         print(f"kvdiag replay: {exc}", file=sys.stderr)
         return 2
     if args.similarity:
-        return _run_similarity(args)
+        return _run_similarity(args, read)
     policies = args.policy or ["lru"]
     bar = None
     try:
         fmt = args.format or detect_format(args.trace)
         if _streamable(args, fmt, policies):
-            rows, info = _replay_streamed(args, fmt, policies, caps)
+            rows, info = _replay_streamed(args, fmt, policies, caps, read)
         else:
-            rows, info = _replay_loaded(args, fmt, policies, caps)
+            rows, info = _replay_loaded(args, fmt, policies, caps, read)
+        if read.problems and not info["requests"]:
+            raise TraceFormatError(f"{args.trace}: expected at least one readable request, found "
+                                   f"only unreadable lines (first: {read.problems[0]})")
     except TraceFormatError as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except _Usage as exc:
         print(f"{args.trace}:1: {exc}", file=sys.stderr)
         return 2
+    tell_skipped("replay", read.problems)
     try:
         if args.json:
-            print(json.dumps(rows, indent=1, default=float))
+            print(json.dumps(_json_object(info, rows, read.problems), indent=1, default=float))
         else:
             _print_table(info, rows, args.curve)
         sys.stdout.flush()
     except BrokenPipeError:  # `kvdiag replay ... | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _json_object(info: dict, rows: list[dict], problems: list[str]) -> dict:
+    """``replay --json``: the trace's counts, one row per policy and capacity (or curve
+    point), and the lines skipped."""
+    keys = ("source", "format", "requests", "block_refs", "distinct_blocks",
+            "block_size_tokens", "engine_hit_rate", "notes")
+    out = {k: info[k] for k in keys}
+    fp = info["footprint"]
+    out["memory_footprint"] = {"concurrency_model": fp.concurrency_model,
+                               "peak_unshared_blocks": fp.peak_unshared_blocks,
+                               "peak_shared_blocks": fp.peak_shared_blocks,
+                               "reduction": fp.reduction}
+    out["rows"] = rows
+    out["skipped_lines"] = skipped_lines(problems)
+    return out
 
 
 class _Usage(ValueError):
@@ -172,11 +199,11 @@ def _capacities(caps, block_size: int, bpt: Optional[int]) -> list[Optional[int]
     return out
 
 
-def _replay_streamed(args, fmt, policies, caps):
+def _replay_streamed(args, fmt, policies, caps, read):
     from kvdiag.analysis import sharing
     from kvdiag.analysis.traces import iter_requests
 
-    block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash)
+    block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash, read)
     bpt = args.bytes_per_token
     capacities = _capacities(caps, block_size, bpt)
     bar, tick = _progress(None, args.json)
@@ -201,12 +228,12 @@ def _replay_streamed(args, fmt, policies, caps):
     return rows, info
 
 
-def _replay_loaded(args, fmt, policies, caps):
+def _replay_loaded(args, fmt, policies, caps, read):
     from kvdiag.analysis import sharing
     from kvdiag.analysis.traces import load_trace
 
     trace = load_trace(args.trace, format=fmt, block_size_tokens=args.block_size,
-                       hash_algorithm=args.hash)
+                       hash_algorithm=args.hash, read=read)
     bpt = args.bytes_per_token or trace.bytes_per_token
     capacities = _capacities(caps, trace.block_size_tokens, bpt)
     if args.curve:
@@ -233,7 +260,7 @@ def _replay_loaded(args, fmt, policies, caps):
     return rows, info
 
 
-def _run_similarity(args: argparse.Namespace) -> int:
+def _run_similarity(args: argparse.Namespace, read) -> int:
     """K/V cosine similarity of the trace's prompts on the real model (module docstring of
     kvdiag.analysis.similarity has the definition)."""
     import msgspec
@@ -243,10 +270,11 @@ def _run_similarity(args: argparse.Namespace) -> int:
     from kvdiag.model import load_model
 
     try:
-        prompts = prompt_token_ids(args.trace, args.format)
+        prompts = prompt_token_ids(args.trace, args.format, read)
     except TraceFormatError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    tell_skipped("replay", read.problems)
     from kvdiag.commands.fetch_model import resolve_with_progress
     from kvdiag.model import ModelFetchError
 
@@ -261,7 +289,8 @@ def _run_similarity(args: argparse.Namespace) -> int:
                         min_shared_tokens=args.min_shared_tokens)
     events = res.events(time.time_ns())
     if args.json:
-        print(json.dumps(msgspec.to_builtins(events), indent=1))
+        print(json.dumps({"similarity": msgspec.to_builtins(events),
+                          "skipped_lines": skipped_lines(read.problems)}, indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table

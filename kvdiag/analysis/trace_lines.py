@@ -1,0 +1,165 @@
+"""Reading the lines of a JSONL trace: decoding with checks, and the lines skipped.
+
+Each line is decoded by msgspec (typed, with range constraints, where the format allows), so
+``NaN``/``Infinity``, integers beyond int64 and mistyped fields never reach an analysis. A line
+that fails is a *problem* ``file:line: field: expected ...``: collected and skipped
+(:class:`ReadOptions` ``strict=False``) or raised as :class:`TraceFormatError`. A last line
+without a newline that is not JSON (a writer killed mid-line) is an error unless ``partial``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Callable, Iterator, Optional, TypeVar
+
+import msgspec
+
+INT64_MAX = 2**63 - 1
+MAX_TS_S = INT64_MAX // 10**9  # timestamps in seconds whose nanoseconds fit in int64
+MAX_TS_MS = INT64_MAX // 10**6
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+"""A size, length, id or count: 0..2^63-1."""
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_TS_S)]
+Millis = Annotated[float, msgspec.Meta(ge=0, le=MAX_TS_MS)]
+
+T = TypeVar("T")
+
+
+class TraceFormatError(ValueError):
+    """An unreadable trace; the message is ``file:line: [field: ]expected ...``."""
+
+
+class BadLine(ValueError):
+    """One line's problem, ``field: expected ...``; ``malformed``: the line is not JSON at all
+    (for a last line without a newline: cut short by its writer)."""
+
+    def __init__(self, message: str, malformed: bool = False) -> None:
+        super().__init__(message)
+        self.malformed = malformed
+
+
+@dataclass
+class ReadOptions:
+    """How a reader treats bad lines: ``strict`` raises at the first (the library default);
+    otherwise each is skipped and its message kept in ``problems``. ``partial`` accepts a last
+    line cut short mid-line (dropped, not a problem)."""
+
+    strict: bool = True
+    partial: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    def skip(self, message: str) -> None:
+        """A bad line ``file:line: why``: raise (strict) or keep it."""
+        if self.strict:
+            raise TraceFormatError(message)
+        self.problems.append(message)
+
+
+def raw_lines(path: Path, opts: ReadOptions) -> Iterator[tuple[int, bytes, bool]]:
+    """(line number, bytes, is an unterminated last line) of each non-blank line of a plain or
+    gzip file. A gzip stream that ends early is a cut (error unless ``partial``)."""
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        f = gzip.open(path, "rb") if gz else open(path, "rb")
+    except OSError as exc:
+        raise TraceFormatError(f"{path}:0: expected a readable trace file ({exc})") from None
+    lineno = 0
+    with f:
+        while True:
+            try:
+                line = f.readline()
+            except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as exc:
+                if not opts.partial:
+                    raise TraceFormatError(f"{path}:{lineno + 1}: expected a complete compressed "
+                                           f"stream ({exc}; pass --partial to use the lines "
+                                           "before the cut)") from None
+                return
+            if not line:
+                return
+            lineno += 1
+            if line.strip():
+                yield lineno, line, not line.endswith(b"\n")
+
+
+def decoded_lines(path: Path, decode: Callable[[bytes], T],
+                  opts: ReadOptions) -> Iterator[tuple[int, T]]:
+    """(line number, ``decode(line)``) for each line that decodes; a :class:`BadLine` is
+    skipped through ``opts`` (see the module docstring for a cut last line)."""
+    for lineno, line, unterminated in raw_lines(path, opts):
+        try:
+            value = decode(line)
+        except BadLine as exc:
+            if unterminated and exc.malformed:
+                if opts.partial:
+                    return
+                raise TraceFormatError(f"{path}:{lineno}: expected a complete last line, found "
+                                       "one cut short (writer killed?); pass --partial to use "
+                                       "the lines before it") from None
+            opts.skip(f"{path}:{lineno}: {exc}")
+            continue
+        yield lineno, value
+
+
+def decode_json(line: bytes, decoder: Optional[msgspec.json.Decoder] = None):
+    """One JSON line, typed by ``decoder`` (untyped without); raises :class:`BadLine`."""
+    try:
+        return (decoder or _ANY).decode(line)
+    except msgspec.ValidationError as exc:
+        raise BadLine(_validation_message(str(exc))) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _malformed(line, exc) from None
+
+
+_ANY = msgspec.json.Decoder()
+_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
+
+
+def _validation_message(text: str) -> str:
+    """msgspec's ``Expected `int` <= 5 - at `$.a[0]``` as ``a[0]: expected int <= 5``."""
+    what, where = _AT.match(text).groups()
+    where = (where or "").lstrip(".")
+    missing = re.match(r"Object missing required field `(.*)`", what)
+    if missing:
+        name = (where + "." if where else "") + missing.group(1)
+        return f"{name}: expected a value, found the field missing"
+    what = what.replace("`", "")
+    if what == "Number out of range":
+        what = "expected a finite number, found one out of range"
+    what = what[:1].lower() + what[1:]
+    return f"{where}: {what}" if where else what
+
+
+def _malformed(line: bytes, exc: Exception) -> BadLine:
+    """Why msgspec rejected a line: a NaN/Infinity literal (named by its field, as Python's
+    json reads them), or not JSON."""
+    try:
+        where = _non_finite(json.loads(line), "")
+    except (ValueError, RecursionError):
+        where = None
+    if where is None:
+        return BadLine(f"expected one JSON value per line ({exc})", malformed=True)
+    name, value = where
+    literal = "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
+    return BadLine(f"{name}: expected a finite number, found {literal}" if name
+                   else f"expected a finite number, found {literal}")
+
+
+def _non_finite(obj, where: str) -> Optional[tuple[str, float]]:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) \
+        if isinstance(obj, list) else ()
+    for key, value in items:
+        sub = f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else key)
+        found = _non_finite(value, sub)
+        if found is not None:
+            return found
+    return None
