@@ -229,6 +229,7 @@ class EventLog:
     frames: dict[str, pd.DataFrame]
     problems: list[str] = field(default_factory=list)
     unknown_types: dict[str, int] = field(default_factory=dict)
+    cut: Optional[str] = None  # why the log ends early (a writer killed mid-line), if it does
 
     def frame(self, tag_or_cls: str | type[Event]) -> pd.DataFrame:
         """The events of one type; an empty frame with the right columns when there are none."""
@@ -317,17 +318,29 @@ def read_header(path: str | os.PathLike) -> LogHeader:
     raise LogFormatError(f"{path}: empty file, expected a kvdiag log header line")
 
 
+@dataclass
+class ReadOutcome:
+    """What reading a log left out: unreadable lines (``file:line: why``) and the cut, if the
+    log ends early (a writer killed mid-line)."""
+
+    header: Optional[LogHeader] = None
+    problems: list[str] = field(default_factory=list)
+    cut: Optional[str] = None
+
+
 class _EventStream:
     """Decodes the event lines of a log block by block, collecting problems on the side."""
 
     def __init__(self, path: Path, strict: bool,
-                 on_progress: Optional[Callable[[int], None]] = None):
+                 on_progress: Optional[Callable[[int], None]] = None, warn: bool = True):
         self.path = path
+        self.warn = warn
         self.strict = strict
         self.on_progress = on_progress
         self.header: Optional[LogHeader] = None
         self.problems: list[str] = []
         self.unknown_types: dict[str, int] = {}
+        self.cut: Optional[str] = None
 
     def batches(self) -> Iterator[list[Event]]:
         chunks = _Chunks(self.path)
@@ -343,8 +356,10 @@ class _EventStream:
         if self.header is None:
             raise LogFormatError(f"{self.path}: empty file, expected a kvdiag log header line")
         if chunks.truncated:
-            warnings.warn(f"{self.path}: compressed stream ends early (writer killed?); "
-                          f"read everything before the cut")
+            self.cut = (f"{self.path}: compressed stream ends early (writer killed?); "
+                        f"read everything before the cut")
+            if self.warn:
+                warnings.warn(self.cut)
 
     def _decode(self, first_lineno: int, block: bytes, last_line: bool = False) -> list[Event]:
         n_lines = block.count(b"\n") + (not block.endswith(b"\n"))
@@ -380,8 +395,10 @@ class _EventStream:
             self.unknown_types[obj["type"]] = self.unknown_types.get(obj["type"], 0) + 1
             return
         if last_line and obj is None:
-            warnings.warn(f"{self.path}:{lineno}: skipped a truncated last line "
-                          f"(the writer stopped mid-line)")
+            self.cut = (f"{self.path}:{lineno}: skipped a truncated last line "
+                        f"(the writer stopped mid-line)")
+            if self.warn:
+                warnings.warn(self.cut)
             return
         message = f"{self.path}:{lineno}: {_why(exc, obj)}"
         if self.strict:
@@ -411,12 +428,18 @@ def _why(exc: Exception, obj: object) -> str:
     return f"{obj.get('type', 'event')}{'.' if where else ''}{where}: {what}"
 
 
-def iter_events(path: str | os.PathLike, strict: bool = False) -> Iterator[Event]:
+def iter_events(path: str | os.PathLike, strict: bool = False,
+                outcome: Optional["ReadOutcome"] = None) -> Iterator[Event]:
     """Stream the events of a log in file order. Bad lines are skipped (``strict``: raise
-    LogFormatError); a truncated last line is skipped with a warning."""
-    stream = _EventStream(Path(path), strict)
+    LogFormatError); a truncated last line is skipped. Given ``outcome``, the header, the
+    skipped lines and the cut are recorded there; otherwise they are warnings (the first 20
+    skipped lines)."""
+    stream = _EventStream(Path(path), strict, warn=outcome is None)
     for batch in stream.batches():
         yield from batch
+    if outcome is not None:
+        outcome.header, outcome.problems, outcome.cut = stream.header, stream.problems, stream.cut
+        return
     for message in stream.problems[:20]:
         warnings.warn(message)
 
@@ -465,7 +488,7 @@ def _read_log(path: Path, wanted: Optional[set[str]], strict: bool,
             parts.append(_to_frame(cls, rows[cls]))
         frames[event_tag(cls)] = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
     return EventLog(path=path, header=stream.header, frames=frames,
-                    problems=stream.problems, unknown_types=stream.unknown_types)
+                    problems=stream.problems, unknown_types=stream.unknown_types, cut=stream.cut)
 
 
 def _to_frame(cls: type[Event], rows: list[tuple]) -> pd.DataFrame:

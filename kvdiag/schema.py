@@ -37,6 +37,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 """A non-negative int64: sizes, lengths, counts, ids, durations and timestamps."""
 TimestampNs = Annotated[int, msgspec.Meta(ge=0, le=4_102_444_800 * 10**9)]
 """Wall-clock nanoseconds since 1970, before 2100: a time axis that arithmetic cannot overflow."""
+Index = Annotated[int, msgspec.Meta(ge=0, le=1023)]
+"""A layer or head index (models have at most a few hundred of each): views draw a grid."""
 Positive = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 """A positive int64: a size that is divided by (tokens per block)."""
 Real = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
@@ -380,8 +382,8 @@ class ShadowCompression(Event, tag="shadow_compression"):
     """A compressor run on a copy of one layer/head's live KV. Relative errors are
     ||x - x_hat|| / ||x|| (Frobenius); ``ratio`` = original bytes / stored bytes."""
 
-    layer: Count
-    head: Count
+    layer: Index
+    head: Index
     method: str
     seq_len_tokens: Count
     ratio: NonNegative
@@ -402,8 +404,8 @@ open-ended."""
 class ShadowLocality(Event, tag="shadow_locality"):
     """Where one query head's attention went on a sampled decode step (fractions of 1)."""
 
-    layer: Count
-    head: Count
+    layer: Index
+    head: Index
     seq_len_tokens: Count
     recent_mass: NonNegative  # on the most recent 20% of positions
     sink_mass: NonNegative  # on the first 4 positions
@@ -416,7 +418,7 @@ class ShadowLocality(Event, tag="shadow_locality"):
 class ShadowSimilarity(Event, tag="shadow_similarity"):
     """Mean cosine similarity of K (and V) at the first ``positions`` of two request groups."""
 
-    layer: Count
+    layer: Index
     positions: Count
     same_prompt: bool
     k_cosine: Real

@@ -22,6 +22,7 @@ def hypothesis_examples(ci: int) -> int:
     """``ci`` examples, or the loaded profile's count where a soak profile asks for more."""
     return max(ci, settings().max_examples) if settings().max_examples > 100 else ci
 
+
 HARDWARE_SKIP = "needs a GPU"
 """Prefix of the only skip reason CI accepts: hardware this machine does not have."""
 

@@ -361,10 +361,9 @@ def replay_free_list(events: Iterable[Event]) -> Optional[FreeListState]:
         return None
     busy = set(holders) | cached
     first_id = max(0, max_id + 1 - num_blocks)
-    longest = run = 0
-    for b in range(first_id, first_id + num_blocks):
-        run = 0 if b in busy else run + 1
-        longest = max(longest, run)
+    end_id = first_id + num_blocks
+    bounds = [first_id - 1, *sorted(b for b in busy if first_id <= b < end_id), end_id]
+    longest = max(b - a - 1 for a, b in zip(bounds, bounds[1:]))  # the longest free run
     free = num_blocks - len(busy)
     return FreeListState(num_blocks, free, len(cached - set(holders)), len(holders), longest,
                          _ext_frag(free, longest))

@@ -175,13 +175,11 @@ def load(paths: Iterable[str | Path], on_progress: Optional[Callable[[int], None
     items, problems = [], []
     wanted = set(TAGS) - set(skip)
     for path in paths:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reader's warnings: returned and raised here
             log = read_log(path, types=wanted, on_progress=on_progress, strict=strict)
-        cut = [str(w.message) for w in caught
-               if "truncated" in str(w.message) or "ends early" in str(w.message)]
-        if cut and not allow_truncated:
-            raise LogFormatError(f"{cut[0]}; expected a complete log (pass --partial to "
+        if log.cut and not allow_truncated:
+            raise LogFormatError(f"{log.cut}; expected a complete log (pass --partial to "
                                  f"use the events before the cut)")
         if len(log) == 0:
             where = f"{path}:{2 + len(log.problems)}"

@@ -33,7 +33,6 @@ lines and lists them instead.
 from __future__ import annotations
 
 import json
-import warnings
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -499,20 +498,16 @@ def _log_events(path: Path, read: ReadOptions, keep: Callable[[object], bool]) -
     (``strict``: the first raises; a cut last line raises unless ``partial``)."""
     from kvdiag import eventlog  # the log reader; imported lazily (only this format needs it)
 
+    outcome = eventlog.ReadOutcome()
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            events = [ev for ev in eventlog.iter_events(path, strict=read.strict) if keep(ev)]
+        events = [ev for ev in eventlog.iter_events(path, strict=read.strict, outcome=outcome)
+                  if keep(ev)]
     except eventlog.LogFormatError as exc:
         raise TraceFormatError(str(exc)) from None
-    for w in caught:
-        message = str(w.message)
-        if "truncated last line" in message or "ends early" in message:  # eventlog's cut
-            if not read.partial:
-                raise TraceFormatError(f"{message}; expected a complete log (pass --partial to "
-                                       "use the events before the cut)")
-        elif str(path) in message:
-            read.problems.append(message)
+    if outcome.cut and not read.partial:
+        raise TraceFormatError(f"{outcome.cut}; expected a complete log (pass --partial to "
+                               "use the events before the cut)")
+    read.problems.extend(outcome.problems)
     return events
 
 

@@ -582,15 +582,11 @@ class LiveState:
         num_heads = max(k[1] for k in self.locality_sum) + 1
         cells = {}
         for i, metric in enumerate(LOCALITY_METRICS):
-            grid = []
-            for layer in range(num_layers):
-                row = []
-                for head in range(num_heads):
-                    sums = self.locality_sum.get((layer, head))
-                    count = (sums[5] if i == 3 else sums[4]) if sums else 0
-                    row.append(sums[i] / count if count else None)
-                grid.append(tuple(row))
-            cells[metric] = tuple(grid)
+            grid = [[None] * num_heads for _ in range(num_layers)]  # None: no sample there
+            for (layer, head), sums in self.locality_sum.items():
+                count = sums[5] if i == 3 else sums[4]
+                grid[layer][head] = sums[i] / count if count else None
+            cells[metric] = tuple(map(tuple, grid))
         return LocalityView(num_layers, num_heads, cells, self.locality_samples, "")
 
     def _latency_view(self, first: int, last: int, window: list[_Bin], window_s: float,
