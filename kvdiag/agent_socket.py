@@ -84,6 +84,7 @@ class LiveSocketSink:
         self.refused_clients = 0
         self.max_clients, self.client_queue_bytes, self.client_stall_s = max_clients, client_queue_bytes, client_stall_s
         self._encoder = msgspec.json.Encoder()
+        self._setup_encoder = msgspec.json.Encoder()  # record()'s, on the engine's thread
         self._header_line = self._encoder.encode(header) + b"\n"
         self._pending: deque[Event] = deque()
         self._max_pending = max_pending
@@ -123,7 +124,7 @@ class LiveSocketSink:
             key = "pool" if isinstance(event, KVPoolInfo) else f"status:{event.collector}"
             if key in self._setup_lines or len(self._setup_lines) < 256:
                 try:
-                    self._setup_lines[key] = self._encoder.encode(event) + b"\n"
+                    self._setup_lines[key] = self._setup_encoder.encode(event) + b"\n"
                 except Exception:
                     pass
         if not self._clients:  # nobody listening: nothing to do on the hot path
