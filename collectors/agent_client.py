@@ -3,12 +3,20 @@
 
 :class:`AgentConnection` is the one client of that protocol (connect, header, events);
 :class:`AgentStream` records a connection's events into a sink from a background thread;
-:func:`candidate_sockets` finds a process tree's agent sockets."""
+:func:`candidate_sockets` finds a process tree's agent sockets.
+
+Trust: a socket file owned by another uid, or a symlink, is never connected to, and after
+connecting the peer's uid (``SO_PEERCRED``, Linux) must be this process's uid. Timeouts: the
+connect and the header are bounded by :data:`HEADER_TIMEOUT_S` (a live agent answers at
+once); the agent sends a blank keep-alive line every second it has nothing else to say, so a
+reader may bound every later read too (:data:`READ_TIMEOUT_S`)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
+import struct
 import threading
 import time
 from pathlib import Path
@@ -26,13 +34,55 @@ _HEADER_DECODER = msgspec.json.Decoder(LogHeader)
 _EVENT_DECODER = msgspec.json.Decoder(AnyEvent)
 
 
+HEADER_TIMEOUT_S = 5.0
+"""Longest wait for the connection and the agent's header line."""
+READ_TIMEOUT_S = 10.0
+"""Longest silence after the header before a reader may call the agent not answering."""
+
+
 class AgentProtocolError(ConnectionError):
     """The agent closed the connection before its header, or its first line is not a header."""
 
 
+class AgentNotAnswering(AgentProtocolError):
+    """The agent accepted the connection (or left it pending) but sent no header in time."""
+
+
+class AgentRefused(AgentProtocolError):
+    """The agent refused this client (too many clients, out of file descriptors); the message
+    is its one-line reason."""
+
+
+class AgentNotTrusted(PermissionError):
+    """The socket, or the process serving it, belongs to another user: not connected to."""
+
+
+def check_socket_owner(path: Path) -> None:
+    """Raise :class:`AgentNotTrusted` when ``path`` is a symlink or a file of another uid
+    (nothing is raised for a missing path: connecting then fails as usual)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise AgentNotTrusted(f"{path} is a symlink; not connecting to it")
+    if st.st_uid != os.getuid():
+        raise AgentNotTrusted(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); "
+                              "not connecting to it (run kvdiag as the server's user)")
+
+
+def _peer_uid(sock: socket.socket) -> Optional[int]:
+    """The uid of the process at the other end (None where SO_PEERCRED is not available)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
 class AgentConnection:
-    """One connection to an agent socket. ``timeout_s`` bounds the connect and every read
-    (None: block). Raises OSError when nothing listens at ``path``.
+    """One connection to an agent socket. ``timeout_s`` bounds every read (None: block); the
+    connect and the header are bounded by :data:`HEADER_TIMEOUT_S` as well. Raises OSError
+    when nothing listens at ``path``, :class:`AgentNotTrusted` for another user's socket.
 
     Read :meth:`read_header` first, then :meth:`events` (decoded) or :meth:`lines` (raw, each
     a log line with its newline)."""
@@ -40,41 +90,72 @@ class AgentConnection:
     def __init__(self, path: str | os.PathLike, timeout_s: Optional[float] = None) -> None:
         self.path = Path(path)
         self.header_line: Optional[bytes] = None
+        self.header: Optional[LogHeader] = None
+        self.timed_out = False  # a read timed out (set by lines())
+        self._timeout_s = timeout_s
+        check_socket_owner(self.path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout_s)
+        self._sock.settimeout(self._header_timeout_s())
         try:
             self._sock.connect(str(self.path))
+            uid = _peer_uid(self._sock)
+            if uid is not None and uid != os.getuid():
+                raise AgentNotTrusted(f"{self.path} is served by uid {uid}, not by this user (uid {os.getuid()}); "
+                                      "not reading it")
+        except TimeoutError:  # its listen backlog is full: nobody accepts
+            self._sock.close()
+            raise AgentNotAnswering(f"{self.path}: the agent is not answering "
+                                    f"(connection not accepted within {self._header_timeout_s():g} s)") from None
         except OSError:
             self._sock.close()
             raise
+        self._sock.settimeout(timeout_s)
         self._file = self._sock.makefile("rb")
+
+    def _header_timeout_s(self) -> float:
+        return HEADER_TIMEOUT_S if self._timeout_s is None else min(self._timeout_s, HEADER_TIMEOUT_S)
 
     def settimeout(self, timeout_s: Optional[float]) -> None:
         """Bound the following reads (None: block until data or close)."""
+        self._timeout_s = timeout_s
         self._sock.settimeout(timeout_s)
 
     def read_header(self) -> LogHeader:
         """The stream's first non-blank line as the agent's ``LogHeader`` (kept raw in
-        ``header_line``); raises :class:`AgentProtocolError` if it is missing or not a header."""
-        for line in self._file:
-            if line.strip():
-                break
-        else:
-            raise AgentProtocolError(f"{self.path}: the agent closed the connection before its header")
+        ``header_line``); raises :class:`AgentNotAnswering` when none comes within
+        :data:`HEADER_TIMEOUT_S`, :class:`AgentRefused` when the agent refused this client and
+        :class:`AgentProtocolError` if it is missing or not a header."""
+        wait_s = self._header_timeout_s()
+        self._sock.settimeout(wait_s)
+        try:
+            for line in self._file:
+                if line.strip():
+                    break
+            else:
+                raise AgentProtocolError(f"{self.path}: the agent closed the connection before its header")
+        except TimeoutError:
+            raise AgentNotAnswering(f"{self.path}: the agent is not answering (no header within {wait_s:g} s)") from None
+        self._sock.settimeout(self._timeout_s)
         self.header_line = line
         try:
-            return _HEADER_DECODER.decode(line)
+            self.header = _HEADER_DECODER.decode(line)
+            return self.header
         except msgspec.DecodeError as exc:
+            refused = _refusal(line)
+            if refused:
+                raise AgentRefused(f"{self.path}: the agent refused this client: {refused}") from None
             raise AgentProtocolError(f"{self.path}:1: expected a kvdiag log header line ({exc})") from None
 
     def lines(self) -> Iterator[bytes]:
         """The raw non-blank lines after the header, until the agent closes the connection, the
-        connection is closed or shut down here, or a read times out."""
+        connection is closed or shut down here, or a read times out (``timed_out`` is then set)."""
         try:
             for line in self._file:
                 if line.strip():
                     yield line
-        except (OSError, ValueError):  # timeout, reset, or closed here: the stream ends
+        except TimeoutError:
+            self.timed_out = True
+        except (OSError, ValueError):  # reset, or closed here: the stream ends
             return
 
     def events(self, on_bad_line: Optional[Callable[[bytes, msgspec.DecodeError], None]] = None
@@ -111,6 +192,15 @@ class AgentConnection:
         self.close()
 
 
+def _refusal(line: bytes) -> Optional[str]:
+    """The reason of the agent's refusal line ``{"refused": REASON}``, else None."""
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None
+    return str(obj["refused"]) if isinstance(obj, dict) and "refused" in obj else None
+
+
 def _is_agent_socket(path: str) -> bool:
     p = Path(path)
     return p.suffix == ".sock" and (p.name.startswith("agent-") or p.parent.name == "kvdiag"
@@ -135,7 +225,10 @@ def candidate_sockets(pids: list[int]) -> list[Path]:
     ``python -m kvdiag.run`` command line; Unix sockets the tree listens on that live in a
     kvdiag runtime dir or are named ``agent-*.sock``; the default per-pid path under the
     target's runtime dir (``$XDG_RUNTIME_DIR/kvdiag`` of its environment, else
-    ``/tmp/kvdiag-<uid>``). Only existing paths are returned."""
+    ``/tmp/kvdiag-<uid>``). Only existing sockets of this uid are returned; stale sockets of
+    dead agents in this uid's runtime dirs are removed on the way."""
+    from kvdiag.paths import remove_stale_sockets
+
     found: list[Path] = []
     for pid in pids:
         try:
@@ -160,13 +253,24 @@ def candidate_sockets(pids: list[int]) -> list[Path]:
             env, uid = {}, os.getuid()
         xdg = env.get("XDG_RUNTIME_DIR")
         base = Path(xdg) / "kvdiag" if xdg else Path(f"/tmp/kvdiag-{uid}")
+        if _owned_by_me(base, stat.S_ISDIR):
+            remove_stale_sockets(base)
         found.append(base / f"agent-{pid}.sock")
     seen, out = set(), []
     for p in found:
-        if p not in seen and p.exists():
+        if p not in seen and _owned_by_me(p, stat.S_ISSOCK):
             seen.add(p)
             out.append(p)
     return out
+
+
+def _owned_by_me(path: Path, is_kind) -> bool:
+    """Whether ``path`` exists, is of the kind ``is_kind`` tests (no symlink) and is this uid's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return is_kind(st.st_mode) and st.st_uid == os.getuid()
 
 
 class AgentStream:

@@ -11,24 +11,24 @@ Live stream protocol: a client connects to the socket (mode 0600, in the runtime
 ``LogHeader``, then the events that describe the setup whenever they happened (the latest
 ``KVPoolInfo`` and every ``CollectorStatus``: a client that joins after the engine built its
 pool still learns its shape), then every event as it happens (the same JSON as a log line). A client that
-reads too slowly loses events (counted; the agent never blocks the engine). There is no TCP
-listener.
+reads too slowly loses its own events (counted and told; the agent never blocks the engine);
+limits in :mod:`kvdiag.agent_socket`. There is no TCP listener. When the runtime dir may not
+be trusted (:func:`kvdiag.paths.check_private_dir`) or the socket cannot be made, the agent
+logs one warning and records without it.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
-from collections import deque
+import logging
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import msgspec
 
-from kvdiag.paths import agent_socket_path
-from kvdiag.schema import CollectorStatus, Event, KVPoolInfo, LogHeader
+from kvdiag.agent_socket import LiveSocketSink
 from kvdiag.sinks import FanoutSink, Sink
+
+__all__ = ["Agent", "LiveSocketSink", "current", "start", "stop"]
 
 ENGINE = "transformers-cb"
 
@@ -40,115 +40,6 @@ class Adapter(Protocol):
     def sample_now(self) -> None: ...
 
     def uninstall(self) -> None: ...
-
-
-class LiveSocketSink:
-    """A Sink that streams events as JSON lines to every client of a Unix socket."""
-
-    def __init__(self, path: Path, header: LogHeader, max_pending: int = 50_000) -> None:
-        self.path = Path(path)
-        self.dropped_events = 0
-        self._encoder = msgspec.json.Encoder()
-        self._header_line = self._encoder.encode(header) + b"\n"
-        self._pending: deque[Event] = deque()
-        self._setup_lines: dict[str, bytes] = {}  # what a late client is told first (see module doc)
-        self._max_pending = max_pending
-        self._clients: list[socket.socket] = []
-        self._clients_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
-        if self.path.exists() or self.path.is_symlink():
-            self.path.unlink()
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
-        try:
-            self._server.bind(str(self.path))
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        self._server.listen(8)
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvdiag-agent-accept",
-                                               daemon=True)
-        self._send_thread = threading.Thread(target=self._send_loop, name="kvdiag-agent-send", daemon=True)
-        self._accept_thread.start()
-        self._send_thread.start()
-
-    @property
-    def num_clients(self) -> int:
-        return len(self._clients)
-
-    def record(self, event: Event) -> None:
-        if isinstance(event, (KVPoolInfo, CollectorStatus)):
-            key = "pool" if isinstance(event, KVPoolInfo) else f"status:{event.collector}"
-            if key in self._setup_lines or len(self._setup_lines) < 256:
-                self._setup_lines[key] = self._encoder.encode(event) + b"\n"
-        if not self._clients:  # nobody listening: nothing to do on the hot path
-            return
-        if len(self._pending) >= self._max_pending:
-            self.dropped_events += 1
-            return
-        self._pending.append(event)
-        self._wake.set()
-
-    def flush(self) -> None:
-        self._wake.set()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            try:
-                conn.sendall(self._header_line + b"".join(list(self._setup_lines.values())))
-            except OSError:
-                conn.close()
-                continue
-            with self._clients_lock:
-                self._clients.append(conn)
-
-    def _send_loop(self) -> None:
-        while not self._closed or self._pending:
-            self._wake.wait(timeout=0.2)
-            self._wake.clear()
-            if not self._pending:
-                continue
-            lines = []
-            while self._pending:
-                lines.append(self._encoder.encode(self._pending.popleft()))
-            payload = b"\n".join(lines) + b"\n"
-            with self._clients_lock:
-                clients = list(self._clients)
-            for conn in clients:
-                try:
-                    conn.sendall(payload)
-                except OSError:
-                    with self._clients_lock:
-                        if conn in self._clients:
-                            self._clients.remove(conn)
-                    conn.close()
-
-    def close(self) -> None:
-        """Send what is pending, close every client and remove the socket file."""
-        self._closed = True
-        self._wake.set()
-        self._send_thread.join(timeout=2)
-        try:
-            self._server.close()
-        except OSError:
-            pass
-        with self._clients_lock:
-            for conn in self._clients:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                conn.close()
-            self._clients.clear()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def bytes_per_token_of(model_dir: Optional[str]) -> Optional[int]:
@@ -187,7 +78,8 @@ class Agent:
                  host_memory: bool = True, engine: str = ENGINE,
                  adapter: Optional[Callable[..., Adapter]] = None) -> None:
         self.log_path = Path(log_path) if log_path else None
-        self.socket_path = Path(socket_path) if socket_path else (agent_socket_path() if live else None)
+        self.socket_path = Path(socket_path) if socket_path else None
+        self._live = live
         from kvdiag.eventlog import make_header
 
         self.header = make_header(engine=engine, model=str(model), block_size_tokens=block_size_tokens,
@@ -216,10 +108,10 @@ class Agent:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.writer = LogWriter(str(self.log_path), self.header)
             sinks.append(self.writer)
-        if self.socket_path is not None:
-            self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.live = LiveSocketSink(self.socket_path, self.header)
-            sinks.append(self.live)
+        if self._live or self.socket_path is not None:
+            self.live = self._open_socket()
+            if self.live is not None:
+                sinks.append(self.live)
         recorded: Sink = FanoutSink(sinks)
         adapter_sink = recorded
         if self._shadow_sharing:
@@ -239,6 +131,22 @@ class Agent:
             from kvdiag.collectors.procfs import ProcessSampler
             self.host_sampler = ProcessSampler.of_self(recorded, interval_s=self._sample_interval_s).start()
         return self
+
+    def _open_socket(self) -> Optional[LiveSocketSink]:
+        """The live socket, or None after one logged warning (the engine must not fail for it)."""
+        from kvdiag import paths
+
+        try:
+            if self.socket_path is None:
+                self.socket_path = paths.agent_socket_path()
+                paths.remove_stale_sockets(self.socket_path.parent)
+            else:
+                self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            return LiveSocketSink(self.socket_path, self.header)
+        except Exception as exc:
+            logging.getLogger("kvdiag.agent").warning(
+                "kvdiag agent: running without its live socket (the log still records): %s", exc)
+            return None
 
     def stop(self) -> None:
         """Take a last pool and host memory sample, uninstall the hooks, flush and close the log

@@ -66,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         print(f"kvdiag {args.command}: not available yet in kvdiag {__version__}", file=sys.stderr)
         return 2
+    from kvdiag.paths import RuntimeDirError
+
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except RuntimeDirError as exc:  # one line, no traceback: what to fix is in the message
+        print(f"kvdiag {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,14 +2,25 @@
 
 - cache dir: ``$KVDIAG_HOME`` if set, else ``$XDG_CACHE_HOME/kvdiag`` (default
   ``~/.cache/kvdiag``): converted models, downloaded wheels.
-- runtime dir: ``$XDG_RUNTIME_DIR/kvdiag`` or ``/tmp/kvdiag-$UID`` (mode 0700): agent sockets.
+- runtime dir: ``$XDG_RUNTIME_DIR/kvdiag`` or ``/tmp/kvdiag-$UID``: agent sockets. Created with
+  mode 0700 and used only when it is a real folder (no symlink), owned by this uid, with no
+  group or other permission bits; otherwise :class:`RuntimeDirError`.
 - log dir: ``<cache dir>/logs``: event logs recorded by ``kvdiag demo`` unless ``--log`` says.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import socket
+import stat
 from pathlib import Path
+
+
+class RuntimeDirError(PermissionError):
+    """The runtime dir may not be trusted (owner, mode or symlink); the message says why and
+    what to do (one line)."""
 
 
 def cache_dir() -> Path:
@@ -25,12 +36,36 @@ def cache_dir() -> Path:
 
 
 def runtime_dir() -> Path:
-    """A private folder (mode 0700) for the agent's Unix sockets."""
+    """The private folder for the agent's Unix sockets (created with mode 0700, then checked
+    with :func:`check_private_dir`)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        Path(xdg).mkdir(parents=True, exist_ok=True, mode=0o700)
     path = Path(xdg) / "kvdiag" if xdg else Path(f"/tmp/kvdiag-{os.getuid()}")
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # ours, just made: whatever the umask took away
+    except FileExistsError:
+        pass
+    check_private_dir(path)
     return path
+
+
+def check_private_dir(path: Path) -> None:
+    """Raise :class:`RuntimeDirError` unless ``path`` is a folder (not a symlink) owned by this
+    uid with no group or other permission bits (the checks OpenSSH and systemd make)."""
+    fix = "remove it, or set XDG_RUNTIME_DIR to a private folder"
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise RuntimeDirError(f"runtime dir {path} is a symlink; refusing to use it ({fix})")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"runtime dir {path} is not a folder; refusing to use it ({fix})")
+    if st.st_uid != os.getuid():
+        raise RuntimeDirError(f"runtime dir {path} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.getuid()}); refusing to use it ({fix})")
+    if st.st_mode & 0o077:
+        raise RuntimeDirError(f"runtime dir {path} has mode {stat.S_IMODE(st.st_mode):04o}, open to group or "
+                              f"others; refusing to use it (chmod 700 it, or {fix})")
 
 
 def log_dir() -> Path:
@@ -43,3 +78,50 @@ def log_dir() -> Path:
 def agent_socket_path(pid: int | None = None) -> Path:
     """The live-event socket of the agent in process ``pid`` (default: this process)."""
     return runtime_dir() / f"agent-{pid if pid is not None else os.getpid()}.sock"
+
+
+_SOCKET_NAME = re.compile(r"(?:agent|demo)-(\d+)(?:-\d+)?\.sock")
+
+
+def remove_stale_sockets(directory: Path) -> list[Path]:
+    """Remove this uid's ``agent-<pid>.sock`` and ``demo-<pid>-<port>.sock`` sockets in
+    ``directory`` whose process is gone and on which nothing listens; the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SOCKET_NAME.fullmatch(name)
+        path = Path(directory) / name
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and not _listening(path):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        pass
+    return True
+
+
+def _listening(path: Path) -> bool:
+    """Whether a connection to ``path`` is not refused (something listens there)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        code = probe.connect_ex(str(path))
+    return code not in (errno.ECONNREFUSED, errno.ENOENT)

@@ -8,6 +8,7 @@ import math
 import sys
 
 from kvdiag.analysis import rules
+from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S
 from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
                                    skipped_lines, tell_skipped)
 
@@ -25,7 +26,8 @@ sharing       the engine's prefix hit rate against the content's (shadow cache a
               settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
 
 Each rule is pass, warn, fail or n/a (no data) with its evidence.
-Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input."""
+Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input; with --pid also 2 when
+no agent can be reached or it is not answering (no header within {HEADER_TIMEOUT_S:g} s)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,15 +117,20 @@ def _live(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from kvdiag.collectors.agent_client import AgentConnection
+    from kvdiag.collectors.agent_client import AgentConnection, AgentNotAnswering, AgentRefused
     from kvdiag.paths import agent_socket_path
 
     if not psutil.pid_exists(args.pid):
         return fail("doctor", f"no process with pid {args.pid}")
-    path = args.socket if args.socket is not None else agent_socket_path(args.pid)
+    try:
+        path = args.socket if args.socket is not None else agent_socket_path(args.pid)
+    except OSError as exc:  # RuntimeDirError: the runtime dir may not be trusted
+        return fail("doctor", str(exc))
     deadline = time.monotonic() + args.seconds
     try:
         conn = AgentConnection(path, timeout_s=args.seconds)
+    except (AgentNotAnswering, AgentRefused) as exc:
+        return fail("doctor", f"{exc}; process {args.pid}")
     except OSError as exc:
         return fail("doctor", f"{path}: cannot reach a kvdiag agent in process {args.pid} ({exc.strerror or exc}); "
                     f"start the server under the agent (`python -m kvdiag.run ...`), or record a log "
@@ -133,6 +140,8 @@ def _live(args: argparse.Namespace) -> int:
         with conn, open(log, "wb") as f:
             try:
                 conn.read_header()
+            except (AgentNotAnswering, AgentRefused) as exc:
+                return fail("doctor", f"{exc}; process {args.pid}")
             except OSError as exc:  # AgentProtocolError, or a timeout
                 return fail("doctor", f"{path}: no kvdiag agent header from process {args.pid} "
                             f"within {args.seconds:g} s ({exc})")

@@ -16,6 +16,8 @@ sharing (engine vs shadow), compression, attention locality, latency, requests a
   kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
 
 Quitting never stops a server that top attached to. Press ? inside for the keys.
+Exit status 2 when the source cannot be opened: among others, --pid whose agent is not
+answering (no header within 5 s), refuses top (too many clients) or is another user's.
 """
 
 

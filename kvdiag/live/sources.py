@@ -23,6 +23,7 @@ import msgspec
 
 from kvdiag import schema as s
 from kvdiag.child import kvdiag_module, reset_interrupt_signal
+from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection, AgentProtocolError
 
 Clock = Callable[[], float]
@@ -117,17 +118,20 @@ class ReplaySource:
 class SocketSource:
     """Reads the kvdiag agent's stream: JSON lines on a Unix socket, the agent's
     :class:`LogHeader` first, then one event per line. A reader thread decodes into a
-    bounded queue; a line that does not decode, a full queue or a lost connection become
-    ``CollectorError``/``CollectorGap``/``CollectorStatus`` events, never exceptions. The
-    connection is retried every ``retry_s`` until :meth:`close`."""
+    bounded queue; a line that does not decode, a full queue, a lost connection or an agent
+    silent for :data:`~kvdiag.collectors.agent_client.READ_TIMEOUT_S` (it sends keep-alives
+    every second) become ``CollectorError``/``CollectorGap``/``CollectorStatus`` events, never
+    exceptions. The connection is retried every ``retry_s`` until :meth:`close`. ``conn``: a
+    connection whose header was read already (see :func:`attach`)."""
 
     live = True
 
     def __init__(self, path: str | os.PathLike, max_queue: int = 200_000, retry_s: float = 1.0,
-                 description: str = "") -> None:
+                 description: str = "", conn: Optional[AgentConnection] = None) -> None:
         self.path = Path(path)
         self.description = description or f"agent {self.path}"
-        self.header: Optional[s.LogHeader] = None
+        self.header: Optional[s.LogHeader] = conn.header if conn is not None else None
+        self._first_conn = conn
         self.paused = False
         self.finished = False
         self.connected = False
@@ -160,12 +164,12 @@ class SocketSource:
     def _run(self) -> None:
         was_connected = False
         while not self._stop.is_set():
+            conn, self._first_conn = self._first_conn, None
             try:
-                conn = AgentConnection(self.path)
+                conn = conn or AgentConnection(self.path, timeout_s=agent_client.READ_TIMEOUT_S)
             except OSError as exc:
-                if was_connected:
-                    self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream",
-                                                 available=False, hint=f"agent socket lost: {exc}"))
+                if was_connected or isinstance(exc, (AgentProtocolError, PermissionError)):
+                    self._status(f"agent socket lost: {exc}" if was_connected else str(exc))
                     was_connected = False
                 self._stop.wait(self._retry_s)
                 continue
@@ -175,16 +179,27 @@ class SocketSource:
             self._read(conn)
             self.connected = False
             conn.close()
+            if conn.timed_out:
+                self._status(f"{self.path}: the agent is not answering (nothing for "
+                             f"{agent_client.READ_TIMEOUT_S:g} s); reconnecting")
+                was_connected = False
+
+    def _status(self, hint: str) -> None:
+        self._emit(s.CollectorStatus(ts_ns=time.time_ns(), collector="agent-stream", available=False, hint=hint))
 
     def _read(self, conn: AgentConnection) -> None:
-        try:
-            self.header = conn.read_header()
-        except AgentProtocolError as exc:
-            if conn.header_line is None:  # closed before a header: nothing was sent
+        if conn.header is None:
+            try:
+                self.header = conn.read_header()
+            except agent_client.AgentNotAnswering as exc:
+                self._status(str(exc))
                 return
-            self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream", message=str(exc)))
-        except OSError:
-            return
+            except AgentProtocolError as exc:
+                if conn.header_line is None:  # closed before a header: nothing was sent
+                    return
+                self._emit(s.CollectorError(ts_ns=time.time_ns(), collector="agent-stream", message=str(exc)))
+            except OSError:
+                return
         for ev in conn.events(self._bad_line):
             if self._stop.is_set():
                 return
@@ -335,14 +350,28 @@ def with_host_view(primary, pid: int):
 
 def attach(pid: int):
     """A source for a running server: its agent socket if it has one, else the outside view.
-    Raises SourceError when there is no such process or it may not be read."""
+    Raises SourceError when there is no such process or it may not be read, and when its agent
+    does not send its header within :data:`~kvdiag.collectors.agent_client.HEADER_TIMEOUT_S`
+    ("the agent is not answering"), refuses us or is another user's."""
     import psutil
 
     if not psutil.pid_exists(pid):
         raise SourceError(f"no process with pid {pid}")
     path = find_agent_socket(pid)
     if path is not None:
-        return with_host_view(SocketSource(path, description=f"pid {pid} agent"), pid)
+        try:
+            conn = AgentConnection(path, timeout_s=agent_client.READ_TIMEOUT_S)
+        except (AgentProtocolError, PermissionError) as exc:
+            raise SourceError(f"pid {pid}: {exc}") from None
+        except OSError:  # it went away: the outside view
+            conn = None
+        if conn is not None:
+            try:
+                conn.read_header()
+            except OSError as exc:
+                conn.close()
+                raise SourceError(f"pid {pid}: {exc}") from None
+            return with_host_view(SocketSource(path, description=f"pid {pid} agent", conn=conn), pid)
     try:
         return ProcessSource(pid)
     except (RuntimeError, PermissionError) as exc:  # collectors' TargetGone / TargetNotAccessible
