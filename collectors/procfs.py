@@ -1,6 +1,10 @@
 """Host view of a target process and its children (psutil): RSS, PSS and swap, threads, CPU
 time, and the TCP ports it listens on (to find its HTTP ``/metrics``).
 
+A target that is an ancestor of kvdiag (a container's PID 1, the shell that started kvdiag)
+has kvdiag below it: :meth:`ProcessCollector.excluded_pids` (kvdiag, its descendants and its
+ancestors below the target) are never part of the target's tree.
+
 :class:`ProcessSampler` runs a :class:`ProcessCollector` on a thread of its own; the in-process
 agent uses it to sample its own process."""
 
@@ -46,6 +50,23 @@ def open_target(pid: int) -> psutil.Process:
             f"process {pid} is not ours to read: run kvdiag as its user or as root") from None
 
 
+def lineage_below(pid: int) -> list[int]:
+    """kvdiag's own ancestors strictly below ``pid``, outermost first, then kvdiag itself;
+    empty when ``pid`` is kvdiag itself or not one of its ancestors."""
+    me = os.getpid()
+    if pid == me:
+        return []
+    chain = [me]
+    try:
+        for parent in psutil.Process(me).parents():
+            if parent.pid == pid:
+                return chain[::-1]
+            chain.append(parent.pid)
+    except psutil.Error:
+        pass
+    return []
+
+
 class ProcessCollector:
     """Samples the target and its current children (re-listed each sample: engines spawn
     workers late)."""
@@ -60,15 +81,32 @@ class ProcessCollector:
         self.pss_budget_frac = pss_budget_frac
         self.pss_readable = pss_budget_frac is not None and os.path.exists(f"/proc/{pid}/smaps_rollup")
         self._next_pss_ns = 0
+        self.lineage = lineage_below(pid)  # non-empty when the target is an ancestor of kvdiag
+
+    def excluded_pids(self) -> set[int]:
+        """kvdiag's processes inside the target's tree: its ancestors below the target, itself
+        and its current descendants (py-spy); empty when the target is not an ancestor."""
+        if not self.lineage:
+            return set()
+        try:
+            below = [c.pid for c in psutil.Process(os.getpid()).children(recursive=True)]
+        except psutil.Error:
+            below = []
+        return set(self.lineage) | set(below)
 
     def processes(self) -> list[psutil.Process]:
-        """The target and its live descendants; raises ``TargetGone`` when the target exited."""
+        """The target and its live descendants but kvdiag's own (:meth:`excluded_pids`);
+        raises ``TargetGone`` when the target exited."""
         try:
             if self.root.status() == psutil.STATUS_ZOMBIE:
                 raise TargetGone(f"process {self.pid} has exited")
-            return [self.root] + (self.root.children(recursive=True) if self.children else [])
+            below = self.root.children(recursive=True) if self.children else []
         except psutil.NoSuchProcess:
             raise TargetGone(f"process {self.pid} has exited") from None
+        if self.lineage:
+            skip = self.excluded_pids()
+            below = [c for c in below if c.pid not in skip]
+        return [self.root] + below
 
     def _pss_due(self, p: psutil.Process, now: int) -> bool:
         return p.pid == self.pid and self.pss_readable and now >= self._next_pss_ns

@@ -1,10 +1,12 @@
 """Sample a target's Python stacks with py-spy and attribute them to serving phases.
 
-``py-spy record --nonblocking`` (the target is never paused) writes collapsed stacks over a
-window; each sample is classified by its frames, innermost first, into one of
-:data:`PHASES`. ``idle`` means the sampled thread was waiting (its innermost frame is a known
-wait: select/poll/sleep/lock/queue get); py-spy is run with ``--idle`` so waiting threads are
-counted. The share of a phase = its samples / all samples of the window (threads x ticks).
+``py-spy record --nonblocking`` writes collapsed stacks over a window; every py-spy run here is
+``--nonblocking``: py-spy reads the target's memory without ptrace-attaching it, so the target
+is never paused, traced or written to (a read may catch it mid-update: a failed sample). Each
+sample is classified by its frames, innermost first, into one of :data:`PHASES`. ``idle``
+means the sampled thread was waiting (its innermost frame is a known wait: select/poll/sleep/
+lock/queue get); py-spy is run with ``--idle`` so waiting threads are counted.
+The share of a phase = its samples / all samples of the window (threads x ticks).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 from kvdiag.schema import CollectorStatus, PhaseProfile
 
@@ -99,22 +101,32 @@ def explain_failure(pid: int, stderr: str) -> str:
     return f"py-spy failed on process {pid}: {first}"
 
 
-_PROCESS = re.compile(r'process \d+:".*?";', re.S)
+_PROCESS = re.compile(r'process (\d+):".*?";', re.S)
 _THREAD = re.compile(r"^thread \(\d+\)")
+_PROCESS_MARK = re.compile(r"^process (\d+)$")
 
 
-def parse_raw(text: str) -> Counter:
+def parse_raw(text: str, exclude_pids: Iterable[int] = ()) -> Counter:
     """Collapsed stacks from ``py-spy record --format raw`` (``frame;frame;... count`` per
     line, outermost first). With ``--subprocesses`` each stack starts with
-    ``process N:"command line"`` elements whose command may span lines; they are dropped."""
-    text = _PROCESS.sub("", text)
+    ``process N:"command line"`` elements (the sampled process last) whose command may span
+    lines; they are dropped, and so are the stacks sampled in a process of ``exclude_pids``."""
+    exclude = set(exclude_pids)
+    text = _PROCESS.sub(lambda m: f"process {m.group(1)};", text)
     out: Counter = Counter()
     for line in text.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
         if not count.isdigit() or not stack:
             continue
-        frames = [f for f in stack.split(";") if f and not _THREAD.match(f)]
-        out[tuple(frames)] += int(count)
+        frames, pid = [], None
+        for f in stack.split(";"):
+            mark = _PROCESS_MARK.match(f)
+            if mark:
+                pid = int(mark.group(1))
+            elif f and not _THREAD.match(f):
+                frames.append(f)
+        if pid not in exclude:
+            out[tuple(frames)] += int(count)
     return out
 
 
@@ -151,19 +163,19 @@ class PySpyRecorder:
     """One non-blocking ``py-spy record`` window running in the background."""
 
     def __init__(self, pid: int, duration_s: float, rate_hz: int = 50, subprocesses: bool = True,
-                 nonblocking: bool = True) -> None:
+                 exclude_pids: Iterable[int] = ()) -> None:
+        """``exclude_pids``: processes of the tree whose stacks are dropped (kvdiag's own)."""
         exe = pyspy_binary()
         if exe is None:
             raise PySpyError(NOT_FOUND)
         self.pid = pid
+        self.exclude_pids = frozenset(exclude_pids)
         fd, self.out_path = tempfile.mkstemp(prefix="kvdiag-pyspy-", suffix=".txt")
         os.close(fd)
         cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))),
-               "--rate", str(rate_hz), "--format", "raw", "--idle", "-o", self.out_path]
+               "--rate", str(rate_hz), "--format", "raw", "--idle", "--nonblocking", "-o", self.out_path]
         if subprocesses:
             cmd.append("--subprocesses")
-        if nonblocking:
-            cmd.append("--nonblocking")
         self.start_ns = time.time_ns()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -179,7 +191,7 @@ class PySpyRecorder:
                 text = f.read()
         finally:
             self._cleanup_file()
-        stacks = parse_raw(text)
+        stacks = parse_raw(text, self.exclude_pids)
         if self.proc.returncode != 0 and not stacks:
             raise PySpyError(explain_failure(self.pid, err or ""))
         m = re.search(r"Errors: (\d+)", err or "")

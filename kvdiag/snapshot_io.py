@@ -4,7 +4,9 @@
 file names. :func:`load_snapshot` therefore unpickles through :class:`PlainUnpickler`, which
 refuses every global (no class, no function, no ``__reduce__``) so that only dicts, lists,
 tuples, sets, strings, bytes, numbers, booleans and None can come out. JSON snapshots (what
-kvdiag writes) are read as plain JSON.
+kvdiag writes) are read as plain JSON. Either way the result then passes
+:func:`kvdiag.snapshot_check.check_snapshot` (depth, shared references, keys, types, ranges),
+so that summarising it takes time linear in the file's size.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from kvdiag.snapshot_check import MAX_DEPTH, SnapshotFormatError, check_depth, check_snapshot
 
-class SnapshotLoadError(ValueError):
-    """The file is not a plain snapshot; the message is ``file: expected ...``."""
+
+class SnapshotLoadError(SnapshotFormatError):
+    """The file is not a plain snapshot; the message is ``file: expected ...`` or
+    ``file: segments[i].blocks[j].size: expected ...``."""
 
 
 class PlainUnpickler(pickle.Unpickler):
@@ -46,7 +51,8 @@ def load_snapshot(path: str | os.PathLike) -> dict:
     """Read a snapshot dict (``segments``, ``device_traces``) from a pickle or JSON file.
 
     Raises :class:`SnapshotLoadError` with ``file: expected ...`` for anything that is not
-    plain data of that shape; never runs code from the file.
+    plain data of that shape (:func:`kvdiag.snapshot_check.check_snapshot`); never runs code
+    from the file.
     """
     path = Path(path)
     try:
@@ -59,6 +65,10 @@ def load_snapshot(path: str | os.PathLike) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             line = getattr(exc, "lineno", 1)
             raise SnapshotLoadError(f"{path}:{line}: expected a JSON snapshot ({exc})") from None
+        except RecursionError:  # Python's decoder recurses: far deeper than MAX_DEPTH
+            raise SnapshotLoadError(f"{path}: snapshot nested deeper than {MAX_DEPTH} levels") from None
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts
+            raise SnapshotLoadError(f"{path}: expected a JSON snapshot ({exc})") from None
     else:
         try:
             snapshot = loads_plain(raw)
@@ -66,16 +76,24 @@ def load_snapshot(path: str | os.PathLike) -> dict:
             raise SnapshotLoadError(f"{path}: expected a plain-data snapshot pickle; {exc}") from None
         except Exception as exc:  # truncated or garbage bytes
             raise SnapshotLoadError(f"{path}: expected a snapshot pickle ({type(exc).__name__}: {exc})") from None
-    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
-        raise SnapshotLoadError(f"{path}: expected a dict with a 'segments' list (torch.cuda.memory._snapshot())")
-    return snapshot
+    try:
+        return check_snapshot(snapshot, str(path))
+    except SnapshotFormatError as exc:
+        raise SnapshotLoadError(str(exc)) from None
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in obj]
+def _jsonable(obj: Any, memo: dict[int, Any]) -> Any:
+    """``obj`` as JSON types; a container referenced many times is converted once (``memo``);
+    callers bound the depth first (:func:`check_depth`)."""
+    if isinstance(obj, (dict, list, tuple, set, frozenset)):
+        done = memo.get(id(obj))
+        if done is None:
+            if isinstance(obj, dict):
+                done = {str(k): _jsonable(v, memo) for k, v in obj.items()}
+            else:
+                done = [_jsonable(v, memo) for v in obj]
+            memo[id(obj)] = done
+        return done
     if isinstance(obj, bytes):
         return obj.decode("utf-8", "replace")
     if isinstance(obj, (str, int, float, bool)) or obj is None:
@@ -86,8 +104,10 @@ def _jsonable(obj: Any) -> Any:
 def save_snapshot_json(snapshot: dict, path: str | os.PathLike) -> Path:
     """Write ``snapshot`` as JSON (tuples become lists), atomically: no half-written file."""
     path = Path(path)
+    check_depth(snapshot, str(path))
+    plain = _jsonable(snapshot, {})
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(_jsonable(snapshot), f)
+        json.dump(plain, f)
     os.replace(tmp, path)
     return path

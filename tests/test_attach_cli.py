@@ -18,8 +18,9 @@ def attach(*args, timeout=60):
 
 
 def test_bad_pid_is_a_clear_error(tmp_path):
-    pid = 4_000_000
-    assert not psutil.pid_exists(pid)
+    from kvdiag.commands.attach import pid_max
+
+    pid = next(p for p in range(pid_max(), 1, -1) if not psutil.pid_exists(p))  # valid, unused
     r = attach(pid, "--duration", 1, "--out", tmp_path / "x.jsonl")
     assert r.returncode == 1
     assert r.stderr.strip() == f"kvdiag attach: no process with PID {pid}"

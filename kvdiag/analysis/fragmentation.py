@@ -30,6 +30,7 @@ import pandas as pd
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.rules import FRAGMENTATION_LIMIT, fragmentation_status
 from kvdiag.schema import BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased, Event, KVPoolInfo, PrefixHit
+from kvdiag.snapshot_check import check_snapshot
 
 SMALL_ALLOC_MAX_BYTES = 1 << 20
 """torch serves requests up to 1 MiB from the small pool, larger ones from the large pool."""
@@ -40,7 +41,12 @@ INACTIVE = "inactive"
 
 
 class SnapshotInvariantError(ValueError):
-    """A snapshot contradicts itself (blocks do not tile their segment, sizes disagree)."""
+    """A snapshot contradicts itself (blocks do not tile their segment, sizes disagree).
+
+    The functions that read a snapshot first check its shape
+    (:func:`kvdiag.snapshot_check.check_snapshot`, raising ``SnapshotFormatError``): both
+    errors are ``ValueError`` with a one-line message, and a check passed bounds their work by
+    the snapshot's size."""
 
 
 # ---------------------------------------------------------------- snapshot structure
@@ -118,7 +124,7 @@ def segment_frame(snapshot: dict) -> pd.DataFrame:
     """One row per segment with the quantities defined in the module docstring; checks each
     segment's invariants first (raises :class:`SnapshotInvariantError`)."""
     rows = []
-    for seg in snapshot.get("segments", []):
+    for seg in check_snapshot(snapshot)["segments"]:
         check_segment(seg)
         blocks = sorted(seg["blocks"], key=lambda b: b["address"])
         reserved = seg["total_size"]
@@ -214,7 +220,7 @@ def fragmenting_allocations(snapshot: dict) -> pd.DataFrame:
     the latest ``alloc`` entry at its address in ``device_traces`` (when memory history was
     recorded) gives the trace index, time and allocation site."""
     last_alloc: dict[tuple[int, int], tuple[int, dict]] = {}
-    for device, trace in enumerate(snapshot.get("device_traces") or []):
+    for device, trace in enumerate(check_snapshot(snapshot).get("device_traces") or []):
         for i, entry in enumerate(trace):
             if entry.get("action") == "alloc":
                 last_alloc[(device, entry.get("addr", -1))] = (i, entry)
@@ -249,7 +255,7 @@ def trace_frame(snapshot: dict) -> pd.DataFrame:
     """``device_traces`` flattened: one row per allocator action (alloc, free_requested,
     free_completed, segment_alloc, segment_free, oom, snapshot)."""
     rows = []
-    for device, trace in enumerate(snapshot.get("device_traces") or []):
+    for device, trace in enumerate(check_snapshot(snapshot).get("device_traces") or []):
         for i, e in enumerate(trace):
             rows.append({"device": device, "trace_index": i, "action": e.get("action"),
                          "addr": e.get("addr"), "size_bytes": e.get("size"),

@@ -1,4 +1,12 @@
-"""`kvdiag attach PID`: join a running server from outside and record what is visible."""
+"""`kvdiag attach PID`: join a running server from outside and record what is visible.
+
+Read-only towards the target: attach never signals it (no kill, no SIGSTOP/SIGINT; the only
+signals it sends go to its own py-spy children), never ptrace-attaches it (py-spy always runs
+``--nonblocking``: it reads the target's memory without stopping it) and never writes to it
+(it reads /proc, GETs the target's HTTP endpoints, subscribes to its ZMQ KV events and reads
+the kvdiag agent's socket). A target that is an ancestor of kvdiag (a container's PID 1, the
+shell that started it) has kvdiag's own processes left out of its tree, RSS and profiles.
+"""
 
 from __future__ import annotations
 
@@ -22,13 +30,17 @@ ZMQ, sequence gaps included, and kept raw beside the log for `kvdiag replay`. No
 to the server but GETs. Everything goes into one kvdiag log; a summary is printed at the end
 (--json for machine-readable output).
 
-Exit status: 0 done; 1 no such process / not ours to trace; 2 bad arguments; 3 the target
-exited while attached (the log recorded so far is kept).
+Never signals, stops or writes to the target. Attached to an ancestor of kvdiag (a
+container's PID 1, its shell), kvdiag's own processes are left out of the target's tree.
+
+Exit status: 0 done; 1 no such process / not ours to trace; 2 bad arguments (a PID that is
+not an integer from 1 to the kernel's pid_max, kvdiag's own PID); 3 the target exited while
+attached (the log recorded so far is kept).
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("pid", type=int, help="process id of the server")
+    parser.add_argument("pid", help="process id of the server")
     parser.add_argument("--duration", type=float, default=30.0, metavar="S",
                         help="seconds to stay attached (default 30; Ctrl-C or SIGTERM ends early)")
     parser.add_argument("--out", metavar="LOG", help="event log to write (default: kvdiag log dir)")
@@ -48,6 +60,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _err(msg: str) -> None:
     print(f"kvdiag attach: {msg}", file=sys.stderr)
+
+
+PID_MAX_LIMIT = 1 << 22
+"""The kernel's largest possible pid_max (used when /proc/sys/kernel/pid_max is unreadable)."""
+
+
+def pid_max() -> int:
+    """The largest PID this kernel hands out."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+
+
+def parse_pid(text: str) -> Optional[int]:
+    """``text`` as a PID (an integer from 1 to :func:`pid_max`), else None."""
+    try:
+        pid = int(text.strip())
+    except ValueError:
+        return None
+    return pid if 1 <= pid <= pid_max() else None
 
 
 def _default_out(pid: int) -> Path:
@@ -142,7 +176,8 @@ class _Session:
         if self.recorder is None and remaining_s >= 1.0:
             window = min(self.args.pyspy_window, remaining_s)
             try:
-                self.recorder = pyspy.PySpyRecorder(self.args.pid, window, rate_hz=self.args.pyspy_rate)
+                self.recorder = pyspy.PySpyRecorder(self.args.pid, window, rate_hz=self.args.pyspy_rate,
+                                                    exclude_pids=self.procs.excluded_pids())
             except (pyspy.PySpyError, OSError) as exc:  # not installed, or not executable
                 self._pyspy_unavailable(str(exc))
 
@@ -212,20 +247,23 @@ def run(args: argparse.Namespace) -> int:
     from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
     from kvdiag.schema import CollectorStatus
 
+    pid = parse_pid(args.pid)
+    if pid is None:
+        shown = args.pid if args.pid.lstrip("-").isdigit() else repr(args.pid)
+        _err(f"PID {shown} is not a process id: expected an integer from 1 to {pid_max()}")
+        return 2
+    args.pid = pid
+    if pid == os.getpid():
+        _err(f"PID {pid} is kvdiag itself")
+        return 2
     if args.duration <= 0 or args.interval <= 0:
         _err("expected --duration and --interval > 0")
         return 2
     try:
-        procs = procfs.ProcessCollector(args.pid)
-    except procfs.TargetGone as exc:
+        procs = procfs.ProcessCollector(pid)
+    except (procfs.TargetGone, procfs.TargetNotAccessible) as exc:
         _err(str(exc))
         return 1
-    except procfs.TargetNotAccessible as exc:
-        _err(str(exc))
-        return 1
-    if args.pid == os.getpid():
-        _err("cannot attach to kvdiag itself")
-        return 2
     out = Path(args.out) if args.out else _default_out(args.pid)
     if out.exists():
         _err(f"{out}: already exists; choose another --out")
@@ -252,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
                          extra={"target_cmdline": cmdline, "agent_engine": ah.engine,
                                 "agent_socket": str(agent.path) if agent else None})
     code = 0
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
     writer = LogWriter(out, header, interval_s=0.5)
     session = None
     try:
@@ -260,6 +299,11 @@ def run(args: argparse.Namespace) -> int:
         if agent is not None:
             agent.sink = writer
             agent.start()
+        if procs.lineage:
+            writer.record(CollectorStatus(
+                ts_ns=time.time_ns(), collector="procfs", available=True,
+                hint=f"PID {pid} is an ancestor of kvdiag: kvdiag's own processes "
+                     f"({', '.join(map(str, procs.lineage))} and below) are left out of its tree"))
         fatal = None if args.no_pyspy else _check_pyspy(args.pid, writer)
         if fatal:
             _err(fatal)
@@ -283,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             _err("interrupted; summarising what was recorded")
     finally:
+        if previous_sigterm is not None:  # None: set from C, not restorable
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if session is not None:
             try:
                 session.close()

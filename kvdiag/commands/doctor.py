@@ -25,9 +25,14 @@ forecast      KV the active requests still need against free blocks: time to ful
 sharing       the engine's prefix hit rate against the content's (shadow cache at the engine's
               settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
 
+With --snapshot FILE (a torch.cuda.memory._snapshot() pickle or kvdiag's JSON of one, alone or
+with LOGs) the allocator fragmentation rule also reads the snapshot; the file is untrusted:
+no code in it runs, and a malformed, crafted or too deeply nested one is a one-line error.
+
 Each rule is pass, warn, fail or n/a (no data) with its evidence.
-Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input; with --pid also 2 when
-no agent can be reached or it is not answering (no header within {HEADER_TIMEOUT_S:g} s)."""
+Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input (a log or snapshot that
+cannot be read, or with --strict a skipped line); with --pid also 2 when no agent can be
+reached or it is not answering (no header within {HEADER_TIMEOUT_S:g} s)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", nargs="+", metavar="LOG", default=None,
                         help="compare latency against these logs")
     parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
+    parser.add_argument("--snapshot", metavar="FILE", default=None,
+                        help="a CUDA allocator snapshot (pickle or JSON) for the fragmentation rule")
     add_input_arguments(parser)
 
 
@@ -56,33 +63,57 @@ def _clean(x):
     return x
 
 
+def _snapshot(path: str):
+    """(summary, fragmentation finding) of a snapshot file; raises ``ValueError`` with a
+    one-line message naming the file."""
+    from kvdiag.analysis.fragmentation import (SnapshotInvariantError, allocator_fragmentation_finding,
+                                               snapshot_summary)
+    from kvdiag.snapshot_io import load_snapshot
+    snap = load_snapshot(path)  # SnapshotLoadError: "path: ..."
+    try:
+        return snapshot_summary(snap), allocator_fragmentation_finding(snap)
+    except SnapshotInvariantError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.pid is not None and args.logs:
-        return fail("doctor", "give either LOG or --pid PID, not both")
+    if args.pid is not None and (args.logs or args.snapshot):
+        return fail("doctor", "give either LOG (and --snapshot) or --pid PID, not both")
     if args.pid is not None:
         return _live(args)
-    if not args.logs:
-        return fail("doctor", "expected a LOG or --pid PID")
-    try:
-        logs, problems = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial,
-                                   strict=args.strict)
-        baseline = None
-        if args.baseline:
-            baseline, more = read_logs(args.baseline, quiet=True, allow_truncated=args.partial,
+    if not args.logs and not args.snapshot:
+        return fail("doctor", "expected a LOG, --snapshot FILE or --pid PID")
+    snapshot = None
+    if args.snapshot:
+        try:
+            snapshot = _snapshot(args.snapshot)
+        except ValueError as exc:
+            return fail("doctor", str(exc))
+    findings, paths, problems = [], [], []
+    if args.logs:
+        try:
+            logs, problems = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial,
                                        strict=args.strict)
-            problems += more
-    except LogFormatError as exc:
-        return fail("doctor", str(exc))
-    tell_skipped("doctor", problems)
-    from kvdiag.analysis.doctor import run_rules
+            baseline = None
+            if args.baseline:
+                baseline, more = read_logs(args.baseline, quiet=True,
+                                           allow_truncated=args.partial, strict=args.strict)
+                problems += more
+        except LogFormatError as exc:
+            return fail("doctor", str(exc))
+        tell_skipped("doctor", problems)
+        from kvdiag.analysis.doctor import run_rules
+        findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
     from kvdiag.analysis.findings import worst
-    findings, _ = run_rules(logs, baseline)
+    findings += [snapshot[1]] if snapshot else []
     status = worst(findings)
     try:
         if args.json:
-            print(json.dumps(_clean({"status": status, "logs": list(logs.paths.values()),
-                                     "findings": [f.to_dict() for f in findings],
-                                     "skipped_lines": skipped_lines(problems)}), indent=1))
+            out = {"status": status, "logs": paths, "findings": [f.to_dict() for f in findings],
+                   "skipped_lines": skipped_lines(problems)}
+            if snapshot:
+                out["snapshot"] = snapshot[0]
+            print(json.dumps(_clean(out), indent=1))
         else:
             _print(findings)
     except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands
