@@ -36,6 +36,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 from kvdiag.schema import (
+    elapsed_ns,
     BlockAllocated,
     BlockDeduplicated,
     BlockEvicted,
@@ -219,7 +220,7 @@ class TransformersCBAdapter:
         now = time.time_ns()
         req = self._request(request_id)
         self._emit(RequestScheduled(ts_ns=now, request_id=request_id,
-                                    queue_ns=None if req is None else now - req.arrived_ns))
+                                    queue_ns=None if req is None else elapsed_ns(req.arrived_ns, now)))
 
     def _on_first_token(self, request_id: str) -> None:
         now = time.time_ns()
@@ -227,7 +228,7 @@ class TransformersCBAdapter:
         if req is None:
             return
         req.first_token_ns = now
-        self._emit(RequestFirstToken(ts_ns=now, request_id=request_id, ttft_ns=now - req.arrived_ns))
+        self._emit(RequestFirstToken(ts_ns=now, request_id=request_id, ttft_ns=elapsed_ns(req.arrived_ns, now)))
 
     def _on_finished(self, request_id: str, state, status: str) -> None:
         now = time.time_ns()
@@ -238,8 +239,9 @@ class TransformersCBAdapter:
         self._emit(RequestFinished(
             ts_ns=now, request_id=request_id, prompt_tokens=prompt, output_tokens=output,
             cached_prompt_tokens=req.cached_tokens if req is not None else 0, status=status,
-            e2e_ns=None if req is None else now - req.arrived_ns,
-            ttft_ns=None if req is None or req.first_token_ns is None else req.first_token_ns - req.arrived_ns,
+            e2e_ns=None if req is None else elapsed_ns(req.arrived_ns, now),
+            ttft_ns=(None if req is None or req.first_token_ns is None
+                     else elapsed_ns(req.arrived_ns, req.first_token_ns)),
         ))
 
     def _on_marked(self, allocator, request_id: str, token_ids, before: list, hashed_before: int) -> None:

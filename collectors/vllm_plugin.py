@@ -64,7 +64,7 @@ from kvdiag.prefix_cache import fold_block_hash
 from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, BlockStored, CollectorError,
                            CollectorStatus, EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
                            RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted,
-                           RequestScheduled)
+                           RequestScheduled, elapsed_ns)
 from kvdiag.sinks import NullSink, Sink
 
 ENGINE = "vllm"
@@ -240,7 +240,7 @@ def _allocate_slots(h: _Hooks):
             h.scheduled.add(rid)
             arrival = getattr(request, "arrival_time", None)
             h.record(RequestScheduled(ts_ns=_now(), request_id=rid,
-                                      queue_ns=int(_now() - arrival * 1e9) if arrival else None))
+                                      queue_ns=elapsed_ns(arrival * 1e9, _now()) if arrival else None))
     return before, after
 
 
@@ -331,7 +331,7 @@ def _free_request(h: _Hooks):
                                  output_tokens=int(request.num_output_tokens),
                                  cached_prompt_tokens=h.cached_tokens.pop(str(request.request_id), 0),
                                  status=status, ttft_ns=h.first_token_ns.pop(str(request.request_id), None),
-                                 e2e_ns=int(now - arrival * 1e9) if arrival else None))
+                                 e2e_ns=elapsed_ns(arrival * 1e9, now) if arrival else None))
     return after
 
 
@@ -358,7 +358,7 @@ def _update_from_output(h: _Hooks):
             request = sched.requests.get(rid)
             if (request is not None and rid not in h.first_token_ns and request.num_output_tokens > 0
                     and getattr(request, "arrival_time", None)):
-                ttft = int(_now() - request.arrival_time * 1e9)
+                ttft = elapsed_ns(request.arrival_time * 1e9, _now())
                 h.first_token_ns[str(rid)] = ttft
                 h.record(RequestFirstToken(ts_ns=_now(), request_id=str(rid), ttft_ns=ttft))
         if len(h.step_started) > 64:  # outputs never updated (aborted steps)

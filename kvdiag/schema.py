@@ -501,6 +501,13 @@ AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
 TAGS: dict[str, type[Event]] = {cls.__struct_config__.tag: cls for cls in EVENT_TYPES}
 
 
+def elapsed_ns(start_ns: float, end_ns: float) -> int:
+    """``end_ns - start_ns`` as a duration field: an int, at least 0 (two wall-clock readings
+    can go backwards when the clock is stepped; a negative duration would make the line
+    unreadable)."""
+    return max(0, int(end_ns - start_ns))
+
+
 def event_tag(cls_or_event: type[Event] | Event) -> str:
     """The ``type`` string that names an event class in JSON."""
     cls = cls_or_event if isinstance(cls_or_event, type) else type(cls_or_event)

@@ -24,6 +24,7 @@ from kvdiag.eventlog import make_header
 from kvdiag.schema import BlockAllocated, CollectorGap
 
 PAD = "r" * 1000  # request id that makes one event line about 1 KB
+MARKER = 10**9  # block id of the event a test waits for (beyond every flooded id)
 
 
 def _sink(tmp_path, **limits) -> LiveSocketSink:
@@ -73,9 +74,9 @@ def test_a_client_that_never_reads_does_not_stall_the_others(tmp_path):
         _wait_for(lambda: sink.num_clients == 2, what="both clients accepted")
         _flood(sink, 2000)  # 2 MB: far beyond the stuck client's socket buffer, within its queue
         sent_s = time.monotonic()
-        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=-1))
-        _wait_for(lambda: -1 in reader.arrived, timeout_s=5.0, what="the reading client's marker")
-        assert reader.arrived[-1] - sent_s < 1.0
+        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
+        _wait_for(lambda: MARKER in reader.arrived, timeout_s=5.0, what="the reading client's marker")
+        assert reader.arrived[MARKER] - sent_s < 1.0
     finally:
         stuck.close()
         reader.conn.close()
@@ -98,11 +99,11 @@ def test_a_slow_client_is_told_how_many_events_it_lost(tmp_path):
                 gaps.append(ev)
                 break
             got += 1
-        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=-1))
+        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
         for ev in events:
             if isinstance(ev, CollectorGap):
                 gaps.append(ev)
-            elif ev.block_id == -1:
+            elif ev.block_id == MARKER:
                 break
             else:
                 got += 1

@@ -52,13 +52,20 @@ KVDIAG_CHILD = textwrap.dedent("""
 """)
 
 
-def test_attach_to_an_ancestor_leaves_kvdiag_itself_out(tmp_path):
-    r = subprocess.run([sys.executable, "-c", ANCESTOR, str(tmp_path), KVDIAG_CHILD],
+# a container: the ancestor is PID 1 of a new PID namespace with its own /proc (needs root,
+# as CI runs; a machine without it fails this test rather than skipping it)
+NAMESPACE = ["unshare", "--fork", "--pid", "--mount-proc"]
+
+
+@pytest.mark.parametrize("container", [[], NAMESPACE], ids=["ancestor", "pid-namespace-init"])
+def test_attach_to_an_ancestor_leaves_kvdiag_itself_out(tmp_path, container):
+    r = subprocess.run([*container, sys.executable, "-c", ANCESTOR, str(tmp_path), KVDIAG_CHILD],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     kvdiag_pid = int((tmp_path / "kvdiag.pid").read_text())
     sibling_pid = int((tmp_path / "sibling.pid").read_text())
     log = read_log(tmp_path / "a.jsonl")
+    assert log.header.pid == 1 if container else log.header.pid != 1
     pids = set(log.frame("process_sample")["pid"])
     assert kvdiag_pid not in pids and log.header.pid in pids and sibling_pid in pids
     summary = json.loads(r.stdout)
