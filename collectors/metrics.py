@@ -13,9 +13,7 @@ from typing import Iterable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdiag.schema import EngineMetrics
-
-INT64_MAX = 2**63 - 1
+from kvdiag.schema import INT64_MAX, EngineMetrics
 
 
 class PrometheusParseError(ValueError):

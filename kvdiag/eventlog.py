@@ -18,7 +18,6 @@ import functools
 import gc
 import gzip
 import os
-import re
 import signal
 import socket
 import threading
@@ -35,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag import __version__
+from kvdiag.line_errors import lenient_parse, non_finite_message, validation_message
 from kvdiag.schema import (
     SCHEMA_MAJOR,
     SCHEMA_VERSION,
@@ -400,7 +400,7 @@ class _EventStream:
             if self.warn:
                 warnings.warn(self.cut)
             return
-        message = f"{self.path}:{lineno}: {_why(exc, obj)}"
+        message = f"{self.path}:{lineno}: {_why(exc, line, obj)}"
         if self.strict:
             raise LogFormatError(message)
         self.problems.append(message)
@@ -410,22 +410,23 @@ class _EventStream:
             self.on_progress(n)
 
 
-_AT_FIELD = re.compile(r"^(?P<what>.*) - at `\$(?P<where>[^`]*)`$", re.S)
-
-
-def _why(exc: Exception, obj: object) -> str:
-    """msgspec's complaint as ``type.field: expected ..., got VALUE`` where it names a field
-    (``Expected `int` >= 0 - at `$.ts_ns```), else ``expected a kvdiag event line (...)``."""
-    if not isinstance(obj, dict) or not isinstance(exc, msgspec.ValidationError):
+def _why(exc: Exception, line: bytes, obj: object) -> str:
+    """``type.field: expected ..., got VALUE`` where the reader can name the field (a value
+    out of range, a NaN or Infinity literal), else ``expected a kvdiag event line (...)``."""
+    if obj is None:
+        obj = lenient_parse(line)
+        message = non_finite_message(obj) if isinstance(obj, dict) else None
+    elif isinstance(obj, dict) and isinstance(exc, msgspec.ValidationError):
+        message = validation_message(exc)
+        field, _, what = message.partition(": ")
+        if field in obj and " got " not in what and " found " not in what:
+            message += f", got {msgspec.json.encode(obj[field]).decode()[:60]}"
+    else:
+        message = None
+    if message is None:
         return f"expected a kvdiag event line ({exc})"
-    m = _AT_FIELD.match(str(exc))
-    where = m["where"].lstrip(".") if m else ""
-    what = (m["what"] if m else str(exc)).replace("`", "")
-    what = what[0].lower() + what[1:]
-    field = re.match(r"[A-Za-z_]\w*", where)
-    if field and field.group(0) in obj and not where[field.end():] and ", got" not in what:
-        what += f", got {msgspec.json.encode(obj[field.group(0)]).decode()[:60]}"
-    return f"{obj.get('type', 'event')}{'.' if where else ''}{where}: {what}"
+    kind = obj.get("type") if isinstance(obj.get("type"), str) else "event"
+    return f"{kind}.{message}"
 
 
 def iter_events(path: str | os.PathLike, strict: bool = False,

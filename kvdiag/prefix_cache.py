@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Optional
 
-from kvdiag.schema import BlockHash, Event, PrefixCacheCleared, PrefixCacheRemoved, PrefixCacheStored
+from kvdiag.schema import (INT64_MAX, BlockHash, Event, PrefixCacheCleared, PrefixCacheRemoved,
+                           PrefixCacheStored)
 
 MASK63 = (1 << 63) - 1
 
@@ -66,7 +67,6 @@ def vllm_event_dict(ev: object) -> dict:
     raise ValueError("expected a vLLM KV event (BlockStored, BlockRemoved or AllBlocksCleared)")
 
 
-INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
 MAX_TS_S = INT64_MAX // 10**9  # batch timestamps whose nanoseconds fit in int64
 

@@ -226,9 +226,13 @@ def test_a_log_of_only_broken_lines_is_an_input_error(tmp_path):
 def test_field_errors_name_the_field_and_the_value(tmp_path):
     """The reader's message for a value out of range: ``file:line: type.field: expected ...``."""
     lines = list(EVENTS[:5]) + ['{"type": "kv_pool_sample", "ts_ns": 1, "num_blocks": 4, '
-                                '"blocks_used": 99999999999999999999}']
+                                '"blocks_used": 99999999999999999999}',
+                                '{"type": "engine_step", "ts_ns": 5, "step_id": Infinity}',
+                                '{"type": "request_finished", "ts_ns": 5, "request_id": "a"}']
     path = _write(tmp_path, HEADER, lines)
     code, out, err = _run("doctor", str(path), "--json")
     assert code in (0, 1)
     assert json.loads(out)["skipped_lines"]["first"] == [
-        f"{path}:7: kv_pool_sample.blocks_used: expected int <= {INT64_MAX}, got 99999999999999999999"]
+        f"{path}:7: kv_pool_sample.blocks_used: expected int <= {INT64_MAX}, got 99999999999999999999",
+        f"{path}:8: engine_step.step_id: expected a finite number, found Infinity",
+        f"{path}:9: request_finished.prompt_tokens: expected a value, found the field missing"]

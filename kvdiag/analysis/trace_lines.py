@@ -10,9 +10,6 @@ without a newline that is not JSON (a writer killed mid-line) is an error unless
 from __future__ import annotations
 
 import gzip
-import json
-import math
-import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +17,12 @@ from typing import Annotated, Callable, Iterator, Optional, TypeVar
 
 import msgspec
 
-INT64_MAX = 2**63 - 1
+from kvdiag.line_errors import lenient_parse, non_finite_message, validation_message
+from kvdiag.schema import INT64_MAX
+
 MAX_TS_S = INT64_MAX // 10**9  # timestamps in seconds whose nanoseconds fit in int64
 MAX_TS_MS = INT64_MAX // 10**6
 
-Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
-"""A size, length, id or count: 0..2^63-1."""
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_TS_S)]
 Millis = Annotated[float, msgspec.Meta(ge=0, le=MAX_TS_MS)]
 
@@ -113,53 +110,18 @@ def decode_json(line: bytes, decoder: Optional[msgspec.json.Decoder] = None):
     try:
         return (decoder or _ANY).decode(line)
     except msgspec.ValidationError as exc:
-        raise BadLine(_validation_message(str(exc))) from None
+        raise BadLine(validation_message(exc)) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _malformed(line, exc) from None
 
 
 _ANY = msgspec.json.Decoder()
-_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.S)
-
-
-def _validation_message(text: str) -> str:
-    """msgspec's ``Expected `int` <= 5 - at `$.a[0]``` as ``a[0]: expected int <= 5``."""
-    what, where = _AT.match(text).groups()
-    where = (where or "").lstrip(".")
-    missing = re.match(r"Object missing required field `(.*)`", what)
-    if missing:
-        name = (where + "." if where else "") + missing.group(1)
-        return f"{name}: expected a value, found the field missing"
-    what = what.replace("`", "")
-    if what == "Number out of range":
-        what = "expected a finite number, found one out of range"
-    what = what[:1].lower() + what[1:]
-    return f"{where}: {what}" if where else what
 
 
 def _malformed(line: bytes, exc: Exception) -> BadLine:
-    """Why msgspec rejected a line: a NaN/Infinity literal (named by its field, as Python's
-    json reads them), or not JSON."""
-    try:
-        where = _non_finite(json.loads(line), "")
-    except (ValueError, RecursionError):
-        where = None
-    if where is None:
+    """Why msgspec rejected a line: a NaN/Infinity literal (named by its field), or not JSON."""
+    obj = lenient_parse(line)
+    message = None if obj is None else non_finite_message(obj)
+    if message is None:
         return BadLine(f"expected one JSON value per line ({exc})", malformed=True)
-    name, value = where
-    literal = "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
-    return BadLine(f"{name}: expected a finite number, found {literal}" if name
-                   else f"expected a finite number, found {literal}")
-
-
-def _non_finite(obj, where: str) -> Optional[tuple[str, float]]:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return where, obj
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) \
-        if isinstance(obj, list) else ()
-    for key, value in items:
-        sub = f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else key)
-        found = _non_finite(value, sub)
-        if found is not None:
-            return found
-    return None
+    return BadLine(message)

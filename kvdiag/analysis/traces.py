@@ -43,12 +43,12 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.kernels.hashing import chunk_hashes
-from kvdiag.analysis.trace_lines import (BadLine, Count, Millis, ReadOptions, Seconds,
+from kvdiag.analysis.trace_lines import (BadLine, Millis, ReadOptions, Seconds,
                                          TraceFormatError, decode_json, decoded_lines, raw_lines)
 from kvdiag.prefix_cache import (VLLM_TAGS, PrefixCacheTally, SeqGap, SeqTracker, batch_ts_ns,
                                  check_seq, event_batches, find_seq_gaps, schema_event,
                                  vllm_event_dict)
-from kvdiag.schema import (PrefixCacheCleared, PrefixCacheRemoved, PrefixCacheStored,
+from kvdiag.schema import (Count, PrefixCacheCleared, PrefixCacheRemoved, PrefixCacheStored,
                            event_tag)
 
 FORMATS = ("kvdiag", "mooncake", "tokens", "vllm")
