@@ -12,7 +12,8 @@ Live stream protocol: a client connects to the socket (mode 0600, in the runtime
 ``KVPoolInfo`` and every ``CollectorStatus``: a client that joins after the engine built its
 pool still learns its shape), then every event as it happens (the same JSON as a log line). A client that
 reads too slowly loses its own events (counted and told; the agent never blocks the engine);
-limits in :mod:`kvdiag.agent_socket`. There is no TCP listener. When the runtime dir may not
+limits in :mod:`kvdiag.agent_socket`. There is no TCP listener unless ``prometheus`` is given
+(an HTTP /metrics endpoint, :mod:`kvdiag.exporter`, on 127.0.0.1 unless a host is given). When the runtime dir may not
 be trusted (:func:`kvdiag.paths.check_private_dir`) or the socket cannot be made, the agent
 logs one warning and records without it.
 """
@@ -76,7 +77,8 @@ class Agent:
                  record_token_ids: bool = True, extra: Optional[dict] = None,
                  shadow_sharing: bool = True, shadow: Optional[dict] = None,
                  host_memory: bool = True, engine: str = ENGINE,
-                 adapter: Optional[Callable[..., Adapter]] = None) -> None:
+                 adapter: Optional[Callable[..., Adapter]] = None,
+                 prometheus: Optional[str | int] = None) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else None
         self._live = live
@@ -97,6 +99,8 @@ class Agent:
         self.shadow = None
         self._host_memory = host_memory
         self.host_sampler = None  # kvdiag.collectors.procfs.ProcessSampler of this process
+        self._prometheus = prometheus  # [HOST:]PORT of the Prometheus endpoint (None: none)
+        self.exporter = None  # kvdiag.exporter.Exporter
 
     def start(self) -> "Agent":
         install = self._install_adapter
@@ -112,6 +116,10 @@ class Agent:
             self.live = self._open_socket()
             if self.live is not None:
                 sinks.append(self.live)
+        if self._prometheus is not None:
+            from kvdiag.exporter import serve
+            self.exporter = serve(self._prometheus, self.header)
+            sinks.append(self.exporter.sink)
         recorded: Sink = FanoutSink(sinks)
         adapter_sink = recorded
         if self._shadow_sharing:
@@ -169,6 +177,9 @@ class Agent:
         if self.live is not None:
             self.live.close()
             self.live = None
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
 
 
 _AGENT: Optional[Agent] = None
@@ -186,7 +197,8 @@ def start(log_path: Optional[str] = None, socket: bool = True, socket_path: Opti
     inject_leak_every=..., record_token_ids=...)`` that installs the engine's hooks; default:
     transformers' continuous batching), ``shadow``: keyword arguments of
     :func:`kvdiag.collectors.transformers_cb_shadow.install` to run shadow compression,
-    ``host_memory``: sample this process's RSS, PSS and swap every ``sample_interval_s``)."""
+    ``prometheus``: serve kvdiag's metrics for Prometheus on ``[HOST:]PORT`` (127.0.0.1
+    unless a host is given; :mod:`kvdiag.exporter`), ``host_memory``: sample this process's RSS, PSS and swap every ``sample_interval_s``)."""
     global _AGENT
     if _AGENT is not None:
         raise RuntimeError("the kvdiag agent is already running in this process")

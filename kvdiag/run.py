@@ -1,6 +1,7 @@
 """Run a Python server command with the kvdiag agent installed before its engine starts.
 
-    python -m kvdiag.run [--log PATH] [--socket PATH | --no-socket] -- transformers serve MODEL ...
+    python -m kvdiag.run [--log PATH] [--socket PATH | --no-socket] [--prometheus [HOST:]PORT] \
+        -- transformers serve MODEL ...
 
 The command runs in this process: a console script (``transformers``), ``-m module`` or a
 ``script.py`` (a leading ``python`` is dropped). On exit, including SIGINT/SIGTERM, the agent
@@ -42,7 +43,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shadow-rate", type=float, default=0.05, help="share of decode steps sampled")
     parser.add_argument("--shadow-budget", type=float, default=0.01,
                         help="shadow time budget, fraction of wall time (0: none)")
+    parser.add_argument("--prometheus", metavar="[HOST:]PORT",
+                        help="serve kvdiag's metrics for Prometheus (HTTP /metrics; host 127.0.0.1 "
+                             "unless given; docs/metrics.md)")
     args = parser.parse_args(argv[:split])
+    if args.prometheus is not None:
+        from kvdiag.exporter import parse_address
+        try:
+            parse_address(args.prometheus)
+        except ValueError as exc:
+            raise SystemExit(f"kvdiag.run: --prometheus: {exc}")
     if args.shadow:
         from kvdiag.kernels.methods import parse_methods
         try:
@@ -96,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     agent.start(log_path=args.log, socket=not args.no_socket, socket_path=args.socket,
                 model=args.model, block_size_tokens=args.page_size,
                 inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
-                extra={"command": command},
+                extra={"command": command}, prometheus=args.prometheus,
                 shadow={"methods": args.shadow_methods, "sample_rate": args.shadow_rate,
                         "budget_frac": args.shadow_budget or None} if args.shadow else None)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)

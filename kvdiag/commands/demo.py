@@ -66,6 +66,9 @@ def add_arguments(parser) -> None:
                              "release of every N-th finished request's KV blocks (a real leak)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the server (default 1: stable on a shared CPU; 0: torch's default)")
+    parser.add_argument("--prometheus", metavar="[HOST:]PORT",
+                        help="the server's agent serves kvdiag's metrics for Prometheus (127.0.0.1 "
+                             "unless a host is given; docs/metrics.md); transformers engine only")
     _demo_shadow.add_arguments(parser)
 
 
@@ -185,7 +188,7 @@ def run(args) -> int:
         return 2
     if args.requests is None and args.duration is None:
         args.requests = 24
-    problem = _demo_shadow.check(args)
+    problem = _demo_shadow.check(args) or _prometheus_problem(args)
     if problem:
         print(f"kvdiag demo: {problem}", file=sys.stderr)
         return 2
@@ -203,7 +206,8 @@ def run(args) -> int:
     if args.engine == "vllm":
         return _run_vllm(args, plan, model_dir, log_path)
     server = DemoServer(model_dir, log_path, args.port or free_port(), args.page_size, args.num_blocks,
-                        args.max_batch_tokens, args.inject_leak, args.threads, _demo_shadow.agent_args(args))
+                        args.max_batch_tokens, args.inject_leak, args.threads,
+                        (*_demo_shadow.agent_args(args), *_prometheus_args(args)))
     stats = LiveStats()
     print(f"kvdiag demo: starting {model_dir.name} on transformers' continuous-batching engine "
           f"(KV pool {args.num_blocks} blocks x {args.page_size} tokens), port {server.port}", flush=True)
@@ -300,6 +304,25 @@ def _summary(driver, counters: dict, elapsed: float, stats: LiveStats, server, c
     if code not in (0, 128 + signal.SIGTERM):
         print(f"kvdiag demo: the server exited with code {code}; see {server.server_log}", file=sys.stderr)
     return failed
+
+
+def _prometheus_problem(args) -> str:
+    """Why ``--prometheus`` cannot be used as given ("" when it can)."""
+    if args.prometheus is None:
+        return ""
+    if args.engine == "vllm":
+        return "--prometheus: the vLLM demo does not serve metrics yet (transformers engine only)"
+    from kvdiag.exporter import parse_address
+    try:
+        parse_address(args.prometheus)
+    except ValueError as exc:
+        return f"--prometheus: {exc}"
+    return ""
+
+
+def _prometheus_args(args) -> list[str]:
+    """``python -m kvdiag.run`` options of the exporter."""
+    return ["--prometheus", args.prometheus] if args.prometheus is not None else []
 
 
 def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:

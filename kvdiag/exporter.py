@@ -1,0 +1,277 @@
+"""Prometheus export of kvdiag's own metrics (the table in :mod:`kvdiag.prom_metrics`).
+
+:class:`PrometheusSink` is a sink (``record``/``flush``/``close``): it folds every event into a
+:class:`kvdiag.live.state.LiveState` (what ``kvdiag top`` shows) and keeps latency histograms;
+at each scrape its collector takes a snapshot under the same lock and builds the metric
+families. The snapshot is taken at the latest event time seen (event time, as ``top``), so a
+replayed log exports what it recorded. :func:`serve` listens on 127.0.0.1 unless a host is
+given, with its own registry (none of prometheus_client's process or platform collectors).
+
+    python -m kvdiag.exporter --markdown > docs/metrics.md
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import threading
+from typing import Iterator, Optional
+
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from kvdiag import schema as s
+from kvdiag.analysis.rules import RELEASE_GRACE_NS
+from kvdiag.live.state import LiveState
+from kvdiag.prom_metrics import BY_NAME, COMMON_LABELS, INTER_TOKEN_BUCKETS_S, TTFT_BUCKETS_S, markdown
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+class _Histogram:
+    """Cumulative bucket counts and sum of observations (seconds)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += count
+            out.append((bound, total))
+        return out
+
+
+class PrometheusSink:
+    """Events in; metric families out at each scrape (``collect``). ``record`` holds a lock
+    for one O(1) ``LiveState.feed``; a scrape holds it for one snapshot."""
+
+    def __init__(self, header: Optional[s.LogHeader] = None) -> None:
+        self._lock = threading.Lock()
+        self.state = LiveState()
+        self.labels = ("", "", "")
+        if header is not None:
+            self.set_header(header)
+        self._last_ns = 0
+        self.ttft = _Histogram(TTFT_BUCKETS_S)
+        self.inter_token = _Histogram(INTER_TOKEN_BUCKETS_S)
+
+    def set_header(self, header: s.LogHeader) -> None:
+        with self._lock:
+            self.state.set_header(header)
+            self.labels = (header.node or header.host, header.engine, header.model)
+
+    def record(self, event: s.Event) -> None:
+        try:
+            with self._lock:
+                self.state.feed(event)
+                self._last_ns = max(self._last_ns, event.ts_ns)
+                if isinstance(event, s.RequestFinished) and event.status == "finished":
+                    self._observe_latency(event)
+        except Exception:  # a sink never raises into the observed engine
+            pass
+
+    def _observe_latency(self, ev: s.RequestFinished) -> None:
+        ttft = ev.ttft_ns
+        if ttft is None:
+            req = self.state.finished.get(ev.request_id)
+            ttft = req.ttft_ns if req is not None else None
+        if ttft is None:
+            return
+        self.ttft.observe(ttft / 1e9)
+        if ev.e2e_ns is not None and ev.output_tokens > 1:
+            self.inter_token.observe((ev.e2e_ns - ttft) / (ev.output_tokens - 1) / 1e9)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ scrape
+
+    def collect(self) -> Iterator:
+        """The metric families of the state now (prometheus_client's Collector protocol)."""
+        with self._lock:
+            if not self.state.events:
+                return iter(())
+            families = _Families(self.labels)
+            snap = self.state.snapshot(self._last_ns)
+            _pool(families, self.state, snap)
+            _sharing(families, snap)
+            _shadow(families, snap)
+            _latency(families, self)
+            _memory(families, snap)
+            _health(families, self.state, snap)
+            return iter(families.built())
+
+
+class _Families:
+    """Metric families by name, created from the table on first use."""
+
+    def __init__(self, common: tuple[str, str, str]) -> None:
+        self.common = list(common)
+        self.families: dict[str, object] = {}
+
+    def _family(self, name: str):
+        fam = self.families.get(name)
+        if fam is None:
+            d = BY_NAME[name]
+            kind = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
+                    "histogram": HistogramMetricFamily}[d.type]
+            fam = self.families[name] = kind(name, d.help, labels=[*COMMON_LABELS, *d.labels], unit="")
+        return fam
+
+    def add(self, name: str, value, *labels: str) -> None:
+        """One sample; nothing when ``value`` is None (the metric stays absent)."""
+        if value is not None:
+            self._family(name).add_metric([*self.common, *labels], float(value))
+
+    def histogram(self, name: str, hist: _Histogram) -> None:
+        if hist.counts and sum(hist.counts):
+            self._family(name).add_metric(self.common, hist.buckets(), hist.sum)
+
+    def built(self) -> list:
+        return list(self.families.values())
+
+
+def _pool(f: _Families, state: LiveState, snap) -> None:
+    pool = snap.pool
+    if pool.blocks_used is not None:
+        free = pool.num_blocks - pool.blocks_used - pool.blocks_cached if pool.num_blocks else None
+        block_bytes = state.pool_info.block_bytes if state.pool_info is not None else None
+        for label, blocks in (("requests", pool.blocks_used), ("prefix_cache", pool.blocks_cached),
+                              ("free", free)):
+            if blocks is not None:
+                f.add("kvdiag_kv_blocks", blocks, label)
+                if block_bytes is not None:
+                    f.add("kvdiag_kv_bytes", blocks * block_bytes, label)
+    f.add("kvdiag_kv_block_occupancy_ratio", pool.block_occupancy)
+    f.add("kvdiag_kv_token_occupancy_ratio", pool.token_occupancy)
+    f.add("kvdiag_kv_pool_fragmentation_ratio", pool.pool_fragmentation)
+    f.add("kvdiag_allocator_fragmentation_ratio", pool.allocator_fragmentation)
+    f.add("kvdiag_requests_running", pool.running_requests)
+    f.add("kvdiag_requests_waiting", pool.waiting_requests)
+    if not pool.reason:
+        f.add("kvdiag_request_preemptions_total", pool.preemptions)
+    if state.block_events_seen:
+        cutoff = snap.now_ns - RELEASE_GRACE_NS
+        holding = sum(1 for r in state.finished.values()
+                      if r.blocks and r.finished_ns is not None and r.finished_ns <= cutoff)
+        f.add("kvdiag_finished_requests_holding_blocks", holding)
+
+
+def _sharing(f: _Families, snap) -> None:
+    sh = snap.sharing
+    if snap.requests.finished:
+        f.add("kvdiag_requests_finished_total", snap.requests.finished)
+    f.add("kvdiag_prefix_engine_hit_ratio", sh.engine_hit_rate)
+    f.add("kvdiag_prefix_content_hit_ratio", sh.shadow_hit_rate)
+    f.add("kvdiag_prefix_hit_ratio_gap", sh.gap)
+    for p in sh.what_if:
+        cap = str(p.capacity_blocks) if p.capacity_blocks is not None else "unbounded"
+        f.add("kvdiag_shadow_token_hit_ratio", p.token_hit_rate, p.policy, str(p.block_size_tokens), cap)
+
+
+def _shadow(f: _Families, snap) -> None:
+    for row in snap.compression.rows:
+        f.add("kvdiag_compression_ratio", row.ratio, row.method, row.layers)
+        f.add("kvdiag_compression_error_ratio", row.error, row.method, row.layers)
+        f.add("kvdiag_compression_attn_out_error_ratio", row.attn_out_error, row.method, row.layers)
+    loc = snap.locality
+    for metric, name in (("recent", "kvdiag_attention_recent_mass_ratio"),
+                         ("sink", "kvdiag_attention_sink_mass_ratio"),
+                         ("entropy", "kvdiag_attention_entropy_nats")):
+        for layer, heads in enumerate(loc.cells.get(metric, ())):
+            seen = [v for v in heads if v is not None]
+            if seen:
+                f.add(name, sum(seen) / len(seen), str(layer))
+
+
+def _latency(f: _Families, sink: PrometheusSink) -> None:
+    f.histogram("kvdiag_request_ttft_seconds", sink.ttft)
+    f.histogram("kvdiag_request_inter_token_seconds", sink.inter_token)
+
+
+def _memory(f: _Families, snap) -> None:
+    m = snap.memory
+    f.add("kvdiag_gpu_memory_used_bytes", m.nvml_used_bytes)
+    f.add("kvdiag_gpu_memory_total_bytes", m.nvml_total_bytes)
+    f.add("kvdiag_gpu_process_memory_bytes", m.nvml_process_bytes)
+    f.add("kvdiag_allocator_reserved_bytes", m.allocator_reserved_bytes)
+    f.add("kvdiag_allocator_allocated_bytes", m.allocator_allocated_bytes)
+    f.add("kvdiag_host_rss_bytes", m.host_rss_bytes)
+
+
+def _health(f: _Families, state: LiveState, snap) -> None:
+    f.add("kvdiag_events_total", state.events)
+    f.add("kvdiag_collector_events_dropped_total", snap.health.dropped_events)
+    for collector, count, _message in snap.health.errors:
+        f.add("kvdiag_collector_errors_total", count, collector)
+
+
+# ---------------------------------------------------------------------- serving
+
+
+def parse_address(address: str | int) -> tuple[str, int]:
+    """``PORT``, ``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port); the host defaults to 127.0.0.1."""
+    text = str(address).strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host = DEFAULT_HOST
+    host = host.strip("[]") or DEFAULT_HOST
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"expected [HOST:]PORT, got {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"port out of range in {text!r}")
+    return host, number
+
+
+class Exporter:
+    """A running HTTP endpoint serving one sink's metrics; ``port`` is the bound port."""
+
+    def __init__(self, sink: PrometheusSink, address: str | int) -> None:
+        from prometheus_client import start_http_server
+
+        host, port = parse_address(address)
+        self.sink = sink
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(sink)
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host, self.port = self._server.server_address[:2]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve(address: str | int, header: Optional[s.LogHeader] = None) -> Exporter:
+    """Start serving a new :class:`PrometheusSink` on ``address`` (``[HOST:]PORT``; port 0:
+    a free one); record events into ``exporter.sink``, ``close()`` when done."""
+    return Exporter(PrometheusSink(header), address)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--markdown"]:
+        sys.stdout.write(markdown())
+        return 0
+    print("usage: python -m kvdiag.exporter --markdown", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

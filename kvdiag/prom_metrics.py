@@ -1,0 +1,133 @@
+"""The metrics kvdiag serves to Prometheus, defined once: name, type, unit, labels and meaning.
+
+:mod:`kvdiag.exporter` builds its metric families from this table and ``docs/metrics.md`` is
+generated from it (``python -m kvdiag.exporter --markdown``; a test compares the two), so the
+documentation cannot drift from what is served. Every metric also carries the labels
+``node``, ``engine`` and ``model`` of the observed process (its log header). A metric whose
+source was not observed (no pool, no shadow, no finished request ...) is absent, not zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMMON_LABELS = ("node", "engine", "model")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    type: str  # "gauge", "counter" or "histogram"
+    unit: str  # "bytes", "ratio", "seconds", "blocks", "requests", "events", "errors", "nats"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+METRICS: tuple[MetricDef, ...] = (
+    # ------------------------------------------------------------------ KV pool
+    MetricDef("kvdiag_kv_bytes", "gauge", "bytes",
+              "KV pool bytes by state: held by live requests, held only by the prefix cache, free "
+              "(blocks x KVPoolInfo.block_bytes).", ("state",)),
+    MetricDef("kvdiag_kv_blocks", "gauge", "blocks",
+              "KV pool blocks by state (requests, prefix_cache, free); the latest pool sample, or "
+              "counted from block events without samples.", ("state",)),
+    MetricDef("kvdiag_kv_block_occupancy_ratio", "gauge", "ratio",
+              "Blocks held by live requests / blocks in the pool."),
+    MetricDef("kvdiag_kv_token_occupancy_ratio", "gauge", "ratio",
+              "Tokens written / token slots of the blocks held by live requests (pool samples only)."),
+    MetricDef("kvdiag_kv_pool_fragmentation_ratio", "gauge", "ratio",
+              "1 - token occupancy: share of empty token slots in held blocks (doctor: "
+              "fragmentation.kv_pool)."),
+    MetricDef("kvdiag_allocator_fragmentation_ratio", "gauge", "ratio",
+              "(reserved - allocated) / reserved bytes of the CUDA caching allocator."),
+    MetricDef("kvdiag_requests_running", "gauge", "requests",
+              "Requests the engine is running (latest pool sample)."),
+    MetricDef("kvdiag_requests_waiting", "gauge", "requests",
+              "Requests waiting for the engine (latest pool sample)."),
+    MetricDef("kvdiag_request_preemptions_total", "counter", "requests",
+              "Request preemptions seen since the exporter started."),
+    MetricDef("kvdiag_requests_finished_total", "counter", "requests",
+              "Requests finished (any status) since the exporter started."),
+    MetricDef("kvdiag_finished_requests_holding_blocks", "gauge", "requests",
+              "Recently finished requests (the last 200) that still hold KV blocks, among those "
+              "finished longer than the doctor's release grace ago (leak.finished_holding)."),
+    # ------------------------------------------------------------------ prefix sharing
+    MetricDef("kvdiag_prefix_engine_hit_ratio", "gauge", "ratio",
+              "Engine prefix-cache token hit rate: cached prompt tokens / prompt tokens of finished "
+              "requests (or the engine's own counters, hits / queries)."),
+    MetricDef("kvdiag_prefix_content_hit_ratio", "gauge", "ratio",
+              "Content hit rate: token hit rate of the shadow cache at the engine's settings."),
+    MetricDef("kvdiag_prefix_hit_ratio_gap", "gauge", "ratio",
+              "Content hit rate - engine hit rate (doctor: sharing.consistency)."),
+    MetricDef("kvdiag_shadow_token_hit_ratio", "gauge", "ratio",
+              "Token hit rate of a what-if prefix cache; block_size in tokens, capacity in blocks "
+              "(\"unbounded\" without a limit).", ("policy", "block_size", "capacity")),
+    # ------------------------------------------------------------------ compression, locality
+    MetricDef("kvdiag_compression_ratio", "gauge", "ratio",
+              "Mean compression ratio (original / compressed bytes) of a method on a layer group.",
+              ("method", "layers")),
+    MetricDef("kvdiag_compression_error_ratio", "gauge", "ratio",
+              "Max relative Frobenius error of K and V of a method on a layer group.",
+              ("method", "layers")),
+    MetricDef("kvdiag_compression_attn_out_error_ratio", "gauge", "ratio",
+              "Mean relative error of the attention output of a method on a layer group.",
+              ("method", "layers")),
+    MetricDef("kvdiag_attention_recent_mass_ratio", "gauge", "ratio",
+              "Mean attention mass on the recent window, over the sampled heads of a layer.",
+              ("layer",)),
+    MetricDef("kvdiag_attention_sink_mass_ratio", "gauge", "ratio",
+              "Mean attention mass on the sink tokens, over the sampled heads of a layer.",
+              ("layer",)),
+    MetricDef("kvdiag_attention_entropy_nats", "gauge", "nats",
+              "Mean attention entropy, over the sampled heads of a layer.", ("layer",)),
+    # ------------------------------------------------------------------ latency
+    MetricDef("kvdiag_request_ttft_seconds", "histogram", "seconds",
+              "Time to first token of requests finished with status \"finished\"."),
+    MetricDef("kvdiag_request_inter_token_seconds", "histogram", "seconds",
+              "Mean time per output token after the first, (e2e - ttft) / (output tokens - 1), "
+              "of finished requests with more than one output token (one observation per request)."),
+    # ------------------------------------------------------------------ memory
+    MetricDef("kvdiag_gpu_memory_used_bytes", "gauge", "bytes", "NVML device memory used, all devices."),
+    MetricDef("kvdiag_gpu_memory_total_bytes", "gauge", "bytes", "NVML device memory, all devices."),
+    MetricDef("kvdiag_gpu_process_memory_bytes", "gauge", "bytes",
+              "NVML device memory of the observed process."),
+    MetricDef("kvdiag_allocator_reserved_bytes", "gauge", "bytes", "CUDA caching allocator reserved bytes."),
+    MetricDef("kvdiag_allocator_allocated_bytes", "gauge", "bytes", "CUDA caching allocator allocated bytes."),
+    MetricDef("kvdiag_host_rss_bytes", "gauge", "bytes",
+              "Resident memory of the observed processes (latest sample of each, last 30 s)."),
+    # ------------------------------------------------------------------ collector health
+    MetricDef("kvdiag_events_total", "counter", "events", "Events kvdiag observed since the exporter started."),
+    MetricDef("kvdiag_collector_events_dropped_total", "counter", "events",
+              "Events collectors dropped (CollectorGap), always present."),
+    MetricDef("kvdiag_collector_errors_total", "counter", "errors",
+              "Errors reported by a collector (CollectorError); absent for collectors without errors.",
+              ("collector",)),
+)
+
+BY_NAME = {m.name: m for m in METRICS}
+
+
+def markdown() -> str:
+    """``docs/metrics.md``: one row per metric."""
+    lines = [
+        "# Prometheus metrics",
+        "",
+        "Served by `python -m kvdiag.run --prometheus [HOST:]PORT -- ...`, "
+        "`kvdiag.agent.start(prometheus=...)`, `kvdiag demo --prometheus ...` and "
+        "`kvdiag attach PID --prometheus ...` (127.0.0.1 unless a host is given). "
+        "Generated by `python -m kvdiag.exporter --markdown` from `kvdiag/prom_metrics.py`; "
+        "a test checks this file equals that output.",
+        "",
+        f"Every metric carries the labels {', '.join(f'`{n}`' for n in COMMON_LABELS)} (from the "
+        "log header). A metric whose source was not observed is absent, not zero.",
+        "",
+        "| name | type | unit | labels | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m in METRICS:
+        labels = ", ".join(f"`{n}`" for n in m.labels) or "-"
+        lines.append(f"| `{m.name}` | {m.type} | {m.unit} | {labels} | {m.help.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
