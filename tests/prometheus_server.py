@@ -1,0 +1,84 @@
+"""A real Prometheus (Debian's package, installed by .ci/run) on 127.0.0.1, for tests: its own
+config, data dir and free port; queried through its HTTP API. Missing binaries fail."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} not found: install Debian's prometheus package (.ci/run does)"
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(check: Callable[[], Optional[object]], timeout_s: float, what: str, poll_s: float = 0.2):
+    """Poll ``check`` until it returns a truthy value; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = check()
+        except OSError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+class Prometheus:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+
+    def query(self, expr: str) -> list[dict]:
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+
+@contextlib.contextmanager
+def running(tmp: Path, targets: list[str], timeout_s: float = 60) -> Iterator[Prometheus]:
+    """Prometheus scraping ``targets`` (host:port) every second; stopped on exit."""
+    port = free_port()
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: kvdiag\n    static_configs:\n"
+        f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
+    log = open(tmp / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        server = Prometheus(port)
+
+        def ready():
+            assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
+            return urllib.request.urlopen(f"{server.url}/-/ready", timeout=2).status == 200
+        wait_for(ready, timeout_s, "Prometheus to be ready")
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
