@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
     parser.add_argument("--snapshot", metavar="FILE", default=None,
                         help="a CUDA allocator snapshot (pickle or JSON) for the fragmentation rule")
+    parser.add_argument("--prometheus-rules", nargs="?", const="-", metavar="FILE", default=None,
+                        help="write these rules as Prometheus alerting rules over kvdiag's exported "
+                             "metrics (same thresholds) to FILE (default: stdout), and exit")
     add_input_arguments(parser)
 
 
@@ -76,7 +79,23 @@ def _snapshot(path: str):
         raise ValueError(f"{path}: {exc}") from None
 
 
+def _write_prometheus_rules(target: str) -> int:
+    from kvdiag.prom_rules import rules_yaml
+    text = rules_yaml()
+    if target == "-":
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(target, "w") as out:
+            out.write(text)
+    except OSError as exc:
+        return fail("doctor", f"--prometheus-rules: {exc}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.prometheus_rules is not None:
+        return _write_prometheus_rules(args.prometheus_rules)
     if args.pid is not None and (args.logs or args.snapshot):
         return fail("doctor", "give either LOG (and --snapshot) or --pid PID, not both")
     if args.pid is not None:
