@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "report": "turn recorded logs into a self-contained HTML or markdown report",
     "replay": "replay a trace through shadow prefix caches: hit rates per policy and capacity",
     "doctor": "run the memory-leak and P99-spike checklists on a log or a running server",
+    "export": "write recorded logs to a Parquet dataset partitioned by event type and node",
     "shadow": "run the embedded model in-process with shadow KV compression and attention locality",
     "fetch-model": "download and convert the embedded default model (SmolLM2-135M-Instruct)",
     "fetch-engine": "build vLLM's own environment under the kvdiag cache (for demo/top --engine vllm)",

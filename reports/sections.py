@@ -92,7 +92,8 @@ def per_node(logs: Logs, lat: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.DataFrame) -> Section:
+def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.DataFrame,
+            fleet: Optional[pd.DataFrame] = None) -> Section:
     rows = []
     last, first = logs.last_ts_ns(), logs.first_ts_ns()
     for node in logs.nodes:
@@ -112,6 +113,10 @@ def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.Da
               Table("Logs", pd.DataFrame(rows))]
     if len(logs.nodes) > 1:
         blocks.append(Table("Per node", per_node(logs, lat)))
+    if fleet is not None:
+        blocks.append(Table("Fleet: nodes of the Parquet datasets, worst first (DuckDB)", fleet.round(2),
+                            note="KV pressure: peak blocks used / pool blocks; hit rate: cached / "
+                                 "prompt tokens of finished requests; TTFT of finished requests"))
     if problems:
         blocks.append(Text(f"{len(problems)} unreadable lines were skipped; first: {problems[0]}"))
     return Section("summary", "Summary", "What needs attention?", blocks)
@@ -484,8 +489,10 @@ def forecast(logs: Logs, t0: int) -> Optional[Chart]:
 
 
 def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[str]] = None,
-          title: str = "kvdiag report") -> tuple[Report, list[Finding]]:
-    """The whole report, and the findings behind its summary."""
+          title: str = "kvdiag report", fleet: Optional[pd.DataFrame] = None
+          ) -> tuple[Report, list[Finding]]:
+    """The whole report, and the findings behind its summary; ``fleet``: the per-node table
+    of ``analysis.fleet`` when the input holds Parquet datasets."""
     problems = problems or []
     findings, comps = run_rules(logs, baseline)
     t0 = logs.time_range_ns()[0]
@@ -499,7 +506,7 @@ def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[s
     sub = (f"{len(logs.nodes)} node(s): {', '.join(logs.nodes)}; {logs.num_events():,} events from "
            f"{_fmt_ns(t_lo)} to {_fmt_ns(t_hi)}"
            + (f"; baseline: {', '.join(baseline.paths.values())}" if baseline is not None else ""))
-    sections = [summary(logs, findings, problems, lat), mem, fragmentation(logs, t0, findings),
+    sections = [summary(logs, findings, problems, lat, fleet), mem, fragmentation(logs, t0, findings),
                 sharing(logs, t0, req), compression(logs), locality(logs),
                 latency_section(logs, t0, lat, comps, baseline), requests(req), health(logs, problems)]
     return Report(title, sub, sections), findings

@@ -168,13 +168,20 @@ ids: skipping it keeps the memory of a large log's frames down)."""
 def load(paths: Iterable[str | Path], on_progress: Optional[Callable[[int], None]] = None,
          allow_truncated: bool = False, skip: frozenset[str] = UNUSED_BY_REPORTS,
          strict: bool = False) -> tuple[Logs, list[str]]:
-    """Read and merge logs, leaving out the event types in ``skip``. Returns the merged logs
+    """Read and merge logs (a folder is a Parquet dataset of ``kvdiag export``: its logs are
+    read back as they were read at export), leaving out the event types in ``skip``. Returns the merged logs
     and the reader's problems (unreadable lines that were skipped). Raises LogFormatError for
     a log that is not a kvdiag log, has no events, or (unless ``allow_truncated``) was cut
     short by a writer that stopped mid-line; with ``strict``, also for any unreadable line."""
     items, problems = [], []
     wanted = set(TAGS) - set(skip)
     for path in paths:
+        if Path(path).is_dir():  # a Parquet dataset of kvdiag export: several logs
+            from kvdiag.dataset import read_dataset  # pyarrow only when there is one
+            more, skipped = read_dataset(path, skip=frozenset(skip))
+            items += more
+            problems += skipped
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the reader's warnings: returned and raised here
             log = read_log(path, types=wanted, on_progress=on_progress, strict=strict)

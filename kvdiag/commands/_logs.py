@@ -9,6 +9,7 @@ and under ``"skipped_lines"`` in ``--json``); ``--strict`` makes the first one a
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import tempfile
@@ -59,12 +60,22 @@ def tell_skipped(command: str, problems: list[str]) -> None:
           + "; ".join(problems[:SKIPPED_SHOWN]), file=sys.stderr)
 
 
+def expand(paths: Iterable[str]) -> list[Path]:
+    """The inputs, a quoted glob (of Parquet datasets, say) replaced by what it matches."""
+    out = []
+    for p in paths:
+        matches = sorted(glob.glob(p)) if not os.path.exists(p) and glob.has_magic(p) else []
+        out += [Path(m) for m in matches] or [Path(p)]
+    return out
+
+
 def read_logs(paths: Iterable[str], quiet: bool = False, allow_truncated: bool = False,
               strict: bool = False) -> tuple[Logs, list[str]]:
-    """Load and merge logs with a progress bar on stderr (shown only on a terminal).
-    Returns the logs and the skipped lines (``strict``: the first one raises LogFormatError)."""
-    paths = [Path(p) for p in paths]
-    total = [_estimated_lines(p) for p in paths]
+    """Load and merge logs and Parquet datasets (folders) with a progress bar on stderr
+    (shown only on a terminal). Returns the logs and the skipped lines (``strict``: the
+    first one raises LogFormatError)."""
+    paths = expand(paths)
+    total = [None if p.is_dir() else _estimated_lines(p) for p in paths]
     progress = Progress(TextColumn("reading {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("lines"), TimeElapsedColumn(),
                         disable=quiet or not sys.stderr.isatty(), transient=True)

@@ -36,7 +36,8 @@ reached or it is not answering (no header within {HEADER_TIMEOUT_S:g} s)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("logs", nargs="*", metavar="LOG", help="event logs")
+    parser.add_argument("logs", nargs="*", metavar="LOG",
+                        help="event logs, or Parquet datasets of `kvdiag export` (folders, or a quoted glob)")
     parser.add_argument("--pid", type=int, default=None,
                         help="diagnose a running server (run under the kvdiag agent) instead")
     parser.add_argument("--seconds", type=float, default=30.0,
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             snapshot = _snapshot(args.snapshot)
         except ValueError as exc:
             return fail("doctor", str(exc))
-    findings, paths, problems = [], [], []
+    findings, paths, problems, fleet = [], [], [], None
     if args.logs:
         try:
             logs, problems = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial,
@@ -123,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
         tell_skipped("doctor", problems)
         from kvdiag.analysis.doctor import run_rules
         findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
+        if args.json:
+            from kvdiag.analysis.fleet import fleet_for
+            from kvdiag.commands._logs import expand
+            fleet = fleet_for(expand(args.logs), logs.nodes)
     from kvdiag.analysis.findings import worst
     findings += [snapshot[1]] if snapshot else []
     status = worst(findings)
@@ -132,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                    "skipped_lines": skipped_lines(problems)}
             if snapshot:
                 out["snapshot"] = snapshot[0]
+            if fleet is not None:  # Parquet datasets: their nodes, worst first
+                out["fleet"] = fleet.to_dict(orient="records")
             print(json.dumps(_clean(out), indent=1))
         else:
             _print(findings)

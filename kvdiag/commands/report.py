@@ -5,21 +5,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
+from kvdiag.commands._logs import (LogFormatError, add_input_arguments, expand, fail, read_logs,
                                    tell_skipped, write_atomic)
 
 DESCRIPTION = """Turn recorded event logs into one report: findings first, then memory over time
 and where it goes, block occupancy and fragmentation, prefix sharing, compression, attention
 locality, latency percentiles and P99 regressions, per-request KV, collector health.
 
-Several logs (one per node) merge into one report with a node column. --baseline compares
+Several logs (one per node) merge into one report with a node column. A Parquet dataset
+of `kvdiag export` (a folder) reads as the logs it was made from, and adds a per-node fleet
+table computed by DuckDB over its files. --baseline compares
 latency against another log instead of against the log's own earlier part. The HTML opens
 offline (plotly.js is embedded once); --format md writes the same content as Markdown tables.
 The output file is written whole or not at all."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("logs", nargs="+", metavar="LOG", help="event logs (.jsonl or .jsonl.gz)")
+    parser.add_argument("logs", nargs="+", metavar="LOG",
+                        help="event logs (.jsonl or .jsonl.gz) or Parquet datasets of `kvdiag export` (folders, or a quoted glob)")
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="output file (default report.html, or report.md with --format md)")
     parser.add_argument("--format", choices=("html", "md"), default=None,
@@ -58,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     busy = (Console(stderr=True).status(f"analysing {logs.num_events():,} events")
             if sys.stderr.isatty() else contextlib.nullcontext())
     with busy:
-        report, findings = sections.build(logs, baseline, problems, title=args.title)
+        from kvdiag.analysis.fleet import fleet_for
+        fleet = fleet_for(expand(args.logs), logs.nodes)
+        report, findings = sections.build(logs, baseline, problems, title=args.title, fleet=fleet)
         write_atomic(out, render(report))
     n_fail = sum(f.status == "fail" for f in findings)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {len(logs.nodes)} log(s), "

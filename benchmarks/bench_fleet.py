@@ -1,0 +1,112 @@
+"""Fleet logs: the JSONL path against DuckDB over a Parquet dataset, side by side in one run.
+
+The fleet is made from one real recorded log (tests/data/demo_small by default): node i's log
+is that log repeated end to end until it holds events/nodes events (each copy shifted in
+time by the source's duration plus 1 s, request ids suffixed ``~copy``), under the header
+node name ``node-i``, with every timestamp further shifted by i x 1 s. Each measurement runs
+in a fresh process (imports included); peak memory is that process's ru_maxrss.
+Measured: `kvdiag export --parquet` (once); the per-node table from the JSONL logs (read
+every log, then pandas) against ``analysis.fleet.fleet_table`` (DuckDB over the files); the
+whole `kvdiag report --format md` from the logs and from the dataset; Parquet bytes / JSONL
+bytes. The goal (issue 15) is >= 20 nodes and >= 10M events; the default is 1M events
+(--events) so that it runs in minutes on a small machine.
+Usage: python benchmarks/bench_fleet.py [--nodes 20] [--events 1000000] [SOURCE_LOG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from kvdiag.eventlog import LogWriter, iter_events, read_header
+
+DEFAULT_SOURCE = Path(__file__).resolve().parent.parent / "tests/data/demo_small"
+
+
+def build_node(events: list, header, node: int, target: Path, n_events: int) -> int:
+    """``n_events`` events of the source repeated, as node ``node``."""
+    t0, t1 = min(e.ts_ns for e in events), max(e.ts_ns for e in events)
+    span, shift = t1 - t0 + 1_000_000_000, node * 1_000_000_000
+    written, copy = 0, 0
+    with LogWriter(target, msgspec.structs.replace(header, node=f"node-{node}"),
+                   max_queue=len(events) + 10) as w:
+        while written < n_events:
+            for e in events[: n_events - written]:
+                changes = {"ts_ns": e.ts_ns + copy * span + shift}
+                rid = getattr(e, "request_id", None)
+                if rid is not None:
+                    changes["request_id"] = f"{rid}~{copy}"
+                w.record(msgspec.structs.replace(e, **changes))
+            written += min(len(events), n_events - written)
+            w.flush()
+            copy += 1
+    return written
+
+
+_WRAP = """import resource, sys, time
+t = time.perf_counter()
+{body}
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"""
+
+
+def measure(body: str) -> tuple[float, float]:
+    """Seconds and peak RSS (MiB) of ``body`` run in a fresh Python process."""
+    p = subprocess.run([sys.executable, "-c", _WRAP.format(body=body)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    dt, kib = p.stderr.strip().splitlines()[-1].split()
+    return float(dt), float(kib) / 1024
+
+
+_JSONL_FLEET = """from kvdiag.analysis.logs import load
+from kvdiag.analysis.memory import pool_occupancy
+logs, _ = load({logs!r})
+fin = logs.frame("request_finished")
+fin = fin[fin["status"] == "finished"]
+occ = pool_occupancy(logs)
+g = fin.groupby("node")
+table = [g["cached_prompt_tokens"].sum() / g["prompt_tokens"].sum(), g["ttft_ns"].quantile(0.99),
+         occ.groupby("node")["block_occupancy"].max()]"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("source", nargs="?")
+    ap.add_argument("--nodes", type=int, default=20)
+    ap.add_argument("--events", type=int, default=1_000_000, help="events over all nodes")
+    args = ap.parse_args()
+    src = Path(args.source) if args.source else sorted(DEFAULT_SOURCE.glob("*.kvlog*"))[0]
+    events, header = list(iter_events(src)), read_header(src)
+    with tempfile.TemporaryDirectory(prefix="kvdiag-bench-fleet-") as d:
+        logs = [str(Path(d) / f"node-{i}.jsonl") for i in range(args.nodes)]
+        n = sum(build_node(events, header, i, Path(p), args.events // args.nodes)
+                for i, p in enumerate(logs))
+        jsonl_b = sum(os.path.getsize(p) for p in logs)
+        ds = Path(d) / "ds"
+        print(f"fleet: {args.nodes} nodes, {n:,} events from {src.name}, JSONL {jsonl_b / 2**20:.0f} MiB; "
+              f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        argv = ["export", *logs, "--parquet", str(ds)]
+        et, em = measure(f"from kvdiag.cli import main\nassert main({argv!r}) == 0")
+        pq_b = sum(f.stat().st_size for f in ds.rglob("*.parquet"))
+        print(f"export --parquet:            {et:7.1f} s, peak RSS {em:6.0f} MiB; Parquet "
+              f"{pq_b / 2**20:.1f} MiB = {pq_b / jsonl_b:.3f} of the JSONL bytes")
+        jt, jm = measure(_JSONL_FLEET.format(logs=logs))
+        dt, dm = measure(f"from kvdiag.analysis.fleet import fleet_table\nfleet_table([{str(ds)!r}])")
+        print(f"per-node table, JSONL+pandas: {jt:7.1f} s, peak RSS {jm:6.0f} MiB")
+        print(f"per-node table, DuckDB:       {dt:7.1f} s, peak RSS {dm:6.0f} MiB  -> {jt / dt:.0f}x faster")
+        out = {}
+        for name, inputs in (("JSONL", logs), ("Parquet", [str(ds)])):
+            argv = ["report", *inputs, "-o", str(Path(d) / f"{name}.md"), "--format", "md"]
+            out[name] = measure(f"from kvdiag.cli import main\nassert main({argv!r}) == 0")
+            print(f"report from {name:7}:         {out[name][0]:7.1f} s, peak RSS {out[name][1]:6.0f} MiB")
+        print(f"whole report: Parquet {out['JSONL'][0] / out['Parquet'][0]:.1f}x faster, peak RSS "
+              f"{out['Parquet'][1] / out['JSONL'][1]:.2f}x; load average now {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
