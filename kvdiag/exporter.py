@@ -13,6 +13,7 @@ given, with its own registry (none of prometheus_client's process or platform co
 from __future__ import annotations
 
 import bisect
+import collections
 import sys
 import threading
 from typing import Iterator, Optional
@@ -52,9 +53,15 @@ class _Histogram:
         return out
 
 
+FOLD_INTERVAL_S = 1.0
+"""How often queued events are folded into the state between scrapes (keeps the queue short)."""
+
+
 class PrometheusSink:
-    """Events in; metric families out at each scrape (``collect``). ``record`` holds a lock
-    for one O(1) ``LiveState.feed``; a scrape holds it for one snapshot."""
+    """Events in; metric families out at each scrape (``collect``). ``record`` (the engine's
+    thread) only appends to a queue: a scrape, a ``flush`` and a background thread every
+    :data:`FOLD_INTERVAL_S` fold the queue into the state, so a scrape never makes the engine
+    wait on a lock."""
 
     def __init__(self, header: Optional[s.LogHeader] = None) -> None:
         self._lock = threading.Lock()
@@ -65,6 +72,11 @@ class PrometheusSink:
         self._last_ns = 0
         self.ttft = _Histogram(TTFT_BUCKETS_S)
         self.inter_token = _Histogram(INTER_TOKEN_BUCKETS_S)
+        self._queue: collections.deque[s.Event] = collections.deque()
+        self._stop = threading.Event()
+        self._folder = threading.Thread(target=self._fold_periodically, name="kvdiag-exporter-fold",
+                                        daemon=True)
+        self._folder.start()
 
     def set_header(self, header: s.LogHeader) -> None:
         with self._lock:
@@ -72,14 +84,25 @@ class PrometheusSink:
             self.labels = (header.node or header.host, header.engine, header.model)
 
     def record(self, event: s.Event) -> None:
-        try:
-            with self._lock:
-                self.state.feed(event)
-                self._last_ns = max(self._last_ns, event.ts_ns)
-                if isinstance(event, s.RequestFinished) and event.status == "finished":
-                    self._observe_latency(event)
-        except Exception:  # a sink never raises into the observed engine
-            pass
+        self._queue.append(event)
+
+    def _fold(self) -> None:
+        """Fold the queued events into the state (under the lock; never raises)."""
+        with self._lock:
+            queue = self._queue
+            while queue:
+                event = queue.popleft()
+                try:
+                    self.state.feed(event)
+                    self._last_ns = max(self._last_ns, event.ts_ns)
+                    if isinstance(event, s.RequestFinished) and event.status == "finished":
+                        self._observe_latency(event)
+                except Exception:  # one bad event costs its own figures, not the endpoint
+                    pass
+
+    def _fold_periodically(self) -> None:
+        while not self._stop.wait(FOLD_INTERVAL_S):
+            self._fold()
 
     def _observe_latency(self, ev: s.RequestFinished) -> None:
         ttft = ev.ttft_ns
@@ -93,15 +116,17 @@ class PrometheusSink:
             self.inter_token.observe((ev.e2e_ns - ttft) / (ev.output_tokens - 1) / 1e9)
 
     def flush(self) -> None:
-        pass
+        self._fold()
 
     def close(self) -> None:
-        pass
+        self._stop.set()
+        self._fold()
 
     # ------------------------------------------------------------------ scrape
 
     def collect(self) -> Iterator:
         """The metric families of the state now (prometheus_client's Collector protocol)."""
+        self._fold()
         with self._lock:
             if not self.state.events:
                 return iter(())
@@ -253,6 +278,7 @@ class Exporter:
         self.host, self.port = self._server.server_address[:2]
 
     def close(self) -> None:
+        self.sink.close()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
