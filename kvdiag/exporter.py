@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import os
 import sys
 import threading
 from typing import Iterator, Optional
@@ -53,6 +54,12 @@ class _Histogram:
         return out
 
 
+def model_label(model: str) -> str:
+    """The ``model`` label: a local model folder by its name (its absolute path would differ
+    from node to node), anything else (an HF id) as given."""
+    return os.path.basename(model.rstrip("/")) if os.path.isabs(model) else model
+
+
 FOLD_INTERVAL_S = 1.0
 """How often queued events are folded into the state between scrapes (keeps the queue short)."""
 
@@ -81,7 +88,7 @@ class PrometheusSink:
     def set_header(self, header: s.LogHeader) -> None:
         with self._lock:
             self.state.set_header(header)
-            self.labels = (header.node or header.host, header.engine, header.model)
+            self.labels = (header.node or header.host, header.engine, model_label(header.model))
 
     def record(self, event: s.Event) -> None:
         self._queue.append(event)
