@@ -121,3 +121,35 @@ def test_run_accepts_prometheus_and_rejects_a_bad_address():
     assert args.prometheus == "9400"
     with pytest.raises(SystemExit):
         parse_args(["--prometheus", "nope", "--", "python", "x.py"])
+
+
+def test_attach_serves_what_it_records_on_loopback(tmp_path):
+    """`kvdiag attach PID --prometheus 0` on a real Python process: while attached, the
+    endpoint (127.0.0.1 only) serves the target's RSS as the host view of the log records it."""
+    import re
+    import time
+
+    target = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.1)"])
+    log = tmp_path / "a.kvlog"
+    attach = subprocess.Popen([sys.executable, "-m", "kvdiag.cli", "attach", str(target.pid), "--no-pyspy",
+                               "--duration", "20", "--interval", "0.2", "--prometheus", "0", "--out", str(log)],
+                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        line = attach.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line).group(1))
+        assert _listen_addresses(port) == ["0100007F"]
+        deadline = time.monotonic() + 20
+        while "kvdiag_host_rss_bytes" not in (metrics := _scrape(port)):
+            assert time.monotonic() < deadline, "no kvdiag_host_rss_bytes while attached"
+            time.sleep(0.2)
+        (sample,) = metrics["kvdiag_host_rss_bytes"]
+        assert sample.labels["engine"] == "attach"
+        rss = sample.value
+        attach.terminate()  # attach ends on SIGTERM as on Ctrl-C: the log is kept
+        assert attach.wait(timeout=30) == 0
+    finally:
+        attach.kill()
+        target.kill()
+        target.wait()
+    recorded = {ev.rss_bytes for ev in iter_events(log) if isinstance(ev, s.ProcessSample)}
+    assert rss in recorded  # the served value is one the log recorded (one process: its RSS)

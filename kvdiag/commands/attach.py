@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pyspy", action="store_true", help="do not sample Python stacks")
     parser.add_argument("--metrics-url", help="Prometheus endpoint (default: probe the target's ports)")
     parser.add_argument("--socket", help="agent socket (default: found from the target)")
+    parser.add_argument("--prometheus", metavar="[HOST:]PORT", default=None,
+                        help="also serve what is recorded as kvdiag's metrics for Prometheus while "
+                             "attached (127.0.0.1 unless a host is given; docs/metrics.md)")
     parser.add_argument("--grace", type=float, default=5.0, metavar="S",
                         help="seconds after which a finished request's held blocks count as leaked")
 
@@ -246,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
     from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
     from kvdiag.schema import CollectorStatus
+    from kvdiag.sinks import FanoutSink
 
     pid = parse_pid(args.pid)
     if pid is None:
@@ -291,7 +295,17 @@ def run(args: argparse.Namespace) -> int:
                                 "agent_socket": str(agent.path) if agent else None})
     code = 0
     previous_sigterm = signal.getsignal(signal.SIGTERM)
-    writer = LogWriter(out, header, interval_s=0.5)
+    exporter = None
+    if args.prometheus is not None:
+        from kvdiag.exporter import serve
+        try:
+            exporter = serve(args.prometheus, header)
+        except (ValueError, OSError) as exc:
+            _err(f"--prometheus {args.prometheus}: {exc}")
+            return 2
+        _err(f"serving kvdiag metrics on http://{exporter.host}:{exporter.port}/metrics")
+    log_writer = LogWriter(out, header, interval_s=0.5)
+    writer = FanoutSink([log_writer, exporter.sink]) if exporter else log_writer
     session = None
     try:
         writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="agent", available=agent is not None,
@@ -336,7 +350,9 @@ def run(args: argparse.Namespace) -> int:
                 _err(f"py-spy did not stop cleanly: {exc}")
         if agent is not None:
             agent.close(drain_s=0.5 if code == 0 else 0.0)
-        writer.close()
+        log_writer.close()
+        if exporter is not None:
+            exporter.close()
 
     from kvdiag.analysis.attach_summary import summarize
     summary = summarize(iter_events(out), read_header(out), grace_s=args.grace)
