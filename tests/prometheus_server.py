@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -46,9 +47,16 @@ class Prometheus:
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
 
-    def query(self, expr: str) -> list[dict]:
+    def response(self, expr: str) -> dict:
+        """The query API's JSON answer, an error (HTTP 400/422: bad syntax or types) included."""
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        try:
+            return json.loads(urllib.request.urlopen(url, timeout=10).read())
+        except urllib.error.HTTPError as err:
+            return json.loads(err.read())
+
+    def query(self, expr: str) -> list[dict]:
+        body = self.response(expr)
         assert body["status"] == "success", body
         return body["data"]["result"]
 
