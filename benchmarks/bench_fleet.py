@@ -17,51 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import msgspec
-
-from kvdiag.eventlog import LogWriter, iter_events, read_header
-
-DEFAULT_SOURCE = Path(__file__).resolve().parent.parent / "tests/data/demo_small"
-
-
-def build_node(events: list, header, node: int, target: Path, n_events: int) -> int:
-    """``n_events`` events of the source repeated, as node ``node``."""
-    t0, t1 = min(e.ts_ns for e in events), max(e.ts_ns for e in events)
-    span, shift = t1 - t0 + 1_000_000_000, node * 1_000_000_000
-    written, copy = 0, 0
-    with LogWriter(target, msgspec.structs.replace(header, node=f"node-{node}"),
-                   max_queue=len(events) + 10) as w:
-        while written < n_events:
-            for e in events[: n_events - written]:
-                changes = {"ts_ns": e.ts_ns + copy * span + shift}
-                rid = getattr(e, "request_id", None)
-                if rid is not None:
-                    changes["request_id"] = f"{rid}~{copy}"
-                w.record(msgspec.structs.replace(e, **changes))
-            written += min(len(events), n_events - written)
-            w.flush()
-            copy += 1
-    return written
-
-
-_WRAP = """import resource, sys, time
-t = time.perf_counter()
-{body}
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"""
-
-
-def measure(body: str) -> tuple[float, float]:
-    """Seconds and peak RSS (MiB) of ``body`` run in a fresh Python process."""
-    p = subprocess.run([sys.executable, "-c", _WRAP.format(body=body)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    dt, kib = p.stderr.strip().splitlines()[-1].split()
-    return float(dt), float(kib) / 1024
-
+from bench_report import DEFAULT_SOURCE, build, measure  # the same repeated log, the same probe
 
 _JSONL_FLEET = """from kvdiag.analysis.logs import load
 from kvdiag.analysis.memory import pool_occupancy
@@ -81,10 +40,9 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=1_000_000, help="events over all nodes")
     args = ap.parse_args()
     src = Path(args.source) if args.source else sorted(DEFAULT_SOURCE.glob("*.kvlog*"))[0]
-    events, header = list(iter_events(src)), read_header(src)
     with tempfile.TemporaryDirectory(prefix="kvdiag-bench-fleet-") as d:
         logs = [str(Path(d) / f"node-{i}.jsonl") for i in range(args.nodes)]
-        n = sum(build_node(events, header, i, Path(p), args.events // args.nodes)
+        n = sum(build(src, Path(p), args.events // args.nodes, node=f"node-{i}", shift_ns=i * 10**9)
                 for i, p in enumerate(logs))
         jsonl_b = sum(os.path.getsize(p) for p in logs)
         ds = Path(d) / "ds"

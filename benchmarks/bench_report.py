@@ -35,18 +35,23 @@ def _source(arg: str | None) -> Path:
     return logs[0]
 
 
-def build(source: Path, target: Path, n_events: int) -> int:
-    """Repeat ``source`` into ``target`` until it holds ``n_events`` events."""
+def build(source: Path, target: Path, n_events: int, node: str | None = None,
+          shift_ns: int = 0) -> int:
+    """Repeat ``source`` into ``target`` until it holds ``n_events`` events; ``node`` renames
+    the header's node, ``shift_ns`` moves every timestamp further."""
     events = list(iter_events(source))
     t0, t1 = min(e.ts_ns for e in events), max(e.ts_ns for e in events)
     span = t1 - t0 + 1_000_000_000
+    header = read_header(source)
+    if node is not None:
+        header = msgspec.structs.replace(header, node=node)
     written, copy = 0, 0
-    with LogWriter(target, read_header(source), max_queue=len(events) + 10) as w:
+    with LogWriter(target, header, max_queue=len(events) + 10) as w:
         while written < n_events:
             for e in events:
                 if written >= n_events:
                     break
-                changes = {"ts_ns": e.ts_ns + copy * span}
+                changes = {"ts_ns": e.ts_ns + copy * span + shift_ns}
                 rid = getattr(e, "request_id", None)
                 if rid is not None:
                     changes["request_id"] = f"{rid}~{copy}"

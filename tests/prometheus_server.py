@@ -90,3 +90,28 @@ def running(tmp: Path, targets: list[str], timeout_s: float = 60) -> Iterator[Pr
             proc.kill()
             proc.wait()
         log.close()
+
+
+@contextlib.contextmanager
+def replaying(paths: list[Path], nodes: Optional[list[str]] = None) -> Iterator[list]:
+    """A kvdiag exporter per recorded log, on a free loopback port, fed every event of its
+    log (``nodes``: header node names to tell logs of one host apart); closed on exit."""
+    import msgspec
+
+    from kvdiag.eventlog import iter_events, read_header
+    from kvdiag.exporter import serve
+
+    started = []
+    try:
+        for i, path in enumerate(paths):
+            header = read_header(path)
+            if nodes is not None:
+                header = msgspec.structs.replace(header, node=nodes[i])
+            exporter = serve(0, header)
+            started.append(exporter)
+            for ev in iter_events(path):
+                exporter.sink.record(ev)
+        yield started
+    finally:
+        for exporter in started:
+            exporter.close()

@@ -6,14 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from kvdiag.dashboard import dashboard, exprs, metric_names, render
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.exporter import serve
 from kvdiag.prom_metrics import BY_NAME
-from tests.prometheus_server import running, wait_for
+from tests.prometheus_server import replaying, running, wait_for
 
 NODES = ("node-a", "node-b")
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,17 +86,8 @@ def test_dashboard_model_variables_and_layout():
 
 @pytest.fixture
 def exporters():
-    started = []
-    try:
-        for node, path in zip(NODES, LOGS):  # recorded on the same host: told apart by node
-            exporter = serve(0, msgspec.structs.replace(read_header(path), node=node))
-            started.append(exporter)
-            for ev in iter_events(path):
-                exporter.sink.record(ev)
+    with replaying(LOGS, NODES) as started:  # recorded on the same host: told apart by node
         yield started
-    finally:
-        for exporter in started:
-            exporter.close()
 
 
 def test_real_prometheus_accepts_every_panel_query(exporters, tmp_path):

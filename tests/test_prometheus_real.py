@@ -8,9 +8,8 @@ import pytest
 
 from kvdiag import schema as s
 from kvdiag.eventlog import iter_events, read_header
-from kvdiag.exporter import serve
 from kvdiag.prom_metrics import BY_NAME
-from tests.prometheus_server import running, wait_for
+from tests.prometheus_server import replaying, running, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_LOG = ROOT / "tests/data/demo_small/demo_24req_seed1.kvlog.gz"
@@ -51,17 +50,8 @@ def _values(prom, expr: str, label: str = "") -> dict:
 
 @pytest.fixture
 def exporters():
-    started = []
-    try:
-        for path in (DEMO_LOG, VLLM_LOG):
-            exporter = serve(0, read_header(path))
-            started.append(exporter)
-            for ev in iter_events(path):
-                exporter.sink.record(ev)
+    with replaying([DEMO_LOG, VLLM_LOG]) as started:
         yield started
-    finally:
-        for exporter in started:
-            exporter.close()
 
 
 def test_real_prometheus_scrapes_the_documented_metrics(exporters, tmp_path):

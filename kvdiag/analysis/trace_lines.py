@@ -18,9 +18,9 @@ from typing import Annotated, Callable, Iterator, Optional, TypeVar
 import msgspec
 
 from kvdiag.line_errors import lenient_parse, non_finite_message, validation_message
+from kvdiag.prefix_cache import MAX_TS_S  # timestamps in seconds whose nanoseconds fit in int64
 from kvdiag.schema import INT64_MAX
 
-MAX_TS_S = INT64_MAX // 10**9  # timestamps in seconds whose nanoseconds fit in int64
 MAX_TS_MS = INT64_MAX // 10**6
 
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_TS_S)]
