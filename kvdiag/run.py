@@ -100,15 +100,40 @@ def _leftover_threads() -> list[threading.Thread]:
             and t.is_alive()]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args, command = parse_args(sys.argv[1:] if argv is None else argv)
-    target, target_argv = resolve_command(command)
-    agent.start(log_path=args.log, socket=not args.no_socket, socket_path=args.socket,
+def agent_kwargs(args: argparse.Namespace, command: list[str]) -> dict:
+    """:func:`kvdiag.agent.start`'s arguments from the command line."""
+    return dict(log_path=args.log, socket=not args.no_socket, socket_path=args.socket,
                 model=args.model, block_size_tokens=args.page_size,
                 inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
                 extra={"command": command}, prometheus=args.prometheus,
                 shadow={"methods": args.shadow_methods, "sample_rate": args.shadow_rate,
                         "budget_frac": args.shadow_budget or None} if args.shadow else None)
+
+
+def start_agent(args: argparse.Namespace, command: list[str]) -> None:
+    """Start the agent here, or where the server runs its engine when that is another process
+    (``transformers serve`` from 5.25 on); its default socket is named after this process, the
+    one the user started, so that ``--pid`` finds it either way."""
+    from kvdiag.collectors import transformers_serve
+
+    kwargs = agent_kwargs(args, command)
+    if not transformers_serve.serves_in_a_child(command):
+        agent.start(**kwargs)
+        return
+    if kwargs["socket"] and kwargs["socket_path"] is None:
+        from kvdiag import paths
+        try:
+            kwargs["socket_path"] = str(paths.agent_socket_path())
+            paths.remove_stale_sockets(paths.runtime_dir())
+        except Exception:
+            pass  # the agent in the engine's process says why it records without the socket
+    transformers_serve.route_agent_to_engine_process(kwargs)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    target, target_argv = resolve_command(command)
+    start_agent(args, command)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     code = 0
     sys.argv = target_argv
