@@ -29,6 +29,9 @@ use_numba_cache_dir()  # read by numba when each function below is decorated
 # no NaN/inf inputs and no care for the sign of zero: lets LLVM vectorize min/max; no
 # reassociation, no reciprocal approximation and no contraction into FMA (bit-exactness)
 _FAST = {"nnan", "ninf", "nsz"}
+# rows (one token of one head) per parallel work item of the token-axis kernels: scratch arrays
+# are allocated once per chunk, not once per row
+_ROWS_PER_CHUNK = 256
 _JIT = dict(fastmath=_FAST, cache=True, nogil=True)
 
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -148,23 +151,25 @@ def _encode_int_token(x, quant, group, bits, payload, scale, zero):
     rows_bh, _, d = x.shape
     per_byte = 8 // bits
     qmax = np.float32((1 << bits) - 1)
-    for r in prange(rows_bh * quant):
-        bh, t = r // quant, r % quant
+    rows = rows_bh * quant
+    for chunk in prange((rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK):
         zero_f = np.empty(group, np.float32)
         inv_f = np.empty(group, np.float32)
-        for g in range(d // group):
-            xs = x[bh, t, g * group:(g + 1) * group]
-            lo, hi = xs[0], xs[0]
-            for j in range(group):
-                lo = min(lo, xs[j])
-                hi = max(hi, xs[j])
-            z16 = _f32_to_f16_bits(lo)
-            s16 = _f32_to_f16_bits((hi - lo) / qmax)
-            zero[bh, t, g], scale[bh, t, g] = z16, s16
-            zero_f[:] = _f16_bits_to_f32(z16)
-            inv_f[:] = _encode_inverse(s16)
-            _pack_codes(xs, zero_f, inv_f, qmax, bits,
-                        payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte])
+        for r in range(chunk * _ROWS_PER_CHUNK, min(rows, (chunk + 1) * _ROWS_PER_CHUNK)):
+            bh, t = r // quant, r % quant
+            for g in range(d // group):
+                xs = x[bh, t, g * group:(g + 1) * group]
+                lo, hi = xs[0], xs[0]
+                for j in range(group):
+                    lo = min(lo, xs[j])
+                    hi = max(hi, xs[j])
+                z16 = _f32_to_f16_bits(lo)
+                s16 = _f32_to_f16_bits((hi - lo) / qmax)
+                zero[bh, t, g], scale[bh, t, g] = z16, s16
+                zero_f[:] = _f16_bits_to_f32(z16)
+                inv_f[:] = _encode_inverse(s16)
+                _pack_codes(xs, zero_f, inv_f, qmax, bits,
+                            payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte])
 
 
 @njit(parallel=True, **_JIT)
@@ -172,15 +177,17 @@ def _decode_int_token(payload, scale, zero, group, bits, out):
     """Inverse of :func:`_encode_int_token` into the first ``quant`` tokens of ``out`` [BH, T, D]."""
     rows_bh, quant, d = payload.shape[0], payload.shape[1], out.shape[2]
     per_byte = 8 // bits
-    for r in prange(rows_bh * quant):
-        bh, t = r // quant, r % quant
+    rows = rows_bh * quant
+    for chunk in prange((rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK):
         scale_f = np.empty(group, np.float32)
         zero_f = np.empty(group, np.float32)
-        for g in range(d // group):
-            scale_f[:] = _f16_bits_to_f32(scale[bh, t, g])
-            zero_f[:] = _f16_bits_to_f32(zero[bh, t, g])
-            _unpack_codes(payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte],
-                          scale_f, zero_f, bits, out[bh, t, g * group:(g + 1) * group])
+        for r in range(chunk * _ROWS_PER_CHUNK, min(rows, (chunk + 1) * _ROWS_PER_CHUNK)):
+            bh, t = r // quant, r % quant
+            for g in range(d // group):
+                scale_f[:] = _f16_bits_to_f32(scale[bh, t, g])
+                zero_f[:] = _f16_bits_to_f32(zero[bh, t, g])
+                _unpack_codes(payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte],
+                              scale_f, zero_f, bits, out[bh, t, g * group:(g + 1) * group])
 
 
 @njit(parallel=True, **_JIT)
@@ -237,18 +244,20 @@ def _encode_fp8_row(x, inv, fmax, mant_bits, bias, out):
 @njit(parallel=True, **_JIT)
 def _encode_fp8_token(x, quant, group, fmax, mant_bits, bias, payload, scale):
     rows_bh, _, d = x.shape
-    for r in prange(rows_bh * quant):
-        bh, t = r // quant, r % quant
+    rows = rows_bh * quant
+    for chunk in prange((rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK):
         inv_f = np.empty(group, np.float32)
-        for g in range(d // group):
-            xs = x[bh, t, g * group:(g + 1) * group]
-            amax = np.float32(0.0)
-            for j in range(group):
-                amax = max(amax, abs(xs[j]))
-            s16 = _f32_to_f16_bits(amax / fmax)
-            scale[bh, t, g] = s16
-            inv_f[:] = _encode_inverse(s16)
-            _encode_fp8_row(xs, inv_f, fmax, mant_bits, bias, payload[bh, t, g * group:(g + 1) * group])
+        for r in range(chunk * _ROWS_PER_CHUNK, min(rows, (chunk + 1) * _ROWS_PER_CHUNK)):
+            bh, t = r // quant, r % quant
+            for g in range(d // group):
+                xs = x[bh, t, g * group:(g + 1) * group]
+                amax = np.float32(0.0)
+                for j in range(group):
+                    amax = max(amax, abs(xs[j]))
+                s16 = _f32_to_f16_bits(amax / fmax)
+                scale[bh, t, g] = s16
+                inv_f[:] = _encode_inverse(s16)
+                _encode_fp8_row(xs, inv_f, fmax, mant_bits, bias, payload[bh, t, g * group:(g + 1) * group])
 
 
 @njit(parallel=True, **_JIT)
