@@ -24,7 +24,7 @@ if not os.environ.get("NUMBA_CACHE_DIR"):  # before kvdiag imports numba's kerne
 
 import torch  # noqa: E402
 
-from kvdiag.kernels.quant import FORMATS  # noqa: E402, QuantSpec, dequantize, quantize
+from kvdiag.kernels.quant import FORMATS, QuantSpec, dequantize, quantize  # noqa: E402
 
 
 def round_trip(x: torch.Tensor, spec: QuantSpec, backend: str) -> torch.Tensor:

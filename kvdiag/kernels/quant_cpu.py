@@ -124,6 +124,44 @@ def _pack_codes(x, zero, inv, qmax, bits, out):
 
 
 @njit(inline="always", **_JIT)
+def _pack_codes_one_group(x, zero, inv, qmax, bits, out):
+    """As :func:`_pack_codes` with one ``zero``/``inv`` for the whole row (axis="token")."""
+    if bits == 8:
+        for j in range(x.shape[0]):
+            out[j] = np.uint8(min(max((x[j] - zero) * inv + np.float32(0.5), np.float32(0.0)), qmax))
+    elif bits == 4:
+        for k in range(out.shape[0]):
+            c0 = np.uint8(min(max((x[2 * k] - zero) * inv + np.float32(0.5), np.float32(0.0)), qmax))
+            c1 = np.uint8(min(max((x[2 * k + 1] - zero) * inv + np.float32(0.5), np.float32(0.0)), qmax))
+            out[k] = c0 | (c1 << np.uint8(4))
+    else:
+        for k in range(out.shape[0]):
+            acc = np.uint8(0)
+            for i in range(4):
+                c = np.uint8(min(max((x[4 * k + i] - zero) * inv + np.float32(0.5), np.float32(0.0)), qmax))
+                acc |= c << np.uint8(2 * i)
+            out[k] = acc
+
+
+@njit(inline="always", **_JIT)
+def _unpack_codes_one_group(packed, scale, zero, bits, out):
+    """As :func:`_unpack_codes` with one ``scale``/``zero`` for the whole row (axis="token")."""
+    if bits == 8:
+        for j in range(out.shape[0]):
+            out[j] = np.float32(packed[j]) * scale + zero
+    elif bits == 4:
+        for k in range(packed.shape[0]):
+            b = packed[k]
+            out[2 * k] = np.float32(b & np.uint8(15)) * scale + zero
+            out[2 * k + 1] = np.float32(b >> np.uint8(4)) * scale + zero
+    else:
+        for k in range(packed.shape[0]):
+            b = packed[k]
+            for i in range(4):
+                out[4 * k + i] = np.float32((b >> np.uint8(2 * i)) & np.uint8(3)) * scale + zero
+
+
+@njit(inline="always", **_JIT)
 def _unpack_codes(packed, scale, zero, bits, out):
     """x_hat = code * scale + zero for one row (per-element ``scale``/``zero``)."""
     if bits == 8:
@@ -153,8 +191,6 @@ def _encode_int_token(x, quant, group, bits, payload, scale, zero):
     qmax = np.float32((1 << bits) - 1)
     rows = rows_bh * quant
     for chunk in prange((rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK):
-        zero_f = np.empty(group, np.float32)
-        inv_f = np.empty(group, np.float32)
         for r in range(chunk * _ROWS_PER_CHUNK, min(rows, (chunk + 1) * _ROWS_PER_CHUNK)):
             bh, t = r // quant, r % quant
             for g in range(d // group):
@@ -166,9 +202,7 @@ def _encode_int_token(x, quant, group, bits, payload, scale, zero):
                 z16 = _f32_to_f16_bits(lo)
                 s16 = _f32_to_f16_bits((hi - lo) / qmax)
                 zero[bh, t, g], scale[bh, t, g] = z16, s16
-                zero_f[:] = _f16_bits_to_f32(z16)
-                inv_f[:] = _encode_inverse(s16)
-                _pack_codes(xs, zero_f, inv_f, qmax, bits,
+                _pack_codes_one_group(xs, _f16_bits_to_f32(z16), _encode_inverse(s16), qmax, bits,
                             payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte])
 
 
@@ -179,15 +213,12 @@ def _decode_int_token(payload, scale, zero, group, bits, out):
     per_byte = 8 // bits
     rows = rows_bh * quant
     for chunk in prange((rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK):
-        scale_f = np.empty(group, np.float32)
-        zero_f = np.empty(group, np.float32)
         for r in range(chunk * _ROWS_PER_CHUNK, min(rows, (chunk + 1) * _ROWS_PER_CHUNK)):
             bh, t = r // quant, r % quant
             for g in range(d // group):
-                scale_f[:] = _f16_bits_to_f32(scale[bh, t, g])
-                zero_f[:] = _f16_bits_to_f32(zero[bh, t, g])
-                _unpack_codes(payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte],
-                              scale_f, zero_f, bits, out[bh, t, g * group:(g + 1) * group])
+                _unpack_codes_one_group(payload[bh, t, g * group // per_byte:(g + 1) * group // per_byte],
+                                        _f16_bits_to_f32(scale[bh, t, g]), _f16_bits_to_f32(zero[bh, t, g]),
+                                        bits, out[bh, t, g * group:(g + 1) * group])
 
 
 @njit(parallel=True, **_JIT)
