@@ -6,6 +6,7 @@
   mode 0700 and used only when it is a real folder (no symlink), owned by this uid, with no
   group or other permission bits; otherwise :class:`RuntimeDirError`.
 - log dir: ``<cache dir>/logs``: event logs recorded by ``kvdiag demo`` unless ``--log`` says.
+- numba dir: ``<cache dir>/numba``: numba's compiled code (never inside the installed package).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -33,6 +35,24 @@ def cache_dir() -> Path:
         path = Path(xdg).expanduser() / "kvdiag"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def numba_cache_dir() -> str:
+    """Where numba caches compiled kernels: ``<cache dir>/numba``, or a private temporary
+    folder when there is no writable home (a service account)."""
+    try:
+        return str(cache_dir() / "numba")
+    except OSError:
+        return os.path.join(tempfile.gettempdir(), f"kvdiag-numba-{os.getuid()}")
+
+
+def use_numba_cache_dir() -> None:
+    """Point numba's on-disk cache at :func:`numba_cache_dir` unless ``$NUMBA_CACHE_DIR`` says
+    otherwise. numba reads the setting when each function is decorated, so call this before."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        import numba
+
+        numba.config.CACHE_DIR = numba_cache_dir()
 
 
 def runtime_dir() -> Path:

@@ -13,25 +13,12 @@ live shadow mode) or done in one call over a whole trace (offline replay).
 
 from __future__ import annotations
 
-import os
-import tempfile
-
-import numba
 import numpy as np
 from numba import njit
 
-from kvdiag.paths import cache_dir
+from kvdiag.paths import use_numba_cache_dir
 
-
-def _numba_cache_dir() -> str:
-    try:
-        return str(cache_dir() / "numba")
-    except OSError:  # no writable home (a service account): a private temporary folder
-        return os.path.join(tempfile.gettempdir(), f"kvdiag-numba-{os.getuid()}")
-
-
-if not os.environ.get("NUMBA_CACHE_DIR"):  # read by numba when each function is decorated
-    numba.config.CACHE_DIR = _numba_cache_dir()
+use_numba_cache_dir()  # read by numba when each function is decorated
 
 LRU, FIFO, LFU, S3FIFO, OPT = 0, 1, 2, 3, 4
 

@@ -13,9 +13,12 @@ Codes are packed along ``head_dim``: value ``d`` sits in byte ``d // per_byte`` 
 ``(d % per_byte) * bits`` (low bits first). :func:`QuantizedKV.nbytes` counts every tensor that
 is stored (payload, scales, zeros, residual), so ``ratio`` = original bytes / stored bytes is real.
 
-Two implementations with the same layout and arithmetic (Triton rounds to the fp8 grid in fp32 before its cast): a torch reference (``backend="torch"``)
-and Triton kernels (``backend="triton"``); ``backend="auto"`` uses Triton for CUDA tensors and
-torch otherwise.
+Three implementations with the same layout and arithmetic (Triton rounds to the fp8 grid in
+fp32 before its cast): a torch reference (``backend="torch"``, the oracle), Triton kernels for
+GPUs (``backend="triton"``) and fused numba kernels for the CPU (``backend="numba"``,
+:mod:`kvdiag.kernels.quant_cpu`: integer codes, scales and zeros bit-identical to the
+reference). ``backend="auto"`` uses Triton for CUDA tensors and numba for CPU tensors of the
+grouped formats (fp16/bf16 are single casts and stay on torch).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Literal, Optional
 import torch
 
 Axis = Literal["token", "channel"]
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "triton", "numba"]
 
 INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -114,11 +117,28 @@ def _check_input(x: torch.Tensor, spec: QuantSpec) -> None:
 
 
 def use_triton(x: torch.Tensor, backend: Backend) -> bool:
-    if backend == "torch":
+    if backend in ("torch", "numba"):
         return False
     if backend == "triton":
         return True
     return x.is_cuda and triton_available()
+
+
+def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend) -> bool:
+    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor of a grouped format."""
+    if not spec.grouped:
+        return False
+    if backend == "numba":
+        return True
+    return backend == "auto" and x.device.type == "cpu" and numba_available()
+
+
+def numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def triton_available() -> bool:
@@ -143,6 +163,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec, backend: Backend = "auto") -> Qua
         from kvdiag.kernels import quant_triton
 
         payload, scale, zero = quant_triton.quantize(head, spec, group)
+    elif use_numba(x, spec, backend):
+        from kvdiag.kernels import quant_cpu
+
+        payload, scale, zero = quant_cpu.encode(x, spec.fmt, spec.axis, group, quant)
+        if spec.fmt in FP8_DTYPES:
+            payload = payload.view(FP8_DTYPES[spec.fmt])
     else:
         payload, scale, zero = _quantize_torch(head, spec, group)
     return QuantizedKV(spec, (b, h, t, d), x.dtype, quant, group, payload, scale, zero, residual)
@@ -157,9 +183,22 @@ def dequantize(q: QuantizedKV, backend: Backend = "auto") -> torch.Tensor:
         from kvdiag.kernels import quant_triton
 
         head = quant_triton.dequantize(q)
+    elif use_numba(q.payload, q.spec, backend):
+        return _dequantize_numba(q)
     else:
         head = _dequantize_torch(q)
     return head if q.residual is None else torch.cat([head, q.residual], dim=2)
+
+
+def _dequantize_numba(q: QuantizedKV) -> torch.Tensor:
+    """x_hat written once: the kernels fill the quantized tokens, the residual is copied after."""
+    from kvdiag.kernels import quant_cpu
+
+    out = torch.empty(q.shape, dtype=torch.float32)
+    quant_cpu.decode_into(q.payload, q.scale, q.zero, q.spec.fmt, q.spec.axis, q.group_size, out)
+    if q.residual is not None:
+        out[:, :, q.quant_tokens:] = q.residual
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 # ------------------------------------------------------------------ torch reference
