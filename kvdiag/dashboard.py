@@ -41,6 +41,11 @@ def _quantile(q: float, name: str) -> str:
             f"(rate({name}_bucket{{{SEL}}}[$__rate_interval])))")
 
 
+def _window_ratio(numerator: str, denominator: str, window: str = "10m") -> str:
+    """sum over the window of one gauge / of another (the fragmentation alert's measure)."""
+    return f"sum_over_time({_q(numerator)}[{window}]) / sum_over_time({_q(denominator)}[{window}])"
+
+
 N = "{{node}}"
 
 # (row title, [(panel title, unit, [(expr, legend), ...]), ...])
@@ -53,7 +58,13 @@ ROWS: tuple = (
             (_q("kvdiag_kv_token_occupancy_ratio"), N + " tokens")]),
         ("Fragmentation", "percentunit", [
             (_q("kvdiag_kv_pool_fragmentation_ratio"), N + " KV pool"),
+            (_window_ratio("kvdiag_kv_empty_slots_tokens", "kvdiag_kv_token_slots_tokens"),
+             N + " KV pool, 10m (the alert's)"),
             (_q("kvdiag_allocator_fragmentation_ratio"), N + " allocator")]),
+        ("KV demand of active requests", "short", [
+            (_q("kvdiag_kv_demand_needed_blocks"), N + " needed"),
+            (_q("kvdiag_kv_demand_free_blocks"), N + " free")]),
+        ("KV pressure (needed / free)", "percentunit", [(_q("kvdiag_kv_pressure_ratio"), N)]),
         ("Requests running / waiting", "short", [
             (_q("kvdiag_requests_running"), N + " running"),
             (_q("kvdiag_requests_waiting"), N + " waiting")]),

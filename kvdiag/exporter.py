@@ -27,6 +27,7 @@ from prometheus_client.core import (
 )
 
 from kvdiag import schema as s
+from kvdiag.analysis import pressure
 from kvdiag.analysis.rules import RELEASE_GRACE_NS
 from kvdiag.live.state import LiveState
 from kvdiag.prom_metrics import BY_NAME, COMMON_LABELS, INTER_TOKEN_BUCKETS_S, TTFT_BUCKETS_S, markdown
@@ -191,6 +192,13 @@ def _pool(f: _Families, state: LiveState, snap) -> None:
     f.add("kvdiag_kv_block_occupancy_ratio", pool.block_occupancy)
     f.add("kvdiag_kv_token_occupancy_ratio", pool.token_occupancy)
     f.add("kvdiag_kv_pool_fragmentation_ratio", pool.pool_fragmentation)
+    _slots(f, state)
+    demand = state.kv_demand()
+    if demand is not None:
+        needed, free = demand
+        f.add("kvdiag_kv_demand_needed_blocks", needed)
+        f.add("kvdiag_kv_demand_free_blocks", free)
+        f.add("kvdiag_kv_pressure_ratio", pressure.need_ratio(needed, free))
     f.add("kvdiag_allocator_fragmentation_ratio", pool.allocator_fragmentation)
     f.add("kvdiag_requests_running", pool.running_requests)
     f.add("kvdiag_requests_waiting", pool.waiting_requests)
@@ -201,6 +209,21 @@ def _pool(f: _Families, state: LiveState, snap) -> None:
         holding = sum(1 for r in state.finished.values()
                       if r.blocks and r.finished_ns is not None and r.finished_ns <= cutoff)
         f.add("kvdiag_finished_requests_holding_blocks", holding)
+
+
+def _slots(f: _Families, state: LiveState) -> None:
+    """Token slots and empty slots of the latest pool sample, as the doctor's
+    :func:`kvdiag.analysis.fragmentation.kv_pool_frame` counts them (both absent when the
+    sample holds more tokens than slots)."""
+    sample = state.pool_sample
+    block_size = state.pool_info.block_size_tokens if state.pool_info else (
+        state.header.block_size_tokens if state.header else None)
+    if sample is None or not block_size:
+        return
+    slots = sample.blocks_used * block_size
+    if sample.tokens_held <= slots:
+        f.add("kvdiag_kv_token_slots_tokens", slots)
+        f.add("kvdiag_kv_empty_slots_tokens", slots - sample.tokens_held)
 
 
 def _sharing(f: _Families, snap) -> None:

@@ -18,7 +18,7 @@ COMMON_LABELS = ("node", "engine", "model")
 class MetricDef:
     name: str
     type: str  # "gauge", "counter" or "histogram"
-    unit: str  # "bytes", "ratio", "seconds", "blocks", "requests", "events", "errors", "nats"
+    unit: str  # "bytes", "ratio", "seconds", "blocks", "tokens", "requests", "events", "errors", "nats"
     help: str
     labels: tuple[str, ...] = ()
 
@@ -41,6 +41,20 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_kv_pool_fragmentation_ratio", "gauge", "ratio",
               "1 - token occupancy: share of empty token slots in held blocks (doctor: "
               "fragmentation.kv_pool)."),
+    MetricDef("kvdiag_kv_token_slots_tokens", "gauge", "tokens",
+              "Token slots of the blocks held by live requests (blocks used x block size), latest "
+              "pool sample; absent with the empty slots when the sample is inconsistent."),
+    MetricDef("kvdiag_kv_empty_slots_tokens", "gauge", "tokens",
+              "Empty token slots in the blocks held by live requests, latest pool sample. The "
+              "doctor's fragmentation.kv_pool is sum(empty) / sum(slots) over samples: the alert "
+              "takes both sums over a window."),
+    MetricDef("kvdiag_kv_demand_needed_blocks", "gauge", "blocks",
+              "Blocks the active requests still need to reach their expected length "
+              "(kvdiag/analysis/pressure.py)."),
+    MetricDef("kvdiag_kv_demand_free_blocks", "gauge", "blocks",
+              "Free plus evictable cached blocks, latest pool sample."),
+    MetricDef("kvdiag_kv_pressure_ratio", "gauge", "ratio",
+              "Needed / free blocks (doctor: forecast.memory_pressure); +Inf when none is free."),
     MetricDef("kvdiag_allocator_fragmentation_ratio", "gauge", "ratio",
               "(reserved - allocated) / reserved bytes of the CUDA caching allocator."),
     MetricDef("kvdiag_requests_running", "gauge", "requests",

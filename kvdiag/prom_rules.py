@@ -2,8 +2,10 @@
 
 Thresholds are read from :mod:`kvdiag.analysis.rules` when the file is written (one
 definition). Where the doctor judges a whole log (P99 with a bootstrap interval, memory growth
-from start to end), the alert compares windows of the live series instead: the same threshold,
-a Prometheus-shaped window. Written as YAML text without a YAML library.
+from start to end, fragmentation summed over the pool samples), the alert takes the same
+measure over a window of the live series: the same definition and threshold, a
+Prometheus-shaped window. Memory pressure fires at the moment the need exceeds the threshold
+(the doctor reports the worst moment), without a ``for`` delay. Written as YAML text without a YAML library.
 
     kvdiag doctor --prometheus-rules rules.yml && promtool check rules rules.yml
 """
@@ -18,6 +20,10 @@ GROUP = "kvdiag-doctor"
 P99_WINDOW = "10m"
 P99_BASELINE_OFFSET = "1h"
 GROWTH_WINDOW = "30m"
+FRAGMENTATION_WINDOW = "10m"
+SEVERITY_OF_STATUS = {"warn": "warning", "fail": "critical"}
+"""The doctor's verdict an alert stands for: a ``warning`` alert fires where the doctor warns
+or fails, a ``critical`` one only where it fails."""
 
 
 def alerts() -> list[dict]:
@@ -30,9 +36,11 @@ def alerts() -> list[dict]:
     p99 = ("histogram_quantile(0.99, sum without (instance) (rate(kvdiag_request_ttft_seconds_bucket"
            "[{w}]{off})))")
     return [
-        dict(alert="KVDiagKVPoolFragmented", rule="fragmentation.kv_pool", severity="warning", for_="5m",
-             expr=f"kvdiag_kv_pool_fragmentation_ratio >= {frag}",
-             summary=f"KV pool fragmentation at or above {rules.FRAGMENTATION_LIMIT:.0%} of held token slots"),
+        dict(alert="KVDiagKVPoolFragmented", rule="fragmentation.kv_pool", severity="warning", for_="",
+             expr=(f"sum_over_time(kvdiag_kv_empty_slots_tokens[{FRAGMENTATION_WINDOW}]) / "
+                   f"sum_over_time(kvdiag_kv_token_slots_tokens[{FRAGMENTATION_WINDOW}]) >= {frag}"),
+             summary=f"KV pool fragmentation at or above {rules.FRAGMENTATION_LIMIT:.0%} of held token "
+                     f"slots over {FRAGMENTATION_WINDOW}"),
         dict(alert="KVDiagAllocatorFragmented", rule="fragmentation.allocator", severity="warning", for_="5m",
              expr=f"kvdiag_allocator_fragmentation_ratio >= {frag}",
              summary=f"allocator fragmentation at or above {rules.FRAGMENTATION_LIMIT:.0%} of reserved bytes"),
@@ -40,7 +48,13 @@ def alerts() -> list[dict]:
              expr=f"abs(kvdiag_prefix_hit_ratio_gap) > {rules.SHARING_GAP_LIMIT!r}",
              summary=f"engine prefix hit rate differs from the content's by more than "
                      f"{rules.SHARING_GAP_LIMIT:.0%}"),
-        dict(alert="KVDiagFinishedRequestsHoldBlocks", rule="leak.finished_holding", severity="critical",
+        dict(alert="KVDiagKVMemoryPressure", rule="forecast.memory_pressure", severity="warning", for_="",
+             expr=f"kvdiag_kv_pressure_ratio > {rules.PRESSURE_WARN!r}",
+             summary=f"active requests need more than {rules.PRESSURE_WARN:.0%} of the free KV blocks"),
+        dict(alert="KVDiagKVMemoryExhausted", rule="forecast.memory_pressure", severity="critical", for_="",
+             expr="kvdiag_kv_pressure_ratio > 1",
+             summary="active requests need more KV blocks than are free: preemption or OOM ahead"),
+        dict(alert="KVDiagFinishedRequestsHoldBlocks", rule="leak.release_paths", severity="critical",
              for_="1m", expr="kvdiag_finished_requests_holding_blocks > 0",
              summary=f"requests finished over {rules.RELEASE_GRACE_NS / 1e9:g} s ago still hold KV blocks"),
         dict(alert="KVDiagMemoryGrowthNotKV", rule="leak.memory_growth", severity="warning", for_="5m",
@@ -63,7 +77,7 @@ def rules_yaml() -> str:
              "`kvdiag doctor --prometheus-rules`", "groups:", f"  - name: {q(GROUP)}", "    rules:"]
     for a in alerts():
         lines += [f"      - alert: {q(a['alert'])}", f"        expr: {q(a['expr'])}",
-                  f"        for: {q(a['for_'])}", "        labels:",
+                  *([f"        for: {q(a['for_'])}"] if a["for_"] else []), "        labels:",
                   f"          severity: {q(a['severity'])}", f"          kvdiag_rule: {q(a['rule'])}",
                   "        annotations:",
                   f"          summary: {q(a['summary'] + ' on {{ $labels.node }}')}"]

@@ -86,7 +86,8 @@ def test_doctor_pid_without_agent(tmp_path, capsys):
 
 
 def test_forecast_matches_a_per_request_loop():
-    """forecast_frame's vectorised sums against a plain loop over requests at every sample."""
+    """forecast_frame's vectorised sums against a plain loop over requests at every sample
+    (active: first scheduled <= t < finished; prefix hits count from the moment they happen)."""
     import math
 
     import numpy as np
@@ -99,17 +100,20 @@ def test_forecast_matches_a_per_request_loop():
     bs = logs.block_size_tokens(node)
     arr = logs.frame("request_arrived").drop_duplicates("request_id").set_index("request_id")
     fin = logs.frame("request_finished").drop_duplicates("request_id", keep="last").set_index("request_id")
-    hits = logs.frame("prefix_hit").groupby("request_id").size()
+    hits = logs.frame("prefix_hit")
     alloc = logs.frame("block_allocated")
+    scheduled = logs.frame("request_scheduled").groupby("request_id")["ts_ns"].min()
+    assert len(scheduled) == len(arr)
     p90 = float(np.quantile(fin["output_tokens"], 0.9))
     for row in fc.sample(min(len(fc), 40), random_state=0).itertuples():
         need = 0.0
         for rid, a in arr.iterrows():
             done = rid in fin.index and fin.loc[rid, "ts_ns"] <= row.ts_ns
-            if a["ts_ns"] > row.ts_ns or done:
+            if scheduled[rid] > row.ts_ns or done:
                 continue
             out = a["max_new_tokens"] if a["max_new_tokens"] is not None and not pd_isna(a["max_new_tokens"]) else p90
-            expected = math.ceil((a["prompt_tokens"] + out) / bs) - hits.get(rid, 0)
+            hits_so_far = int(((hits["request_id"] == rid) & (hits["ts_ns"] <= row.ts_ns)).sum())
+            expected = math.ceil((a["prompt_tokens"] + out) / bs) - hits_so_far
             held = int(((alloc["request_id"] == rid) & (alloc["ts_ns"] <= row.ts_ns)).sum())
             need += expected - held
         assert row.needed_blocks == max(need, 0)

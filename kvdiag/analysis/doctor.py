@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import fragmentation as _fragmentation
-from kvdiag.analysis import latency
+from kvdiag.analysis import latency, pressure
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
@@ -36,7 +36,7 @@ from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, B
                            BlockReleased, CollectorGap, EngineMetrics, EngineStep, KVPoolInfo,
                            KVPoolSample, NvmlSample, PrefixCacheCleared, PrefixCacheRemoved,
                            PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived,
-                           RequestFinished, RequestPreempted, ShadowSharing)
+                           RequestFinished, RequestPreempted, RequestScheduled, ShadowSharing)
 
 _NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
 
@@ -226,11 +226,10 @@ _CAUSE_TITLES = {
 def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
     """Per KVPoolSample: the blocks the active requests will still need, against free blocks.
 
-    Active requests at t: arrived <= t < finished. A request's expected blocks are
-    ceil((prompt + expected output) / block size) minus its prefix-cache hits, with expected
-    output = its max_new_tokens, else the log's P90 output length. Blocks already held =
-    blocks allocated so far to requests still active. ``needed_blocks`` = expected -
-    held; ``free_blocks`` = free + evictable cached blocks; ``growth_blocks_per_s`` = decode
+    Active requests at t: admitted <= t < finished. Active, expected, needed and free blocks and their
+    ratio are defined in :mod:`kvdiag.analysis.pressure` (the exporter evaluates the same
+    functions live): prefix hits count from the moment they happen, and requests without
+    max_new_tokens are assumed to produce the P90 output length of the log's finished requests. ``growth_blocks_per_s`` = decode
     tokens per second over the last ``window_ns`` / block size; ``time_to_full_s`` =
     free / growth when the need exceeds the free blocks, else inf."""
     cols = ["ts_ns", "node", "active_requests", "needed_blocks", "free_blocks",
@@ -245,29 +244,34 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
         if s.empty or not bs or a.empty:
             continue
         f = fin[fin["node"] == node].drop_duplicates("request_id", keep="last")
-        p90_out = float(np.quantile(f["output_tokens"], 0.9)) if len(f) else 0.0
-        exp_out = pd.to_numeric(a["max_new_tokens"], errors="coerce").fillna(p90_out)
+        exp_out = pd.to_numeric(a["max_new_tokens"], errors="coerce").fillna(
+            pressure.fallback_output_tokens(f["output_tokens"]))
+        a = _admitted(a, logs.frame(RequestScheduled), node)
+        # expected blocks before any prefix hit; the hits are subtracted as they happen (a
+        # forecast at t knows only the hits up to t, as the live exporter does)
+        a = a.assign(expected=pressure.expected_blocks(a["prompt_tokens"], exp_out, 0, bs))
         hits = logs.frame(PrefixHit)
-        hits = hits[hits["node"] == node].groupby("request_id").size()
-        a = a.assign(expected=np.ceil((a["prompt_tokens"] + exp_out) / bs)
-                     - a["request_id"].map(hits).fillna(0))
+        hits = hits[(hits["node"] == node) & hits["request_id"].isin(a["request_id"])]
+        a["hits"] = a["request_id"].map(hits.groupby("request_id").size()).fillna(0)
         a = a.merge(f[["request_id", "ts_ns"]].rename(columns={"ts_ns": "fin_ns"}),
                     on="request_id", how="left")
         a["fin_ns"] = a["fin_ns"].fillna(_NEVER_NS).astype("int64")  # not finished in the log
         alloc = logs.frame(BlockAllocated)
-        alloc = alloc[alloc["node"] == node]
+        alloc = alloc[(alloc["node"] == node) & alloc["request_id"].isin(a["request_id"])]
         per_req = alloc.groupby("request_id").size()
         a["allocated"] = a["request_id"].map(per_req).fillna(0)
         t = s["ts_ns"].to_numpy(dtype="int64")
         # expected blocks of active requests: + at arrival, - at finish
-        ev_t = np.concatenate([a["ts_ns"].to_numpy(dtype="int64"), a["fin_ns"].to_numpy(dtype="int64")])
+        ev_t = np.concatenate([a["start_ns"].to_numpy(dtype="int64"), a["fin_ns"].to_numpy(dtype="int64")])
         ev_v = np.concatenate([a["expected"].to_numpy(), -a["expected"].to_numpy()])
-        expected = cum_at(ev_t, ev_v, t)
+        hits_active = (cum_at(hits["ts_ns"].to_numpy(dtype="int64"), np.ones(len(hits)), t)
+                       - cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["hits"].to_numpy(), t))
+        expected = cum_at(ev_t, ev_v, t) - hits_active
         active = cum_at(ev_t, np.concatenate([np.ones(len(a)), -np.ones(len(a))]), t)
-        # blocks held by active requests: all allocations so far minus those of finished ones
+        # blocks allocated to active requests: their allocations so far minus those of finished ones
         fin_alloc = cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["allocated"].to_numpy(), t)
         held = cum_at(alloc["ts_ns"].to_numpy(dtype="int64"), np.ones(len(alloc)), t) - fin_alloc
-        needed = np.maximum(expected - held, 0)
+        needed = pressure.needed_blocks(expected, held)
         free = (s["blocks_free"] + s["blocks_cached"]).to_numpy(dtype="float64")
         st = logs.frame(EngineStep)
         st = st[st["node"] == node]
@@ -277,14 +281,25 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
                              (st["decode_tokens"] if st["decode_tokens"].sum() else st["num_tokens"]).to_numpy(dtype="float64"),
                              t - window_ns)
         rate = (dec - dec_before) / (window_ns / 1e9) / bs
+        ratio = pressure.need_ratio(needed, free)
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(free > 0, needed / free, np.where(needed > 0, np.inf, 0.0))
             ttf = np.where((needed >= free) & (rate > 0), free / rate, np.inf)
         out.append(pd.DataFrame({"ts_ns": t, "node": node, "active_requests": active,
                                  "needed_blocks": needed, "free_blocks": free,
                                  "growth_blocks_per_s": rate, "need_ratio": ratio,
                                  "time_to_full_s": ttf}))
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
+
+
+def _admitted(arrivals: pd.DataFrame, scheduled: pd.DataFrame, node: str) -> pd.DataFrame:
+    """The arrivals with ``start_ns``: their first scheduling, or (a log without scheduling
+    events) their arrival; requests never scheduled are left out."""
+    mine = scheduled[scheduled["node"] == node]
+    if mine.empty:
+        return arrivals.assign(start_ns=arrivals["ts_ns"])
+    first = mine.sort_values("ts_ns", kind="stable").drop_duplicates("request_id").set_index("request_id")["ts_ns"]
+    start = arrivals["request_id"].map(first)
+    return arrivals[start.notna()].assign(start_ns=start[start.notna()].astype("int64"))
 
 
 def memory_pressure(logs: Logs) -> Finding:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from kvdiag import schema as s
+from kvdiag.analysis import pressure
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
 from kvdiag.analysis.rules import compression_verdict
@@ -113,6 +114,10 @@ class _Request:
     blocks: set = field(default_factory=set)
     hit_tokens: int = 0
     hit_blocks: int = 0
+    allocated_blocks: int = 0  # BlockAllocated events (the forecast's blocks already taken)
+    arrival_seen: bool = False  # a RequestArrived was seen (its prompt length is known)
+    scheduled_seen: bool = False  # admitted by the scheduler (a RequestScheduled was seen)
+    max_new_tokens: Optional[int] = None
     output_tokens: Optional[int] = None
     ttft_ns: Optional[int] = None
     finished_ns: Optional[int] = None
@@ -155,6 +160,7 @@ class LiveState:
         self.engine_cached_tokens = 0
         self.engine_metrics: Optional[s.EngineMetrics] = None
         self.saw_steps = False
+        self.saw_scheduled = False
         # shadow
         self.shadow: dict[tuple, s.ShadowSharing] = {}
         self.compression: dict[tuple, s.ShadowCompression] = {}
@@ -210,9 +216,12 @@ class LiveState:
         req = self._request(ev.request_id, ev.ts_ns)
         req.arrived_ns = ev.ts_ns
         req.prompt_tokens = ev.prompt_tokens
+        req.arrival_seen = True
+        req.max_new_tokens = ev.max_new_tokens
 
     def _on_scheduled(self, ev: s.RequestScheduled, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
+        req.scheduled_seen = self.saw_scheduled = True
         if req.finished_ns is None:
             req.state = "running"
 
@@ -270,7 +279,9 @@ class LiveState:
 
     def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
         self.cached_blocks.discard(ev.block_id)
-        self._hold(self._request(ev.request_id, ev.ts_ns), ev.block_id)
+        req = self._request(ev.request_id, ev.ts_ns)
+        req.allocated_blocks += 1
+        self._hold(req, ev.block_id)
 
     def _on_hit(self, ev: s.PrefixHit, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
@@ -462,6 +473,26 @@ class LiveState:
             if not st.available and any(k in name.lower() for k in keys):
                 return st.hint or f"{name} unavailable"
         return default
+
+    def kv_demand(self) -> Optional[tuple[float, float]]:
+        """(needed blocks, free blocks) of ``forecast.memory_pressure`` now, over the live
+        requests admitted by the scheduler (:mod:`kvdiag.analysis.pressure`); None without a
+        pool sample or a block size. Requests without max_new_tokens are assumed to produce
+        the P90 output length of the recently finished requests."""
+        sample = self.pool_sample
+        block_size = self.pool_info.block_size_tokens if self.pool_info else (
+            self.header.block_size_tokens if self.header else None)
+        if sample is None or not block_size:
+            return None
+        active = [r for r in self.live.values()
+                  if r.arrival_seen and (r.scheduled_seen or not self.saw_scheduled)]
+        fallback = pressure.fallback_output_tokens(
+            [r.output_tokens for r in self.finished.values() if r.output_tokens is not None])
+        expected = sum(pressure.expected_blocks(
+            r.prompt_tokens, r.max_new_tokens if r.max_new_tokens is not None else fallback,
+            r.hit_blocks, block_size) for r in active)
+        allocated = sum(r.allocated_blocks for r in active)
+        return float(pressure.needed_blocks(expected, allocated)), float(sample.blocks_free + sample.blocks_cached)
 
     def _pool_blocks(self) -> Optional[tuple[int, int]]:
         """(blocks held by live requests, blocks held only by the prefix cache)."""
