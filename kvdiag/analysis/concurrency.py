@@ -132,10 +132,8 @@ def held_blocks(schedule: HoldSchedule, block_size_tokens: int,
     keyed = np.zeros(len(p), np.int64)
     key_times, key_deltas = np.zeros(0), np.zeros(0, np.int64)
     if keys is not None:
-        per_ref = keys.key_blocks[keys.key_ids]
-        keyed = np.add.reduceat(per_ref, keys.offsets[:-1]) if len(per_ref) else keyed
-        keyed = np.where(np.diff(keys.offsets) > 0, keyed, 0)
-        keyed = np.minimum(keyed, _ceil_div(p, B))
+        cum = np.concatenate([[0], np.cumsum(keys.key_blocks[keys.key_ids])])
+        keyed = np.minimum(cum[keys.offsets[1:]] - cum[keys.offsets[:-1]], _ceil_div(p, B))
         key_times, key_deltas = _shared_key_events(schedule, keys)
     grow_t, _ = _growth_events(schedule, p, B)
     times = np.concatenate([schedule.start_s, grow_t, schedule.finish_s, key_times])
