@@ -177,8 +177,8 @@ def _prompt_keys(keys, B) -> PromptKeys:
 
 
 @settings(max_examples=hypothesis_examples(150), deadline=None)
-@given(small_workloads())
-def test_held_blocks_match_brute_force(w):
+@given(small_workloads(), st.integers(0, 12))
+def test_held_blocks_match_brute_force(w, pool):
     start, first, finish, p, o, B, keys = w
     sched = concurrency.HoldSchedule(start, first, finish, p, o)
     sim = concurrency.held_blocks(sched, B, keys=None if keys is None else _prompt_keys(keys, B))
@@ -195,6 +195,31 @@ def test_held_blocks_match_brute_force(w):
         seq = concurrency.sequences(sched)
         live = [sum(start[i] <= t < finish[i] for i in range(len(p))) for t in ts]
         assert seq.peak == max(live)
+        # the pool what-if: time above the pool, and requests live during such a time
+        over = [(a, b) for a, b, lvl in zip(ts[:-1], ts[1:], lv[:-1]) if lvl > pool]
+        got = concurrency.pool_overflow(sim, sched, pool)
+        assert got.over_s == pytest.approx(sum(b - a for a, b in over))
+        assert got.requests_affected == sum(
+            any(a < finish[i] and b > start[i] for a, b in over) for i in range(len(p)))
+        assert got.headroom_blocks == max(lv) - pool
+
+
+def test_pool_overflow_by_hand():
+    # two one-block requests, [0, 2) and [1, 3): 1, 2, 1, 0 blocks
+    sched = concurrency.HoldSchedule(np.array([0.0, 1.0]), np.array([0.0, 1.0]),
+                                     np.array([2.0, 3.0]), np.array([16, 16]), np.array([1, 1]))
+    got = concurrency.pool_overflow(concurrency.held_blocks(sched, 16), sched, 1)
+    assert (got.over_s, got.requests_affected, got.first_overflow_s, got.headroom_blocks) == (1.0, 2, 1.0, 1)
+    assert got.over_fraction == pytest.approx(1 / 3)
+    assert concurrency.pool_overflow(concurrency.held_blocks(sched, 16), sched, 2).requests_affected == 0
+
+
+def test_predicted_reservations_use_finished_history():
+    # A (0..1 s, 16 + 32 tokens) finishes before B arrives: B is predicted 32 output tokens
+    sched = concurrency.HoldSchedule(np.array([0.0, 2.0]), np.array([0.0, 2.0]),
+                                     np.array([1.0, 3.0]), np.array([16, 16]), np.array([32, 0]))
+    reserved = concurrency.predicted_reservations(sched, 16)
+    assert list(reserved.level) == [1, 0, 3, 0]  # A: prompt only (no history); B: ceil(48/16)
 
 
 def test_time_weighted_quantile():
@@ -324,3 +349,15 @@ def test_workload_from_plain_arrays_needs_no_trace():
     # each holds 1 block for 2 s; they overlap during [1, 2)
     assert plan.rows[0].peak_blocks == 2
     assert plan.rows[0].peak_kv_bytes == 2 * 16 * 46080
+
+
+def test_cli_pool_what_if_on_demo(capsys):
+    """The demo pool's own measured peak (149 blocks) is exactly enough for its demand with
+    sharing; one block less overflows."""
+    for pool, headroom in ((149, 0), (148, 1)):
+        assert main(["plan", "--trace", str(DEMO_LOG), "--pool-blocks", str(pool), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["pool"]
+        assert got["demand"] == "with exact prefix sharing"
+        assert got["headroom_blocks"] == headroom
+        assert (got["requests_affected"] > 0) == (headroom > 0)
+        assert got["pool_bytes"] == pool * 32 * 46080

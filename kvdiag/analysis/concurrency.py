@@ -166,3 +166,55 @@ def _shared_key_events(schedule: HoldSchedule, keys: PromptKeys) -> tuple[np.nda
     starts = s[seg_start]
     ends = np.maximum.reduceat(e, seg_start)
     return (np.concatenate([starts, ends]), np.concatenate([weight, -weight]))
+
+
+@dataclass
+class PoolOverflow:
+    """What a pool of ``pool_blocks`` would have faced: the time the simulated demand spent
+    above it (``over_s``, its fraction of the span), the requests live during such a time
+    (preempted under recompute preemption, or out of memory without it, unless the scheduler
+    had queued them), the first moment it overflows, and the headroom the peak asks for."""
+
+    pool_blocks: int
+    over_s: float
+    over_fraction: float
+    requests_affected: int
+    first_overflow_s: Optional[float]
+    headroom_blocks: int  # peak - pool (<= 0: the pool always suffices)
+
+
+def pool_overflow(blocks: Timeline, schedule: HoldSchedule, pool_blocks: int) -> PoolOverflow:
+    """Overflow of ``blocks`` (a :func:`held_blocks` timeline) over a pool (class docstring)."""
+    t, level = blocks.times_s, blocks.level
+    over = level > pool_blocks
+    dt = blocks._durations()
+    span = float(t[-1] - t[0]) if len(t) else 0.0
+    # maximal runs of events after which the level is above the pool: [start, end)
+    edges = np.diff(np.concatenate([[0], over.astype(np.int8), [0]]))
+    run_start, run_end = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    starts = t[run_start]
+    ends = t[np.minimum(run_end, len(t) - 1)]
+    keep = ends > starts  # an instant above the pool (ties at one time) holds no memory
+    starts, ends = starts[keep], ends[keep]
+    nxt = np.searchsorted(ends, schedule.start_s, side="right")
+    hit = (nxt < len(ends)) & (schedule.finish_s > schedule.start_s)  # zero-length: holds nothing
+    hit[hit] = starts[nxt[hit]] < schedule.finish_s[hit]
+    over_s = float(dt[over].sum())
+    return PoolOverflow(pool_blocks, over_s, over_s / span if span > 0 else 0.0, int(hit.sum()),
+                        float(starts[0]) if len(starts) else None, blocks.peak - pool_blocks)
+
+
+def predicted_reservations(schedule: HoldSchedule, block_size_tokens: int) -> Timeline:
+    """Blocks a scheduler would reserve if it admitted each request for its predicted final
+    size, ``ceil((prompt + predicted output) / B)``, held from start to finish. The predicted
+    output is the mean output of the requests that finished before it arrived (the workload's
+    history; none yet: 0, the prompt alone)."""
+    order = np.argsort(schedule.finish_s, kind="stable")
+    done_finish = schedule.finish_s[order]
+    done_output = np.concatenate([[0], np.cumsum(schedule.output_tokens[order])])
+    seen = np.searchsorted(done_finish, schedule.start_s, side="right")
+    predicted = np.where(seen > 0, done_output[seen] / np.maximum(seen, 1), 0.0)
+    blocks = _ceil_div(schedule.prompt_tokens + np.ceil(predicted).astype(np.int64), block_size_tokens)
+    n = len(blocks)
+    return timeline(np.concatenate([schedule.start_s, schedule.finish_s]),
+                    np.concatenate([blocks, -blocks]) if n else np.zeros(0, np.int64))

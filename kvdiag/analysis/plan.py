@@ -50,6 +50,7 @@ class PlanSettings:
     use_prompt_keys: bool = True
     compression_ratio: Optional[float] = None
     compression_source: str = ""
+    pool_blocks: Optional[int] = None  # a KV pool to replay the demand against (what-if)
 
     @property
     def kv_bytes_per_gpu(self) -> int:
@@ -83,6 +84,9 @@ class Plan:
     rows: list[PlanRow]
     littles_law_sequences: float
     assumptions: list[str] = field(default_factory=list)
+    overflow: Optional[concurrency.PoolOverflow] = None  # of the demand over the pool
+    pool_demand: str = ""  # which variant's demand the pool is compared with
+    reserved_peak_blocks: Optional[int] = None  # admission by predicted growth (see there)
 
     @property
     def block_bytes(self) -> int:
@@ -137,9 +141,10 @@ def make_plan(workload: Workload, model: ModelShape, settings: PlanSettings) -> 
     seqs = concurrency.sequences(sched)
     base = concurrency.held_blocks(sched, settings.block_size_tokens)
     rows = [_row("as is", "no prefix sharing, no compression", base, block_bytes, settings)]
-    shared = None
+    shared, exact_sharing = None, False
     if settings.use_prompt_keys and workload.prompt_keys is not None and settings.sharing_hit_rate is None:
         shared = concurrency.held_blocks(sched, settings.block_size_tokens, keys=workload.prompt_keys)
+        exact_sharing = True
         sharing_text = ("prefix sharing among live requests, exact from the trace's prompt "
                         "content keys")
     elif settings.sharing_hit_rate is not None:
@@ -161,6 +166,12 @@ def make_plan(workload: Workload, model: ModelShape, settings: PlanSettings) -> 
     rate = (workload.requests - 1) / span if span > 0 else float("nan")
     littles = rate * float(np.mean(sched.finish_s - sched.start_s))
     plan = Plan(model, settings, workload, bpt, seqs, base, rows, littles)
+    if settings.pool_blocks is not None:
+        demand = shared if exact_sharing else base
+        plan.pool_demand = "with exact prefix sharing" if exact_sharing else "as is"
+        plan.overflow = concurrency.pool_overflow(demand, sched, settings.pool_blocks)
+        plan.reserved_peak_blocks = concurrency.predicted_reservations(
+            sched, settings.block_size_tokens).peak
     plan.assumptions = assumptions(plan)
     return plan
 
@@ -168,7 +179,8 @@ def make_plan(workload: Workload, model: ModelShape, settings: PlanSettings) -> 
 def assumptions(plan: Plan) -> list[str]:
     """Every assumption behind the plan's numbers, in words."""
     s, m = plan.settings, plan.model
-    out = [f"model {m.name}: {m.num_layers} layers, {m.num_query_heads} query heads, "
+    queries = m.num_query_heads or "?"
+    out = [f"model {m.name}: {m.num_layers} layers, {queries} query heads, "
            f"{m.num_kv_heads} KV heads ({m.attention}), head_dim {m.head_dim}; source: {m.source}",
            f"KV dtype {s.dtype}: {formula(m, s.dtype, plan.kv_bytes_per_token)}",
            f"workload: {plan.workload.source}"]
@@ -187,6 +199,12 @@ def assumptions(plan: Plan) -> list[str]:
             "KV is spread over GPUs without waste (tensor/pipeline parallel splits are ignored)",
             "P99 is time-weighted over the simulated span (from the first arrival to the last "
             "finish, including warm-up and drain)"]
+    if s.pool_blocks is not None:
+        out.append(f"pool what-if: {s.pool_blocks:,} blocks against the demand {plan.pool_demand}, "
+                   "simulated unconstrained "
+                   "(no queueing, no preemption) and compared with the pool; a request live while "
+                   "demand exceeds the pool counts as affected (preempted or OOM); predicted "
+                   "growth = prompt + mean output of the requests finished before it arrived")
     out += plan.workload.notes
     return out
 
@@ -220,4 +238,7 @@ def to_json(plan: Plan, bins: int = 100) -> dict:
         "timeline": [{"t_s": t, "sequences_max": seq_bins.get(t, 0), "blocks_max": b}
                      for t, b in plan.blocks.binned_max(bins)],
         "assumptions": plan.assumptions,
+        "pool": None if plan.overflow is None else {
+            **asdict(plan.overflow), "demand": plan.pool_demand, "pool_bytes": plan.overflow.pool_blocks * plan.block_bytes,
+            "predicted_reservation_peak_blocks": plan.reserved_peak_blocks},
     }

@@ -45,6 +45,15 @@ def print_plan(plan: Plan) -> None:
     console.print(table)
     for r in plan.rows[1:]:
         console.print(f"{r.variant}: {r.assumption}", markup=False, highlight=False)
+    o = plan.overflow
+    if o is not None:
+        first = "never" if o.first_overflow_s is None else f"first at {o.first_overflow_s:,.1f} s"
+        console.print(f"[bold]pool of {o.pool_blocks:,} blocks[/] ({human_bytes(o.pool_blocks * plan.block_bytes)}): "
+                      f"demand above it {o.over_s:,.1f} s ({o.over_fraction:.1%} of the time, {first}); "
+                      f"{o.requests_affected:,} request(s) live then (preempted, or OOM); headroom "
+                      f"needed {max(o.headroom_blocks, 0):,} blocks (demand {plan.pool_demand}); admitting "
+                      f"by predicted growth (no sharing) reserves {plan.reserved_peak_blocks:,} blocks "
+                      f"at peak (actual peak without sharing {plan.blocks.peak:,})")
     console.print("[bold]assumptions[/]")
     for a in plan.assumptions:
         console.print(f"- {a}", markup=False, highlight=False)

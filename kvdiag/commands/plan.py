@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compression-ratio", type=float, metavar="R",
                         help="KV compression ratio >= 1 (default: the recommendation from a "
                              "log's shadow_compression events, if any)")
+    parser.add_argument("--pool-blocks", type=int, metavar="N",
+                        help="what-if: replay the demand against a KV pool of N blocks (time "
+                             "over it, requests preempted or OOM, headroom needed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_input_arguments(parser)
 
@@ -93,6 +96,8 @@ def _check_options(args) -> None:
          f"--sharing-hit-rate {args.sharing_hit_rate}: expected a fraction in [0, 1)"),
         (args.compression_ratio is not None and not args.compression_ratio >= 1,
          f"--compression-ratio {args.compression_ratio}: expected a ratio >= 1"),
+        (args.pool_blocks is not None and args.pool_blocks < 0,
+         f"--pool-blocks {args.pool_blocks}: expected >= 0"),
         (args.trace is None and args.qps is None, "expected --qps or --trace (a workload)"),
     ]
     for bad, message in checks:
@@ -166,7 +171,7 @@ def _build_plan(args, read):
     dtype = args.dtype or model.dtype
     settings = PlanSettings(dtype=dtype, block_size_tokens=block_size,
                             gpu_memory_gib=args.gpu_memory_gib, kv_share=args.kv_share,
-                            gpus_per_server=args.gpus_per_server)
+                            gpus_per_server=args.gpus_per_server, pool_blocks=args.pool_blocks)
     output_dist = args.output_tokens or "128"
     if fmt == "mooncake":
         work = W.load_mooncake(args.trace, block_size, read)
