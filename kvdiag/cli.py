@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "attach": "join a running server from outside and record what is visible",
     "report": "turn recorded logs into a self-contained HTML or markdown report",
     "replay": "replay a trace through shadow prefix caches: hit rates per policy and capacity",
+    "plan": "KV memory and GPUs a workload needs on a model (peak, P99, with sharing and compression)",
     "doctor": "run the memory-leak and P99-spike checklists on a log or a running server",
     "export": "write recorded logs to a Parquet dataset partitioned by event type and node",
     "shadow": "run the embedded model in-process with shadow KV compression and attention locality",
