@@ -6,9 +6,10 @@ time by the source's duration plus 1 s, request ids suffixed ``~copy``), under t
 node name ``node-i``, with every timestamp further shifted by i x 1 s. Each measurement runs
 in a fresh process (imports included); peak memory is that process's ru_maxrss.
 Measured: `kvdiag export --parquet` (once); the per-node table from the JSONL logs (read
-every log, then pandas) against ``analysis.fleet.fleet_table`` (DuckDB over the files); the
-whole `kvdiag report --format md` from the logs and from the dataset; Parquet bytes / JSONL
-bytes. The goal (issue 15) is >= 20 nodes and >= 10M events; the default is 1M events
+every log, then pandas) against ``analysis.fleet.fleet_table`` (DuckDB over the files);
+`kvdiag report --fleet --format md` from the logs (read and checked by kvdiag's reader, then
+the same DuckDB queries over the frames) and from the dataset (DuckDB over the files);
+with --whole-report, also the whole report both ways; Parquet bytes / JSONL bytes. The goal (issue 15) is >= 20 nodes and >= 10M events; the default is 1M events
 (--events) so that it runs in minutes on a small machine.
 Usage: python benchmarks/bench_fleet.py [--nodes 20] [--events 1000000] [SOURCE_LOG]
 """
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("source", nargs="?")
     ap.add_argument("--nodes", type=int, default=20)
     ap.add_argument("--events", type=int, default=1_000_000, help="events over all nodes")
+    ap.add_argument("--whole-report", action="store_true",
+                    help="also the whole report (every section, all events in pandas) both ways")
     args = ap.parse_args()
     src = Path(args.source) if args.source else sorted(DEFAULT_SOURCE.glob("*.kvlog*"))[0]
     with tempfile.TemporaryDirectory(prefix="kvdiag-bench-fleet-") as d:
@@ -57,13 +60,15 @@ def main() -> None:
         dt, dm = measure(f"from kvdiag.analysis.fleet import fleet_table\nfleet_table([{str(ds)!r}])")
         print(f"per-node table, JSONL+pandas: {jt:7.1f} s, peak RSS {jm:6.0f} MiB")
         print(f"per-node table, DuckDB:       {dt:7.1f} s, peak RSS {dm:6.0f} MiB  -> {jt / dt:.0f}x faster")
-        out = {}
-        for name, inputs in (("JSONL", logs), ("Parquet", [str(ds)])):
-            argv = ["report", *inputs, "-o", str(Path(d) / f"{name}.md"), "--format", "md"]
-            out[name] = measure(f"from kvdiag.cli import main\nassert main({argv!r}) == 0")
-            print(f"report from {name:7}:         {out[name][0]:7.1f} s, peak RSS {out[name][1]:6.0f} MiB")
-        print(f"whole report: Parquet {out['JSONL'][0] / out['Parquet'][0]:.1f}x faster, peak RSS "
-              f"{out['Parquet'][1] / out['JSONL'][1]:.2f}x; load average now {os.getloadavg()[0]:.2f}")
+        reports = [("fleet report", ["--fleet"])] + ([("whole report", [])] if args.whole_report else [])
+        for what, flags in reports:
+            out = {}
+            for name, inputs in (("JSONL", logs), ("Parquet", [str(ds)])):
+                argv = ["report", *inputs, *flags, "-o", str(Path(d) / f"{name}.md"), "--format", "md"]
+                out[name] = measure(f"from kvdiag.cli import main\nassert main({argv!r}) == 0")
+                print(f"{what} from {name:7}: {out[name][0]:7.1f} s, peak RSS {out[name][1]:6.0f} MiB")
+            print(f"{what}: Parquet {out['JSONL'][0] / out['Parquet'][0]:.1f}x faster, peak RSS "
+                  f"{out['Parquet'][1] / out['JSONL'][1]:.2f}x; load average now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -103,10 +103,17 @@ def pandas_fleet(logs: list[Path], names: list[str]) -> pd.DataFrame:
         kp, fin = log.frame("kv_pool_sample"), log.frame("request_finished")
         fin = fin[fin["status"] == "finished"]
         ttft = fin["ttft_ns"].dropna().to_numpy(dtype="float64")
+        info = log.frame("kv_pool_info")
+        bs = int(info["block_size_tokens"].iloc[-1]) if len(info) else log.header.block_size_tokens
+        slots = kp["blocks_used"] * bs
+        held = kp[(kp["blocks_used"] > 0) & (kp["tokens_held"] <= slots)]
+        held_slots = held["blocks_used"] * bs
         kp = kp[kp["num_blocks"] > 0]
         rows.append({
             "node": node, "events": len(log),
             "kv_pressure_pct": 100 * (kp["blocks_used"] / kp["num_blocks"]).max() if len(kp) else np.nan,
+            "kv_fragmentation_pct": 100 * (held_slots - held["tokens_held"]).sum() / held_slots.sum()
+            if len(held) else np.nan,
             "engine_hit_rate_pct": 100 * fin["cached_prompt_tokens"].sum() / fin["prompt_tokens"].sum()
             if fin["prompt_tokens"].sum() else np.nan,
             "ttft_p50_ms": np.quantile(ttft, 0.5) / 1e6 if len(ttft) else np.nan,
@@ -140,6 +147,51 @@ def test_fleet_table_of_several_nodes_equals_pandas_over_the_jsonl(tmp_path):
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "r.md").read_text()
     assert "Fleet: nodes of the Parquet datasets" in md and "| gpu b/2 |" in md
+
+
+def test_fleet_report_from_parquet_equals_the_one_from_the_logs_and_pandas(tmp_path):
+    """`report --fleet`: DuckDB over the dataset's files and DuckDB over the logs as read give
+    the same report; its totals equal pandas over all the logs together, and each node's
+    fragmentation is the doctor's fragmentation.kv_pool."""
+    from kvdiag.analysis.doctor import fragmentation
+    from kvdiag.analysis.fleet import from_datasets, totals
+    from kvdiag.analysis.logs import load
+
+    names = ["a", "b", "c"]
+    logs = [renamed(DEMO, "a", tmp_path), renamed(VLLM, "b", tmp_path), renamed(DEMO, "c", tmp_path)]
+    root = export(logs, tmp_path / "ds")
+    reports = []
+    for name, inputs in (("parquet", [root]), ("logs", logs)):
+        out = kvdiag("report", *inputs, "--fleet", "-o", tmp_path / f"{name}.md")
+        assert out.returncode == 0, out.stderr
+        assert "fleet of 3 node(s)" in out.stdout
+        reports.append((tmp_path / f"{name}.md").read_text().split("## Fleet", 1)[1])
+    assert reports[0] == reports[1]
+    assert "| (fleet) |" in reports[0] and "| a |" in reports[0]
+
+    got = totals(from_datasets([root])).iloc[0]
+    frames = [read_log(p) for p in logs]
+    fin = pd.concat([f.frame("request_finished") for f in frames])
+    fin = fin[fin["status"] == "finished"]
+    ttft = fin["ttft_ns"].dropna().to_numpy(dtype="float64")
+    per_node = pandas_fleet(logs, names)
+    assert got["node"] == "(fleet)" and got["events"] == sum(len(f) for f in frames)
+    assert got["kv_pressure_pct"] == pytest.approx(per_node["kv_pressure_pct"].max(), rel=1e-12)
+    assert got["engine_hit_rate_pct"] == pytest.approx(
+        100 * fin["cached_prompt_tokens"].sum() / fin["prompt_tokens"].sum(), rel=1e-12)
+    assert got["ttft_p99_ms"] == pytest.approx(np.quantile(ttft, 0.99) / 1e6, rel=1e-12)
+    empty = slots = 0
+    for f in frames:
+        kp = f.frame("kv_pool_sample")
+        s = kp["blocks_used"] * int(f.frame("kv_pool_info")["block_size_tokens"].iloc[-1])
+        ok = (kp["blocks_used"] > 0) & (kp["tokens_held"] <= s)
+        empty, slots = empty + (s - kp["tokens_held"])[ok].sum(), slots + s[ok].sum()
+    assert got["kv_fragmentation_pct"] == pytest.approx(100 * empty / slots, rel=1e-12)
+
+    doctor = {f.evidence.get("node", n): f for n, f in zip(
+        names, [fragmentation(load([p])[0])[0] for p in logs])}
+    for _, row in per_node.iterrows():
+        assert row["kv_fragmentation_pct"] == pytest.approx(100 * doctor[row["node"]].evidence["value"], rel=1e-12)
 
 
 def test_a_quoted_glob_of_datasets_reads_as_all_their_logs(tmp_path):

@@ -130,10 +130,14 @@ class Logs:
 
 def node_names(headers: Iterable[LogHeader], paths: Iterable[str | Path]) -> list[NodeName]:
     """One distinct label per log: header.node, else header.host, else the file stem."""
+    return distinct_names(h.node or h.host or Path(p).name.split(".")[0] for h, p in zip(headers, paths))
+
+
+def distinct_names(bases: Iterable[str]) -> list[NodeName]:
+    """The names in order, a repeated one with ``#2``, ``#3`` appended."""
     seen: dict[str, int] = {}
     out = []
-    for h, p in zip(headers, paths):
-        base = h.node or h.host or Path(p).name.split(".")[0]
+    for base in bases:
         seen[base] = seen.get(base, 0) + 1
         out.append(NodeName(base if seen[base] == 1 else f"{base}#{seen[base]}"))
     return out

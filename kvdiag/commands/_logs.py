@@ -70,10 +70,11 @@ def expand(paths: Iterable[str]) -> list[Path]:
 
 
 def read_logs(paths: Iterable[str], quiet: bool = False, allow_truncated: bool = False,
-              strict: bool = False) -> tuple[Logs, list[str]]:
+              strict: bool = False, every_type: bool = False) -> tuple[Logs, list[str]]:
     """Load and merge logs and Parquet datasets (folders) with a progress bar on stderr
     (shown only on a terminal). Returns the logs and the skipped lines (``strict``: the
-    first one raises LogFormatError)."""
+    first one raises LogFormatError). ``every_type``: also the event types reports do not
+    use (by default left out)."""
     paths = expand(paths)
     total = [None if p.is_dir() else _estimated_lines(p) for p in paths]
     progress = Progress(TextColumn("reading {task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -83,7 +84,8 @@ def read_logs(paths: Iterable[str], quiet: bool = False, allow_truncated: bool =
         task = progress.add_task(", ".join(p.name for p in paths),
                                  total=sum(total) if all(total) else None)
         return load(paths, on_progress=lambda n: progress.advance(task, n),
-                    allow_truncated=allow_truncated, strict=strict)
+                    allow_truncated=allow_truncated, strict=strict,
+                    **({"skip": frozenset()} if every_type else {}))
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log(s) to compare latency against (P99 regression detection)")
     add_input_arguments(parser)
     parser.add_argument("--title", default="kvdiag report")
+    parser.add_argument("--fleet", action="store_true",
+                        help="only the fleet tables (per node and totals) and block occupancy by "
+                             "node, computed with DuckDB: straight over the files of Parquet "
+                             "datasets (no event loaded into memory), or over logs read as usual")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.output or Path("report.md" if fmt == "md" else "report.html")
     if not out.parent.exists():
         return fail("report", f"{out.parent}: no such folder for the report")
+    if args.fleet:
+        return _fleet(args, fmt, out)
     try:
         logs, problems = read_logs(args.logs, allow_truncated=args.partial, strict=args.strict)
         baseline = None
@@ -68,4 +74,39 @@ def run(args: argparse.Namespace) -> int:
     n_fail = sum(f.status == "fail" for f in findings)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {len(logs.nodes)} log(s), "
           f"{logs.num_events():,} events, {n_fail} failing check(s)")
+    return 0
+
+
+def _fleet(args: argparse.Namespace, fmt: str, out: Path) -> int:
+    """``--fleet``: DuckDB over the datasets' files when every input is a dataset, else over
+    the logs as read."""
+    from kvdiag.analysis import fleet
+    from kvdiag.dataset import is_dataset, read_headers
+
+    if args.baseline:
+        return fail("report", "--fleet compares nodes, not a baseline: leave out --baseline")
+    paths = expand(args.logs)
+    try:
+        if all(is_dataset(p) for p in paths):
+            from kvdiag.analysis.logs import distinct_names
+            order = distinct_names([n for p in paths for n in read_headers(p)["node"]])
+            src = fleet.from_datasets(*fleet.dataset_names(paths, order))
+            inputs = f"{len(paths)} Parquet dataset(s)"
+        else:
+            logs, problems = read_logs(args.logs, allow_truncated=args.partial, strict=args.strict,
+                                       every_type=True)  # every event counts in `events`
+            tell_skipped("report", problems)
+            src, inputs = fleet.from_logs(logs), f"{len(paths)} input(s) read as logs"
+    except LogFormatError as exc:
+        return fail("report", str(exc))
+    from kvdiag.reports.fleet import build
+    if fmt == "md":
+        from kvdiag.reports.markdown import render
+    else:
+        from kvdiag.reports.html import render
+    report = build(src, args.title, inputs)
+    write_atomic(out, render(report))
+    nodes = report.sections[0].blocks[2].df
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): fleet of {len(nodes)} node(s), "
+          f"{int(nodes['events'].sum()):,} events")
     return 0
