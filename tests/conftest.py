@@ -87,5 +87,10 @@ def vllm_server(vllm_python, model_dir, tmp_path_factory):
     """One real vLLM server for the session: prefix caching, KV events and kvdiag's plugin on."""
     from vllm_harness import running_vllm
 
-    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-main")) as server:
+    from kvdiag.commands._server_process import free_port
+
+    prometheus_port = free_port()  # kvdiag's own metrics, served by the plugin in the engine core
+    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-main"),
+                      extra_env={"KVDIAG_PROMETHEUS": f"127.0.0.1:{prometheus_port}"}) as server:
+        server.kvdiag_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
         yield server

@@ -89,3 +89,25 @@ def test_agent_runs_in_the_model_process_and_is_found_by_the_server_pid(model_di
     allocated = log.frame("block_allocated")
     assert len(arrived) == 1 and set(allocated["request_id"]) == set(arrived["request_id"])
     assert len(log.frame("kv_pool_sample")) >= 1
+
+
+def test_the_engine_serves_when_the_agent_cannot_start(caplog):
+    """Nothing kvdiag does is raised into the engine: a port already taken keeps the agent
+    out, and transformers' target runs all the same."""
+    import socket as sk
+
+    from kvdiag import agent
+    from kvdiag.collectors.transformers_serve import run_engine_with_agent
+
+    taken = sk.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ran = []
+    try:
+        run_engine_with_agent({"socket": False, "prometheus": f"127.0.0.1:{taken.getsockname()[1]}",
+                               "host_memory": False},
+                              lambda target, *args: target(*args), ran.append, "engine ran")
+    finally:
+        taken.close()
+    assert ran == ["engine ran"] and agent.current() is None
+    assert "serving without it" in caplog.text

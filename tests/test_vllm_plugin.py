@@ -100,3 +100,40 @@ def test_plugin_events_match_vllm_counters_and_brute_force(vllm_server):
     assert allocated > 0 and released >= allocated
     samples = [e for e in events.events if isinstance(e, KVPoolSample)]
     assert samples and all(s.blocks_used + s.blocks_cached + s.blocks_free == s.num_blocks for s in samples)
+
+
+def _families(url: str) -> dict[str, list]:
+    """Samples by name, read with prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_engine_core_serves_kvdiag_metrics_that_agree_with_vllms_own(vllm_server):
+    """KVDIAG_PROMETHEUS: the plugin's agent serves kvdiag's metrics from vLLM's engine core
+    (on 127.0.0.1); the pool size and the finished requests agree with vLLM's /metrics."""
+    chat(vllm_server, QUESTIONS[0])
+    vllm = metrics_text(vllm_server)
+    from prometheus_client.parser import text_string_to_metric_families
+    info = next(s for f in text_string_to_metric_families(vllm) for s in f.samples
+                if s.name == "vllm:cache_config_info")
+    succeeded = counter(vllm, "vllm:request_success_total")
+
+    def finished() -> float:
+        samples = _families(vllm_server.kvdiag_metrics_url).get("kvdiag_requests_finished_total", [])
+        return sum(s.value for s in samples)
+
+    _wait_for(lambda: finished() >= succeeded)
+    ours = _families(vllm_server.kvdiag_metrics_url)
+    assert finished() == succeeded == counter(metrics_text(vllm_server), "vllm:request_success_total")
+    blocks = {s.labels["state"]: s.value for s in ours["kvdiag_kv_blocks"]}
+    assert sum(blocks.values()) == int(info.labels["num_gpu_blocks"])
+    assert {s.labels["engine"] for s in ours["kvdiag_kv_blocks"]} == {"vllm"}

@@ -11,6 +11,7 @@ versions serve in one process, where ``python -m kvdiag.run`` starts the agent i
 from __future__ import annotations
 
 import functools
+import logging
 import signal
 from typing import Callable, Optional
 
@@ -49,7 +50,12 @@ def run_engine_with_agent(agent_kwargs: dict, run_until_parent_exits: Callable, 
     from kvdiag import agent
 
     previous: Optional[object] = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    agent.start(**agent_kwargs)
+    try:
+        agent.start(**agent_kwargs)
+    except Exception as exc:  # the engine serves without kvdiag rather than not at all
+        logging.getLogger("kvdiag.agent").warning(
+            "kvdiag agent: not started in the model's process (%s: %s); serving without it",
+            type(exc).__name__, exc)
     try:
         run_until_parent_exits(target, *args)
     finally:

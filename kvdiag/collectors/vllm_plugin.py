@@ -46,6 +46,8 @@ to have them flushed by ``Scheduler.shutdown``.
 Environment: ``KVDIAG_AGENT=1`` turns it on; ``KVDIAG_LOG=PATH`` also writes an event log (the
 live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it; ``KVDIAG_SOCKET=PATH``
 names it, else it is the engine core's per-pid agent socket);
+``KVDIAG_PROMETHEUS=[HOST:]PORT`` serves kvdiag's metrics from the engine core (127.0.0.1
+unless a host is given; docs/metrics.md);
 ``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
 raise (fault injection, to check that vLLM keeps serving).
 """
@@ -461,7 +463,8 @@ def _start_agent(h: _Hooks, sched) -> None:
                               socket_path=os.environ.get("KVDIAG_SOCKET") or None, model=model, engine=ENGINE,
                               block_size_tokens=block_size,
                               adapter=install, sample_interval_s=h.sample_interval_ns / 1e9,
-                              extra={"vllm_version": version})
+                              extra={"vllm_version": version},
+                              prometheus=os.environ.get("KVDIAG_PROMETHEUS") or None)
     h.agent = agent
     # the engine core is a multiprocessing child: it leaves through os._exit, which skips
     # atexit, so the last events (final pool sample, shadow results) are flushed by vLLM's own

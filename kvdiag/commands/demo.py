@@ -68,7 +68,8 @@ def add_arguments(parser) -> None:
                         help="torch threads of the server (default 1: stable on a shared CPU; 0: torch's default)")
     parser.add_argument("--prometheus", metavar="[HOST:]PORT",
                         help="the server's agent serves kvdiag's metrics for Prometheus (127.0.0.1 "
-                             "unless a host is given; docs/metrics.md); transformers engine only")
+                             "unless a host is given; docs/metrics.md); with --engine vllm, from "
+                             "vLLM's engine core")
     _demo_shadow.add_arguments(parser)
 
 
@@ -310,8 +311,6 @@ def _prometheus_problem(args) -> str:
     """Why ``--prometheus`` cannot be used as given ("" when it can)."""
     if args.prometheus is None:
         return ""
-    if args.engine == "vllm":
-        return "--prometheus: the vLLM demo does not serve metrics yet (transformers engine only)"
     from kvdiag.exporter import parse_address
     try:
         parse_address(args.prometheus)
@@ -337,7 +336,8 @@ def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
     if args.inject_leak or args.shadow or args.shadow_logits:
         print("kvdiag demo: --inject-leak and --shadow* run on the transformers engine only", file=sys.stderr)
         return 2
-    server = _demo_vllm.VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads)
+    server = _demo_vllm.VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads,
+                                   extra_env={"KVDIAG_PROMETHEUS": args.prometheus} if args.prometheus else None)
     stats = LiveStats()
     print(f"kvdiag demo: starting {model_dir.name} on vLLM (prefix caching, KV events and kvdiag's "
           f"plugin on), port {server.port}", flush=True)
