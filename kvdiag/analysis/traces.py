@@ -222,7 +222,7 @@ _MOONCAKE = msgspec.json.Decoder(MooncakeLine)
 _TOKENS = msgspec.json.Decoder(TokensLine)
 
 
-def _mooncake_line(line: bytes) -> MooncakeLine:
+def mooncake_line(line: bytes) -> MooncakeLine:
     req = decode_json(line, _MOONCAKE)
     want = -(-req.input_length // MOONCAKE_BLOCK_TOKENS)
     if len(req.hash_ids) != want:
@@ -295,7 +295,7 @@ class RequestRecord:
 
 
 def _mooncake_records(path: Path, opts: ReadOptions) -> Iterator[RequestRecord]:
-    for _, req in decoded_lines(path, _mooncake_line, opts):
+    for _, req in decoded_lines(path, mooncake_line, opts):
         yield RequestRecord(np.asarray(req.hash_ids, dtype=np.int64), req.input_length,
                             int(req.timestamp * 1_000_000))
 

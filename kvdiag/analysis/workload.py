@@ -26,8 +26,9 @@ from typing import Optional
 import msgspec
 import numpy as np
 
-from kvdiag.analysis.trace_lines import (BadLine, Millis, ReadOptions, Seconds, TraceFormatError,
+from kvdiag.analysis.trace_lines import (BadLine, ReadOptions, Seconds, TraceFormatError,
                                          decode_json, decoded_lines)
+from kvdiag.analysis import traces
 from kvdiag.schema import Count
 
 
@@ -130,30 +131,20 @@ def resampled(workload: Workload, qps: float, requests: int, seed: int = 0) -> W
 # ---------------------------------------------------------------- traces
 
 
-class _MooncakeRequest(msgspec.Struct):
-    timestamp: Millis
-    input_length: Count
-    hash_ids: list[Count]
-    output_length: Optional[Count] = None
-
-
 class _TokensRequest(msgspec.Struct):
     token_ids: list[Count]
     timestamp: Optional[Seconds] = None
     output_tokens: Optional[Count] = None
 
 
-_MOONCAKE = msgspec.json.Decoder(_MooncakeRequest)
 _TOKENS = msgspec.json.Decoder(_TokensRequest)
-MOONCAKE_KEY_TOKENS = 512
+MOONCAKE_KEY_TOKENS = traces.MOONCAKE_BLOCK_TOKENS
 
 
-def _mooncake_line(line: bytes) -> _MooncakeRequest:
-    req = decode_json(line, _MOONCAKE)
-    want = -(-req.input_length // MOONCAKE_KEY_TOKENS)
-    if len(req.hash_ids) != want:
-        raise BadLine(f"hash_ids: expected ceil(input_length/512) = {want} ids, got "
-                      f"{len(req.hash_ids)}")
+def _mooncake_line(line: bytes) -> traces.MooncakeLine:
+    """A Mooncake line as the sharing simulator reads it, which the plan needs with its
+    output length."""
+    req = traces.mooncake_line(line)
     if req.output_length is None:
         raise BadLine("output_length: expected the request's output tokens, found none")
     return req
