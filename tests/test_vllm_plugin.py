@@ -135,5 +135,6 @@ def test_engine_core_serves_kvdiag_metrics_that_agree_with_vllms_own(vllm_server
     ours = _families(vllm_server.kvdiag_metrics_url)
     assert finished() == succeeded == counter(metrics_text(vllm_server), "vllm:request_success_total")
     blocks = {s.labels["state"]: s.value for s in ours["kvdiag_kv_blocks"]}
-    assert sum(blocks.values()) == int(info.labels["num_gpu_blocks"])
+    # the usable blocks: vLLM's pool minus its null block (block 0, never handed out)
+    assert sum(blocks.values()) == int(info.labels["num_gpu_blocks"]) - 1
     assert {s.labels["engine"] for s in ours["kvdiag_kv_blocks"]} == {"vllm"}
