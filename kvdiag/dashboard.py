@@ -121,6 +121,12 @@ ROWS: tuple = (
         ("Events dropped /s", "short", [(_rate("kvdiag_collector_events_dropped_total"), N)]),
         ("Collector errors /s", "short", [
             (_rate("kvdiag_collector_errors_total", "collector"), N + " {{collector}}")]),
+        ("Shadow budget used", "percentunit", [(_q("kvdiag_shadow_budget_used_ratio"), N)]),
+        ("Shadow decode steps /s and shadow time", "short", [
+            (_rate("kvdiag_shadow_steps_offered_total"), N + " offered"),
+            (_rate("kvdiag_shadow_steps_sampled_total"), N + " sampled"),
+            (_rate("kvdiag_shadow_steps_skipped_budget_total"), N + " skipped (budget)"),
+            (_rate("kvdiag_shadow_seconds_total"), N + " shadow s/s")]),
     ]),
 )
 

@@ -271,6 +271,14 @@ def _memory(f: _Families, snap) -> None:
 def _health(f: _Families, state: LiveState, snap) -> None:
     f.add("kvdiag_events_total", state.events)
     f.add("kvdiag_collector_events_dropped_total", snap.health.dropped_events)
+    budget = state.shadow_budget
+    if budget is not None:
+        f.add("kvdiag_shadow_steps_offered_total", budget.steps_offered)
+        f.add("kvdiag_shadow_steps_sampled_total", budget.steps_sampled)
+        f.add("kvdiag_shadow_steps_skipped_budget_total", budget.steps_skipped_budget)
+        f.add("kvdiag_shadow_seconds_total", budget.spent_ns / 1e9)
+        if budget.budget_frac and budget.elapsed_ns:
+            f.add("kvdiag_shadow_budget_used_ratio", budget.spent_ns / (budget.budget_frac * budget.elapsed_ns))
     for collector, count, _message in snap.health.errors:
         f.add("kvdiag_collector_errors_total", count, collector)
 

@@ -18,7 +18,7 @@ COMMON_LABELS = ("node", "engine", "model")
 class MetricDef:
     name: str
     type: str  # "gauge", "counter" or "histogram"
-    unit: str  # "bytes", "ratio", "seconds", "blocks", "tokens", "requests", "events", "errors", "nats"
+    unit: str  # "bytes", "ratio", "seconds", "blocks", "tokens", "requests", "steps", "events", "errors", "nats"
     help: str
     labels: tuple[str, ...] = ()
 
@@ -116,6 +116,17 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_events_total", "counter", "events", "Events kvdiag observed since the exporter started."),
     MetricDef("kvdiag_collector_events_dropped_total", "counter", "events",
               "Events collectors dropped (CollectorGap), always present."),
+    MetricDef("kvdiag_shadow_steps_offered_total", "counter", "steps",
+              "Decode steps offered to the shadow runner (ShadowBudget)."),
+    MetricDef("kvdiag_shadow_steps_sampled_total", "counter", "steps",
+              "Decode steps the shadow runner sampled (drawn at its rate, within its budget)."),
+    MetricDef("kvdiag_shadow_steps_skipped_budget_total", "counter", "steps",
+              "Decode steps drawn for shadow work but skipped to stay within the time budget."),
+    MetricDef("kvdiag_shadow_seconds_total", "counter", "seconds",
+              "Wall time the shadow runner spent on sampled steps (in the engine's thread or its worker)."),
+    MetricDef("kvdiag_shadow_budget_used_ratio", "gauge", "ratio",
+              "Shadow time spent / (budget fraction x wall time since its first step); absent "
+              "without a budget. Above 1 only by the last run's overshoot."),
     MetricDef("kvdiag_collector_errors_total", "counter", "errors",
               "Errors reported by a collector (CollectorError); absent for collectors without errors.",
               ("collector",)),

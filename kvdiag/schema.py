@@ -25,9 +25,9 @@ from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.2"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+SCHEMA_VERSION = "1.3"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
-# PrefixCacheStored/Removed/Cleared (an engine's own KV events)
+# PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: ShadowBudget
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -438,6 +438,21 @@ class ShadowLogits(Event, tag="shadow_logits"):
 # ---------------------------------------------------------------- collector health
 
 
+class ShadowBudget(Event, tag="shadow_budget"):
+    """The shadow runner's sampling so far (cumulative since it saw its first decode step):
+    steps offered to it, sampled (drawn at the sample rate and within the time budget),
+    skipped for the budget, and dropped (sampled while its worker was still busy); shadow
+    work ``spent_ns`` against ``budget_frac`` x ``elapsed_ns`` of wall time."""
+
+    steps_offered: Count
+    steps_sampled: Count
+    steps_skipped_budget: Count
+    steps_dropped: Count
+    spent_ns: Count
+    elapsed_ns: Count
+    budget_frac: Optional[Fraction] = None
+
+
 class CollectorGap(Event, tag="collector_gap"):
     """Events between ``start_ns`` and ``end_ns`` were dropped (queue full, target busy)."""
 
@@ -488,6 +503,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ShadowLocality,
     ShadowSimilarity,
     ShadowLogits,
+    ShadowBudget,
     CollectorGap,
     CollectorError,
     CollectorStatus,

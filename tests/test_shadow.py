@@ -7,7 +7,7 @@ import torch
 from kvdiag.kernels.methods import Method, parse_method
 from kvdiag.kernels.shadow import ShadowRunner
 from kvdiag.kernels.shadow_hf import shadow_generate
-from kvdiag.schema import CollectorError, ShadowCompression, ShadowLocality
+from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression, ShadowLocality
 from kvdiag.sinks import ListSink
 
 from kv_model import model_and_tokenizer, prefill_kv
@@ -54,6 +54,36 @@ def test_time_budget_limits_sampling():
     now[0] = 1000
     assert runner.should_sample()  # 50 + 50 <= 0.1 * 1000
     assert runner.skipped_budget == 1
+
+
+def test_each_sampled_step_reports_the_budget_and_the_exporter_serves_it():
+    """ShadowBudget after each sampled step, with an injected clock: the counts the runner
+    made and spent / (budget x elapsed) as kvdiag_shadow_budget_used_ratio."""
+    from kvdiag.exporter import PrometheusSink
+
+    now = [0]
+    sink = ListSink()
+    runner = ShadowRunner(sink, ["fp16"], sample_rate=1.0, budget_frac=0.1, clock=lambda: now[0])
+    costs = iter([30, 40])
+    runner._measure = lambda snapshot: now.__setitem__(0, now[0] + next(costs))  # a run's cost
+    _, kv = prefill_kv()
+    queries = [torch.randn(1, 9, 1, 64) for _ in kv[:1]]
+    assert runner.maybe_run(0, kv[:1], queries)      # offered at 0, ran 0..30
+    now[0] = 1000
+    assert runner.maybe_run(1, kv[:1], queries)      # offered at 1000 (30 + 30 <= 100), ran ..1040
+    now[0] = 1090
+    assert not runner.maybe_run(2, kv[:1], queries)  # offered at 1090: 70 + 40 > 0.1 x 1090
+    budgets = [e for e in sink.events if isinstance(e, ShadowBudget)]
+    assert [(b.steps_offered, b.steps_sampled, b.steps_skipped_budget, b.spent_ns, b.elapsed_ns)
+            for b in budgets] == [(1, 1, 0, 30, 30), (2, 2, 0, 70, 1040)]
+    exporter = PrometheusSink()
+    for ev in sink.events:
+        exporter.record(ev)
+    served = {s.name: s.value for m in exporter.collect() for s in m.samples}
+    exporter.close()
+    assert served["kvdiag_shadow_budget_used_ratio"] == pytest.approx(70 / (0.1 * 1040))
+    assert served["kvdiag_shadow_steps_sampled_total"] == 2
+    assert served["kvdiag_shadow_seconds_total"] == pytest.approx(70e-9)
 
 
 def test_metrics_on_real_kv_match_direct_computation():
@@ -114,4 +144,5 @@ def test_background_worker_measures_the_same_as_inline_and_copies_first():
     finally:
         runner.close()
     assert runner.runs == 1 and not runner.errors
-    assert sorted(map(_key, inline.events)) == sorted(map(_key, background.events))
+    measured = lambda events: [e for e in events if not isinstance(e, ShadowBudget)]  # noqa: E731
+    assert sorted(map(_key, measured(inline.events))) == sorted(map(_key, measured(background.events)))

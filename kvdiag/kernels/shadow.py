@@ -42,7 +42,7 @@ import torch
 
 from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
-from kvdiag.schema import CollectorError, ShadowCompression
+from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression
 from kvdiag.sinks import Sink
 
 LayersKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -77,6 +77,8 @@ class ShadowRunner:
         self.last_run_ns = 0
         self.runs = 0
         self.skipped_budget = 0
+        self.offered = 0  # should_sample calls: decode steps offered for sampling
+        self.sampled = 0
         self.errors: Counter[str] = Counter()
         self.dropped = 0  # sampled steps not measured because the worker was still busy
         self._lock = threading.Lock()
@@ -93,6 +95,7 @@ class ShadowRunner:
         now = self.clock()
         if self._t0_ns is None:
             self._t0_ns = now
+        self.offered += 1
         if self._rng.random() >= self.sample_rate:
             return False
         if self.budget_frac is not None and self.spent_ns + self.last_run_ns > self.budget_frac * (now - self._t0_ns):
@@ -121,8 +124,23 @@ class ShadowRunner:
         except Exception as exc:  # gathering inputs failed: count it, never reach the server
             self._error("shadow", exc)
         finally:
-            self._account(self.clock() - start)
+            end = self.clock()
+            self._account(end - start)
+            self._report_budget(end)
         return True
+
+    def _report_budget(self, now_ns: int) -> None:
+        """One :class:`ShadowBudget` after each sampled step (never raises)."""
+        try:
+            self.sampled += 1
+            self.sink.record(ShadowBudget(
+                ts_ns=time.time_ns(), steps_offered=max(self.offered, self.sampled),
+                steps_sampled=self.sampled, steps_skipped_budget=self.skipped_budget,
+                steps_dropped=self.dropped, spent_ns=max(self.spent_ns, 0),
+                elapsed_ns=max(now_ns - (self._t0_ns if self._t0_ns is not None else now_ns), 0),
+                budget_frac=self.budget_frac))
+        except Exception as exc:
+            self._error("shadow", exc)
 
     def _account(self, ns: int) -> None:
         with self._lock:

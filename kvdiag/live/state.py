@@ -164,6 +164,7 @@ class LiveState:
         # shadow
         self.shadow: dict[tuple, s.ShadowSharing] = {}
         self.compression: dict[tuple, s.ShadowCompression] = {}
+        self.shadow_budget: Optional[s.ShadowBudget] = None  # the latest
         self.locality_sum: dict[tuple[int, int], list[float]] = {}
         self.locality_samples = 0
         # health
@@ -346,6 +347,9 @@ class LiveState:
         if series is None:
             series = self.shadow_series[key] = _Series()
         series.set(idx, ev.token_hit_rate)
+
+    def _on_shadow_budget(self, ev: s.ShadowBudget, b: _Bin, idx: int) -> None:
+        self.shadow_budget = ev
 
     def _on_compression(self, ev: s.ShadowCompression, b: _Bin, idx: int) -> None:
         self.compression[(ev.layer, ev.head, ev.method)] = ev
@@ -730,6 +734,7 @@ _HANDLERS = {
     s.EngineMetrics: LiveState._on_metrics,
     s.ShadowSharing: LiveState._on_shadow_sharing,
     s.ShadowCompression: LiveState._on_compression,
+    s.ShadowBudget: LiveState._on_shadow_budget,
     s.ShadowLocality: LiveState._on_locality,
     s.CollectorGap: LiveState._on_gap,
     s.CollectorError: LiveState._on_error,
