@@ -26,6 +26,8 @@ from kvdiag.schema import MemoryBandwidthProbe
 MIN_BUFFER_BYTES = 64 << 20
 """Smallest buffer copied: larger than the last-level cache of current CPUs (and a GPU's L2)."""
 MAX_BUFFER_BYTES = 512 << 20
+GPU_BUFFER_BYTES = 256 << 20
+"""Copied on a GPU: several times its L2 (60 MiB on an H200), freed again after the probe."""
 DEFAULT_REPETITIONS = 5
 DEFAULT_BUDGET_S = 0.5
 
@@ -90,7 +92,7 @@ def measure(device: str = "cpu", buffer_bytes: Optional[int] = None,
         once, method, name = _copy_seconds_numpy(size), "numpy", cpu_model()
     else:
         import torch
-        size = buffer_bytes or MAX_BUFFER_BYTES
+        size = buffer_bytes or GPU_BUFFER_BYTES
         once, method = _copy_seconds_torch_cuda(size, device), "torch"
         name = torch.cuda.get_device_name(torch.device(device))
     deadline = time.perf_counter() + budget_s
@@ -98,6 +100,10 @@ def measure(device: str = "cpu", buffer_bytes: Optional[int] = None,
     while len(times) < repetitions and time.perf_counter() < deadline:
         times.append(once())
     best = max(min(times), 1e-9)
+    del once  # the buffers
+    if device != "cpu":
+        import torch
+        torch.cuda.empty_cache()  # give the memory back: the engine's pool comes next
     return MemoryBandwidthProbe(ts_ns=now_ns or time.time_ns(), device=device, device_name=name,
                                 copy_bandwidth_bytes_per_s=2 * size / best, buffer_bytes=size,
                                 repetitions=len(times), method=method)
@@ -113,6 +119,17 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         pass
     import platform
     return platform.processor() or platform.machine()
+
+
+def default_device() -> str:
+    """"cuda:0" when this process already uses torch with a CUDA device, else "cpu" (torch is
+    not imported here for the question)."""
+    import sys
+    torch = sys.modules.get("torch")
+    try:
+        return "cuda:0" if torch is not None and torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
 
 
 def cache_path(device: str, host: Optional[str] = None) -> Path:

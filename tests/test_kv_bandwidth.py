@@ -161,3 +161,25 @@ def test_the_probe_is_bounded_cached_per_host_and_kept_out_of_the_package(tmp_pa
     files = list((tmp_path / "home" / "bandwidth").iterdir())
     assert len(files) == 1 and files[0] == bandwidth_probe.cache_path("cpu")
     assert {p for p in package.rglob("*") if p.suffix == ".json"} == before
+
+
+def test_the_agent_records_the_probe_and_the_energy_status(tmp_path, monkeypatch):
+    """The log carries the peak (so offline analyses can compute utilisation) and says why
+    host energy is N/A where RAPL cannot be read."""
+    from kvdiag.agent import Agent
+    from kvdiag.eventlog import read_log
+    monkeypatch.setenv("KVDIAG_HOME", str(tmp_path / "home"))
+    log_path = tmp_path / "agent.kvlog"
+    agent = Agent(log_path=str(log_path), live=False, shadow_sharing=False, host_memory=False).start()
+    agent.stop()
+    frames = read_log(log_path).frames
+    probe = frames["memory_bandwidth_probe"]
+    assert len(probe) == 1 and probe["device"].iloc[0] in ("cpu", "cuda:0")
+    assert probe["copy_bandwidth_bytes_per_s"].iloc[0] > 1e8
+    status = frames["collector_status"]
+    rapl = status[status["collector"] == "rapl"]
+    assert len(rapl) == 1
+    if not rapl["available"].iloc[0]:
+        assert "N/A" in rapl["hint"].iloc[0]
+    else:
+        assert len(frames["host_energy_sample"]) >= 2

@@ -70,7 +70,7 @@ class NvmlCollector:
                 memory_used_bytes=None if mem is None else int(mem.used),
                 memory_total_bytes=None if mem is None else int(mem.total),
                 gpu_util_pct=None if util is None else float(util.gpu),
-                memory_util_pct=None if util is None else float(util.memory),
+                memory_util_pct=None if getattr(util, "memory", None) is None else float(util.memory),
                 power_mw=self._read("power", lambda: int(nv.nvmlDeviceGetPowerUsage(h))),
                 energy_mj=self._read("energy", lambda: int(nv.nvmlDeviceGetTotalEnergyConsumption(h))),
                 temperature_c=self._read("temperature",
