@@ -183,3 +183,25 @@ def test_the_agent_records_the_probe_and_the_energy_status(tmp_path, monkeypatch
         assert "N/A" in rapl["hint"].iloc[0]
     else:
         assert len(frames["host_energy_sample"]) >= 2
+
+
+def test_top_shows_the_same_demanded_bandwidth_as_the_offline_analysis(tmp_path):
+    """`kvdiag top`'s state over the events of a constructed run: its KV read rate over the
+    rate window equals the offline per-step frame summed over the same bins."""
+    from kvdiag.eventlog import iter_events, read_log
+    from kvdiag.live.state import LiveState
+    path = cs.write(tmp_path / "ctx.kvlog", cs.serving(200, lambda i: 256 if i < 100 else 1024))
+    state = LiveState(bin_s=1.0, rate_window_s=5.0)
+    state.set_header(read_log(path).header)
+    events = sorted(iter_events(path), key=lambda e: e.ts_ns)
+    state.feed_all(events)
+    now = max(e.ts_ns for e in events)
+    lat = state.snapshot(now).latency
+    fr = bandwidth.kv_read_frame(load([path])[0])
+    last = now // 10**9
+    win = fr[(fr["ts_ns"] // 10**9 > last - 5) & (fr["ts_ns"] // 10**9 <= last)]
+    expected = win["kv_read_bytes"].sum() / (win["duration_ns"].sum() / 1e9)
+    assert len(win) > 5
+    assert lat.kv_read_bytes_per_s == pytest.approx(expected, rel=1e-9)
+    assert lat.kv_bandwidth_utilisation == pytest.approx(expected / 20e9, rel=1e-9)
+    assert lat.kv_bandwidth_history and lat.kv_bandwidth_history_unit == "%"
