@@ -35,7 +35,7 @@ REFERENCE_ROWS = (
     {"node": "article: H100", "device": "NVIDIA H100", "tokens_per_s": 18_700.0, "tokens_per_joule": 82.0},
 )
 """The article's §4.2 figures (as quoted in kvdiag's issue 19), shown beside the user's rows
-for scale; its model and workload are not the user's (docs/platforms.md)."""
+for scale; its model and workload are not the user's (docs/bandwidth.md)."""
 
 
 @dataclass

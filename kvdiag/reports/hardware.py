@@ -72,4 +72,4 @@ def platform_section(logs: Logs, baseline: Optional[Logs]) -> Optional[Section]:
                           note="tokens/s: output tokens of finished requests / first arrival to last "
                                "finish; tokens per joule: NVML energy counter on GPUs, else RAPL, else "
                                "N/A with the reason; the article's rows are another model and workload "
-                               "(docs/platforms.md)")])
+                               "(docs/bandwidth.md)")])
