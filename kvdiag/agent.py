@@ -139,7 +139,7 @@ class Agent:
             self.shadow = install_shadow(recorded, **self._shadow_kwargs)
         if self._hardware:
             from kvdiag.collectors.hardware import HardwareRecorder
-            self.hardware = HardwareRecorder(recorded).start()
+            self.hardware = HardwareRecorder(recorded, nvml=True, interval_s=self._sample_interval_s).start()
         if self._host_memory:
             from kvdiag.collectors.procfs import ProcessSampler
             self.host_sampler = ProcessSampler.of_self(recorded, interval_s=self._sample_interval_s).start()

@@ -170,19 +170,22 @@ def test_the_agent_records_the_probe_and_the_energy_status(tmp_path, monkeypatch
     from kvdiag.eventlog import read_log
     monkeypatch.setenv("KVDIAG_HOME", str(tmp_path / "home"))
     log_path = tmp_path / "agent.kvlog"
-    agent = Agent(log_path=str(log_path), live=False, shadow_sharing=False, host_memory=False).start()
+    agent = Agent(log_path=str(log_path), live=False, shadow_sharing=False, host_memory=False,
+                  sample_interval_s=0.05).start()
+    time.sleep(0.2)
     agent.stop()
     frames = read_log(log_path).frames
     probe = frames["memory_bandwidth_probe"]
     assert len(probe) == 1 and probe["device"].iloc[0] in ("cpu", "cuda:0")
     assert probe["copy_bandwidth_bytes_per_s"].iloc[0] > 1e8
     status = frames["collector_status"]
-    rapl = status[status["collector"] == "rapl"]
-    assert len(rapl) == 1
-    if not rapl["available"].iloc[0]:
-        assert "N/A" in rapl["hint"].iloc[0]
-    else:
-        assert len(frames["host_energy_sample"]) >= 2
+    for collector, readings in (("rapl", "host_energy_sample"), ("nvml", "nvml_sample")):
+        st = status[status["collector"] == collector]
+        assert len(st) == 1, collector
+        if not st["available"].iloc[0]:
+            assert st["hint"].iloc[0], collector  # why energy is N/A
+        else:
+            assert len(frames[readings]) >= 2, collector  # at the start and at the end
 
 
 def test_top_shows_the_same_demanded_bandwidth_as_the_offline_analysis(tmp_path):
@@ -205,3 +208,33 @@ def test_top_shows_the_same_demanded_bandwidth_as_the_offline_analysis(tmp_path)
     assert lat.kv_read_bytes_per_s == pytest.approx(expected, rel=1e-9)
     assert lat.kv_bandwidth_utilisation == pytest.approx(expected / 20e9, rel=1e-9)
     assert lat.kv_bandwidth_history and lat.kv_bandwidth_history_unit == "%"
+
+
+def test_the_hardware_recorder_samples_nvml_energy_until_stopped():
+    from kvdiag.collectors import nvml
+    from kvdiag.collectors.hardware import HardwareRecorder
+    from test_collectors import FakeNvml
+
+    class Sink:
+        def __init__(self):
+            self.events = []
+
+        def record(self, ev):
+            self.events.append(ev)
+
+        def flush(self):
+            pass
+
+    sink = Sink()
+    rec = HardwareRecorder(sink, probe=False, nvml=True, interval_s=0.02)
+    rec.nvml = nvml.NvmlCollector(nvml=FakeNvml())
+    rec.start()
+    time.sleep(0.2)
+    rec.stop()
+    n = sum(type(e).__name__ == "NvmlSample" for e in sink.events)
+    assert n >= 4  # start, several intervals, stop
+    after = len(sink.events)
+    time.sleep(0.05)
+    assert len(sink.events) == after  # the thread ended
+    assert all(e.energy_mj == 1234 and e.memory_util_pct == 25 for e in sink.events
+               if type(e).__name__ == "NvmlSample")

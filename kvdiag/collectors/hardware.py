@@ -1,11 +1,13 @@
 """What a recorder writes about the machine, beside the engine's events: the memory bandwidth
-probe (:mod:`kvdiag.bandwidth_probe`, the peak that KV bandwidth utilisation divides by) and
-host energy readings (:mod:`kvdiag.collectors.rapl`) at the start and the end of a run, and
-whenever :meth:`HardwareRecorder.sample` is called. Failures become ``CollectorError`` /
+probe (:mod:`kvdiag.bandwidth_probe`, the peak that KV bandwidth utilisation divides by), host
+energy readings (:mod:`kvdiag.collectors.rapl`) and, in the agent, NVML readings of the GPUs
+(energy counter, memory-controller utilisation: :mod:`kvdiag.collectors.nvml`), at the start,
+every ``interval_s`` and at the end of a run. Failures become ``CollectorError`` /
 ``CollectorStatus`` events, never exceptions in the engine."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -27,22 +29,51 @@ def probe_event(device: Optional[str] = None) -> Event:
 
 
 class HardwareRecorder:
-    """Records the probe and the RAPL status and readings into ``sink``."""
+    """Records the probe, RAPL's (and with ``nvml``, NVML's) status and readings into ``sink``;
+    with ``interval_s``, a daemon thread samples them until :meth:`stop`."""
 
-    def __init__(self, sink: Sink, device: Optional[str] = None, probe: bool = True) -> None:
-        self.sink, self.device, self.probe = sink, device, probe
+    def __init__(self, sink: Sink, device: Optional[str] = None, probe: bool = True, nvml: bool = False,
+                 interval_s: Optional[float] = None) -> None:
+        self.sink, self.device, self.probe, self.interval_s = sink, device, probe, interval_s
         self.rapl = RaplCollector()
+        self.nvml = None
+        if nvml:
+            from kvdiag.collectors.nvml import NvmlCollector
+            self.nvml = NvmlCollector()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "HardwareRecorder":
         self.sink.record(self.rapl.start())
+        if self.nvml is not None:
+            self.sink.record(self.nvml.start())
         self.sample()
         if self.probe:
             self.sink.record(probe_event(self.device))
+        if self.interval_s and (self.rapl.zones or (self.nvml is not None and self.nvml.available)):
+            self._thread = threading.Thread(target=self._run, name="kvdiag-hardware", daemon=True)
+            self._thread.start()
         return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample()
+            except Exception:  # the sink closed under us (the run is ending): stop quietly
+                return
 
     def sample(self) -> None:
         for ev in self.rapl.sample():
             self.sink.record(ev)
+        if self.nvml is not None:
+            for ev in self.nvml.sample():
+                self.sink.record(ev)
 
     def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
         self.sample()
+        if self.nvml is not None:
+            self.nvml.close()
