@@ -122,12 +122,13 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def default_device() -> str:
-    """"cuda:0" when this process already uses torch with a CUDA device, else "cpu" (torch is
-    not imported here for the question)."""
+    """"cuda:0" when this process already initialised CUDA through torch, else "cpu". Neither
+    torch nor CUDA is initialised for the question: a CUDA driver initialised before an
+    engine forks its workers breaks them."""
     import sys
     torch = sys.modules.get("torch")
     try:
-        return "cuda:0" if torch is not None and torch.cuda.is_available() else "cpu"
+        return "cuda:0" if torch is not None and torch.cuda.is_initialized() else "cpu"
     except Exception:
         return "cpu"
 

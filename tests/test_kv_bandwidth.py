@@ -210,7 +210,9 @@ def test_top_shows_the_same_demanded_bandwidth_as_the_offline_analysis(tmp_path)
     assert lat.kv_bandwidth_history and lat.kv_bandwidth_history_unit == "%"
 
 
-def test_the_hardware_recorder_samples_nvml_energy_until_stopped():
+def test_the_hardware_recorder_samples_nvml_energy_until_stopped(tmp_path, monkeypatch):
+    """On a GPU machine whose engine has not initialised CUDA the probe waits (a CUDA driver
+    initialised before an engine forks breaks its workers); never initialised: the CPU's."""
     from kvdiag.collectors import nvml
     from kvdiag.collectors.hardware import HardwareRecorder
     from test_collectors import FakeNvml
@@ -225,12 +227,16 @@ def test_the_hardware_recorder_samples_nvml_energy_until_stopped():
         def flush(self):
             pass
 
+    monkeypatch.setenv("KVDIAG_HOME", str(tmp_path))
     sink = Sink()
-    rec = HardwareRecorder(sink, probe=False, nvml=True, interval_s=0.02)
+    rec = HardwareRecorder(sink, probe=True, nvml=True, interval_s=0.02)
     rec.nvml = nvml.NvmlCollector(nvml=FakeNvml())
     rec.start()
     time.sleep(0.2)
+    assert not [e for e in sink.events if type(e).__name__ == "MemoryBandwidthProbe"]  # CPU torch here
     rec.stop()
+    [probe] = [e for e in sink.events if type(e).__name__ == "MemoryBandwidthProbe"]
+    assert probe.device == "cpu"
     n = sum(type(e).__name__ == "NvmlSample" for e in sink.events)
     assert n >= 4  # start, several intervals, stop
     after = len(sink.events)

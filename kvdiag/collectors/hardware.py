@@ -40,6 +40,7 @@ class HardwareRecorder:
         if nvml:
             from kvdiag.collectors.nvml import NvmlCollector
             self.nvml = NvmlCollector()
+        self._probe_pending = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -48,16 +49,26 @@ class HardwareRecorder:
         if self.nvml is not None:
             self.sink.record(self.nvml.start())
         self.sample()
-        if self.probe:
-            self.sink.record(probe_event(self.device))
-        if self.interval_s and (self.rapl.zones or (self.nvml is not None and self.nvml.available)):
+        gpus = self.nvml is not None and self.nvml.available
+        self._probe_pending = self.probe
+        if self.probe and (self.device is not None or not gpus or _cuda_initialized()):
+            self._probe_now()
+        # else on a GPU machine before the engine initialised CUDA: probe the GPU once it has
+        # (the sampling thread looks), or the CPU at stop if it never does
+        if self.interval_s and (self.rapl.zones or gpus or self._probe_pending):
             self._thread = threading.Thread(target=self._run, name="kvdiag-hardware", daemon=True)
             self._thread.start()
         return self
 
+    def _probe_now(self, device: Optional[str] = None) -> None:
+        self._probe_pending = False
+        self.sink.record(probe_event(device or self.device))
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
+                if self._probe_pending and _cuda_initialized():
+                    self._probe_now()
                 self.sample()
             except Exception:  # the sink closed under us (the run is ending): stop quietly
                 return
@@ -74,6 +85,18 @@ class HardwareRecorder:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self._probe_pending:
+            self._probe_now("cuda:0" if _cuda_initialized() else "cpu")
         self.sample()
         if self.nvml is not None:
             self.nvml.close()
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process's torch has initialised CUDA (without initialising anything)."""
+    import sys
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
