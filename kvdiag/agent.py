@@ -78,7 +78,7 @@ class Agent:
                  shadow_sharing: bool = True, shadow: Optional[dict] = None,
                  host_memory: bool = True, engine: str = ENGINE,
                  adapter: Optional[Callable[..., Adapter]] = None,
-                 prometheus: Optional[str | int] = None) -> None:
+                 prometheus: Optional[str | int] = None, hardware: bool = True) -> None:
         self.log_path = Path(log_path) if log_path else None
         self.socket_path = Path(socket_path) if socket_path else None
         self._live = live
@@ -101,6 +101,8 @@ class Agent:
         self.host_sampler = None  # kvdiag.collectors.procfs.ProcessSampler of this process
         self._prometheus = prometheus  # [HOST:]PORT of the Prometheus endpoint (None: none)
         self.exporter = None  # kvdiag.exporter.Exporter
+        self._hardware = hardware  # the bandwidth probe and host energy (RAPL) readings
+        self.hardware = None  # kvdiag.collectors.hardware.HardwareRecorder
 
     def start(self) -> "Agent":
         install = self._install_adapter
@@ -135,6 +137,9 @@ class Agent:
         if self._shadow_kwargs is not None:
             from kvdiag.collectors.transformers_cb_shadow import install as install_shadow
             self.shadow = install_shadow(recorded, **self._shadow_kwargs)
+        if self._hardware:
+            from kvdiag.collectors.hardware import HardwareRecorder
+            self.hardware = HardwareRecorder(recorded, nvml=True, interval_s=self._sample_interval_s).start()
         if self._host_memory:
             from kvdiag.collectors.procfs import ProcessSampler
             self.host_sampler = ProcessSampler.of_self(recorded, interval_s=self._sample_interval_s).start()
@@ -164,6 +169,9 @@ class Agent:
             self.host_sampler = None
         if self.shadow is not None:
             self.shadow.uninstall()
+        if self.hardware is not None:
+            self.hardware.stop()
+            self.hardware = None
         if self.adapter is not None:
             try:
                 self.adapter.sample_now()

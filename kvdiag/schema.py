@@ -27,7 +27,8 @@ import msgspec
 
 SCHEMA_VERSION = "1.3"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
-# PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: ShadowBudget
+# PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: MemoryBandwidthProbe,
+# HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -294,6 +295,37 @@ class NvmlSample(Event, tag="nvml_sample"):
     energy_mj: Optional[Count] = None  # total energy since driver load
     temperature_c: Optional[Int64] = None
     process_memory_bytes: Optional[Count] = None  # used by the target and its children
+    # 1.3: share of the last sample period during which device memory was being read or
+    # written (nvmlDeviceGetUtilizationRates().memory)
+    memory_util_pct: Optional[Pct] = None
+
+
+class MemoryBandwidthProbe(Event, tag="memory_bandwidth_probe"):
+    """The measured memory bandwidth of the machine the log was recorded on: the peak that
+    KV bandwidth utilisation divides by (:mod:`kvdiag.analysis.bandwidth`).
+
+    ``copy_bandwidth_bytes_per_s``: (bytes read + bytes written) per second of the fastest of
+    ``repetitions`` copies of a ``buffer_bytes`` buffer, larger than the last-level cache, on
+    ``device`` ("cpu", "cuda:0"), the convention of STREAM's Copy. ``method``: what copied
+    ("numpy", "torch"). ``cached``: read from the per-host cache of an earlier probe."""
+
+    device: str
+    copy_bandwidth_bytes_per_s: NonNegative
+    buffer_bytes: Count
+    repetitions: Count
+    device_name: str = ""
+    method: str = ""
+    cached: bool = False
+
+
+class HostEnergySample(Event, tag="host_energy_sample"):
+    """One reading of a host energy counter (RAPL, ``/sys/class/powercap/*/energy_uj``):
+    ``energy_uj`` microjoules since an arbitrary origin, wrapping at ``max_energy_uj``.
+    ``domain``: the zone's name (``package-0``, ``dram``)."""
+
+    domain: str
+    energy_uj: Count
+    max_energy_uj: Optional[Count] = None
 
 
 class ProcessSample(Event, tag="process_sample"):
@@ -510,6 +542,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PrefixCacheStored,
     PrefixCacheRemoved,
     PrefixCacheCleared,
+    MemoryBandwidthProbe,
+    HostEnergySample,
 )
 
 AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]

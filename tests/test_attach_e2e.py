@@ -24,7 +24,8 @@ PORT = 18450
 LEAK_EVERY = 2
 ATTACH_S = 20
 GRACE_S = 1.0
-ATTACH_TAGS = {"process_sample", "nvml_sample", "phase_profile", "engine_metrics", "collector_status"}
+ATTACH_TAGS = {"process_sample", "nvml_sample", "phase_profile", "engine_metrics", "collector_status",
+               "memory_bandwidth_probe", "host_energy_sample"}  # the agent records these too
 SYSTEM = ("You are the support assistant of the Northwind online store. Answer in one short sentence, "
           "politely, and mention the order number when the customer gives one.")
 QUESTIONS = ["Where is my order NW1001?", "Can I return shoes from order NW2044?",

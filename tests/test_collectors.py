@@ -51,7 +51,7 @@ class FakeNvml:
     def nvmlDeviceGetCount(self): return 1
     def nvmlDeviceGetHandleByIndex(self, i): return i
     def nvmlDeviceGetMemoryInfo(self, h): return SimpleNamespace(used=5, total=10)
-    def nvmlDeviceGetUtilizationRates(self, h): return SimpleNamespace(gpu=40)
+    def nvmlDeviceGetUtilizationRates(self, h): return SimpleNamespace(gpu=40, memory=25)
     def nvmlDeviceGetPowerUsage(self, h): raise RuntimeError("Not Supported")
     def nvmlDeviceGetTotalEnergyConsumption(self, h): return 1234
     def nvmlDeviceGetTemperature(self, h, kind): return 50
@@ -66,6 +66,7 @@ def test_nvml_one_failing_field_does_not_stop_others():
     (s,) = col.sample()
     assert s.power_mw is None and "power" in col.field_errors
     assert (s.memory_used_bytes, s.energy_mj, s.temperature_c, s.process_memory_bytes) == (5, 1234, 50, 100)
+    assert (s.gpu_util_pct, s.memory_util_pct) == (40, 25)  # SM and memory-controller utilisation
 
 
 BALLAST_BYTES = 40_000_000

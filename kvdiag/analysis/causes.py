@@ -4,6 +4,9 @@ The article's checklist for P99 spikes, each compared between a baseline window 
 window where latency regressed (rates are per second of the window):
 
 - ``compression``: the compression/decompression path was active (ShadowCompression events).
+- ``kv_bandwidth``: the KV bytes attention must read per second of engine steps rose, or the
+  measured copy bandwidth was saturated while each step read more KV
+  (:mod:`kvdiag.analysis.bandwidth`).
 - ``prefix_hit_rate``: the prefix hit rate (cached prompt tokens / prompt tokens of finished
   requests) dropped, or fluctuated (std of the hit rate over sub-windows).
 - ``long_sequences``: abnormally long prompts arrived: the share of prompts longer than the
@@ -19,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from kvdiag.analysis import bandwidth
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
 from kvdiag.analysis.rules import (FRAGMENTATION_RISE, HIT_RATE_DROP, HIT_RATE_FLUCTUATION, LONG_SHARE,
-                                   PRESSURE_HIGH, RATE_RATIO)
+                                   PRESSURE_HIGH, RATE_RATIO, kv_bandwidth_rose)
 from kvdiag.schema import (BlockEvicted, EngineMetrics, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowCompression)
 
@@ -102,6 +106,34 @@ def _fragmentation(logs: Logs) -> tuple[float, float]:
     return pool, alloc
 
 
+def _kv_bandwidth(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``kv_bandwidth`` cause: demanded KV read bandwidth and its utilisation, before and
+    after (verdict :func:`kvdiag.analysis.rules.kv_bandwidth_rose`)."""
+    title = "KV bandwidth utilisation rose"
+    b, c = bandwidth.summarize(baseline), bandwidth.summarize(current)
+    if not b.steps or not c.steps:
+        return Cause("kv_bandwidth", title, False,
+                     "no engine steps with KV blocks in one of the windows (needs EngineStep and "
+                     "block events or pool samples)", evidence={})
+    per_step_b, per_step_c = b.kv_read_bytes / b.steps, c.kv_read_bytes / c.steps
+    supported = kv_bandwidth_rose(b.kv_read_bytes_per_s, c.kv_read_bytes_per_s, per_step_b, per_step_c,
+                                  c.utilisation)
+    util = (f"; utilisation {b.utilisation:.1%} -> {c.utilisation:.1%} of "
+            f"{c.peak_copy_bytes_per_s / 1e9:.1f} GB/s measured" if np.isfinite(c.utilisation)
+            else "; no bandwidth probe in the log (utilisation N/A)")
+    nvml = (f"; NVML memory-controller utilisation {b.nvml_memory_util_pct:.0f}% -> "
+            f"{c.nvml_memory_util_pct:.0f}%" if np.isfinite(c.nvml_memory_util_pct) else "")
+    ratio = c.kv_read_bytes_per_s / b.kv_read_bytes_per_s if b.kv_read_bytes_per_s > 0 else float("inf")
+    return Cause(
+        "kv_bandwidth", title, supported,
+        f"demanded KV read {b.kv_read_bytes_per_s / 1e9:.2f} -> {c.kv_read_bytes_per_s / 1e9:.2f} GB/s "
+        f"({per_step_b / 2**20:.1f} -> {per_step_c / 2**20:.1f} MiB per step){util}{nvml}",
+        score=float(ratio) if np.isfinite(ratio) else 10.0,
+        evidence={"baseline": b.to_dict(), "current": c.to_dict(),
+                  "kv_read_bytes_per_step_baseline": per_step_b, "kv_read_bytes_per_step_current": per_step_c,
+                  "baseline_window_ns": wb, "current_window_ns": wc})
+
+
 def _rose(before: float, after: float, ratio: float = RATE_RATIO) -> bool:
     return after > 0 and (before <= 0 or after >= ratio * before)
 
@@ -128,6 +160,8 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
                   "events_current": len(comp), "busy_s_current": busy_ns / 1e9,
                   "methods": sorted(comp["method"].unique().tolist()) if len(comp) else [],
                   "baseline_window_ns": wb, "current_window_ns": wc}))
+
+    out.append(_kv_bandwidth(baseline, current, wb, wc))
 
     hb, sb, nb = _hit_rates(baseline)
     hc, sc, nc = _hit_rates(current)

@@ -8,7 +8,8 @@ Memory leak: ``leak.memory_growth`` (process memory grows without matching KV gr
 ``fragmentation.kv_pool`` / ``fragmentation.allocator`` (:mod:`kvdiag.analysis.fragmentation`),
 ``leak.oom`` (OOMs, allocator retries).
 P99 spike: ``p99.regression`` (a P99 shift inside the log or against a baseline) and one
-``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.analysis.causes`).
+``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.analysis.causes`); the article's four
+questions (:data:`P99_CHECKLIST`) are answered by four of them.
 Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs free blocks).
 Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's, measured by
 the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observation:
@@ -24,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import fragmentation as _fragmentation
-from kvdiag.analysis import latency, pressure
+from kvdiag.analysis import bandwidth, latency, pressure
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
@@ -188,7 +189,10 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
     comps = latency.detect(logs, baseline, threshold)
     title = f"P99 latency stable (no rise beyond {threshold:+.0%})"
     if not comps:
-        return [Finding("p99.regression", "n/a", title, "too few latency samples to compare")], comps
+        return [Finding("p99.regression", "n/a", title, "too few latency samples to compare"),
+                *(Finding(f"p99.{name}", "n/a", _CAUSE_TITLES[name],
+                          f"no P99 comparison; over the log: {_over_log(logs, name)}")
+                  for name, _ in P99_CHECKLIST)], comps
     what = "against the baseline" if baseline is not None else "after the change point vs before"
     flagged = [c for c in comps if c.flagged]
     desc = "; ".join(f"{c.metric} P99 {c.p99_baseline_ns / 1e6:.1f} -> {c.p99_current_ns / 1e6:.1f} ms "
@@ -202,20 +206,62 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
             titles[cause.cause] = cause.title
             if cause.supported:
                 supported.setdefault(cause.cause, []).append((c.metric, cause))
+    measured = bandwidth.summarize(logs)
     for name, ttl in _CAUSE_TITLES.items():
         hits = supported.get(name, [])
         if hits:
             out.append(Finding(f"p99.{name}", "warn", ttl,
                                "; ".join(f"{m}: {c.message}" for m, c in hits),
                                {m: c.evidence for m, c in hits}))
+        elif name == "kv_bandwidth" and not measured.steps:
+            out.append(Finding(f"p99.{name}", "n/a", ttl, "no engine steps with KV blocks to measure"))
         else:
             msg = ("not behind the regression" if flagged else "no P99 regression to explain")
-            out.append(Finding(f"p99.{name}", "pass", ttl, msg))
+            if name == "kv_bandwidth":  # the checklist asks how busy it is: say so either way
+                out.append(Finding(f"p99.{name}", "pass", ttl, f"{msg}; over the log: {bandwidth.describe(measured)}",
+                                   {"log": measured.to_dict()}))
+            else:
+                out.append(Finding(f"p99.{name}", "pass", ttl, msg))
     return out, comps
+
+
+P99_CHECKLIST = (
+    ("compression", "Was the compression/decompression path triggered?"),
+    ("kv_bandwidth", "How busy is the memory bandwidth?"),
+    ("prefix_hit_rate", "Does the cache hit rate fluctuate?"),
+    ("long_sequences", "Did abnormally long sequences arrive?"),
+)
+"""The article's checklist for a P99 spike, in its order: the item and the ``p99.<item>`` rule
+that answers it."""
+
+
+def _over_log(logs: Logs, item: str) -> str:
+    """What the log shows for one checklist item when no comparison can judge it."""
+    if item == "kv_bandwidth":
+        return bandwidth.describe(bandwidth.summarize(logs))
+    if item == "compression":
+        return f"{len(logs.frame('shadow_compression'))} compression runs"
+    fin = logs.frame(RequestFinished)
+    if fin.empty:
+        return "no finished requests"
+    if item == "prefix_hit_rate":
+        return (f"token hit rate {fin['cached_prompt_tokens'].sum() / max(fin['prompt_tokens'].sum(), 1):.1%} "
+                f"over {len(fin)} requests")
+    p = fin["prompt_tokens"].to_numpy(dtype="float64")
+    return f"prompts P50 {np.median(p):.0f}, P90 {np.quantile(p, 0.9):.0f}, longest {p.max():.0f} tokens"
+
+
+def p99_checklist(findings: list[Finding]) -> list[tuple[str, Finding]]:
+    """The article's four P99 questions, each with the finding that answers it (status n/a
+    where the P99 rules did not run)."""
+    by_rule = {f.rule: f for f in findings}
+    return [(question, by_rule.get(f"p99.{item}") or Finding(f"p99.{item}", "n/a", question, "not evaluated"))
+            for item, question in P99_CHECKLIST]
 
 
 _CAUSE_TITLES = {
     "compression": "compression path not behind a P99 rise",
+    "kv_bandwidth": "KV bandwidth utilisation steady",
     "prefix_hit_rate": "prefix hit rate steady",
     "long_sequences": "no burst of abnormally long sequences",
     "memory_pressure": "no rise in memory pressure, preemptions or evictions",

@@ -42,6 +42,9 @@ class Logs:
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     paths: dict[NodeName, str] = field(default_factory=dict)
     span_ns: Optional[tuple[int, int]] = None  # set by window(): its [start, end)
+    whole: Optional["Logs"] = field(default=None, repr=False)
+    """For a window, the logs it was cut from: state built up before the window (the blocks
+    requests hold) is read there."""
 
     @property
     def nodes(self) -> list[NodeName]:
@@ -125,7 +128,8 @@ class Logs:
             tag: df if tag == pool_tag else df[(df["ts_ns"] >= start_ns) & (df["ts_ns"] < end_ns)]
             for tag, df in self.frames.items()
         }
-        return Logs(self.headers, frames, self.paths, span_ns=(start_ns, end_ns))
+        return Logs(self.headers, frames, self.paths, span_ns=(start_ns, end_ns),
+                    whole=self.whole or self)
 
 
 def node_names(headers: Iterable[LogHeader], paths: Iterable[str | Path]) -> list[NodeName]:

@@ -53,6 +53,24 @@ RATE_RATIO = 1.5
 PRESSURE_HIGH = 0.90
 FRAGMENTATION_RISE = 0.05
 
+KV_BANDWIDTH_RISE = 1.5
+"""``p99.kv_bandwidth``: the demanded KV read bandwidth (KV bytes read per second of engine
+steps, :mod:`kvdiag.analysis.bandwidth`) rose by at least this factor ..."""
+KV_BANDWIDTH_BUSY = 0.6
+"""... or the window's utilisation of the measured copy bandwidth reached this share while
+the KV bytes read per step rose by that factor (a saturated bandwidth cannot rise further:
+each step reads more and takes longer)."""
+
+
+def kv_bandwidth_rose(rate_before: float, rate_after: float, bytes_per_step_before: float,
+                      bytes_per_step_after: float, utilisation_after: float) -> bool:
+    """Verdict of the ``kv_bandwidth`` P99 cause between the windows before and after (NaN
+    utilisation: no probe, judged on the demanded bandwidth alone)."""
+    def rose(before: float, after: float) -> bool:
+        return bool(after > 0 and (not before > 0 or after >= KV_BANDWIDTH_RISE * before))
+    saturated = bool(utilisation_after >= KV_BANDWIDTH_BUSY)  # False for NaN
+    return rose(rate_before, rate_after) or (saturated and rose(bytes_per_step_before, bytes_per_step_after))
+
 # ---------------------------------------------------------------- engine event streams
 
 

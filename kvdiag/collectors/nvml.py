@@ -1,5 +1,5 @@
-"""NVIDIA devices through NVML (``pynvml`` from ``nvidia-ml-py``): memory, utilization,
-power, the energy counter, temperature, and GPU memory of the target's processes.
+"""NVIDIA devices through NVML (``pynvml`` from ``nvidia-ml-py``): memory, utilization
+(SM and memory controller), power, the energy counter, temperature, and GPU memory of the target's processes.
 
 Without a driver or GPU ``nvmlInit`` fails: :meth:`NvmlCollector.start` returns one
 ``CollectorStatus(available=False, hint=...)`` and :meth:`sample` returns nothing. Each field
@@ -70,6 +70,7 @@ class NvmlCollector:
                 memory_used_bytes=None if mem is None else int(mem.used),
                 memory_total_bytes=None if mem is None else int(mem.total),
                 gpu_util_pct=None if util is None else float(util.gpu),
+                memory_util_pct=None if getattr(util, "memory", None) is None else float(util.memory),
                 power_mw=self._read("power", lambda: int(nv.nvmlDeviceGetPowerUsage(h))),
                 energy_mj=self._read("energy", lambda: int(nv.nvmlDeviceGetTotalEnergyConsumption(h))),
                 temperature_c=self._read("temperature",
@@ -78,6 +79,14 @@ class NvmlCollector:
                 if pids else None,
             ))
         return out
+
+    def device_names(self) -> list[str]:
+        """Each device's name (``nvmlDeviceGetName``; "" where it cannot be read)."""
+        names = []
+        for h in self.handles:
+            name = self._read("name", lambda: self.nvml.nvmlDeviceGetName(h)) or ""
+            names.append(name.decode() if isinstance(name, bytes) else str(name))
+        return names
 
     def close(self) -> None:
         if self.available:

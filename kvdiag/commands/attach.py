@@ -101,6 +101,10 @@ class _Session:
         self.args, self.procs, self.writer = args, procs, writer
         self.nvml = nvml.NvmlCollector(pids=procs.pids)
         writer.record(self.nvml.start())
+        from kvdiag.collectors.hardware import HardwareRecorder
+        # the target's device is not ours to allocate on: probe the GPU only through torch
+        # already imported here, else the host's memory
+        self.hardware = HardwareRecorder(writer).start()
         self.metrics_url: Optional[str] = args.metrics_url
         self.metrics_mod = metrics
         self.next_probe = 0.0
@@ -164,6 +168,7 @@ class _Session:
             self.writer.record(ev)
         for ev in self.nvml.sample():
             self.writer.record(ev)
+        self.hardware.sample()
         self.probe_metrics()
         if self.metrics_url and self.vllm is not None and not self.kv_events_tried:
             self.subscribe_kv_events()

@@ -19,8 +19,10 @@ memory leak   memory grows without matching KV growth; release paths not firing 
               requests (within {rules.RELEASE_GRACE_NS / 1e9:g} s); blocks released twice; occupancy growing at
               constant load; fragmentation >= {rules.FRAGMENTATION_LIMIT:.0%}; OOMs and allocator retries
 P99 spike     a P99 rise beyond {rules.P99_THRESHOLD:+.0%} (inside the log, or against --baseline), attributed to:
-              compression path active, prefix hit rate dropped, long sequences, memory
-              pressure / preemptions / evictions, fragmentation
+              compression path active, KV bandwidth utilisation rose, prefix hit rate dropped,
+              long sequences, memory pressure / preemptions / evictions, fragmentation; the
+              article's four questions (compression, memory bandwidth, hit rate, long
+              sequences) are listed after the table, each with its status
 forecast      KV the active requests still need against free blocks: time to full, OOM risk
 sharing       the engine's prefix hit rate against the content's (shadow cache at the engine's
               settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
@@ -135,20 +137,29 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             out = {"status": status, "logs": paths, "findings": [f.to_dict() for f in findings],
                    "skipped_lines": skipped_lines(problems)}
+            if args.logs:
+                out["p99_checklist"] = _checklist(findings)
             if snapshot:
                 out["snapshot"] = snapshot[0]
             if fleet is not None:  # Parquet datasets: their nodes, worst first
                 out["fleet"] = fleet.to_dict(orient="records")
             print(json.dumps(_clean(out), indent=1))
         else:
-            _print(findings)
+            _print(findings, with_checklist=bool(args.logs))
     except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
     return 1 if status == "fail" else 0
 
 
-def _print(findings) -> None:
+def _checklist(findings) -> list[dict]:
+    """The article's P99 checklist: each question, the rule answering it, status, measured."""
+    from kvdiag.analysis.doctor import p99_checklist
+    return [{"question": q, "rule": f.rule, "status": f.status, "measured": f.message}
+            for q, f in p99_checklist(findings)]
+
+
+def _print(findings, with_checklist: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
     style = {"pass": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
@@ -159,6 +170,14 @@ def _print(findings) -> None:
         t.add_row(f"[{style[f.status]}]{f.status.upper()}[/]", f.rule, f.title, f.message)
     console = Console(width=max(Console().width, 120))
     console.print(t)
+    if with_checklist:
+        c = Table(title="P99 checklist (the article's four questions)", expand=True)
+        for col in ("status", "question", "rule", "measured"):
+            c.add_column(col, overflow="fold")
+        for row in _checklist(findings):
+            c.add_row(f"[{style[row['status']]}]{row['status'].upper()}[/]", row["question"], row["rule"],
+                      row["measured"])
+        console.print(c)
     for f in findings:  # name what failed: requests, blocks
         ids = f.evidence.get("requests") if f.status == "fail" else None
         if ids:

@@ -154,6 +154,13 @@ class LatencyView:
     tokens_history: History
     p99_verdict: Optional[Finding]  # the p99.regression rule's latest finding (None before its first run)
     reason: str
+    # demanded KV read bandwidth over the rate window (kvdiag.analysis.bandwidth): bytes/s,
+    # and its share of the log's measured copy bandwidth (None without a probe)
+    kv_read_bytes_per_s: Optional[float] = None
+    kv_bandwidth_utilisation: Optional[float] = None
+    kv_bandwidth_history: History = ()  # per bin: utilisation in %, or GB/s without a probe
+    kv_bandwidth_history_unit: str = "%"
+    nvml_memory_util_pct: Optional[float] = None  # NVML memory-controller utilisation, mean of devices
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,6 +103,8 @@ class _Bin:
     cached_tokens: int = 0
     evictions: int = 0
     events: int = 0
+    kv_read_bytes: float = 0.0  # KV blocks held at each engine step x block bytes, summed
+    step_ns: int = 0  # durations of those steps, summed
 
 
 @dataclass(slots=True)
@@ -147,6 +149,8 @@ class LiveState:
         self.cached_blocks: set[int] = set()
         self.preemptions = 0
         self.block_events_seen = False
+        self.blocks_held = 0  # sum over live requests of the blocks each holds
+        self.peak_copy_bytes_per_s: Optional[float] = None  # the log's bandwidth probe
         # memory
         self.nvml: dict[int, s.NvmlSample] = {}
         self.allocator: dict[int, s.AllocatorSample] = {}
@@ -266,8 +270,16 @@ class LiveState:
             req.state = "waiting"
 
     def _on_step(self, ev: s.EngineStep, b: _Bin, idx: int) -> None:
+        """Also the step's demanded KV read (kvdiag.analysis.bandwidth): blocks held now x
+        block bytes, over its duration (a live feed sees the step after its own block events)."""
         self.saw_steps = True
         b.generated_tokens += ev.decode_tokens
+        if self.pool_info is not None and self.block_events_seen and ev.duration_ns > 0:
+            b.kv_read_bytes += self.blocks_held * self.pool_info.block_bytes
+            b.step_ns += ev.duration_ns
+
+    def _on_probe(self, ev: s.MemoryBandwidthProbe, b: _Bin, idx: int) -> None:
+        self.peak_copy_bytes_per_s = ev.copy_bandwidth_bytes_per_s or None
 
     def _on_pool_info(self, ev: s.KVPoolInfo, b: _Bin, idx: int) -> None:
         self.pool_info = ev
@@ -277,6 +289,7 @@ class LiveState:
         if block not in req.blocks:
             req.blocks.add(block)
             self.holders[block] = self.holders.get(block, 0) + 1
+            self.blocks_held += 1
 
     def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
         self.cached_blocks.discard(ev.block_id)
@@ -299,6 +312,7 @@ class LiveState:
         req = self.live.get(ev.request_id) or self.finished.get(ev.request_id)
         if req is not None and ev.block_id in req.blocks:
             req.blocks.discard(ev.block_id)
+            self.blocks_held -= 1
             left = self.holders.get(ev.block_id, 1) - 1
             if left > 0:
                 self.holders[ev.block_id] = left
@@ -633,14 +647,20 @@ class LiveState:
         def scaled(v: Optional[float]) -> Optional[float]:
             return v * ms if v is not None else None
 
-        p50s, p99s, tp99s, toks = [], [], [], []
+        p50s, p99s, tp99s, toks, kv = [], [], [], [], []
+        peak = self.peak_copy_bytes_per_s
         for idx in range(first, last + 1):
             b = self.bins.get(idx)
+            rate = b.kv_read_bytes / (b.step_ns / 1e9) if b and b.step_ns else None
+            kv.append(None if rate is None else rate / peak * 100 if peak else rate / 1e9)
             p50s.append(scaled(percentile(b.ttft_ns, 50)) if b else None)
             p99s.append(scaled(percentile(b.ttft_ns, 99)) if b else None)
             tp99s.append(scaled(percentile(b.tpot_ns, 99)) if b else None)
             toks.append(self._generated(b) / self.bin_s if b else (0.0 if self.finished_count else None))
         seen = self.finished_count or self.saw_steps
+        step_ns = sum(b.step_ns for b in window)
+        kv_rate = sum(b.kv_read_bytes for b in window) / (step_ns / 1e9) if step_ns else None
+        mem = [n.memory_util_pct for n in self.nvml.values() if n.memory_util_pct is not None]
         return LatencyView(
             ttft_p50_ms=scaled(percentile(ttft, 50)), ttft_p99_ms=scaled(percentile(ttft, 99)),
             tpot_p50_ms=scaled(percentile(tpot, 50)), tpot_p99_ms=scaled(percentile(tpot, 99)),
@@ -648,7 +668,12 @@ class LiveState:
             ttft_p50_history=tuple(p50s), ttft_p99_history=tuple(p99s), tpot_p99_history=tuple(tp99s),
             tokens_history=tuple(toks),
             p99_verdict=next((f for f in self.rule_findings if f.rule == "p99.regression"), None),
-            reason="" if seen else "no finished requests yet")
+            reason="" if seen else "no finished requests yet",
+            kv_read_bytes_per_s=kv_rate,
+            kv_bandwidth_utilisation=kv_rate / peak if kv_rate is not None and peak else None,
+            kv_bandwidth_history=tuple(kv) if any(v is not None for v in kv) else (),
+            kv_bandwidth_history_unit="%" if peak else "GB/s",
+            nvml_memory_util_pct=sum(mem) / len(mem) if mem else None)
 
     def _generated(self, b: _Bin) -> float:
         """Generated tokens in a bin: first tokens + decode tokens of engine steps when the
@@ -739,6 +764,7 @@ _HANDLERS = {
     s.CollectorGap: LiveState._on_gap,
     s.CollectorError: LiveState._on_error,
     s.CollectorStatus: LiveState._on_status,
+    s.MemoryBandwidthProbe: LiveState._on_probe,
 }
 if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter's work
     _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated

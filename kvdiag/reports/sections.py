@@ -24,6 +24,7 @@ from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_ov
 from kvdiag.analysis.requests import request_table
 from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
                            ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
+from kvdiag.reports.hardware import kv_bandwidth_blocks, platform_section
 from kvdiag.reports.model import Absent, Block, Chart, Report, Section, Table, Text
 
 
@@ -506,7 +507,12 @@ def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[s
     sub = (f"{len(logs.nodes)} node(s): {', '.join(logs.nodes)}; {logs.num_events():,} events from "
            f"{_fmt_ns(t_lo)} to {_fmt_ns(t_hi)}"
            + (f"; baseline: {', '.join(baseline.paths.values())}" if baseline is not None else ""))
+    lat_sec = latency_section(logs, t0, lat, comps, baseline)
+    lat_sec.blocks += kv_bandwidth_blocks(logs, t0, _thin)  # beside P99: the checklist's bandwidth item
     sections = [summary(logs, findings, problems, lat, fleet), mem, fragmentation(logs, t0, findings),
                 sharing(logs, t0, req), compression(logs), locality(logs),
-                latency_section(logs, t0, lat, comps, baseline), requests(req), health(logs, problems)]
+                lat_sec, requests(req), health(logs, problems)]
+    platforms = platform_section(logs, baseline)
+    if platforms is not None:
+        sections.insert(1, platforms)
     return Report(title, sub, sections), findings

@@ -320,6 +320,11 @@ class LatencyPanel(Panel):
         else:
             style = {"fail": BAD, "warn": WARN, "pass": GOOD}.get(verdict.status, DIM)
             rows.append(line((f"P99 {verdict.status}: {verdict.message}", style)))
+        if lat.kv_read_bytes_per_s is not None:  # the P99 checklist's bandwidth item, below the verdict
+            used = "N/A" if lat.kv_bandwidth_utilisation is None else fmt_pct(lat.kv_bandwidth_utilisation, 0)
+            nvml = "" if lat.nvml_memory_util_pct is None else f" mem {lat.nvml_memory_util_pct:.0f}%"
+            rows.append(_spark(f"KV read {lat.kv_read_bytes_per_s / 1e9:6.2f} GB/s {used:>4}{nvml} ",
+                               lat.kv_bandwidth_history, width, "cyan", lo=0))
         return rows
 
 
