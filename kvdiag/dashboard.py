@@ -115,6 +115,11 @@ ROWS: tuple = (
             (_q("kvdiag_allocator_reserved_bytes"), N + " reserved"),
             (_q("kvdiag_allocator_allocated_bytes"), N + " allocated")]),
         ("Host RSS", "bytes", [(_q("kvdiag_host_rss_bytes"), N)]),
+        ("KV read bandwidth demanded / measured copy bandwidth", "Bps", [
+            (f"sum by (node) (rate(kvdiag_kv_read_bytes_total{{{SEL}}}[$__rate_interval])) / "
+             f"sum by (node) (rate(kvdiag_kv_read_step_seconds_total{{{SEL}}}[$__rate_interval]))",
+             N + " KV read demanded"),
+            (_q("kvdiag_memory_copy_bandwidth_bytes_per_second"), N + " copy (probe)")]),
     ]),
     ("Collector health", [
         ("Events /s", "short", [(_rate("kvdiag_events_total"), N)]),

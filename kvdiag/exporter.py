@@ -256,6 +256,11 @@ def _shadow(f: _Families, snap) -> None:
 def _latency(f: _Families, sink: PrometheusSink) -> None:
     f.histogram("kvdiag_request_ttft_seconds", sink.ttft)
     f.histogram("kvdiag_request_inter_token_seconds", sink.inter_token)
+    state = sink.state
+    if state.kv_read_step_ns_total:
+        f.add("kvdiag_kv_read_bytes_total", state.kv_read_bytes_total)
+        f.add("kvdiag_kv_read_step_seconds_total", state.kv_read_step_ns_total / 1e9)
+    f.add("kvdiag_memory_copy_bandwidth_bytes_per_second", state.peak_copy_bytes_per_s)
 
 
 def _memory(f: _Families, snap) -> None:

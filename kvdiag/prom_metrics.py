@@ -103,6 +103,15 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_request_inter_token_seconds", "histogram", "seconds",
               "Mean time per output token after the first, (e2e - ttft) / (output tokens - 1), "
               "of finished requests with more than one output token (one observation per request)."),
+    MetricDef("kvdiag_kv_read_bytes_total", "counter", "bytes",
+              "KV bytes engine steps had to read: blocks held at each step x block bytes "
+              "(kvdiag/analysis/bandwidth.py); absent without block events."),
+    MetricDef("kvdiag_kv_read_step_seconds_total", "counter", "seconds",
+              "Duration of the engine steps counted in kvdiag_kv_read_bytes_total: rate(bytes) / "
+              "rate(seconds) is the demanded KV read bandwidth."),
+    MetricDef("kvdiag_memory_copy_bandwidth_bytes_per_second", "gauge", "bytes",
+              "The machine's measured copy bandwidth (kvdiag's bounded memcpy probe, bytes read + "
+              "written per second): the peak KV read bandwidth is measured against."),
     # ------------------------------------------------------------------ memory
     MetricDef("kvdiag_gpu_memory_used_bytes", "gauge", "bytes", "NVML device memory used, all devices."),
     MetricDef("kvdiag_gpu_memory_total_bytes", "gauge", "bytes", "NVML device memory, all devices."),

@@ -244,3 +244,20 @@ def test_the_hardware_recorder_samples_nvml_energy_until_stopped(tmp_path, monke
     assert len(sink.events) == after  # the thread ended
     assert all(e.energy_mj == 1234 and e.memory_util_pct == 25 for e in sink.events
                if type(e).__name__ == "NvmlSample")
+
+
+def test_the_exporter_serves_the_demanded_kv_read_as_counters(tmp_path):
+    """kvdiag_kv_read_bytes_total / kvdiag_kv_read_step_seconds_total over a whole constructed
+    run equals the offline per-step frame summed over all steps; the probe is served as is."""
+    from kvdiag.eventlog import iter_events, read_log
+    from kvdiag.exporter import PrometheusSink
+    path = cs.write(tmp_path / "ctx.kvlog", cs.serving(120, lambda i: 256 if i < 60 else 1024))
+    sink = PrometheusSink(read_log(path).header)
+    for ev in sorted(iter_events(path), key=lambda e: e.ts_ns):
+        sink.record(ev)
+    served = {s.name: s.value for m in sink.collect() for s in m.samples}
+    sink.close()
+    fr = bandwidth.kv_read_frame(load([path])[0])
+    assert served["kvdiag_kv_read_bytes_total"] == pytest.approx(fr["kv_read_bytes"].sum(), rel=1e-12)
+    assert served["kvdiag_kv_read_step_seconds_total"] == pytest.approx(fr["duration_ns"].sum() / 1e9, rel=1e-12)
+    assert served["kvdiag_memory_copy_bandwidth_bytes_per_second"] == pytest.approx(20e9)

@@ -151,6 +151,8 @@ class LiveState:
         self.block_events_seen = False
         self.blocks_held = 0  # sum over live requests of the blocks each holds
         self.peak_copy_bytes_per_s: Optional[float] = None  # the log's bandwidth probe
+        self.kv_read_bytes_total = 0.0  # demanded KV read of every step counted, and their time
+        self.kv_read_step_ns_total = 0
         # memory
         self.nvml: dict[int, s.NvmlSample] = {}
         self.allocator: dict[int, s.AllocatorSample] = {}
@@ -275,8 +277,11 @@ class LiveState:
         self.saw_steps = True
         b.generated_tokens += ev.decode_tokens
         if self.pool_info is not None and self.block_events_seen and ev.duration_ns > 0:
-            b.kv_read_bytes += self.blocks_held * self.pool_info.block_bytes
+            read = self.blocks_held * self.pool_info.block_bytes
+            b.kv_read_bytes += read
             b.step_ns += ev.duration_ns
+            self.kv_read_bytes_total += read
+            self.kv_read_step_ns_total += ev.duration_ns
 
     def _on_probe(self, ev: s.MemoryBandwidthProbe, b: _Bin, idx: int) -> None:
         self.peak_copy_bytes_per_s = ev.copy_bandwidth_bytes_per_s or None
