@@ -239,6 +239,14 @@ def simulate(trace: Trace, policy: str = "lru", capacity_blocks: Optional[int] =
         sim.feed(trace.block_ids, trace.offsets, hits, r0, r1, next_ref)
         if progress is not None:
             progress(int(trace.offsets[r1] - trace.offsets[r0]))
+    return result_of_run(trace, policy, cap, hits, sim.evictions, sim.peak_cached_blocks,
+                         sim.state["age_hist"].copy(), bytes_per_token)
+
+
+def result_of_run(trace: Trace, policy: str, cap: Optional[int], hits: np.ndarray,
+                  evictions: int, peak_cached_blocks: int, age_hist: np.ndarray,
+                  bytes_per_token: Optional[int] = None) -> SharingResult:
+    """The :class:`SharingResult` of a finished run from its per-row prefix-hit blocks."""
     hit_tokens = hit_tokens_of(trace, hits)
     prompt = trace.prompt_tokens
     if trace.counted is not None:  # drop the rows of blocks added at finish
@@ -248,11 +256,11 @@ def simulate(trace: Trace, policy: str = "lru", capacity_blocks: Optional[int] =
         policy=policy, capacity_blocks=cap, block_size_tokens=trace.block_size_tokens,
         requests=trace.requests, block_refs=trace.block_refs, distinct_blocks=trace.num_blocks,
         hit_blocks=int(hits.sum()), hit_tokens=int(hit_tokens.sum()),
-        prompt_tokens=int(trace.prompt_tokens.sum()), evictions=sim.evictions,
-        peak_cached_blocks=sim.peak_cached_blocks,
+        prompt_tokens=int(trace.prompt_tokens.sum()), evictions=evictions,
+        peak_cached_blocks=peak_cached_blocks,
         bytes_per_token=bytes_per_token or trace.bytes_per_token,
         request_hit_blocks=hits, request_hit_tokens=hit_tokens, request_prompt_tokens=prompt,
-        eviction_age_hist=sim.state["age_hist"].copy())
+        eviction_age_hist=age_hist)
 
 
 def simulate_many(trace: Trace, policies: Sequence[str], capacities: Iterable[Optional[int]], *,

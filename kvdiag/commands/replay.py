@@ -26,7 +26,10 @@ inserted and the cache evicts to its capacity.
   bytes saved      = hit tokens x KV bytes per token (KV not recomputed)
   memory reduction = 1 - peak blocks held by live requests with sharing / without
 
-Policies: lru, fifo, lfu, s3fifo, opt (Belady, the upper bound).
+Policies: lru, fifo, lfu, s3fifo, opt (Belady, the upper bound); plug-ins written in Python:
+lecar (regret-weighted LRU/LFU), prefix-lru (evicts chain tails first), lru-plugin,
+fifo-plugin, lfu-plugin (the classics in the plug-in API), and your own with --policy-file
+(docs/policies.md).
 Formats (auto-detected): kvdiag (event log), mooncake, tokens ({"timestamp", "token_ids"}
 JSONL), vllm (KV events JSONL).
 """
@@ -43,8 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block size in tokens to re-chunk token ids at (default: the "
                              "engine's, 16 for token-id traces, 512 for Mooncake)")
     parser.add_argument("--policy", action="append", metavar="P",
-                        choices=("lru", "fifo", "lfu", "s3fifo", "opt"),
-                        help="eviction policy; repeat for several (default: lru)")
+                        choices=("lru", "fifo", "lfu", "s3fifo", "opt", "lecar", "prefix-lru",
+                                 "lru-plugin", "fifo-plugin", "lfu-plugin"),
+                        help="eviction policy; repeat for several (default: lru, or lru, "
+                             "s3fifo and opt beside --policy-file)")
+    parser.add_argument("--policy-file", action="append", metavar="FILE",
+                        help="a Python file defining kvdiag.analysis.policies.Policy subclasses "
+                             "to replay too (it is code and runs as you: see docs/policies.md); "
+                             "repeat for several")
     parser.add_argument("--capacity", action="append", metavar="C",
                         help="cache capacity: blocks (1000), bytes (4GiB, 500MB) or "
                              "'unbounded'; repeat for several (default: unbounded)")
@@ -119,15 +128,30 @@ def _progress(total: Optional[int], quiet: bool):
     return bar, (lambda n: bar.advance(task, n))
 
 
-def _streamable(args, fmt: str, policies: list[str]) -> bool:
+def _policies(args) -> list:
+    """The policies to replay, in order: built-in names (str) and plug-in classes (the names of
+    shipped plug-ins, then every policy of each --policy-file)."""
+    from kvdiag.analysis.policy_replay import load_policy_file, plugin_by_name
+
+    names = args.policy or (["lru", "s3fifo", "opt"] if args.policy_file else ["lru"])
+    out = [plugin_by_name(n) or n for n in names]
+    for path in args.policy_file or []:
+        out += load_policy_file(path)
+    return out
+
+
+def _streamable(args, fmt: str, policies: list) -> bool:
     """Mooncake and token-id traces replay while being read (memory ~ distinct blocks), except
-    for OPT (needs the future) and curves of other policies (need the distinct count first)."""
-    if fmt not in ("mooncake", "tokens") or "opt" in policies:
+    for OPT (needs the future), plug-ins (replayed in Python over the loaded trace) and curves
+    of other policies (need the distinct count first)."""
+    if fmt not in ("mooncake", "tokens") or "opt" in policies or \
+            not all(isinstance(p, str) for p in policies):
         return False
     return not args.curve or set(policies) == {"lru"}
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvdiag.analysis.policy_replay import PolicyError
     from kvdiag.analysis.traces import ReadOptions, TraceFormatError, detect_format
 
     read = ReadOptions(strict=args.strict, partial=args.partial)
@@ -138,8 +162,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.similarity:
         return _run_similarity(args, read)
-    policies = args.policy or ["lru"]
-    bar = None
+    try:
+        policies = _policies(args)
+    except PolicyError as exc:
+        print(f"kvdiag replay: {exc}", file=sys.stderr)
+        return 2
     try:
         fmt = args.format or detect_format(args.trace)
         if _streamable(args, fmt, policies):
@@ -154,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except _Usage as exc:
         print(f"{args.trace}:1: {exc}", file=sys.stderr)
+        return 2
+    except PolicyError as exc:
+        print(f"kvdiag replay: {exc}", file=sys.stderr)
         return 2
     tell_skipped("replay", read.problems)
     try:
@@ -242,8 +272,8 @@ def _replay_loaded(args, fmt, policies, caps, read):
     else:
         bar, tick = _progress(trace.block_refs * len(policies) * len(capacities), args.json)
         try:
-            results = sharing.simulate_many(trace, policies, capacities, bytes_per_token=bpt,
-                                            progress=tick)
+            results = [r for p in policies
+                       for r in _simulate(trace, p, capacities, bpt, tick)]
         finally:
             if bar is not None:
                 bar.stop()
@@ -326,9 +356,22 @@ def _curve_rows(trace, policies, grid, bpt, quiet) -> list[dict]:
         if policy == "lru":
             rows += [curve.at(c) for c in grid]
         else:
-            rows += [r.to_json() for r in sharing.simulate_many(trace, [policy], grid,
-                                                                bytes_per_token=bpt)]
+            rows += [r.to_json() for r in _simulate(trace, policy, grid, bpt)]
     return rows
+
+
+def _simulate(trace, policy, capacities, bpt, progress=None) -> list:
+    """One policy (a built-in name or a plug-in class) at every capacity."""
+    from kvdiag.analysis import sharing
+    from kvdiag.analysis.policy_replay import simulate_plugins
+
+    if isinstance(policy, str):
+        return sharing.simulate_many(trace, [policy], capacities, bytes_per_token=bpt,
+                                     progress=progress)
+    out = simulate_plugins(trace, [policy], capacities, bytes_per_token=bpt)
+    if progress is not None:
+        progress(trace.block_refs * len(capacities))
+    return out
 
 
 def _pct(x) -> str:

@@ -1,0 +1,126 @@
+"""Two policies beyond the classics, written as plug-ins (:mod:`kvdiag.analysis.policies`).
+
+- ``lecar``: LeCaR (Vietri et al., HotStorage 2018), an online learner: two experts, LRU and
+  LFU, with weights; each eviction follows one expert drawn by weight (a seeded generator, so
+  replays repeat) and, when the experts disagree, the victim goes into that expert's history
+  of recent evictions. A miss on a block in an expert's history is that expert's regret: its
+  weight shrinks by ``exp(-learning_rate x discount^(references since the eviction))``.
+- ``prefix-lru``: prefix-aware LRU. Under prefix matching a block is useless once the block
+  before it in its chain is gone, and a request touches its chain head first, so plain LRU
+  evicts the head, the block every sharer needs, before the tail. This policy evicts only
+  leaves (cached blocks with no cached successor in the chain), least recently used first:
+  tails go first, shared heads stay while anything hangs from them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import OrderedDict
+
+from kvdiag.analysis.policies import Policy
+
+
+class LeCaRPolicy(Policy):
+    """Regret-weighted choice between LRU and LFU (LeCaR). ``weights`` = [LRU, LFU]."""
+
+    name = "lecar"
+    learning_rate = 0.45
+    seed = 0
+
+    def reset(self, capacity_blocks, blocks):
+        super().reset(capacity_blocks, blocks)
+        self.weights = [0.5, 0.5]
+        self.discount = 0.005 ** (1.0 / max(capacity_blocks or 1, 1))
+        self.recency = OrderedDict()  # least recent first
+        self.frequency: list[tuple[int, int, int]] = []  # (refs, last used, block), stale kept
+        self.history = (OrderedDict(), OrderedDict())  # per expert: block -> eviction time
+        self.random = random.Random(self.seed)
+
+    def on_hit(self, block, ref):
+        self.recency.move_to_end(block)
+        heapq.heappush(self.frequency, (self.blocks.refs[block], ref.time, block))
+
+    def on_insert(self, block, ref):
+        for expert, history in enumerate(self.history):
+            evicted_at = history.pop(block, None)
+            if evicted_at is not None:  # that expert's mistake: shift weight away from it
+                regret = self.discount ** (ref.time - evicted_at)
+                self.weights[expert] *= math.exp(-self.learning_rate * regret)
+                total = self.weights[0] + self.weights[1]
+                self.weights = [w / total for w in self.weights]
+        self.recency[block] = None
+        heapq.heappush(self.frequency, (1, ref.time, block))
+
+    def _lfu_victim(self) -> int:
+        heap, blocks = self.frequency, self.blocks
+        while True:
+            refs, used, block = heap[0]
+            if blocks.cached[block] and blocks.refs[block] == refs and blocks.last_used[block] == used:
+                return block
+            heapq.heappop(heap)
+
+    def victim(self, ref):
+        by_recency = next(iter(self.recency))
+        by_frequency = self._lfu_victim()
+        expert = 0 if self.random.random() < self.weights[0] else 1
+        chosen = (by_recency, by_frequency)[expert]
+        if by_recency != by_frequency:
+            history = self.history[expert]
+            history[chosen] = ref.time
+            if len(history) > self.capacity_blocks:
+                history.popitem(last=False)
+        return chosen
+
+    def on_evict(self, block, ref):
+        del self.recency[block]
+
+
+class PrefixLRUPolicy(Policy):
+    """Evict the least recently used leaf of the prefix chains (a cached block no cached
+    block follows); a block with cached successors is kept."""
+
+    name = "prefix-lru"
+
+    def reset(self, capacity_blocks, blocks):
+        super().reset(capacity_blocks, blocks)
+        self.successors: dict[int, set[int]] = {}  # block -> blocks whose parent it is
+        self.cached_successors: dict[int, int] = {}
+        self.leaves: list[tuple[int, int]] = []  # (last used, block), stale kept
+
+    def on_hit(self, block, ref):
+        if not self.cached_successors.get(block):
+            heapq.heappush(self.leaves, (ref.time, block))
+
+    def on_insert(self, block, ref):
+        blocks = self.blocks
+        parent = blocks.parent[block]
+        if parent >= 0:
+            self.successors.setdefault(parent, set()).add(block)
+            if blocks.cached[parent]:
+                self.cached_successors[parent] = self.cached_successors.get(parent, 0) + 1
+        held = sum(blocks.cached[k] for k in self.successors.get(block, ()))
+        self.cached_successors[block] = held
+        if not held:
+            heapq.heappush(self.leaves, (ref.time, block))
+
+    def victim(self, ref):
+        heap, blocks, kids = self.leaves, self.blocks, self.cached_successors
+        while True:
+            used, block = heap[0]
+            if blocks.cached[block] and not kids.get(block) and blocks.last_used[block] == used:
+                return block
+            heapq.heappop(heap)
+
+    def on_evict(self, block, ref):
+        heapq.heappop(self.leaves)  # the victim is the heap's top
+        parent = self.blocks.parent[block]
+        if parent >= 0 and self.blocks.cached[parent]:
+            left = self.cached_successors[parent] - 1
+            self.cached_successors[parent] = left
+            if not left:
+                heapq.heappush(self.leaves, (self.blocks.last_used[parent], parent))
+
+
+LEARNED_POLICIES = {p.name: p for p in (LeCaRPolicy, PrefixLRUPolicy)}
