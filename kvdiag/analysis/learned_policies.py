@@ -23,7 +23,9 @@ from kvdiag.analysis.policies import Policy
 
 
 class LeCaRPolicy(Policy):
-    """Regret-weighted choice between LRU and LFU (LeCaR). ``weights`` = [LRU, LFU]."""
+    """Regret-weighted choice between LRU and LFU (LeCaR). ``weights`` = [LRU, LFU]. As in
+    LeCaR, a block's frequency survives its eviction while it is in a history: a block that
+    returns from there resumes its count (+1)."""
 
     name = "lecar"
     learning_rate = 0.45
@@ -34,30 +36,35 @@ class LeCaRPolicy(Policy):
         self.weights = [0.5, 0.5]
         self.discount = 0.005 ** (1.0 / max(capacity_blocks or 1, 1))
         self.recency = OrderedDict()  # least recent first
-        self.frequency: list[tuple[int, int, int]] = []  # (refs, last used, block), stale kept
-        self.history = (OrderedDict(), OrderedDict())  # per expert: block -> eviction time
+        self.frequency: list[tuple[int, int, int]] = []  # (count, last used, block), stale kept
+        self.count: dict[int, int] = {}  # cached blocks' frequency
+        self.history = (OrderedDict(), OrderedDict())  # per expert: block -> (evicted, count)
         self.random = random.Random(self.seed)
 
     def on_hit(self, block, ref):
         self.recency.move_to_end(block)
-        heapq.heappush(self.frequency, (self.blocks.refs[block], ref.time, block))
+        count = self.count[block] = self.count[block] + 1
+        heapq.heappush(self.frequency, (count, ref.time, block))
 
     def on_insert(self, block, ref):
+        count = 1
         for expert, history in enumerate(self.history):
-            evicted_at = history.pop(block, None)
-            if evicted_at is not None:  # that expert's mistake: shift weight away from it
+            past = history.pop(block, None)
+            if past is not None:  # that expert's mistake: shift weight away from it
+                evicted_at, count = past[0], past[1] + 1
                 regret = self.discount ** (ref.time - evicted_at)
                 self.weights[expert] *= math.exp(-self.learning_rate * regret)
                 total = self.weights[0] + self.weights[1]
                 self.weights = [w / total for w in self.weights]
         self.recency[block] = None
-        heapq.heappush(self.frequency, (1, ref.time, block))
+        self.count[block] = count
+        heapq.heappush(self.frequency, (count, ref.time, block))
 
     def _lfu_victim(self) -> int:
-        heap, blocks = self.frequency, self.blocks
+        heap, blocks, counts = self.frequency, self.blocks, self.count
         while True:
-            refs, used, block = heap[0]
-            if blocks.cached[block] and blocks.refs[block] == refs and blocks.last_used[block] == used:
+            count, used, block = heap[0]
+            if blocks.cached[block] and counts[block] == count and blocks.last_used[block] == used:
                 return block
             heapq.heappop(heap)
 
@@ -68,13 +75,14 @@ class LeCaRPolicy(Policy):
         chosen = (by_recency, by_frequency)[expert]
         if by_recency != by_frequency:
             history = self.history[expert]
-            history[chosen] = ref.time
+            history[chosen] = (ref.time, self.count[chosen])
             if len(history) > self.capacity_blocks:
                 history.popitem(last=False)
         return chosen
 
     def on_evict(self, block, ref):
         del self.recency[block]
+        del self.count[block]
 
 
 class PrefixLRUPolicy(Policy):
