@@ -291,3 +291,20 @@ def test_cli_learned_policies_by_name_equal_the_api(capsys):
     assert rows[0]["block_hit_rate"] == simulate_policy(trace, PrefixLRUPolicy, 2000).block_hit_rate
     assert rows[1]["block_hit_rate"] == simulate(trace, "lru", 2000).block_hit_rate
     assert np.isclose(rows[1]["token_hit_rate"], simulate(trace, "lru", 2000).token_hit_rate)
+
+
+class _KeepsHeap(LFUPolicy):
+    heap_sizes: list = []
+
+    def on_hit(self, block, ref):
+        super().on_hit(block, ref)
+        _KeepsHeap.heap_sizes.append(len(self.heap.items))
+
+
+def test_stale_heap_entries_do_not_pile_up():
+    # one entry per hit without compaction: memory would follow the trace's references
+    blocks = [b % 50 for b in range(20_000)]
+    _KeepsHeap.heap_sizes = []
+    run = simulate_policy(_singles(blocks), _KeepsHeap, 60)
+    assert run.hit_blocks == 20_000 - 50
+    assert max(_KeepsHeap.heap_sizes) <= 2 * 60 + 4096 + 1

@@ -14,12 +14,11 @@
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections import OrderedDict
 
-from kvdiag.analysis.policies import Policy
+from kvdiag.analysis.policies import Policy, StaleHeap
 
 
 class LeCaRPolicy(Policy):
@@ -36,7 +35,7 @@ class LeCaRPolicy(Policy):
         self.weights = [0.5, 0.5]
         self.discount = 0.005 ** (1.0 / max(capacity_blocks or 1, 1))
         self.recency = OrderedDict()  # least recent first
-        self.frequency: list[tuple[int, int, int]] = []  # (count, last used, block), stale kept
+        self.frequency = StaleHeap(self._is_current)  # (count, last used, block)
         self.count: dict[int, int] = {}  # cached blocks' frequency
         self.history = (OrderedDict(), OrderedDict())  # per expert: block -> (evicted, count)
         self.random = random.Random(self.seed)
@@ -44,7 +43,7 @@ class LeCaRPolicy(Policy):
     def on_hit(self, block, ref):
         self.recency.move_to_end(block)
         count = self.count[block] = self.count[block] + 1
-        heapq.heappush(self.frequency, (count, ref.time, block))
+        self.frequency.push((count, ref.time, block))
 
     def on_insert(self, block, ref):
         count = 1
@@ -58,19 +57,15 @@ class LeCaRPolicy(Policy):
                 self.weights = [w / total for w in self.weights]
         self.recency[block] = None
         self.count[block] = count
-        heapq.heappush(self.frequency, (count, ref.time, block))
+        self.frequency.push((count, ref.time, block))
 
-    def _lfu_victim(self) -> int:
-        heap, blocks, counts = self.frequency, self.blocks, self.count
-        while True:
-            count, used, block = heap[0]
-            if blocks.cached[block] and counts[block] == count and blocks.last_used[block] == used:
-                return block
-            heapq.heappop(heap)
+    def _is_current(self, entry) -> bool:
+        count, used, block = entry
+        return self.count.get(block) == count and self.blocks.last_used[block] == used
 
     def victim(self, ref):
         by_recency = next(iter(self.recency))
-        by_frequency = self._lfu_victim()
+        by_frequency = self.frequency.top()[2]
         expert = 0 if self.random.random() < self.weights[0] else 1
         chosen = (by_recency, by_frequency)[expert]
         if by_recency != by_frequency:
@@ -95,11 +90,16 @@ class PrefixLRUPolicy(Policy):
         super().reset(capacity_blocks, blocks)
         self.successors: dict[int, set[int]] = {}  # block -> blocks whose parent it is
         self.cached_successors: dict[int, int] = {}
-        self.leaves: list[tuple[int, int]] = []  # (last used, block), stale kept
+        self.leaves = StaleHeap(self._is_current)  # (last used, block)
+
+    def _is_current(self, entry) -> bool:
+        used, block = entry
+        return bool(self.blocks.cached[block]) and not self.cached_successors.get(block) and \
+            self.blocks.last_used[block] == used
 
     def on_hit(self, block, ref):
         if not self.cached_successors.get(block):
-            heapq.heappush(self.leaves, (ref.time, block))
+            self.leaves.push((ref.time, block))
 
     def on_insert(self, block, ref):
         blocks = self.blocks
@@ -111,24 +111,19 @@ class PrefixLRUPolicy(Policy):
         held = sum(blocks.cached[k] for k in self.successors.get(block, ()))
         self.cached_successors[block] = held
         if not held:
-            heapq.heappush(self.leaves, (ref.time, block))
+            self.leaves.push((ref.time, block))
 
     def victim(self, ref):
-        heap, blocks, kids = self.leaves, self.blocks, self.cached_successors
-        while True:
-            used, block = heap[0]
-            if blocks.cached[block] and not kids.get(block) and blocks.last_used[block] == used:
-                return block
-            heapq.heappop(heap)
+        return self.leaves.top()[1]
 
     def on_evict(self, block, ref):
-        heapq.heappop(self.leaves)  # the victim is the heap's top
+        self.leaves.pop()  # the victim is the heap's top
         parent = self.blocks.parent[block]
         if parent >= 0 and self.blocks.cached[parent]:
             left = self.cached_successors[parent] - 1
             self.cached_successors[parent] = left
             if not left:
-                heapq.heappush(self.leaves, (self.blocks.last_used[parent], parent))
+                self.leaves.push((self.blocks.last_used[parent], parent))
 
 
 LEARNED_POLICIES = {p.name: p for p in (LeCaRPolicy, PrefixLRUPolicy)}

@@ -105,6 +105,36 @@ class Policy:
         return cls.name or cls.__name__.lower()
 
 
+class StaleHeap:
+    """A min-heap of ``(key..., block)`` tuples where a block's outdated entries stay behind
+    and are skipped: ``is_current(entry)`` says whether an entry still holds. Push a new entry
+    whenever a block's key changes. Outdated entries are dropped whenever the heap has grown
+    to twice its current entries (+4096), so memory follows the cache, not the trace."""
+
+    def __init__(self, is_current) -> None:
+        self.items: list[tuple] = []
+        self.is_current = is_current
+        self._limit = 4096
+
+    def push(self, entry: tuple) -> None:
+        heapq.heappush(self.items, entry)
+        if len(self.items) > self._limit:
+            self.items = [e for e in self.items if self.is_current(e)]
+            heapq.heapify(self.items)
+            self._limit = 2 * len(self.items) + 4096
+
+    def top(self) -> tuple:
+        """The smallest current entry (IndexError when there is none)."""
+        items, is_current = self.items, self.is_current
+        while not is_current(items[0]):
+            heapq.heappop(items)
+        return items[0]
+
+    def pop(self) -> tuple:
+        """Remove and return the smallest entry (call :meth:`top` first)."""
+        return heapq.heappop(self.items)
+
+
 class LRUPolicy(Policy):
     """Least recently used: evict the block referenced longest ago."""
 
@@ -144,23 +174,24 @@ class LFUPolicy(Policy):
 
     def reset(self, capacity_blocks, blocks):
         super().reset(capacity_blocks, blocks)
-        self.heap: list[tuple[int, int, int]] = []  # (refs, last used, block)
+        self.heap = StaleHeap(self._is_current)  # (refs, last used, block)
+
+    def _is_current(self, entry) -> bool:
+        refs, used, block = entry
+        blocks = self.blocks
+        return bool(blocks.cached[block]) and blocks.refs[block] == refs and \
+            blocks.last_used[block] == used
 
     def on_hit(self, block, ref):
-        heapq.heappush(self.heap, (self.blocks.refs[block], ref.time, block))
+        self.heap.push((self.blocks.refs[block], ref.time, block))
 
     on_insert = on_hit
 
     def victim(self, ref):
-        heap, blocks = self.heap, self.blocks
-        while True:
-            refs, used, block = heap[0]
-            if blocks.refs[block] == refs and blocks.last_used[block] == used:
-                return block
-            heapq.heappop(heap)  # stale: referenced again, or evicted since
+        return self.heap.top()[2]
 
     def on_evict(self, block, ref):
-        heapq.heappop(self.heap)  # the victim is the heap's top
+        self.heap.pop()  # the victim is the heap's top
 
 
 BUILTIN_PLUGINS = {p.name: p for p in (LRUPolicy, FIFOPolicy, LFUPolicy)}
