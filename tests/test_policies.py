@@ -308,3 +308,45 @@ def test_stale_heap_entries_do_not_pile_up():
     run = simulate_policy(_singles(blocks), _KeepsHeap, 60)
     assert run.hit_blocks == 20_000 - 50
     assert max(_KeepsHeap.heap_sizes) <= 2 * 60 + 4096 + 1
+
+
+FAILS_AT_FINISH = """\
+class FailsAtFinish(Policy):
+    def on_hit(self, block, ref):
+        if not ref.lookup:
+            raise ValueError("finish row")
+
+    def on_insert(self, block, ref):
+        if ref.request == 3:
+            raise ValueError("row 3")
+"""
+
+FAILS_IN_RESET = """\
+class FailsInReset(Policy):
+    def reset(self, capacity_blocks, blocks):
+        raise ValueError("no state")
+"""
+
+
+def test_errors_in_a_kvdiag_log_count_requests_not_rows(tmp_path):
+    # rows of the demo log: request 0, the blocks it added at its finish, requests 1, 2, ...
+    trace = load_trace(DEMO_LOG)
+    assert trace.counted[:4].tolist() == [1, 0, 1, 1]
+    (policy,) = load_policy_file(_policy_file(tmp_path, FAILS_AT_FINISH))
+    with pytest.raises(PolicyError, match=r"my_policy.py:7: .*ValueError: finish row in "
+                       r"on_hit at the blocks a request added at its finish, after request 0 "
+                       r"arrived, block \d+ at position 0"):
+        simulate_policy(trace, policy, None)
+    (policy,) = load_policy_file(_policy_file(tmp_path, FAILS_IN_RESET))
+    with pytest.raises(PolicyError, match=r"my_policy.py:6: .*ValueError: no state in reset "
+                       r"before the replay$"):
+        simulate_policy(trace, policy, 10)
+
+
+def test_a_row_of_a_kvdiag_log_is_named_by_its_request_number(tmp_path):
+    trace = load_trace(DEMO_LOG)
+    body = FAILS_AT_FINISH.replace("if not ref.lookup", "if False")
+    (policy,) = load_policy_file(_policy_file(tmp_path, body))
+    with pytest.raises(PolicyError, match=r"ValueError: row 3 in on_insert at request 2 "
+                       r"\(0-based, trace order\), block \d+ at position 0"):
+        simulate_policy(trace, policy, None)

@@ -28,8 +28,9 @@ from collections import OrderedDict
 
 class Ref:
     """The block reference being replayed (one object, updated in place between calls: copy
-    the fields you keep). ``request``: the request's index in the trace (0-based, trace
-    order); ``position``: the block's index in that request's prompt (0 = the chain's head);
+    the fields you keep). ``request``: the replayed row's index (0-based, trace order: each
+    request is a row; kvdiag logs have rows for the blocks a request adds when it finishes
+    too, with ``lookup`` False); ``position``: the block's index in that request's prompt (0 = the chain's head);
     ``tokens``: prompt tokens the block holds; ``time``: references replayed so far,
     this one included (the clock ages are measured in); ``lookup``: False for the rows of
     blocks a request adds when it finishes (kvdiag logs), which are inserted, never looked up."""

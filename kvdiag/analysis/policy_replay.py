@@ -81,16 +81,28 @@ def simulate_policy(trace: Trace, policy_class: Callable[[], Policy],
     except _InvalidVictim as bad:
         raise PolicyError(
             f"{_victim_line(policy)}: policy {name!r} returned an invalid victim "
-            f"{bad.victim!r} (not a cached block id) at request {bad.request} (0-based, trace "
-            f"order), inserting block {bad.block} at position {bad.position}") from None
+            f"{bad.victim!r} (not a cached block id) at {_request_name(trace, bad.request)}, "
+            f"inserting block {bad.block} at position {bad.position}") from None
     except Exception as exc:  # the user's code: any exception is a policy error
         where, hook = _where(policy, exc)
-        r, x, p = ref.request, _block_at(trace, ref), ref.position
+        at = "before the replay" if hook == "reset" else \
+            f"at {_request_name(trace, ref.request)}, block {_block_at(trace, ref)} at " \
+            f"position {ref.position}"
         raise PolicyError(f"{where}: policy {name!r} raised {type(exc).__name__}: {exc} in "
-                          f"{hook} at request {r} (0-based, trace order), block {x} at "
-                          f"position {p}") from exc
+                          f"{hook} {at}") from exc
     return result_of_run(trace, name, cap, hits_out, counts[0], counts[1], age_hist,
                          bytes_per_token)
+
+
+def _request_name(trace: Trace, row: int) -> str:
+    """A replayed row as a person finds it: ``request N (0-based, trace order)``; in kvdiag logs,
+    whose rows also hold the blocks a request adds when it finishes, N counts requests only."""
+    if trace.counted is None:
+        return f"request {row} (0-based, trace order)"
+    number = int(trace.counted[:row + 1].sum()) - 1
+    if trace.counted[row]:
+        return f"request {number} (0-based, trace order)"
+    return f"the blocks a request added at its finish, after request {number} arrived"
 
 
 def _block_at(trace: Trace, ref: Ref) -> int:

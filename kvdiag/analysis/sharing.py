@@ -13,7 +13,8 @@ FIFO of 10% of the capacity filters one-hit blocks, blocks referenced twice ther
 main FIFO with a 2-bit reinsertion counter, a ghost FIFO of evicted ids as large as the rest of
 the cache sends re-referenced ones straight to main) and ``opt`` (Belady: evict the block
 referenced furthest in the future; with chained keys a block is never needed before its
-prefix, so this is the optimum of prefix-match hits too: the upper bound).
+prefix, so this is the optimum of prefix-match hits too: the upper bound). Policies written
+in Python replay with the same semantics through :mod:`kvdiag.analysis.policy_replay`.
 
 Rates, each with its denominator:
 
