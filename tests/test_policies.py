@@ -350,3 +350,11 @@ def test_a_row_of_a_kvdiag_log_is_named_by_its_request_number(tmp_path):
     with pytest.raises(PolicyError, match=r"ValueError: row 3 in on_insert at request 2 "
                        r"\(0-based, trace order\), block \d+ at position 0"):
         simulate_policy(trace, policy, None)
+
+
+def test_a_policy_that_cannot_be_created_is_named(tmp_path):
+    body = "class NoInit(Policy):\n    def __init__(self):\n        raise KeyError('x')\n"
+    (policy,) = load_policy_file(_policy_file(tmp_path, body))
+    with pytest.raises(PolicyError, match=r"my_policy.py:6: policy 'NoInit' raised KeyError: "
+                       r"'x' when created"):
+        simulate_policy(trace_from_blocks([[1]]), policy, 1)

@@ -32,15 +32,19 @@ class PolicyError(Exception):
 
 
 def _where(policy: Policy, exc: BaseException) -> tuple[str, str]:
-    """(``file:line``, hook name) of the innermost frame in the policy's source file."""
-    policy_file = getattr(sys.modules.get(type(policy).__module__), "__file__", None)
+    """(``file:line`` in the policy's source file, hook name) of an exception from a hook."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if Path(f.filename).name != Path(__file__).name]  # not the replay loop
-    hook = frames[0].name if frames else "?"
-    mine = [f for f in frames if policy_file and os.path.samefile(f.filename, policy_file)] \
-        if policy_file and os.path.exists(policy_file) else []
-    frame = mine[-1] if mine else (frames[-1] if frames else None)
-    return (f"{frame.filename}:{frame.lineno}" if frame else type(policy).__name__), hook
+    return _file_line(exc, type(policy).__module__), (frames[0].name if frames else "?")
+
+
+def _file_line(exc: BaseException, module: str) -> str:
+    """``file:line`` of the innermost frame of ``exc`` in ``module``'s file (else innermost)."""
+    path = getattr(sys.modules.get(module), "__file__", None)
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if path and os.path.realpath(f.filename) == os.path.realpath(path)]
+    frame = (mine or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}"
 
 
 def _victim_line(policy: Policy) -> str:
@@ -68,7 +72,12 @@ def simulate_policy(trace: Trace, policy_class: Callable[[], Policy],
     cap = capacity_in_blocks(trace, capacity_blocks, capacity_bytes, bytes_per_token)
     if cap is not None and cap < 0:
         raise ValueError("capacity must be >= 0 blocks (None = unbounded)")
-    policy = policy_class()
+    try:
+        policy = policy_class()
+    except Exception as exc:
+        where = _file_line(exc, getattr(policy_class, "__module__", ""))
+        raise PolicyError(f"{where}: policy {getattr(policy_class, '__name__', policy_class)!r} "
+                          f"raised {type(exc).__name__}: {exc} when created") from exc
     name = label or type(policy).label()
     stats = BlockStats(trace.num_blocks)
     ref = Ref()
