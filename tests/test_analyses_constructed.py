@@ -3,7 +3,6 @@ checked against a value computed directly from the constructed events."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import constructed as C
