@@ -324,5 +324,7 @@ def test_report_plots_the_engine_latency(tmp_path):
         assert main(["report", str(log), "-o", str(tmp_path / out)]) == 0
     md = (tmp_path / "r.md").read_text()
     body = md.split("## Latency and P99 regressions\n", 1)[1].split("\n## ", 1)[0]
-    assert "Engine-reported TTFT and inter-token latency" in body and "Not in these logs" not in body
+    assert "Engine-reported TTFT and inter-token latency" in body
+    assert [line for line in body.splitlines() if "Not in these logs" in line] == [
+        "> Not in these logs: KV bandwidth (engine steps with KV block events or pool samples)."]
     assert "Engine-reported TTFT" in (tmp_path / "r.html").read_text()
