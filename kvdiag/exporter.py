@@ -216,8 +216,7 @@ def _slots(f: _Families, state: LiveState) -> None:
     :func:`kvdiag.analysis.fragmentation.kv_pool_frame` counts them (both absent when the
     sample holds more tokens than slots)."""
     sample = state.pool_sample
-    block_size = state.pool_info.block_size_tokens if state.pool_info else (
-        state.header.block_size_tokens if state.header else None)
+    block_size = state.block_size_tokens()
     if sample is None or not block_size:
         return
     slots = sample.blocks_used * block_size

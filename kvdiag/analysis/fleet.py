@@ -42,11 +42,10 @@ OCCUPANCY_POINTS = 200
 @dataclass
 class FleetSource:
     """A DuckDB connection with the views the queries read; ``tables``: the event types
-    present; ``all_events``: the relation of every event's (node, ts_ns)."""
+    present. The view ``all_events`` holds every event's (node, ts_ns)."""
 
     con: object
     tables: set[str]
-    all_events: str
 
 
 def _scan(files: list[str]) -> str:
@@ -90,7 +89,7 @@ def from_datasets(roots: Iterable[str | os.PathLike], names: Optional[dict] = No
             view(tag, globs)
             tables.add(tag)
     view("all_events", [(i, str(root / "type=*" / "node=*" / "*.parquet")) for i, root in enumerate(roots)])
-    return FleetSource(con, tables, "all_events")
+    return FleetSource(con, tables)
 
 
 def from_logs(logs) -> FleetSource:
@@ -110,14 +109,14 @@ def from_logs(logs) -> FleetSource:
     times = [logs.frame(tag)[["node", "ts_ns"]] for tag in logs.frames if len(logs.frame(tag))]
     con.register("all_events", pd.concat(times, ignore_index=True) if times
                  else pd.DataFrame({"node": pd.Series(dtype=str), "ts_ns": pd.Series(dtype="int64")}))
-    return FleetSource(con, tables, "all_events")
+    return FleetSource(con, tables)
 
 
 def _query(src: FleetSource) -> str:
     """Every measure as (node, k, v) rows, per node and for the fleet (node NULL) in one pass
     (grouping sets)."""
     per = "GROUP BY GROUPING SETS ((node), ())"
-    parts = [f"SELECT node, 'events' AS k, count(*)::DOUBLE AS v FROM {src.all_events} {per}"]
+    parts = [f"SELECT node, 'events' AS k, count(*)::DOUBLE AS v FROM all_events {per}"]
     if "kv_pool_sample" in src.tables:
         parts.append(f"SELECT node, 'kv_pressure_pct', 100 * max(blocks_used::DOUBLE / num_blocks) "
                      f"FROM kv_pool_sample WHERE num_blocks > 0 {per}")

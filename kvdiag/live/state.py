@@ -497,14 +497,19 @@ class LiveState:
                 return st.hint or f"{name} unavailable"
         return default
 
+    def block_size_tokens(self) -> Optional[int]:
+        """Tokens per KV block: the pool's figure, else the header's (None without either)."""
+        if self.pool_info is not None:
+            return self.pool_info.block_size_tokens
+        return self.header.block_size_tokens if self.header else None
+
     def kv_demand(self) -> Optional[tuple[float, float]]:
         """(needed blocks, free blocks) of ``forecast.memory_pressure`` now, over the live
         requests admitted by the scheduler (:mod:`kvdiag.analysis.pressure`); None without a
         pool sample or a block size. Requests without max_new_tokens are assumed to produce
         the P90 output length of the recently finished requests."""
         sample = self.pool_sample
-        block_size = self.pool_info.block_size_tokens if self.pool_info else (
-            self.header.block_size_tokens if self.header else None)
+        block_size = self.block_size_tokens()
         if sample is None or not block_size:
             return None
         active = [r for r in self.live.values()
@@ -530,8 +535,7 @@ class LiveState:
         info, sample = self.pool_info, self.pool_sample
         blocks = self._pool_blocks()
         num_blocks = sample.num_blocks if sample else (info.num_blocks if info else None)
-        block_size = info.block_size_tokens if info else (
-            self.header.block_size_tokens if self.header else None)
+        block_size = self.block_size_tokens()
         used, cached = blocks if blocks else (None, None)
         block_occ = used / num_blocks if used is not None and num_blocks else None
         token_occ = None
