@@ -40,9 +40,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shadow", action="store_true",
                         help="shadow compression and locality on sampled decode steps of the live KV")
     parser.add_argument("--shadow-methods", help="comma-separated compression methods (default: all)")
-    parser.add_argument("--shadow-rate", type=float, default=0.05, help="share of decode steps sampled")
+    parser.add_argument("--shadow-rate", type=float, default=0.05, help="most share of decode steps sampled (the budget may lower it)")
     parser.add_argument("--shadow-budget", type=float, default=0.01,
-                        help="shadow time budget, fraction of wall time (0: none)")
+                        help="shadow CPU budget, fraction of the engine's CPU time (0: none)")
     parser.add_argument("--prometheus", metavar="[HOST:]PORT",
                         help="serve kvdiag's metrics for Prometheus (HTTP /metrics; host 127.0.0.1 "
                              "unless given; docs/metrics.md)")

@@ -25,10 +25,11 @@ from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.3"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+SCHEMA_VERSION = "1.4"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
 # PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: MemoryBandwidthProbe,
-# HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget
+# HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget; 1.4: ShadowBudget.clock (CPU-time
+# budget), sample_rate, sample_rate_max
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -472,9 +473,12 @@ class ShadowLogits(Event, tag="shadow_logits"):
 
 class ShadowBudget(Event, tag="shadow_budget"):
     """The shadow runner's sampling so far (cumulative since it saw its first decode step):
-    steps offered to it, sampled (drawn at the sample rate and within the time budget),
-    skipped for the budget, and dropped (sampled while its worker was still busy); shadow
-    work ``spent_ns`` against ``budget_frac`` x ``elapsed_ns`` of wall time."""
+    steps offered to it, sampled (drawn at the rate in force and within the budget), skipped
+    for the budget, and dropped (sampled while its worker was still busy); shadow work
+    ``spent_ns`` against ``budget_frac`` x ``elapsed_ns``. ``clock="cpu"`` (schema 1.4): both
+    are CPU time, ``elapsed_ns`` being the observed process's CPU outside shadow work;
+    ``"wall"`` (older logs): wall time. ``sample_rate``: the rate in force after the budget
+    adapted it, at most ``sample_rate_max``; the achieved rate is sampled / offered."""
 
     steps_offered: Count
     steps_sampled: Count
@@ -483,6 +487,9 @@ class ShadowBudget(Event, tag="shadow_budget"):
     spent_ns: Count
     elapsed_ns: Count
     budget_frac: Optional[Fraction] = None
+    clock: Literal["wall", "cpu"] = "wall"
+    sample_rate: Optional[Fraction] = None
+    sample_rate_max: Optional[Fraction] = None
 
 
 class CollectorGap(Event, tag="collector_gap"):

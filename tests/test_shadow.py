@@ -1,5 +1,5 @@
 """The shadow runner: a raising compressor changes nothing served and is counted; sampling
-respects the time budget; metrics agree with a direct computation on real KV."""
+respects the CPU budget and adapts its rate to it; metrics agree with a direct computation on real KV."""
 
 import pytest
 import torch
@@ -43,47 +43,138 @@ def test_raising_compressor_does_not_change_served_output_and_is_counted():
     assert len(ok) == steps * layers * model.config.num_key_value_heads
 
 
-def test_time_budget_limits_sampling():
-    now = [0]
-    runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=1.0, budget_frac=0.1,
-                          clock=lambda: now[0])
-    assert runner.should_sample()  # first step: nothing spent yet
-    runner.spent_ns = runner.last_run_ns = 50
-    now[0] = 900
+class FakeCpu:
+    """An injected CPU clock: the test moves ``now`` (process and thread CPU alike)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def process_ns(self) -> int:
+        return self.now
+
+    def thread_ns(self) -> int:
+        return self.now
+
+
+def test_budget_guard_skips_a_step_that_would_overrun_the_cpu_budget():
+    cpu = FakeCpu()
+    runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=1.0, budget_frac=0.1, cpu_clock=cpu)
+    assert runner.should_sample()  # first step: nothing spent, no cost known yet
+    runner.spent_ns, runner.run_ns = 50, 50.0  # as after two runs of 25 and 50 (estimate 50)
+    cpu.now = 50 + 900  # engine CPU = 900 outside the 50 of shadow work
     assert not runner.should_sample()  # 50 + 50 > 0.1 * 900
-    now[0] = 1000
+    cpu.now = 50 + 1000
     assert runner.should_sample()  # 50 + 50 <= 0.1 * 1000
     assert runner.skipped_budget == 1
 
 
+def test_rate_adapts_to_the_cpu_budget_and_shadow_cpu_stays_within_it():
+    """A fake engine spends 1,000 ns of CPU per step and a shadow run costs 20,000 ns: a 2%
+    budget affords one run per 1,000 steps. The runner must lower its 0.05 ceiling to about
+    0.001, spread its samples over the run, and keep spent <= budget x engine CPU + one run."""
+    cpu = FakeCpu()
+    sink = ListSink()
+    runner = ShadowRunner(sink, ["fp16"], sample_rate=0.05, budget_frac=0.02, cpu_clock=cpu, seed=3)
+    runner._snapshot = lambda kv, q: None
+    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + 20_000)
+    steps, engine_step_ns = 400_000, 1_000
+    sampled_at = []
+    for step in range(steps):
+        cpu.now += engine_step_ns
+        if runner.maybe_run(step, [], []):
+            sampled_at.append(step)
+        assert runner.spent_ns <= 0.02 * runner.engine_ns() + 20_000
+    assert runner.engine_ns() == (steps - 1) * engine_step_ns  # counted from the first offer
+    expected = 0.02 * engine_step_ns / 20_000  # 0.001
+    assert runner.rate == pytest.approx(expected)
+    # Binomial(400k, 0.001): 400 +- 20; the guard skips a few draws near the limit
+    assert 300 <= len(sampled_at) <= 460
+    assert runner.spent_ns / runner.engine_ns() > 0.015  # the budget is used, not wasted
+    quarters = [sum(1 for s in sampled_at if q * steps // 4 <= s < (q + 1) * steps // 4) for q in range(4)]
+    assert min(quarters) >= 60, quarters  # no bursts: every quarter of the run gets its share
+    last = [e for e in sink.events if isinstance(e, ShadowBudget)][-1]
+    assert last.clock == "cpu" and last.sample_rate == pytest.approx(expected) and last.sample_rate_max == 0.05
+    assert (last.steps_offered, last.steps_sampled) == (sampled_at[-1] + 1, len(sampled_at))
+    assert last.spent_ns == 20_000 * len(sampled_at)
+
+
+def test_first_run_one_time_cost_does_not_set_the_rate():
+    """The first run pays one-time costs (1 ms here, 100x a warm run): it counts as spent, but
+    the estimate starts with the second run, so the rate is the warm one from then on."""
+    cpu = FakeCpu()
+    runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=1.0, budget_frac=0.01, cpu_clock=cpu)
+    runner._snapshot = lambda kv, q: None
+    costs = iter([1_000_000] + [10_000] * 1000)
+    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + next(costs))
+    for step in range(300_000):
+        cpu.now += 1_000
+        runner.maybe_run(step, [], [])
+    assert runner.run_ns == 10_000
+    assert runner.rate == pytest.approx(0.01 * 1_000 / 10_000)
+    assert runner.spent_ns <= 0.01 * runner.engine_ns() + 10_000
+
+
+def test_ceiling_holds_when_the_budget_affords_more():
+    cpu = FakeCpu()
+    runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=0.05, budget_frac=0.5, cpu_clock=cpu)
+    runner._snapshot = lambda kv, q: None
+    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + 10)
+    for step in range(20_000):
+        cpu.now += 1_000
+        runner.maybe_run(step, [], [])
+    assert runner.rate == 0.05
+    assert 0.04 < runner.sampled / runner.offered < 0.06
+
+
 def test_each_sampled_step_reports_the_budget_and_the_exporter_serves_it():
-    """ShadowBudget after each sampled step, with an injected clock: the counts the runner
-    made and spent / (budget x elapsed) as kvdiag_shadow_budget_used_ratio."""
+    """ShadowBudget after each sampled step, with an injected CPU clock: the counts the runner
+    made and spent / (budget x engine CPU) as kvdiag_shadow_budget_used_ratio."""
     from kvdiag.exporter import PrometheusSink
 
-    now = [0]
+    cpu = FakeCpu()
     sink = ListSink()
-    runner = ShadowRunner(sink, ["fp16"], sample_rate=1.0, budget_frac=0.1, clock=lambda: now[0])
+    runner = ShadowRunner(sink, ["fp16"], sample_rate=1.0, budget_frac=0.1, cpu_clock=cpu)
     costs = iter([30, 40])
-    runner._measure = lambda snapshot: now.__setitem__(0, now[0] + next(costs))  # a run's cost
+    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + next(costs))  # a run's cost
     _, kv = prefill_kv()
     queries = [torch.randn(1, 9, 1, 64) for _ in kv[:1]]
     assert runner.maybe_run(0, kv[:1], queries)      # offered at 0, ran 0..30
-    now[0] = 1000
-    assert runner.maybe_run(1, kv[:1], queries)      # offered at 1000 (30 + 30 <= 100), ran ..1040
-    now[0] = 1090
-    assert not runner.maybe_run(2, kv[:1], queries)  # offered at 1090: 70 + 40 > 0.1 x 1090
+    cpu.now = 1030                                   # engine CPU 1000
+    assert runner.maybe_run(1, kv[:1], queries)      # 30 + 30 <= 100: ran ..1070
+    cpu.now = 1070 + 5                               # engine CPU 1005
+    assert not runner.maybe_run(2, kv[:1], queries)  # 70 + 40 (estimate: the second run) > 0.1 x 1005
     budgets = [e for e in sink.events if isinstance(e, ShadowBudget)]
     assert [(b.steps_offered, b.steps_sampled, b.steps_skipped_budget, b.spent_ns, b.elapsed_ns)
-            for b in budgets] == [(1, 1, 0, 30, 30), (2, 2, 0, 70, 1040)]
+            for b in budgets] == [(1, 1, 0, 30, 0), (2, 2, 0, 70, 1000)]
     exporter = PrometheusSink()
     for ev in sink.events:
         exporter.record(ev)
     served = {s.name: s.value for m in exporter.collect() for s in m.samples}
     exporter.close()
-    assert served["kvdiag_shadow_budget_used_ratio"] == pytest.approx(70 / (0.1 * 1040))
+    assert served["kvdiag_shadow_budget_used_ratio"] == pytest.approx(70 / (0.1 * 1000))
     assert served["kvdiag_shadow_steps_sampled_total"] == 2
     assert served["kvdiag_shadow_seconds_total"] == pytest.approx(70e-9)
+
+
+def test_real_cpu_budget_holds_around_real_work():
+    """Real clocks, real KV, a real matmul as the engine's step: shadow CPU stays within the
+    budget plus one run, whatever the machine's speed (the guard is exact in CPU time)."""
+    _, kv = prefill_kv()
+    kv = kv[:2]
+    queries = [torch.randn(1, 9, 1, 64) for _ in kv]
+    ShadowRunner(ListSink(), ["int8", "int4"], locality=False).run(0, kv, queries)  # one-time costs
+    runner = ShadowRunner(ListSink(), ["int8", "int4"], sample_rate=1.0, budget_frac=0.05, locality=False)
+    a = torch.randn(256, 256)
+    longest = 0
+    for step in range(300):
+        for _ in range(4):
+            a = torch.tanh(a @ a)
+        before = runner.spent_ns
+        runner.maybe_run(step, kv, queries)
+        longest = max(longest, runner.spent_ns - before)
+    assert runner.sampled >= 2
+    assert runner.spent_ns <= 0.05 * runner.engine_ns() + longest
+    assert runner.sampled < runner.offered  # the budget, not the rate of 1.0, decided
 
 
 def test_metrics_on_real_kv_match_direct_computation():

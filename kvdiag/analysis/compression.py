@@ -3,7 +3,11 @@
 Layers in events are 0-based; groups are written 1-based and inclusive, as people count
 layers: the article's default is ``"1-6,7-12,13+"``. Every number in the table is a mean over
 the events (one per sampled step, layer, kv head and method) of the group, except
-``seq_len_tokens`` (median) and ``attn_out_rel_error_p95``. Costs are per layer and sampled
+``seq_len_tokens`` (median) and ``attn_out_rel_error_p95``. ``samples`` counts those events,
+``steps`` the sampled decode steps they come from; since the layers and heads of one step share
+its KV, the steps are the independent samples: ``attn_out_rel_error_lo``/``_hi`` bound the
+mean with a 95% bootstrap interval that resamples whole steps
+(:func:`kvdiag.analysis.intervals.cluster_bootstrap_mean`). Costs are per layer and sampled
 step: ``encode_us`` / ``decode_us`` = mean over (step, layer) of the sum over kv heads of
 ``encode_ns`` / ``decode_ns``, in microseconds.
 
@@ -20,14 +24,16 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
+from kvdiag.analysis.intervals import cluster_bootstrap_mean
 from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
 
 ARTICLE_GROUPS = "1-6,7-12,13+"
 SPARSE_METHODS = ("topk_norm", "h2o", "streaming")  # kvdiag.kernels.methods, without torch
 
-TABLE_COLUMNS = ["group", "method", "sparse", "samples", "seq_len_tokens", "ratio",
+TABLE_COLUMNS = ["group", "method", "sparse", "samples", "steps", "seq_len_tokens", "ratio",
                  "k_rel_error", "v_rel_error", "attn_score_error", "attn_out_rel_error",
-                 "attn_out_rel_error_p95", "encode_us", "decode_us"]
+                 "attn_out_rel_error_lo", "attn_out_rel_error_hi", "attn_out_rel_error_p95",
+                 "encode_us", "decode_us"]
 RECOMMEND_COLUMNS = ["group", "method", "ratio", "error", "decode_us", "reason"]
 
 
@@ -69,14 +75,20 @@ def compression_table(events: pd.DataFrame, groups: str = ARTICLE_GROUPS) -> pd.
                  [["encode_ns", "decode_ns"]].sum().reset_index())
     cost = per_layer.groupby(["group", "method"])[["encode_ns", "decode_ns"]].mean() / 1e3
     g = df.groupby(["group", "method"])
+    size = g.size()
+    ci = pd.DataFrame([(e.lo, e.hi) for e in (cluster_bootstrap_mean(sub["attn_out_rel_error"], sub["ts_ns"])
+                                                for _, sub in g)], index=size.index, columns=["lo", "hi"])
     out = pd.DataFrame({
-        "samples": g.size(),
+        "samples": size,
+        "steps": g["ts_ns"].nunique(),
         "seq_len_tokens": g["seq_len_tokens"].median(),
         "ratio": g["ratio"].mean(),
         "k_rel_error": g["k_rel_error"].mean(),
         "v_rel_error": g["v_rel_error"].mean(),
         "attn_score_error": g["attn_score_error"].mean(),
         "attn_out_rel_error": g["attn_out_rel_error"].mean(),
+        "attn_out_rel_error_lo": ci["lo"],
+        "attn_out_rel_error_hi": ci["hi"],
         "attn_out_rel_error_p95": g["attn_out_rel_error"].quantile(0.95),
         "encode_us": cost["encode_ns"],
         "decode_us": cost["decode_ns"],
@@ -102,6 +114,10 @@ def recommend(table: pd.DataFrame, error_budget: float = COMPRESSION_ERROR_BUDGE
             continue
         best = ok.sort_values(["ratio", "decode_us"], ascending=[False, True]).iloc[0]
         note = "" if seq >= sparse_min_tokens else f"; sparse off (median {seq:.0f} < {sparse_min_tokens} tokens)"
+        hi = best.get(f"{error}_hi")
+        if hi is not None and pd.notna(hi) and hi > error_budget:
+            note += (f"; its 95% interval reaches {hi:.3g} over {int(best['steps'])} sampled steps: "
+                     "more samples would settle it")
         rows.append({"group": group, "method": best["method"], "ratio": float(best["ratio"]),
                      "error": float(best[error]), "decode_us": float(best["decode_us"]),
                      "reason": f"highest ratio with {error} <= {error_budget:g}{note}"})
@@ -125,3 +141,27 @@ def frame_of(events: Iterable, cls) -> pd.DataFrame:
     rows = [{f: getattr(e, f) for f in fields_of(cls)} for e in events if isinstance(e, cls)]
     return pd.DataFrame(rows, columns=list(fields_of(cls)))
 
+
+
+def sampling_summary(budgets: pd.DataFrame) -> Optional[str]:
+    """One line on how the shadow figures were sampled, from the last ``shadow_budget`` event
+    (the runner's counts are cumulative): steps sampled of those offered (the achieved rate),
+    the rate in force and its ceiling, and the CPU spent against the budget."""
+    if budgets is None or budgets.empty:
+        return None
+    last = budgets.sort_values("ts_ns").iloc[-1]
+    offered, sampled = int(last["steps_offered"]), int(last["steps_sampled"])
+    parts = [f"{sampled} of {offered} decode steps sampled (achieved rate {sampled / max(offered, 1):.4f})"]
+    rate, ceiling = last.get("sample_rate"), last.get("sample_rate_max")
+    if rate is not None and pd.notna(rate):
+        parts.append(f"rate in force {rate:.4f}" + (f" of at most {ceiling:g}" if pd.notna(ceiling) else ""))
+    clock = last.get("clock") if isinstance(last.get("clock"), str) else "wall"
+    what = "CPU" if clock == "cpu" else "wall time"
+    if last["elapsed_ns"]:
+        used = f"shadow {what} {last['spent_ns'] / last['elapsed_ns']:.2%} of the engine's"
+        budget = last.get("budget_frac")
+        parts.append(used + (f" (budget {budget:.2%})" if budget is not None and pd.notna(budget) else " (no budget)"))
+    if int(last["steps_skipped_budget"]) or int(last["steps_dropped"]):
+        parts.append(f"{int(last['steps_skipped_budget'])} skipped for the budget, "
+                     f"{int(last['steps_dropped'])} dropped (worker busy)")
+    return "; ".join(parts)

@@ -207,7 +207,7 @@ def install(sink: Sink, methods=None, sample_rate: float = 0.05, budget_frac: Op
     """A :class:`ShadowRunner` on ``sink`` wired into every continuous-batching engine of the
     process; returns the installed :class:`CBShadow` (``.uninstall()`` when done).
 
-    Defaults: shadow time within 1% of wall time (so the served tokens/s drops by about 1%),
+    Defaults: shadow CPU within 1% of the engine's CPU (tokens per CPU-second drop by about 1%),
     measured in the engine thread: a sampled step is slow, but sampled steps are rare (each run
     buys ~100 runs' worth of unsampled time), so step-latency percentiles below the top 1% keep
     their value; a background worker (``background=True``) instead competes with the engine

@@ -21,9 +21,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shadow-methods", metavar="M", help="comma-separated compression methods "
                         "(default: fp16,bf16,fp8_e4m3,fp8_e5m2,int8,int4,int2,topk_norm,h2o,streaming)")
     parser.add_argument("--shadow-rate", type=float, default=0.05, metavar="R",
-                        help="share of decode steps sampled (default 0.05; shadow time stays within 1%% of wall time)")
+                        help="most share of decode steps sampled (default 0.05; the CPU budget lowers it as needed)")
     parser.add_argument("--shadow-budget", type=float, default=0.01, metavar="F",
-                        help="shadow time budget, fraction of the server's wall time (default 0.01; 0: none)")
+                        help="shadow CPU budget, fraction of the server's own CPU time (default 0.01; 0: none)")
     parser.add_argument("--shadow-logits", action="store_true",
                         help="after the traffic, teacher-forced KL / top-1 agreement per method on a fixed "
                              "text (model loaded in the demo process)")
@@ -95,7 +95,7 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
     from kvdiag.eventlog import read_log
 
     log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
-                                    "collector_error"])
+                                    "shadow_budget", "collector_error"])
     console = Console()
 
     def show(title, frame):
@@ -112,12 +112,16 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
         errors = errors[errors["collector"].str.startswith("shadow")] if not errors.empty else errors
         steps = comp["ts_ns"].nunique() if not comp.empty else 0
         print(f"shadow: {steps} sampled decode steps measured, {len(errors)} shadow errors")
+        sampling = compression.sampling_summary(log.frame("shadow_budget"))
+        if sampling:
+            print(f"shadow: {sampling}")
         if comp.empty:
             print("shadow: no sampled decode step yet (more traffic or a higher --shadow-rate)")
         else:
             table = compression.compression_table(comp)
             cols = {"group": "group", "method": "method", "ratio": "ratio", "k_rel_error": "K err",
                     "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
+                    "attn_out_rel_error_lo": "95% lo", "attn_out_rel_error_hi": "95% hi", "steps": "steps",
                     "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
             show("Shadow compression by layer group (1-based): mean relative errors (K, V, attention "
                  "output), attention TV distance, microseconds per layer-step",

@@ -44,7 +44,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: all)")
     parser.add_argument("--sample-rate", type=float, default=0.25)
     parser.add_argument("--budget", type=float, default=None,
-                        help="shadow time budget as a fraction of wall time (default: none)")
+                        help="shadow CPU budget as a fraction of the process's other CPU time (default: none)")
     parser.add_argument("--groups", default="1-6,7-12,13+", help="1-based layer groups")
     parser.add_argument("--error-budget", type=float, default=COMPRESSION_ERROR_BUDGET,
                         help="attention-output relative error a recommended method may reach")

@@ -10,10 +10,19 @@ With ``background=True`` the caller's thread only copies the K/V and queries of 
 (into a one-slot queue; a step sampled while the worker is busy is dropped and counted) and a
 daemon thread measures them; ``wait()`` blocks until it is done, ``close()`` stops it.
 
-Sampling: a step is sampled with probability ``sample_rate`` and only while the time spent in
-shadow work, plus the cost of the last run, stays within ``budget_frac`` of the wall time since
-the runner saw its first step (spent_ns + last_run_ns <= budget_frac * elapsed_ns);
-``budget_frac=None`` means no time budget. Only the first ``max_batch`` sequences are copied.
+Sampling, within a budget of CPU time: shadow work may cost at most ``budget_frac`` of the CPU
+time the observed process spends otherwise (its engine's work) since the runner saw its first
+step, so tokens per CPU-second drop by at most about ``budget_frac``. The runner adapts its
+sampling rate to that budget: rate = min(``sample_rate``, ``budget_frac`` x engine CPU per
+offered step / CPU per sampled step), both moving averages (the first run pays one-time costs:
+it counts as spent, the estimate starts with the second), so samples spread evenly over the
+run instead of coming in bursts; a drawn step is still skipped if spent + the expected cost of
+one more run would exceed the budget (``steps_skipped_budget``). ``sample_rate`` is therefore
+the ceiling; the rate in force and the achieved rate (sampled / offered) are reported in each
+:class:`ShadowBudget`. ``budget_frac=None``: no budget, the rate is ``sample_rate``.
+Shadow CPU is counted as: inline, the whole process's CPU during the run (torch's intra-op
+threads included, the engine waits meanwhile); in the background, the caller's thread for the
+copy plus the worker thread. Only the first ``max_batch`` sequences are copied.
 
 Measured per layer and kv head, for each method (a :class:`ShadowCompression` event):
 ``ratio`` = original K+V bytes / stored bytes; ``k_rel_error`` = ||K - K_hat||_F / ||K||_F over
@@ -53,28 +62,53 @@ def _resolve(x):
     return x() if callable(x) else x
 
 
+class CpuClock:
+    """The CPU-time clocks the budget is kept in (tests inject their own)."""
+
+    def process_ns(self) -> int:
+        """CPU nanoseconds of the whole process (every thread), user + system."""
+        return time.process_time_ns()
+
+    def thread_ns(self) -> int:
+        """CPU nanoseconds of the calling thread."""
+        return time.thread_time_ns()
+
+
+_EWMA_WEIGHT = 0.1  # weight of the newest value in the per-step and per-run cost averages
+
+
+def _ewma(avg: Optional[float], x: float) -> float:
+    return x if avg is None else avg + _EWMA_WEIGHT * (x - avg)
+
+
 class ShadowRunner:
     """See the module docstring. ``scaling``: softmax scale (head_dim ** -0.5 when None)."""
 
     def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
                  sample_rate: float = 0.05, budget_frac: Optional[float] = 0.02, locality: bool = True,
                  max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
-                 clock: Callable[[], int] = time.perf_counter_ns, background: bool = False) -> None:
+                 cpu_clock: Optional[CpuClock] = None, background: bool = False) -> None:
         self.sink = sink
         if isinstance(methods, str):
             self.methods = parse_methods(methods)
         else:
             self.methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
-        self.sample_rate = sample_rate
+        self.sample_rate = sample_rate  # the ceiling
         self.budget_frac = budget_frac
         self.locality = locality
         self.max_batch = max_batch
         self.scaling = scaling
-        self.clock = clock
+        self.cpu = cpu_clock or CpuClock()
         self._rng = random.Random(seed)
-        self._t0_ns: Optional[int] = None
+        self._t0_ns: Optional[int] = None  # process CPU at the first offered step
+        self._last_offer_ns = 0
+        self._spent_at_last_offer_ns = 0
+        self.engine_step_ns: Optional[float] = None  # moving average: engine CPU per offered step
+        self.run_ns: Optional[float] = None  # moving average: shadow CPU per sampled step
+        self.rate = sample_rate  # the rate in force
         self.spent_ns = 0
-        self.last_run_ns = 0
+        self._pending_ns = 0  # shadow CPU of the run in progress (the copy, before the worker's part)
+        self._runs_costed = 0
         self.runs = 0
         self.skipped_budget = 0
         self.offered = 0  # should_sample calls: decode steps offered for sampling
@@ -90,15 +124,35 @@ class ShadowRunner:
 
     # ------------------------------------------------------------ sampling
 
-    def should_sample(self) -> bool:
-        """Decide whether the coming step is sampled (rate, then time budget)."""
-        now = self.clock()
+    def engine_ns(self, now_ns: Optional[int] = None) -> int:
+        """CPU the process spent outside shadow work since the first offered step."""
         if self._t0_ns is None:
-            self._t0_ns = now
+            return 0
+        now = self.cpu.process_ns() if now_ns is None else now_ns
+        return max(now - self._t0_ns - self.spent_ns, 0)
+
+    def target_rate(self) -> float:
+        """The sampling rate the budget allows now, at most ``sample_rate``."""
+        if self.budget_frac is None or not self.run_ns or self.engine_step_ns is None:
+            return self.sample_rate
+        return min(self.sample_rate, self.budget_frac * self.engine_step_ns / self.run_ns)
+
+    def should_sample(self) -> bool:
+        """Decide whether the coming step is sampled (adapted rate, then the budget guard)."""
+        now = self.cpu.process_ns()
+        with self._lock:
+            spent = self.spent_ns
+        if self._t0_ns is None:
+            self._t0_ns = self._last_offer_ns = now
+        else:
+            step = now - self._last_offer_ns - (spent - self._spent_at_last_offer_ns)
+            self.engine_step_ns = _ewma(self.engine_step_ns, max(step, 0))
+        self._last_offer_ns, self._spent_at_last_offer_ns = now, spent
         self.offered += 1
-        if self._rng.random() >= self.sample_rate:
+        self.rate = self.target_rate()
+        if self._rng.random() >= self.rate:
             return False
-        if self.budget_frac is not None and self.spent_ns + self.last_run_ns > self.budget_frac * (now - self._t0_ns):
+        if self.budget_frac is not None and spent + (self.run_ns or 0) > self.budget_frac * self.engine_ns(now):
             self.skipped_budget += 1
             return False
         return True
@@ -111,10 +165,11 @@ class ShadowRunner:
             sampled = self.should_sample()
         if not sampled:
             return False
-        start = self.clock()
+        inline = self._queue is None
+        start = self.cpu.process_ns() if inline else self.cpu.thread_ns()
         try:
             snapshot = self._snapshot(_resolve(layers_kv), _resolve(queries))
-            if self._queue is None:
+            if inline:
                 self._measure(snapshot)
             else:
                 try:
@@ -124,28 +179,39 @@ class ShadowRunner:
         except Exception as exc:  # gathering inputs failed: count it, never reach the server
             self._error("shadow", exc)
         finally:
-            end = self.clock()
-            self._account(end - start)
-            self._report_budget(end)
+            self._account((self.cpu.process_ns() if inline else self.cpu.thread_ns()) - start, run_done=inline)
+            self._report_budget()
         return True
 
-    def _report_budget(self, now_ns: int) -> None:
+    def _report_budget(self) -> None:
         """One :class:`ShadowBudget` after each sampled step (never raises)."""
         try:
             self.sampled += 1
+            with self._lock:
+                spent = self.spent_ns
             self.sink.record(ShadowBudget(
                 ts_ns=time.time_ns(), steps_offered=max(self.offered, self.sampled),
                 steps_sampled=self.sampled, steps_skipped_budget=self.skipped_budget,
-                steps_dropped=self.dropped, spent_ns=max(self.spent_ns, 0),
-                elapsed_ns=max(now_ns - (self._t0_ns if self._t0_ns is not None else now_ns), 0),
-                budget_frac=self.budget_frac))
+                steps_dropped=self.dropped, spent_ns=max(spent, 0), elapsed_ns=self.engine_ns(),
+                budget_frac=self.budget_frac, clock="cpu", sample_rate=self.rate,
+                sample_rate_max=self.sample_rate))
         except Exception as exc:
             self._error("shadow", exc)
 
-    def _account(self, ns: int) -> None:
+    def _account(self, ns: int, run_done: bool) -> None:
+        """Add ``ns`` of shadow CPU; a finished run (inline, or the worker's measurement plus
+        the caller's copy before it) updates the per-run average."""
         with self._lock:
-            self.last_run_ns = ns
+            ns = max(ns, 0)
             self.spent_ns += ns
+            self._pending_ns += ns
+            if run_done:
+                self._runs_costed += 1
+                # the first run pays one-time costs (lazy imports, kernels compiled or loaded):
+                # it counts as spent, but the estimate starts with the second
+                if self._runs_costed > 1:
+                    self.run_ns = _ewma(self.run_ns, self._pending_ns)
+                self._pending_ns = 0
 
     # ------------------------------------------------------------ background worker
 
@@ -155,12 +221,12 @@ class ShadowRunner:
             try:
                 if snapshot is None:
                     return
-                start = self.clock()
+                start = self.cpu.thread_ns()
                 try:
                     self._measure(snapshot)
                 except Exception as exc:
                     self._error("shadow", exc)
-                self._account(self.clock() - start)
+                self._account(self.cpu.thread_ns() - start, run_done=True)
             finally:
                 self._queue.task_done()
 

@@ -23,7 +23,7 @@ from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
 from kvdiag.analysis.requests import request_table
 from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
-                           ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
+                           ShadowBudget, ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
 from kvdiag.reports.hardware import kv_bandwidth_blocks, platform_section
 from kvdiag.reports.model import Absent, Block, Chart, Report, Section, Table, Text
 
@@ -281,6 +281,11 @@ def compression(logs: Logs) -> Section:
         **{c: pd.to_numeric(sc[c], errors="coerce") for c in
            ("attn_score_error", "attn_out_rel_error", "encode_ns", "decode_ns")}))
     rec = _compression.recommend(tbl)
+    sampling = _compression.sampling_summary(logs.frame(ShadowBudget))
+    if sampling:
+        sec.blocks.append(Text(f"Sampling: {sampling}. Each figure below rests on the sampled steps "
+                               "in its row (`steps`); attn_out_rel_error_lo/_hi bound its mean with a "
+                               "95% interval resampling whole steps."))
     sec.blocks.append(Table("Per layer group and method (means)", tbl))
     pts = sc.groupby(["method", "layer"]).agg(ratio=("ratio", "mean"), error=("error", "mean")).reset_index()
     pts["error_pct"] = pts["error"] * 100
