@@ -130,11 +130,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_shadow_steps_sampled_total", "counter", "steps",
               "Decode steps the shadow runner sampled (drawn at its rate, within its budget)."),
     MetricDef("kvdiag_shadow_steps_skipped_budget_total", "counter", "steps",
-              "Decode steps drawn for shadow work but skipped to stay within the time budget."),
+              "Decode steps drawn for shadow work but skipped to stay within the CPU budget."),
     MetricDef("kvdiag_shadow_seconds_total", "counter", "seconds",
-              "Wall time the shadow runner spent on sampled steps (in the engine's thread or its worker)."),
+              "CPU time the shadow runner spent on sampled steps (in the engine's thread or its worker; "
+              "wall time for runners before schema 1.4)."),
     MetricDef("kvdiag_shadow_budget_used_ratio", "gauge", "ratio",
-              "Shadow time spent / (budget fraction x wall time since its first step); absent "
+              "Shadow CPU spent / (budget fraction x the engine's CPU since its first step); absent "
               "without a budget. Above 1 only by the last run's overshoot."),
     MetricDef("kvdiag_collector_errors_total", "counter", "errors",
               "Errors reported by a collector (CollectorError); absent for collectors without errors.",
