@@ -1,0 +1,212 @@
+"""The overhead harness: what kvdiag costs the process it observes, measured so that the answer
+survives a shared, noisy machine. Used by bench_agent_overhead.py (agent and attach on the
+embedded engine), bench_demo_shadow.py (shadow in the engine) and bench_vllm_overhead.py.
+
+- **Interleaved rounds.** The same seeded work runs under every condition in each round, in an
+  order reversed every other round (A B C, C B A, ...): load that drifts over minutes falls on
+  every condition alike, and each round gives one paired sample.
+- **Cost per token, not wall time.** Per round: CPU seconds (user + system) of the observed
+  process tree per generated token, read from /proc by psutil. Wall time on a 2-core machine
+  shared with other work mostly measures the other work. Where the CPU's counters are readable
+  (``perf stat -e instructions:u``), instructions retired per token too: they barely move with
+  load. A virtual machine often hides them; the harness then says so once and goes on.
+- **Intervals and verdicts.** tokens per CPU-second of each condition over the baseline's, as a
+  paired ratio with a 95% bootstrap interval over rounds, and a verdict on the goal: met,
+  missed or undecided (:mod:`kvdiag.analysis.intervals`, the definitions the report uses).
+- **The machine's load** (1-minute load average) before, during (sampled every round) and after.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import psutil
+
+from kvdiag.analysis.intervals import Estimate, goal_verdict, paired_ratio
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and all its descendants, now."""
+    root = psutil.Process(pid)
+    return [root.pid, *(c.pid for c in root.children(recursive=True))]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and all its descendants, now. A child that
+    exited since the last call takes its CPU with it; servers keep theirs for their lifetime."""
+    total = 0.0
+    for p in tree_pids(pid):
+        try:
+            t = psutil.Process(p).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def perf_instructions_available() -> Optional[str]:
+    """None if ``perf stat`` can count instructions retired here, else why not (one line)."""
+    if shutil.which("perf") is None:
+        return "perf not installed"
+    try:
+        out = subprocess.run(["perf", "stat", "-x,", "-e", "instructions:u", "true"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"perf failed: {exc}"
+    line = next((ln for ln in out.stderr.splitlines() if "instructions" in ln), "")
+    if not line or line.split(",")[0] in ("<not supported>", "<not counted>", ""):
+        return "the CPU's instruction counter is not exposed here (perf: <not supported>)"
+    return None
+
+
+class InstructionCounter:
+    """``perf stat -e instructions:u`` on a set of pids for the length of a ``with`` block;
+    ``.count`` is None when perf cannot count here."""
+
+    def __init__(self, pids: Sequence[int], enabled: bool) -> None:
+        self.pids, self.enabled = list(pids), enabled
+        self.count: Optional[int] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._out = Path(tempfile.mkstemp(prefix="kvdiag-perf-", suffix=".csv")[1])
+
+    def __enter__(self) -> "InstructionCounter":
+        if self.enabled:
+            self._proc = subprocess.Popen(
+                ["perf", "stat", "-x,", "-e", "instructions:u", "-o", str(self._out),
+                 "-p", ",".join(map(str, self.pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._proc is not None:
+                self._proc.send_signal(signal.SIGINT)
+                self._proc.wait(timeout=30)
+                for line in self._out.read_text().splitlines():
+                    head = line.split(",")[0]
+                    if "instructions" in line and head.isdigit():
+                        self.count = int(head)
+        finally:
+            self._out.unlink(missing_ok=True)
+
+
+@dataclass
+class RoundCost:
+    """What one condition cost in one round."""
+
+    tokens: int
+    cpu_s: float
+    instructions: Optional[int] = None
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+
+@dataclass
+class Goal:
+    """``condition``'s tokens per CPU-second must be >= ``min_ratio`` of the baseline's."""
+
+    condition: str
+    min_ratio: float
+
+
+@dataclass
+class Results:
+    conditions: Sequence[str]
+    baseline: str
+    costs: dict = field(default_factory=dict)  # condition -> [RoundCost] (one per round)
+    load1: list = field(default_factory=list)  # 1-minute load average after each round
+    load_before: tuple = ()
+    load_after: tuple = ()
+    perf_note: Optional[str] = None
+
+    def ratio(self, condition: str, metric: str = "tokens_per_cpu_s") -> Estimate:
+        """Paired ratio of ``metric`` (per round) to the baseline's, with its 95% interval."""
+        a = np.array([getattr(c, metric) for c in self.costs[condition]], dtype=float)
+        b = np.array([getattr(c, metric) for c in self.costs[self.baseline]], dtype=float)
+        return paired_ratio(a, b)
+
+    def instruction_ratio(self, condition: str) -> Optional[Estimate]:
+        """Paired ratio of instructions per token, baseline over condition (so that, like
+        tokens per CPU-second, < 1 means the condition costs more); None without perf."""
+        rows = list(zip(self.costs[condition], self.costs[self.baseline]))
+        if not rows or any(c.instructions is None or b.instructions is None for c, b in rows):
+            return None
+        base = np.array([b.instructions / b.tokens for _, b in rows], dtype=float)
+        cond = np.array([c.instructions / c.tokens for c, _ in rows], dtype=float)
+        return paired_ratio(base, cond)
+
+
+def round_prompts(seed: int, requests: int) -> list[tuple[str, str]]:
+    """A round's chats: (system prompt, question), seeded; one system prompt per round, shared
+    by its chats (prefix caching at work), varied questions from kvdiag's traffic corpus."""
+    from kvdiag.traffic import load_corpus
+
+    corpus = load_corpus()
+    rng = random.Random(seed)
+    system = f"[round {seed}] " + rng.choice(corpus["system_prompts"])["text"]
+    fill = {"order": "NW1001", "days": "5", "item": "tent"}
+    return [(system, rng.choice(corpus["questions"]).format_map(_Defaults(fill))) for _ in range(requests)]
+
+
+class _Defaults(dict):
+    """Template fields the corpus uses that :func:`round_prompts` does not fill stay as they are."""
+
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def order_of_round(conditions: Sequence[str], round_index: int) -> list[str]:
+    """A B C in even rounds, C B A in odd ones."""
+    return list(conditions) if round_index % 2 == 0 else list(reversed(conditions))
+
+
+def run_interleaved(conditions: Sequence[str], baseline: str, rounds: int,
+                    run_round: Callable[[str, int], RoundCost], progress: bool = True) -> Results:
+    """Run ``run_round(condition, round_index)`` for every condition in every round, interleaved
+    (:func:`order_of_round`), and collect the costs."""
+    res = Results(conditions, baseline, {c: [] for c in conditions}, load_before=os.getloadavg())
+    for r in range(rounds):
+        for cond in order_of_round(conditions, r):
+            res.costs[cond].append(run_round(cond, r))
+        res.load1.append(os.getloadavg()[0])
+        if progress:
+            print(f"round {r + 1}/{rounds}: " + ", ".join(
+                f"{c} {res.costs[c][-1].tokens_per_cpu_s:.1f} tok/CPU-s" for c in conditions)
+                + f"; load {res.load1[-1]:.2f}", flush=True)
+    res.load_after = os.getloadavg()
+    return res
+
+
+def report(res: Results, goals: Sequence[Goal], extra: Optional[dict] = None) -> str:
+    """The table: per condition, tokens per CPU-second, its paired ratio to the baseline with
+    the 95% interval, instructions per token (if counted), and each goal's verdict."""
+    lines = [f"machine: {os.cpu_count()} CPUs; load average (1 min) before {res.load_before[0]:.2f}, "
+             f"during {min(res.load1):.2f}..{max(res.load1):.2f} (median {float(np.median(res.load1)):.2f}), "
+             f"after {res.load_after[0]:.2f}; {len(res.load1)} interleaved rounds"]
+    if res.perf_note:
+        lines.append(f"instructions retired: not counted ({res.perf_note})")
+    lines.append(f"{'condition':<16} {'tokens/CPU-s':>12} {'ratio':>7} {'95% interval':>15} "
+                 f"{'instr. ratio':>20}" + "".join(f" {k:>14}" for k in (extra or {})))
+    for cond in res.conditions:
+        tps = np.mean([c.tokens_per_cpu_s for c in res.costs[cond]])
+        est = res.ratio(cond)
+        ins = res.instruction_ratio(cond)
+        ins_s = f"{ins.value:.3f} ({ins.lo:.3f}..{ins.hi:.3f})" if ins else "-"
+        cells = "".join(f" {v.get(cond, ''):>14}" for v in (extra or {}).values())
+        lines.append(f"{cond:<16} {tps:12.2f} {est.value:7.3f} {f'{est.lo:.3f}..{est.hi:.3f}':>15} {ins_s:>20}{cells}")
+    for g in goals:
+        est = res.ratio(g.condition)
+        lines.append(f"goal: {g.condition} tokens per CPU-second >= {g.min_ratio} x {res.baseline}: "
+                     f"{goal_verdict(est, g.min_ratio).upper()} (ratio {est.value:.3f}, 95% interval "
+                     f"{est.lo:.3f}..{est.hi:.3f}, {est.n} rounds)")
+    return "\n".join(lines)
