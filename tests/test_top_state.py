@@ -274,3 +274,23 @@ def test_kv_bytes_without_block_events_is_an_estimate_for_running_requests_only(
     state.feed(sch.BlockAllocated(ts_ns=T0_NS + 3, request_id="b", block_id=7))
     rows = {r.request_id: r for r in state.snapshot(T0_NS + 4).requests.rows}
     assert rows["a"].kv_bytes == 0  # the engine reports blocks, and a holds none
+
+
+def test_top_and_report_state_the_same_shadow_sampling():
+    """The compression panel's sampling line is the report's, word for word (one definition)."""
+    import pandas as pd
+
+    from kvdiag import schema as sch
+    from kvdiag.analysis.compression import sampling_summary
+
+    budget = sch.ShadowBudget(ts_ns=T0_NS + 5, steps_offered=5000, steps_sampled=7, steps_skipped_budget=2,
+                              steps_dropped=0, spent_ns=8_000_000, elapsed_ns=900_000_000, budget_frac=0.01,
+                              clock="cpu", sample_rate=0.0013, sample_rate_max=0.05)
+    state = LiveState()
+    state.feed(sch.ShadowCompression(ts_ns=T0_NS + 4, layer=0, head=0, method="int8", seq_len_tokens=100,
+                                     ratio=3.6, k_rel_error=0.01, v_rel_error=0.01))
+    state.feed(budget)
+    line = state.snapshot(T0_NS + 6).compression.sampling
+    frame = pd.DataFrame([{f: getattr(budget, f) for f in sch.fields_of(sch.ShadowBudget)}])
+    assert line == sampling_summary(frame)
+    assert line.startswith("7 of 5000 decode steps sampled") and "rate in force 0.0013 of at most 0.05" in line

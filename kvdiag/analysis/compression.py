@@ -25,6 +25,7 @@ from typing import Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis.intervals import cluster_bootstrap_mean
+from kvdiag.analysis.shadow_sampling import sampling_line
 from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
 
 ARTICLE_GROUPS = "1-6,7-12,13+"
@@ -144,24 +145,8 @@ def frame_of(events: Iterable, cls) -> pd.DataFrame:
 
 
 def sampling_summary(budgets: pd.DataFrame) -> Optional[str]:
-    """One line on how the shadow figures were sampled, from the last ``shadow_budget`` event
-    (the runner's counts are cumulative): steps sampled of those offered (the achieved rate),
-    the rate in force and its ceiling, and the CPU spent against the budget."""
+    """:func:`sampling_line` of the last ``shadow_budget`` event of a log (the runner's counts
+    are cumulative); None without one."""
     if budgets is None or budgets.empty:
         return None
-    last = budgets.sort_values("ts_ns").iloc[-1]
-    offered, sampled = int(last["steps_offered"]), int(last["steps_sampled"])
-    parts = [f"{sampled} of {offered} decode steps sampled (achieved rate {sampled / max(offered, 1):.4f})"]
-    rate, ceiling = last.get("sample_rate"), last.get("sample_rate_max")
-    if rate is not None and pd.notna(rate):
-        parts.append(f"rate in force {rate:.4f}" + (f" of at most {ceiling:g}" if pd.notna(ceiling) else ""))
-    clock = last.get("clock") if isinstance(last.get("clock"), str) else "wall"
-    what = "CPU" if clock == "cpu" else "wall time"
-    if last["elapsed_ns"]:
-        used = f"shadow {what} {last['spent_ns'] / last['elapsed_ns']:.2%} of the engine's"
-        budget = last.get("budget_frac")
-        parts.append(used + (f" (budget {budget:.2%})" if budget is not None and pd.notna(budget) else " (no budget)"))
-    if int(last["steps_skipped_budget"]) or int(last["steps_dropped"]):
-        parts.append(f"{int(last['steps_skipped_budget'])} skipped for the budget, "
-                     f"{int(last['steps_dropped'])} dropped (worker busy)")
-    return "; ".join(parts)
+    return sampling_line(budgets.sort_values("ts_ns").iloc[-1].to_dict())

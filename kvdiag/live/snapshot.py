@@ -119,6 +119,7 @@ class CompressionRow:
 class CompressionView:
     rows: tuple[CompressionRow, ...]
     reason: str
+    sampling: str = ""  # kvdiag.analysis.compression.sampling_line of the latest ShadowBudget
 
 
 LOCALITY_METRICS = ("recent", "sink", "entropy", "share")

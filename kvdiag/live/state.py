@@ -16,11 +16,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
+import msgspec
+
 from kvdiag import schema as s
 from kvdiag.analysis import pressure
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
 from kvdiag.analysis.rules import compression_verdict
+from kvdiag.analysis.shadow_sampling import sampling_line
 from kvdiag.live.snapshot import (
     LOCALITY_METRICS,
     CompressionRow,
@@ -631,7 +634,8 @@ class LiveState:
                 layers=f"{lo}-{hi}" if hi > lo else str(lo), method=method, ratio=a[0] / a[6], error=a[1],
                 attn_out_error=attn, decode_us=a[4] / a[5] / 1e3 if a[5] else None, samples=a[6],
                 recommendation=compression_verdict(attn if attn is not None else a[1])))
-        return CompressionView(rows=tuple(rows), reason="")
+        sampling = sampling_line(msgspec.structs.asdict(self.shadow_budget)) if self.shadow_budget else ""
+        return CompressionView(rows=tuple(rows), reason="", sampling=sampling)
 
     def _locality_view(self) -> LocalityView:
         if not self.locality_sum:

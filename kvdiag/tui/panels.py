@@ -232,6 +232,8 @@ class CompressionPanel(Panel):
                              f"{fmt_pct(r.attn_out_error, 2):>12}  {dec:>7}  {r.samples:>7}  {r.recommendation}"))
         rows.append(line(("error = attention-output error when measured, else max K/V error; "
                           "use ≤ 1%, check ≤ 5%, avoid above", DIM)))
+        if c.sampling:
+            rows.append(line((f"sampling: {c.sampling}", DIM)))
         return _join(rows)
 
 
