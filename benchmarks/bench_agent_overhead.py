@@ -21,6 +21,7 @@ undecided with its 95% interval.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,7 @@ def main() -> int:
     finally:
         for s in (plain, agent):
             s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     res.perf_note = perf_note
     print()
     print(f"{args.rounds} rounds x {args.requests} chats ({args.clients} in flight, {args.max_tokens} tokens max) "
