@@ -517,3 +517,150 @@ def live_peaks(ids, offsets, private, pages, reqs, kinds, num_blocks):
         if shared > peak_shared:
             peak_shared = shared
     return peak_unshared, peak_shared
+
+
+# ---------------------------------------------------------------- tiered prefix cache
+# Tiers 0..T-1 (0 = the top, e.g. GPU), each an LRU list over the same block ids: row t of
+# ``tprev``/``tnxt``; ``tmask[x]`` has bit t set while tier t holds block x (write-through keeps
+# copies in several tiers at once; write-back keeps every block in at most one).
+
+MAX_TIERS = 8
+# tctr[t, ...]
+T_HIT_BLOCKS, T_HIT_TOKENS, T_PROMOTED, T_EVICTED, T_DEMOTED, T_ALREADY, T_DROPPED, \
+    T_WRITTEN, T_INSERTED, T_RAISED, T_PEAK, T_REMOVED = range(12)
+N_TIER_COUNTERS = 12
+
+
+def new_tier_state(num_tiers: int, num_blocks: int) -> dict:
+    """Zeroed tier-simulator state for ``num_tiers`` tiers and block ids ``0..num_blocks-1``."""
+    n = max(int(num_blocks), 1)
+    return {
+        "mask": np.zeros(n, np.uint8),
+        "prev": np.full((num_tiers, n), -1, np.int32),
+        "nxt": np.full((num_tiers, n), -1, np.int32),
+        "heads": np.full(num_tiers, -1, np.int64),
+        "tails": np.full(num_tiers, -1, np.int64),
+        "sizes": np.zeros(num_tiers, np.int64),
+        "counters": np.zeros((num_tiers, N_TIER_COUNTERS), np.int64),
+    }
+
+
+@njit(cache=True, inline="always")
+def _t_push(t, x, prev, nxt, heads, tails, sizes):
+    h = heads[t]
+    prev[t, x] = -1
+    nxt[t, x] = h
+    if h >= 0:
+        prev[t, h] = x
+    else:
+        tails[t] = x
+    heads[t] = x
+    sizes[t] += 1
+
+
+@njit(cache=True, inline="always")
+def _t_unlink(t, x, prev, nxt, heads, tails, sizes):
+    p = prev[t, x]
+    n = nxt[t, x]
+    if p >= 0:
+        nxt[t, p] = n
+    else:
+        heads[t] = n
+    if n >= 0:
+        prev[t, n] = p
+    else:
+        tails[t] = p
+    prev[t, x] = -1
+    nxt[t, x] = -1
+    sizes[t] -= 1
+
+
+@njit(cache=True)
+def _t_place(t, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr):
+    """Put block ``x`` (not in tier ``t``) at the most recent end of tier ``t``; a full tier's
+    least recent block is evicted and demoted to the tier below unless that tier already holds
+    it, and so on down; the last tier's victim is dropped. A tier of capacity 0 evicts what it
+    gets at once."""
+    while True:
+        cap = caps[t]
+        victim = x
+        if cap != 0:
+            _t_push(t, x, prev, nxt, heads, tails, sizes)
+            mask[x] |= np.uint8(1 << t)
+            if cap < 0 or sizes[t] <= cap:
+                if sizes[t] > ctr[t, T_PEAK]:
+                    ctr[t, T_PEAK] = sizes[t]
+                return
+            victim = tails[t]
+            _t_unlink(t, victim, prev, nxt, heads, tails, sizes)
+            mask[victim] &= np.uint8(~(1 << t) & 0xFF)
+        ctr[t, T_EVICTED] += 1
+        if t == num_tiers - 1:
+            ctr[t, T_DROPPED] += 1
+            return
+        if mask[victim] & (1 << (t + 1)):
+            ctr[t, T_ALREADY] += 1
+            return
+        ctr[t, T_DEMOTED] += 1
+        x = victim
+        t += 1
+
+
+@njit(cache=True)
+def run_tiers(num_tiers, caps, write_through, ids, offsets, block_tokens, counted, r_begin, r_end,
+              mask, prev, nxt, heads, tails, sizes, ctr, hits_out, req_hit_blocks,
+              req_hit_tokens):
+    """Replay requests ``r_begin..r_end-1`` through LRU tiers (kvdiag.analysis.tiers has the
+    rules). ``hits_out[r]`` = leading blocks found in any tier (prefix match, stops at the first
+    miss); ``req_hit_blocks[r, t]`` / ``req_hit_tokens[r, t]`` = those served by tier ``t`` (the
+    highest tier holding the block); rows with ``counted[r] == 0`` only move blocks."""
+    for r in range(r_begin, r_end):
+        s = offsets[r]
+        e = offsets[r + 1]
+        h = 0
+        while s + h < e and mask[ids[s + h]] != 0:
+            h += 1
+        hits_out[r] = h
+        hit_end = s + h if counted[r] else s
+        for i in range(s, e):
+            x = ids[i]
+            m = mask[x]
+            if m & 1:  # in the top tier: touch
+                if heads[0] != x:
+                    _t_unlink(0, x, prev, nxt, heads, tails, sizes)
+                    _t_push(0, x, prev, nxt, heads, tails, sizes)
+                if i < hit_end:
+                    ctr[0, T_HIT_BLOCKS] += 1
+                    ctr[0, T_HIT_TOKENS] += block_tokens[i]
+                    req_hit_blocks[r, 0] += 1
+                    req_hit_tokens[r, 0] += block_tokens[i]
+                continue
+            if m != 0:  # in a lower tier: up to the top
+                t = 1
+                while not (m & (1 << t)):
+                    t += 1
+                if i < hit_end:  # a prefix hit: read from tier t
+                    ctr[t, T_HIT_BLOCKS] += 1
+                    ctr[t, T_HIT_TOKENS] += block_tokens[i]
+                    ctr[t, T_PROMOTED] += 1
+                    req_hit_blocks[r, t] += 1
+                    req_hit_tokens[r, t] += block_tokens[i]
+                else:  # past the first miss: recomputed, the copy below is not read
+                    ctr[t, T_RAISED] += 1
+                if write_through:  # the copy stays; a read warms it
+                    if i < hit_end and heads[t] != x:
+                        _t_unlink(t, x, prev, nxt, heads, tails, sizes)
+                        _t_push(t, x, prev, nxt, heads, tails, sizes)
+                else:  # exclusive: it leaves tier t
+                    _t_unlink(t, x, prev, nxt, heads, tails, sizes)
+                    mask[x] &= np.uint8(~(1 << t) & 0xFF)
+                    ctr[t, T_REMOVED] += 1
+                _t_place(0, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr)
+                continue
+            ctr[0, T_INSERTED] += 1
+            _t_place(0, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr)
+            if write_through:
+                for t in range(1, num_tiers):
+                    if not (mask[x] & (1 << t)):
+                        ctr[t, T_WRITTEN] += 1
+                        _t_place(t, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr)
