@@ -108,14 +108,15 @@ def _tiers(caps):
 
 requests_st = st.lists(st.lists(st.integers(0, 14), min_size=0, max_size=7), min_size=1,
                        max_size=30)
-caps_st = st.lists(st.one_of(st.none(), st.integers(1, 6)), min_size=1, max_size=4)
+caps_st = st.lists(st.one_of(st.none(), st.integers(0, 6)), min_size=1, max_size=5)
 
 
 @settings(max_examples=300, deadline=None)
-@given(requests_st, caps_st, st.sampled_from(["back", "through"]))
-def test_matches_brute_force_oracle(requests, caps, write):
+@given(requests_st, caps_st, st.sampled_from(["back", "through"]), st.booleans())
+def test_matches_brute_force_oracle(requests, caps, write, generic):
+    """Both kernels: the one for up to 3 tiers and the one for any number."""
     tr = trace_from_blocks(requests, block_size_tokens=4)
-    res = simulate_tiers(tr, _tiers(caps), write, compare_top_alone=False)
+    res = simulate_tiers(tr, _tiers(caps), write, compare_top_alone=False, generic=generic)
     # the oracle sees the trace's dense ids, in the same order
     reqs = [tr.block_ids[tr.offsets[r]:tr.offsets[r + 1]].tolist() for r in range(tr.rows)]
     hits, tier_hits, counters, sizes = oracle(reqs, caps, write)
