@@ -40,6 +40,9 @@ Quantities, per tier ``t``, each with its denominator:
   offload), so only promotions cost TTFT. The top tier moves no bytes to be read.
 - versus the top tier alone: hit tokens of the stack - hit tokens of an LRU cache of the top
   tier's capacity alone, times prefill seconds per token, minus all transfer time; per request.
+- link busy = (promoted + demoted-in + written bytes) / span / the tier's bandwidth: one link
+  for both directions; transfers are not queued in the simulation, so near or above 1 the
+  TTFT effect is optimistic.
 """
 
 from __future__ import annotations
@@ -177,6 +180,14 @@ class TieredResult:
         b = self._bytes(blocks)
         return None if b is None or not self.span_s else b / self.span_s
 
+    def _busy(self, t: int, blocks: int) -> Optional[float]:
+        """Share of the span the tier's link is busy moving ``blocks`` at its bandwidth (one
+        link for reads and writes; > 1: it cannot keep up, and queueing, which is not
+        simulated, would add to TTFT)."""
+        rate = self._rate(blocks)
+        bw = self.tiers[t].bandwidth_bytes_per_s
+        return None if t == 0 or rate is None or not bw else rate / bw
+
     def request_ttft_s(self) -> Optional[np.ndarray]:
         """Per request and tier [requests, tiers]: prefill seconds saved by the tokens the tier
         served minus the seconds to read its promoted blocks (0 where the bandwidth is not
@@ -226,6 +237,7 @@ class TieredResult:
                 "promote(B/s)": self._rate(promoted),
                 "demote_in(B/s)": self._rate(demoted_in),
                 "write(B/s)": self._rate(int(c[K.T_WRITTEN])),
+                "link_busy": self._busy(t, promoted + demoted_in + int(c[K.T_WRITTEN])),
                 "prefill_saved(s/request)": saved,
                 "transfer(s/request)": transfer,
                 "net_ttft(s/request)": None if saved is None or transfer is None

@@ -388,7 +388,7 @@ def _simulate(trace, policy, capacities, bpt, progress=None) -> list:
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:5.1f}%"
+    return "-" if x is None or x != x else f"{100 * x:5.1f}%"
 
 
 def _bytes(n) -> str:
@@ -515,7 +515,7 @@ def _print_tiers(trace, res) -> None:
                   f"write-{res.write}")
     table = Table(show_edge=False)
     for col in ("tier", "capacity (blocks)", "block hit", "token hit", "promote", "demote in",
-                "write", "dropped (blocks)", "saved ms/req", "transfer ms/req", "net TTFT saved ms/req"):
+                "write", "link busy", "dropped (blocks)", "saved ms/req", "transfer ms/req", "net TTFT saved ms/req"):
         table.add_column(col, justify="left" if col == "tier" else "right")
     for r in res.per_tier().to_dict("records"):
         cap = r["capacity_blocks"]
@@ -523,7 +523,7 @@ def _print_tiers(trace, res) -> None:
             else str(int(cap))
         table.add_row(r["tier"], cap, _pct(r["block_hit_rate"]), _pct(r["token_hit_rate"]),
                       _rate(r["promote(B/s)"]), _rate(r["demote_in(B/s)"]),
-                      _rate(r["write(B/s)"]), str(r["dropped_blocks"]),
+                      _rate(r["write(B/s)"]), _pct(r["link_busy"]), str(r["dropped_blocks"]),
                       _ms(r["prefill_saved(s/request)"]), _ms(r["transfer(s/request)"]),
                       _ms(r["net_ttft(s/request)"]))
     console.print(table)
