@@ -212,6 +212,7 @@ def test_ttft_effect_by_hand():
     assert per_req[:, 1].tolist() == pytest.approx([0.0, 0.0, 0.1])
     assert res.top_alone_hit_tokens == 0  # LRU of 2 blocks alone: 1, 2 evicted by 3, 4
     assert res.versus_top_alone_s_per_request() == pytest.approx(0.1 / 3)
+    assert res.request_quantiles((0.5, 1.0)) == pytest.approx({"p50": 0.0, "p100": 0.1})
 
 
 # ---------------------------------------------------------------- parsing, prefill cost
@@ -260,6 +261,8 @@ def test_replay_tiers_json_on_mooncake():
     assert sum(t["hit_blocks"] for t in tiers) == unbounded.hit_blocks
     assert obj["prefill_source"] == "--prefill-s-per-token"
     assert tiers[1]["transfer(s/request)"] > 0 and obj["net_ttft_vs_top_alone(s/request)"] is not None
+    q = obj["net_ttft_saved_quantiles(s)"]
+    assert q["p50"] <= q["p90"] <= q["p99"]
 
 
 def test_replay_tiers_on_a_kvdiag_log_measures_prefill_cost():
@@ -277,3 +280,5 @@ def test_replay_tiers_bad_spec_is_one_line():
     out = _replay(str(MOONCAKE), "--tiers", "gpu=40GiB")
     assert out.returncode == 2
     assert "bytes per block" in out.stderr and "Traceback" not in out.stderr
+    out = _replay(str(MOONCAKE), "--tiers", "gpu=10", "--capacity", "100")
+    assert out.returncode == 2 and "--tiers replaces --capacity" in out.stderr

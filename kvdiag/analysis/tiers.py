@@ -202,6 +202,17 @@ class TieredResult:
                     tier.bandwidth_bytes_per_s
         return saved - cost
 
+    def request_quantiles(self, qs: Sequence[float] = (0.5, 0.9, 0.99)) -> Optional[dict]:
+        """Quantiles over requests of the net TTFT saved by all tiers (saved prefill - reads),
+        ``{"p50": s, ...}``; None when a lower tier's bandwidth, the bytes per block or the
+        prefill cost is unknown."""
+        per = self.request_ttft_s()
+        if per is None or not len(per) or (len(self.tiers) > 1 and not self.block_bytes) or \
+                any(not t.bandwidth_bytes_per_s for t in self.tiers[1:]):
+            return None
+        total = per.sum(axis=1)
+        return {f"p{round(100 * q):d}": float(np.quantile(total, q)) for q in qs}
+
     def per_tier(self) -> pd.DataFrame:
         """One row per tier: hits, bytes moved (and per second), TTFT effect per request."""
         rows = []
@@ -273,6 +284,7 @@ class TieredResult:
             "prefill_source": self.prefill_source,
             "top_alone_hit_tokens": self.top_alone_hit_tokens,
             "net_ttft_vs_top_alone(s/request)": self.versus_top_alone_s_per_request(),
+            "net_ttft_saved_quantiles(s)": self.request_quantiles(),
             "tiers": [{k: (None if isinstance(v, float) and np.isnan(v) else v)
                        for k, v in row.items()} for row in tiers.to_dict("records")],
         }

@@ -446,6 +446,12 @@ def _run_tiers(args: argparse.Namespace, read) -> int:
     from kvdiag.analysis import tiers as T
     from kvdiag.analysis.traces import TraceFormatError, detect_format, load_trace
 
+    clash = [flag for flag, on in (("--policy", args.policy), ("--policy-file", args.policy_file),
+                                   ("--capacity", args.capacity), ("--curve", args.curve)) if on]
+    if clash:
+        print(f"kvdiag replay: --tiers replaces {', '.join(clash)} (each tier is LRU with its own "
+              "capacity)", file=sys.stderr)
+        return 2
     try:
         stack = T.parse_tiers(args.tiers)
     except ValueError as exc:
@@ -537,6 +543,10 @@ def _print_tiers(trace, res) -> None:
     else:
         console.print(f"prefill cost: {1e6 * res.prefill_s_per_token:.2f} us/token "
                       f"({res.prefill_source})")
+    q = res.request_quantiles()
+    if q is not None:
+        console.print("net TTFT saved by all tiers per request: " +
+                      ", ".join(f"{k} {_ms(v)} ms" for k, v in q.items()))
     vs = res.versus_top_alone_s_per_request()
     console.print(f"net TTFT saved vs the top tier alone (LRU, {res.top_alone_hit_tokens} hit "
                   f"tokens): {_ms(vs)} ms per request (positive = faster; transfers are "
