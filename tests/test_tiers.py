@@ -28,10 +28,11 @@ DEMO_LOG = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvl
 # ---------------------------------------------------------------- brute-force oracle
 
 
-def oracle(requests: list[list[int]], caps: list, write: str):
+def oracle(requests: list[list[int]], caps: list, write: str, counted=None):
     """Per-request prefix hits (any tier), per-request hits by serving tier and the tier
     counters, by kvdiag.analysis.tiers' rules, as directly as possible: one Python list per
-    tier, least recently used first; ``caps[t]`` None = unbounded."""
+    tier, least recently used first; ``caps[t]`` None = unbounded. ``counted[r]`` False: a row
+    of blocks a request adds at finish (nothing is read or counted as a hit)."""
     T = len(caps)
     tiers: list[list[int]] = [[] for _ in range(T)]
     c = [dict(evicted=0, demoted=0, already=0, dropped=0, written=0, promoted=0, removed=0,
@@ -55,11 +56,13 @@ def oracle(requests: list[list[int]], caps: list, write: str):
             c[t]["demoted"] += 1
             x, t = victim, t + 1
 
-    for req in requests:
+    for r, req in enumerate(requests):
         h = 0
         while h < len(req) and any(req[h] in tier for tier in tiers):
             h += 1
         hits.append(h)
+        if counted is not None and not counted[r]:
+            h = 0
         per = [0] * T
         for i, x in enumerate(req):
             if x in tiers[0]:
@@ -122,6 +125,30 @@ def test_matches_brute_force_oracle(requests, caps, write, generic):
     hits, tier_hits, counters, sizes = oracle(reqs, caps, write)
     assert res.request_hit_blocks.tolist() == hits
     assert res.request_tier_hit_blocks.tolist() == tier_hits
+    for t in range(len(caps)):
+        for name, k in _NAMES.items():
+            assert res.counter(t, k) == counters[t][name], (t, name)
+    assert res.final_sizes.tolist() == sizes
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests_st, caps_st, st.sampled_from(["back", "through"]), st.data())
+def test_rows_added_at_finish_match_the_oracle(requests, caps, write, data):
+    """kvdiag logs' traces carry rows of blocks a request adds when it finishes: they move
+    blocks to the top tier but read nothing and count no hit."""
+    from kvdiag.analysis.traces import TraceBuilder
+
+    counted = data.draw(st.lists(st.booleans(), min_size=len(requests), max_size=len(requests)))
+    b = TraceBuilder(4, "blocks", "")
+    for keys, c in zip(requests, counted):
+        b.add(np.asarray(keys, np.int64), 4 * len(keys), counted=c)
+    tr = b.build()
+    res = simulate_tiers(tr, _tiers(caps), write, compare_top_alone=False)
+    reqs = [tr.block_ids[tr.offsets[r]:tr.offsets[r + 1]].tolist() for r in range(tr.rows)]
+    hits, tier_hits, counters, sizes = oracle(reqs, caps, write, counted)
+    keep = [r for r in range(len(requests)) if counted[r]]
+    assert res.request_hit_blocks.tolist() == [hits[r] for r in keep]
+    assert res.request_tier_hit_blocks.tolist() == [tier_hits[r] for r in keep]
     for t in range(len(caps)):
         for name, k in _NAMES.items():
             assert res.counter(t, k) == counters[t][name], (t, name)
