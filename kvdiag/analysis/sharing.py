@@ -14,7 +14,8 @@ main FIFO with a 2-bit reinsertion counter, a ghost FIFO of evicted ids as large
 the cache sends re-referenced ones straight to main) and ``opt`` (Belady: evict the block
 referenced furthest in the future; with chained keys a block is never needed before its
 prefix, so this is the optimum of prefix-match hits too: the upper bound). Policies written
-in Python replay with the same semantics through :mod:`kvdiag.analysis.policy_replay`.
+in Python replay with the same semantics through :mod:`kvdiag.analysis.policy_replay`; a stack
+of LRU tiers (GPU, CPU, disk) with the same lookup through :mod:`kvdiag.analysis.tiers`.
 
 Rates, each with its denominator:
 

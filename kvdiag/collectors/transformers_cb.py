@@ -15,6 +15,14 @@ What is observed, and where:
   ``acquire_prefix_blocks`` (prefix hits), ``mark_complete_blocks`` (hash registration and
   on-the-spot de-duplication), ``free_blocks`` (release, cached or not; ``no_cache`` =
   preemption), ``BlockLedger.evict_cached_blocks`` (eviction);
+- preemption: when the pool cannot hold the next step, the engine's ``OffloadingManager``
+  (transformers >= 5.2x) evicts cached blocks, then frees running requests' blocks with
+  ``free_blocks(no_cache=True)`` (``RequestPreempted``), copies them to a CPU swap pool if one
+  is configured or else "soft resets" them (prompt + generated tokens re-prefilled later), and
+  requeues them through ``Scheduler.finish_request`` + ``add_waiting_request``. That
+  ``finish_request`` is not the request's end: no ``RequestFinished`` is emitted for it; the
+  request is scheduled again later (a second ``RequestScheduled``), keeps its first-token time,
+  and finishes once with all its output tokens;
 - steps: ``ContinuousBatchProcessor._generation_step`` (forward + sampling time, batch
   composition) and a ``KVPoolSample`` at most every ``sample_interval_s``.
 
@@ -120,6 +128,10 @@ class TransformersCBAdapter:
         self._originals: list[tuple[type, str, Any, bool]] = []
         self._step_id = 0
         self._finished_count = 0
+        # requests whose KV was just freed by a preemption (free_blocks(no_cache=True)): the
+        # engine then calls Scheduler.finish_request on them and requeues them; that is not
+        # their end
+        self._preempted: set[str] = set()
         self._last_sample_ns = 0
         self._processor_ref: Optional[weakref.ref] = None
         self._reported_errors: set[str] = set()
@@ -225,7 +237,7 @@ class TransformersCBAdapter:
     def _on_first_token(self, request_id: str) -> None:
         now = time.time_ns()
         req = self._request(request_id)
-        if req is None:
+        if req is None or req.first_token_ns is not None:  # a preempted request starts over
             return
         req.first_token_ns = now
         self._emit(RequestFirstToken(ts_ns=now, request_id=request_id, ttft_ns=elapsed_ns(req.arrived_ns, now)))
@@ -236,6 +248,9 @@ class TransformersCBAdapter:
             req = self._requests.pop(request_id, None)
         prompt = req.prompt_tokens if req is not None else len(getattr(state, "initial_tokens", ()) or ())
         output = len(state.generated_tokens) if state is not None else 0
+        true_initial = getattr(state, "_true_initial_tokens", 0) or 0
+        if true_initial:  # soft reset after a preemption: earlier output became prompt
+            output += max(len(state.initial_tokens) - true_initial, 0)
         self._emit(RequestFinished(
             ts_ns=now, request_id=request_id, prompt_tokens=prompt, output_tokens=output,
             cached_prompt_tokens=req.cached_tokens if req is not None else 0, status=status,
@@ -279,6 +294,8 @@ class TransformersCBAdapter:
         block_to_hash = allocator.ledger.block_to_hash
         free = self._free_blocks_of(allocator)
         if no_cache:
+            with self._lock:
+                self._preempted.add(request_id)
             self._emit(RequestPreempted(ts_ns=now, request_id=request_id, blocks_freed=len(held)))
         for block_id in held:
             self._emit(BlockReleased(ts_ns=now, request_id=request_id, block_id=block_id,
@@ -467,6 +484,11 @@ def _patch_finish_request(adapter: TransformersCBAdapter, orig: Callable) -> Cal
     failed = _request_status().FAILED
 
     def finish_request(self, request_id):
+        with adapter._lock:
+            preempted = request_id in adapter._preempted
+            adapter._preempted.discard(request_id)
+        if preempted:  # the engine's preemption drops the request to requeue it: no finish
+            return orig(self, request_id)
         state = self.active_requests.get(request_id)
         leak = False
         if adapter.inject_leak_every > 0:

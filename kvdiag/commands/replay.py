@@ -77,6 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-shared-tokens", type=int, default=16, metavar="N",
                         help="--similarity: two requests share a system prompt when their first "
                              "N tokens are equal (default 16)")
+    parser.add_argument("--tiers", metavar="SPEC",
+                        help="tiered what-if instead of policies: NAME=CAP[,BW],... top tier "
+                             "first, e.g. gpu=2000,cpu=40GiB,25GB/s,disk=unbounded,3GB/s; CAP in "
+                             "blocks, bytes (needs the bytes per token) or unbounded; BW = bytes/s "
+                             "of reading the tier into the top one (docs/tiers.md)")
+    parser.add_argument("--tier-write", choices=("back", "through"), default="back",
+                        help="lower tiers: write-back (a block goes down only when evicted; "
+                             "default) or write-through (every new block is stored below at once)")
+    parser.add_argument("--prefill-s-per-token", type=float, metavar="S",
+                        help="--tiers: prefill seconds per prompt token (default: fitted on a "
+                             "kvdiag log's engine steps)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of a table: the trace's counts, "
                              "\"rows\" (one per policy and capacity, or curve point) and "
@@ -162,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.similarity:
         return _run_similarity(args, read)
+    if args.tiers:
+        return _run_tiers(args, read)
     try:
         policies = _policies(args)
     except PolicyError as exc:
@@ -375,7 +388,7 @@ def _simulate(trace, policy, capacities, bpt, progress=None) -> list:
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:5.1f}%"
+    return "-" if x is None or x != x else f"{100 * x:5.1f}%"
 
 
 def _bytes(n) -> str:
@@ -423,3 +436,121 @@ def _print_table(info: dict, rows, curve: bool) -> None:
                       "(cached_prompt_tokens / prompt tokens of finished requests)")
     for note in info["notes"]:
         console.print(f"note: {note}")
+
+
+# ---------------------------------------------------------------- tiered what-if
+
+
+def _run_tiers(args: argparse.Namespace, read) -> int:
+    """``--tiers``: the trace through a stack of LRU tiers (kvdiag.analysis.tiers)."""
+    from kvdiag.analysis import tiers as T
+    from kvdiag.analysis.traces import TraceFormatError, detect_format, load_trace
+
+    clash = [flag for flag, on in (("--policy", args.policy), ("--policy-file", args.policy_file),
+                                   ("--capacity", args.capacity), ("--curve", args.curve)) if on]
+    if clash:
+        print(f"kvdiag replay: --tiers replaces {', '.join(clash)} (each tier is LRU with its own "
+              "capacity)", file=sys.stderr)
+        return 2
+    try:
+        stack = T.parse_tiers(args.tiers)
+    except ValueError as exc:
+        print(f"kvdiag replay: --tiers: {exc}", file=sys.stderr)
+        return 2
+    if args.prefill_s_per_token is not None and not args.prefill_s_per_token >= 0:
+        print("kvdiag replay: --prefill-s-per-token: expected a number >= 0", file=sys.stderr)
+        return 2
+    try:
+        fmt = args.format or detect_format(args.trace)
+        trace = load_trace(args.trace, format=fmt, block_size_tokens=args.block_size,
+                           hash_algorithm=args.hash, read=read)
+        if read.problems and not trace.requests:
+            raise TraceFormatError(f"{args.trace}: expected at least one readable request, found "
+                                   f"only unreadable lines (first: {read.problems[0]})")
+    except TraceFormatError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    tell_skipped("replay", read.problems)
+    prefill, source = args.prefill_s_per_token, "--prefill-s-per-token"
+    if prefill is None and fmt == "kvdiag":
+        prefill = T.prefill_s_per_token_of_log(args.trace)
+        source = "engine steps of the log (least-squares marginal cost per prefill token)"
+    bpt = args.bytes_per_token or trace.bytes_per_token
+    bar, tick = _progress(trace.block_refs, args.json)
+    try:
+        res = T.simulate_tiers(trace, stack, args.tier_write, bytes_per_token=bpt,
+                               prefill_s_per_token=prefill, prefill_source=source, progress=tick)
+    except ValueError as exc:
+        print(f"kvdiag replay: --tiers: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.stop()
+    try:
+        if args.json:
+            obj = {"source": trace.source, "format": trace.format, **res.to_json(),
+                   "skipped_lines": skipped_lines(read.problems)}
+            print(json.dumps(obj, indent=1, default=float))
+        else:
+            _print_tiers(trace, res)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _rate(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "N/A"
+    return _bytes(x) + "/s"
+
+
+def _ms(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "N/A"
+    return f"{1e3 * x:+.2f}"
+
+
+def _print_tiers(trace, res) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{trace.source}[/] ({trace.format}): {res.requests} requests, "
+                  f"{res.block_refs} block refs of {res.block_size_tokens} tokens; tiers LRU, "
+                  f"write-{res.write}")
+    table = Table(show_edge=False)
+    for col in ("tier", "capacity (blocks)", "block hit", "token hit", "promote", "demote in",
+                "write", "link busy", "dropped (blocks)", "saved ms/req", "transfer ms/req", "net TTFT saved ms/req"):
+        table.add_column(col, justify="left" if col == "tier" else "right")
+    for r in res.per_tier().to_dict("records"):
+        cap = r["capacity_blocks"]
+        cap = "unbounded" if cap is None or (isinstance(cap, float) and math.isnan(cap)) \
+            else str(int(cap))
+        table.add_row(r["tier"], cap, _pct(r["block_hit_rate"]), _pct(r["token_hit_rate"]),
+                      _rate(r["promote(B/s)"]), _rate(r["demote_in(B/s)"]),
+                      _rate(r["write(B/s)"]), _pct(r["link_busy"]), str(r["dropped_blocks"]),
+                      _ms(r["prefill_saved(s/request)"]), _ms(r["transfer(s/request)"]),
+                      _ms(r["net_ttft(s/request)"]))
+    console.print(table)
+    console.print(f"all tiers: block hit {_pct(res.block_hit_rate)}, token hit "
+                  f"{_pct(res.token_hit_rate)}; rates per second over the trace's span "
+                  f"({'N/A' if res.span_s is None else f'{res.span_s:.1f} s'}); block "
+                  f"{_bytes(res.block_bytes)}")
+    if res.prefill_s_per_token is None:
+        console.print("prefill cost: N/A (give --prefill-s-per-token, or a kvdiag log with "
+                      "engine steps)")
+    else:
+        console.print(f"prefill cost: {1e6 * res.prefill_s_per_token:.2f} us/token "
+                      f"({res.prefill_source})")
+    q = res.request_quantiles()
+    if q is not None:
+        console.print("net TTFT saved by all tiers per request: " +
+                      ", ".join(f"{k} {_ms(v)} ms" for k, v in q.items()))
+    vs = res.versus_top_alone_s_per_request()
+    console.print(f"net TTFT saved vs the top tier alone (LRU, {res.top_alone_hit_tokens} hit "
+                  f"tokens): {_ms(vs)} ms per request (positive = faster; transfers are "
+                  f"promotions only: demotions "
+                  f"and writes are asynchronous)" if vs is not None else
+                  "net TTFT saved vs the top tier alone: N/A (needs the prefill cost, the bytes per "
+                  "token and every lower tier's bandwidth)")
