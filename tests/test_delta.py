@@ -163,6 +163,9 @@ def test_table_savings_are_the_sums_of_the_events():
     assert table.loc["all", "quant_saving"] == pytest.approx(0.5)
     assert table.loc["all", "prev_saving"] == pytest.approx(0.8)
     assert table.loc["13+", "rewrites"] == 2
+    prev = [r for r in rows if r.reference == "previous"]
+    assert table.loc["all", "delta_vs_quant_referenced"] == pytest.approx(
+        1 - sum(r.delta_bytes for r in prev) / sum(r.quant_bytes for r in prev))
     assert table.loc["all", "ref_duplicate"] == pytest.approx(1 / 3)
     assert table.loc["all", "encode_us"] == pytest.approx(1.0)
 

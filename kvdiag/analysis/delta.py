@@ -8,7 +8,9 @@ duplicates stored once: lossless); ``delta_saving`` = 1 - sum(delta_bytes) / sum
 bound saves, to separate it from what the reference adds). On rewritten blocks only
 (``rewrites`` = their events): ``prev_saving`` = 1 - sum(prev_bytes) / sum(full_bytes) (delta
 against the block's previous version) next to ``delta_saving_rewrites`` (the best stored block)
-on the same events. Errors are means over events (``attn_out_rel_error_p95`` the 95th
+on the same events. ``delta_vs_quant_referenced`` = 1 - sum(delta_bytes) / sum(quant_bytes)
+over the events whose delta used a stored block (reference previous or other): what the
+reference saves beyond quantizing the block alone, where one was found. Errors are means over events (``attn_out_rel_error_p95`` the 95th
 percentile); ``encode_us`` / ``decode_us`` are means per written block and layer. Groups are
 1-based as in :mod:`kvdiag.analysis.compression`; the last row, ``all``, covers every layer.
 """
@@ -23,7 +25,7 @@ import pandas as pd
 from kvdiag.analysis.compression import ARTICLE_GROUPS, _group_of, parse_groups
 
 TABLE_COLUMNS = ["group", "writes", "full_mib", "dedup_saving", "delta_saving", "quant_saving",
-                 "rewrites", "prev_saving", "delta_saving_rewrites", "ref_duplicate", "ref_previous",
+                 "delta_vs_quant_referenced", "rewrites", "prev_saving", "delta_saving_rewrites", "ref_duplicate", "ref_previous",
                  "ref_other", "ref_zero", "ref_full", "k_rel_error", "v_rel_error", "attn_out_rel_error",
                  "attn_out_rel_error_p95", "encode_us", "decode_us"]
 REFERENCES = ("duplicate", "previous", "other", "zero", "full")
@@ -34,11 +36,14 @@ def _row(label: str, df: pd.DataFrame) -> dict:
     rw = df[df["rewrite"].astype(bool)]
     rw_full = float(rw["full_bytes"].sum())
     attn = pd.to_numeric(df["attn_out_rel_error"], errors="coerce")
+    ref = df[df["reference"].isin(["previous", "other"])]
     row = {
         "group": label, "writes": len(df), "full_mib": full / 2**20,
         "dedup_saving": 1 - df["dedup_bytes"].sum() / full if full else np.nan,
         "delta_saving": 1 - df["delta_bytes"].sum() / full if full else np.nan,
         "quant_saving": 1 - df["quant_bytes"].sum() / full if full else np.nan,
+        "delta_vs_quant_referenced": (1 - ref["delta_bytes"].sum() / ref["quant_bytes"].sum())
+        if len(ref) else np.nan,
         "rewrites": len(rw),
         "prev_saving": (1 - pd.to_numeric(rw["prev_bytes"]).sum() / rw_full) if rw_full else np.nan,
         "delta_saving_rewrites": (1 - rw["delta_bytes"].sum() / rw_full) if rw_full else np.nan,
