@@ -199,3 +199,13 @@ def test_driver_shares_prefixes_rewrites_partial_blocks_and_reports(tmp_path):
     assert main(["report", str(log), "--format", "md", "-o", str(tmp_path / "r.md")]) == 0
     body = (tmp_path / "r.md").read_text().split("## Differential KV writes\n", 1)[1].split("\n## ", 1)[0]
     assert "| all |" in body and "dedup_saving" in body
+
+
+@pytest.mark.parametrize("bad", [["--turns", "0"], ["--block-tokens", "0"], ["--delta-bound", "0"],
+                                 ["--delta-bound", "1.5"]])
+def test_bad_delta_options_exit_2_with_one_line(bad, capsys):
+    from kvdiag.cli import main
+
+    assert main(["shadow", "--delta", *bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--delta-bound" in err

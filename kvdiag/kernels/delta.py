@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvdiag.schema import ShadowDelta
+
 WIDTHS = (0, 2, 4, 8, 16, 32)  # bits per value of each width class (32: raw fp32)
 LIMITS = (0, 1, 7, 127, 32767)  # largest |code| of classes 0-4
 REF_BYTES = 8  # a 64-bit key naming a stored block: what a deduplicated write costs
@@ -197,12 +199,8 @@ class DeltaWriter:
 
     def write(self, key, block_index: int, layers_kv, start: int, end: int, queries=None,
               scaling: float | None = None) -> list:
-        import time as _time
-
-        from kvdiag.schema import ShadowDelta
-
         events = []
-        ts = _time.time_ns()
+        ts = time.time_ns()
         self.writes += 1
         seq_len = int(layers_kv[0][0].shape[2])
         with torch.no_grad():
@@ -217,8 +215,6 @@ class DeltaWriter:
         return events
 
     def _layer(self, key, block_index: int, layer: int, x: torch.Tensor, seq_len: int, ts: int):
-        from kvdiag.schema import ShadowDelta
-
         h, t, d = x.shape[1], x.shape[2], x.shape[3]
         full = x.numel() * x.element_size()
         ck = content_key(x)
