@@ -209,3 +209,16 @@ def test_bad_delta_options_exit_2_with_one_line(bad, capsys):
     assert main(["shadow", "--delta", *bad]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--delta-bound" in err
+
+
+def test_full_bytes_are_in_the_served_dtype_and_the_order_holds_for_fp16():
+    x = _random_block(7, 64).half()
+    kv = [(x[0][None], x[1][None])]
+    sink = ListSink()
+    w = D.DeltaWriter(sink, bound=0.01)
+    w.write("a", 0, kv, 0, 32)
+    w.write("b", 0, kv, 0, 32)
+    for e in sink.events:
+        assert e.full_bytes == 2 * 3 * 32 * 64 * 2
+        assert e.full_bytes >= e.dedup_bytes >= e.delta_bytes
+    assert sink.events[1].reference == "duplicate"

@@ -206,7 +206,8 @@ class DeltaWriter:
         with torch.no_grad():
             for layer, (k, v) in enumerate(layers_kv):
                 x = torch.stack([k[0, :, start:end], v[0, :, start:end]]).float().contiguous()
-                ev, x_hat = self._layer(key, block_index, layer, x, seq_len, ts)
+                full = x.numel() * k.element_size()  # in the dtype the engine serves
+                ev, x_hat = self._layer(key, block_index, layer, x, full, seq_len, ts)
                 q = queries[layer] if queries is not None else None
                 if q is not None:
                     ev.attn_out_rel_error = attn_out_rel_error(q, k, v, start, end, x_hat, scaling)
@@ -214,9 +215,8 @@ class DeltaWriter:
                 events.append(ev)
         return events
 
-    def _layer(self, key, block_index: int, layer: int, x: torch.Tensor, seq_len: int, ts: int):
+    def _layer(self, key, block_index: int, layer: int, x: torch.Tensor, full: int, seq_len: int, ts: int):
         h, t, d = x.shape[1], x.shape[2], x.shape[3]
-        full = x.numel() * x.element_size()
         ck = content_key(x)
         prev = self.versions.get((key, block_index, layer))
         quant = encode(x, None, self.bound)
