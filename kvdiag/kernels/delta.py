@@ -180,7 +180,8 @@ class DeltaWriter:
     ``write(key, block_index, layers_kv, start, end, queries, scaling)``: the block of tokens
     [start, end) of a sequence (``layers_kv``: per layer (K, V) [1, H, T, D] of the whole
     sequence; ``queries``: per layer the sequence's last query [1, QH, 1, D] or None) is
-    written under ``key`` (e.g. (conversation, block index)). One :class:`ShadowDelta` per
+    written as block ``block_index`` of the sequence ``key`` (e.g. a conversation); a second
+    write of the same (key, block index) is a rewrite. One :class:`ShadowDelta` per
     layer goes to ``sink``. The store keeps every bitwise content key it has seen, and per
     (block index, layer) the last :data:`MAX_CANDIDATES` stored blocks (as a reader rebuilds
     them) as delta references; "most similar" = smallest sum over (K/V, head) of
