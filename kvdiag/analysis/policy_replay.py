@@ -117,9 +117,10 @@ def _fast_replay(trace: Trace, policy: Policy, cap: Optional[int], hits_out: np.
     from kvdiag.analysis.learned_policies import LeCaRPolicy, PrefixLRUPolicy
 
     kind = type(policy)
-    if kind not in (LeCaRPolicy, PrefixLRUPolicy) or len(trace.block_ids) >= 1 << 23:
+    if kind not in (LeCaRPolicy, PrefixLRUPolicy):
         return False
-    if kind is LeCaRPolicy and (policy.learning_rate != LeCaRPolicy.learning_rate or policy.seed != LeCaRPolicy.seed):
+    if kind is LeCaRPolicy and (policy.learning_rate != LeCaRPolicy.learning_rate or policy.seed != LeCaRPolicy.seed
+                                or len(trace.block_ids) >= 1 << 23):  # its heap key packs count and time
         return False
     from kvdiag.analysis import _policykernels as P
 
