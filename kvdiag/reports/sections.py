@@ -325,7 +325,8 @@ def differential(logs: Logs) -> Section:
     sec.blocks.append(Text(
         f"{len(de):,} block-layer writes; savings are fractions of the bytes written in full. Dedup is "
         f"lossless; delta and quantization-only keep every element within {', '.join(f'{b:g}' for b in bound)} "
-        f"x the rms of its (K/V, head). The delta's own gain is delta_saving - quant_saving."))
+        f"x the rms of its (K/V, head); quant_saving is quantization alone at that bound, and "
+        f"delta_vs_quant_referenced what a stored reference saves beyond it where one was used."))
     sec.blocks.append(Table("Per layer group (1-based): savings, references used, errors, µs per block-layer",
                             tbl.round(4)))
     per = _delta.by_layer(de)
