@@ -25,11 +25,11 @@ from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.4"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+SCHEMA_VERSION = "1.5"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
 # PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: MemoryBandwidthProbe,
 # HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget; 1.4: ShadowBudget.clock (CPU-time
-# budget), sample_rate, sample_rate_max
+# budget), sample_rate, sample_rate_max; 1.5: ShadowDelta
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -468,6 +468,42 @@ class ShadowLogits(Event, tag="shadow_logits"):
     top1_agreement: Fraction
 
 
+class ShadowDelta(Event, tag="shadow_delta"):
+    """One layer of one KV block written out of the pool (offloaded, persisted, migrated),
+    measured in shadow: the bytes a writer needs under four encodings (kvdiag.kernels.delta).
+
+    ``full_bytes``: the block as served (K+V). ``dedup_bytes``: ``full_bytes``, or a 64-bit
+    key when a bitwise-equal block is already stored. ``delta_bytes``: the smallest of
+    ``dedup_bytes`` and a quantized delta against the most similar stored block at the same
+    positions and layer (``reference``: duplicate, previous (this block's earlier version),
+    other, zero (no stored block was closer than the zero block), full (no delta was
+    smaller)). ``quant_bytes``: the same encoder against the zero block (quantization alone,
+    at the same bound). ``prev_bytes``: a delta against the previous version of this block,
+    when it was written before (a rewrite). Every delta keeps each element within
+    ``error_bound`` x the rms of its (K/V, head); errors are those of ``delta_bytes``'s
+    reconstruction: relative Frobenius errors of the block's K and V, and of the attention
+    output of the sequence's last query with this block replaced (``attn_out_rel_error``).
+    ``encode_ns`` includes the reference search."""
+
+    layer: Index
+    block_index: Count
+    block_tokens: Count
+    seq_len_tokens: Count
+    rewrite: bool
+    full_bytes: Count
+    dedup_bytes: Count
+    delta_bytes: Count
+    quant_bytes: Count
+    prev_bytes: Optional[Count] = None
+    reference: str = "full"
+    error_bound: NonNegative = 0.0
+    k_rel_error: NonNegative = 0.0
+    v_rel_error: NonNegative = 0.0
+    attn_out_rel_error: Optional[NonNegative] = None
+    encode_ns: Optional[Count] = None
+    decode_ns: Optional[Count] = None
+
+
 # ---------------------------------------------------------------- collector health
 
 
@@ -543,6 +579,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ShadowSimilarity,
     ShadowLogits,
     ShadowBudget,
+    ShadowDelta,
     CollectorGap,
     CollectorError,
     CollectorStatus,

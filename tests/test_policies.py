@@ -358,3 +358,40 @@ def test_a_policy_that_cannot_be_created_is_named(tmp_path):
     with pytest.raises(PolicyError, match=r"my_policy.py:6: policy 'NoInit' raised KeyError: "
                        r"'x' when created"):
         simulate_policy(trace_from_blocks([[1]]), policy, 1)
+
+
+# ---------------------------------------------------------------- numba replays of the learned plug-ins
+
+
+def test_python_draws_are_the_generators_own():
+    import random
+
+    from kvdiag.analysis._policykernels import python_draws
+
+    rng = random.Random(LeCaRPolicy.seed)
+    assert python_draws(LeCaRPolicy.seed, 1000).tolist() == [rng.random() for _ in range(1000)]
+
+
+@pytest.mark.parametrize("plugin", [LeCaRPolicy, PrefixLRUPolicy])
+def test_learned_numba_replays_equal_the_python_hooks_on_mooncake(plugin):
+    trace = load_trace(MOONCAKE)
+    for capacity in (0, 1, 700, 5000, None):
+        _same_run(simulate_policy(trace, plugin, capacity, fast=False),
+                  simulate_policy(trace, plugin, capacity))
+
+
+@pytest.mark.parametrize("plugin", [LeCaRPolicy, PrefixLRUPolicy])
+def test_learned_numba_replays_equal_the_python_hooks_on_a_recorded_log(plugin):
+    trace = load_trace(DEMO_LOG)
+    for capacity in (1, 8, 40, None):
+        _same_run(simulate_policy(trace, plugin, capacity, fast=False),
+                  simulate_policy(trace, plugin, capacity))
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_requests, st.one_of(st.none(), st.integers(0, 12)))
+def test_learned_numba_replays_equal_the_python_hooks_on_random_traces(requests, capacity):
+    trace = trace_from_blocks(requests)
+    for plugin in (LeCaRPolicy, PrefixLRUPolicy):
+        _same_run(simulate_policy(trace, plugin, capacity, fast=False),
+                  simulate_policy(trace, plugin, capacity))

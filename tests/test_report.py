@@ -169,7 +169,8 @@ def test_sparse_log_says_what_is_absent(tmp_path, capsys):
         w.record(s.CollectorStatus(ts_ns=1, collector="nvml", available=False, hint="no GPU"))
     assert main(["report", str(log), "-o", str(tmp_path / "r.md")]) == 0
     text = (tmp_path / "r.md").read_text()
-    for section in ("Memory over time", "Prefix sharing", "KV compression", "Attention locality",
+    for section in ("Memory over time", "Prefix sharing", "KV compression", "Differential KV writes",
+                    "Attention locality",
                     "Latency and P99 regressions", "Requests"):
         body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
         assert "Not in these logs" in body, section

@@ -63,8 +63,12 @@ def simulate_policy(trace: Trace, policy_class: Callable[[], Policy],
                     capacity_blocks: Optional[int] = None, *,
                     capacity_bytes: Optional[int] = None,
                     bytes_per_token: Optional[int] = None,
-                    label: Optional[str] = None) -> SharingResult:
+                    label: Optional[str] = None, fast: bool = True) -> SharingResult:
     """Replay ``trace`` through a fresh ``policy_class()`` at one capacity (None = unbounded).
+
+    ``fast``: the shipped learned plug-ins (``lecar``, ``prefix-lru``, exactly those classes
+    with their default settings) replay in numba (:mod:`kvdiag.analysis._policykernels`),
+    decision for decision the same as their Python hooks; ``fast=False`` runs the hooks.
 
     Raises :class:`PolicyError` when a hook raises or ``victim`` returns a block that is not
     cached.
@@ -84,6 +88,9 @@ def simulate_policy(trace: Trace, policy_class: Callable[[], Policy],
     hits_out = np.zeros(trace.rows, dtype=np.int64)
     age_hist = np.zeros(K.AGE_BINS, dtype=np.int64)
     counts = [0, 0]  # evictions, peak cached blocks
+    if fast and _fast_replay(trace, policy, cap, hits_out, age_hist, counts):
+        return result_of_run(trace, name, cap, hits_out, counts[0], counts[1], age_hist,
+                             bytes_per_token)
     try:
         policy.reset(cap, stats)
         _replay(trace, policy, cap, stats, ref, hits_out, age_hist, counts)
@@ -101,6 +108,41 @@ def simulate_policy(trace: Trace, policy_class: Callable[[], Policy],
                           f"{hook} {at}") from exc
     return result_of_run(trace, name, cap, hits_out, counts[0], counts[1], age_hist,
                          bytes_per_token)
+
+
+def _fast_replay(trace: Trace, policy: Policy, cap: Optional[int], hits_out: np.ndarray,
+                 age_hist: np.ndarray, counts: list) -> bool:
+    """The numba replay of a shipped learned plug-in, when ``policy`` is one (module
+    :mod:`kvdiag.analysis._policykernels`); False: replay the hooks in Python."""
+    from kvdiag.analysis.learned_policies import LeCaRPolicy, PrefixLRUPolicy
+
+    kind = type(policy)
+    if kind not in (LeCaRPolicy, PrefixLRUPolicy):
+        return False
+    if kind is LeCaRPolicy and (policy.learning_rate != LeCaRPolicy.learning_rate or policy.seed != LeCaRPolicy.seed
+                                or len(trace.block_ids) >= 1 << 23):  # its heap key packs count and time
+        return False
+    from kvdiag.analysis import _policykernels as P
+
+    ids = np.ascontiguousarray(trace.block_ids, dtype=np.int64)
+    offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
+    capacity = -1 if cap is None else int(cap)
+    hits = np.zeros(trace.rows, dtype=np.int64)
+    ages = np.zeros(K.AGE_BINS, dtype=np.int64)
+    if kind is PrefixLRUPolicy:
+        evictions, peak, status = P.run_prefix_lru(capacity, ids, offsets, int(trace.num_blocks), hits, ages)
+    else:
+        discount = 0.005 ** (1.0 / max(cap or 1, 1))  # LeCaRPolicy.reset's
+        draws = P.python_draws(policy.seed, len(ids) + 1) if capacity > 0 else np.zeros(1)
+        weights = np.array([0.5, 0.5])
+        evictions, peak, status = P.run_lecar(capacity, ids, offsets, int(trace.num_blocks), draws,
+                                              float(policy.learning_rate), discount, hits, ages, weights)
+    if status:
+        return False
+    hits_out[:] = hits
+    age_hist[:] = ages
+    counts[0], counts[1] = int(evictions), int(peak)
+    return True
 
 
 def _request_name(trace: Trace, row: int) -> str:

@@ -4,6 +4,12 @@ Generates greedy answers to a few chat prompts on a DynamicCache, runs every con
 compressor on copies of the KV of sampled decode steps, then prints the per-layer-group table,
 the recommendation, a locality summary and (with ``--logits``) teacher-forced KL / top-1
 agreement per method. ``--log FILE`` records every event.
+
+``--delta``: instead, play the demo's chat traffic (shared system prompts, multi-turn) on the
+model with prefix sharing, write each conversation's KV blocks out after every turn and
+measure what a writer needs per block (full, deduplicated, quantized delta against the most
+similar stored block, delta against the block's previous version): ShadowDelta events and
+the per-layer-group table (kvdiag.analysis.delta).
 """
 
 from __future__ import annotations
@@ -52,6 +58,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--logits", action="store_true", help="also teacher-forced KL / top-1 per method")
     parser.add_argument("--log", help="write every event to this event log")
     parser.add_argument("--json", action="store_true", help="print the tables as JSON")
+    g = parser.add_argument_group("differential KV writes (--delta)")
+    g.add_argument("--delta", action="store_true", help="measure differential KV block writes on demo chat "
+                                                        "traffic instead of compression")
+    g.add_argument("--turns", type=int, default=16, help="chat turns of the demo traffic plan (default 16)")
+    g.add_argument("--seed", type=int, default=0, help="traffic plan seed (default 0)")
+    g.add_argument("--block-tokens", type=int, default=32, help="tokens per KV block (default 32)")
+    g.add_argument("--delta-bound", type=float, default=0.01,
+                   help="delta error bound per element, as a fraction of the rms of its (K/V, head) "
+                        "(default 0.01)")
+    g.add_argument("--no-share", action="store_true", help="no prefix sharing: prefill every turn from scratch")
 
 
 def run(args) -> int:
@@ -69,6 +85,10 @@ def run(args) -> int:
         compression.parse_groups(args.groups)
     except ValueError as exc:
         print(f"kvdiag shadow: {exc}", file=sys.stderr)
+        return 2
+    if args.delta and not (args.turns >= 1 and args.block_tokens >= 1 and 0 < args.delta_bound < 1):
+        print("kvdiag shadow: --turns and --block-tokens must be >= 1 and --delta-bound in (0, 1)",
+              file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     from kvdiag.commands.fetch_model import resolve_with_progress
@@ -94,6 +114,8 @@ def run(args) -> int:
         writer = LogWriter(args.log, make_header(engine="transformers-inprocess", model=path,
                                                  bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4))
     sink = FanoutSink([memory] + ([writer] if writer else []))
+    if args.delta:
+        return _run_delta(args, model, tokenizer, sink, memory, writer)
     runner = ShadowRunner(sink, methods, sample_rate=args.sample_rate, budget_frac=args.budget)
     prompts = list(PROMPTS[: args.prompts])
     if args.document:
@@ -163,3 +185,49 @@ def _print(result, runner, table, rec, loc, logits) -> None:
         for _, r in logits.iterrows():
             t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
         console.print(t)
+
+
+def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
+    from rich.progress import Progress
+
+    from kvdiag.analysis import compression, delta
+    from kvdiag.kernels.delta import DeltaWriter
+    from kvdiag.kernels.delta_hf import delta_traffic, demo_turns
+    from kvdiag.schema import ShadowDelta
+
+    dw = DeltaWriter(sink, bound=args.delta_bound)
+    turns = demo_turns(args.turns, seed=args.seed)
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("chat turns", total=len(turns))
+        run = delta_traffic(model, tokenizer, dw, turns, max_new_tokens=args.max_new_tokens,
+                            block_tokens=args.block_tokens, share_prefixes=not args.no_share,
+                            on_turn=lambda r: progress.update(task, completed=r.turns))
+    if writer:
+        writer.close()
+    table = delta.delta_table(compression.frame_of(memory.events, ShadowDelta), args.groups)
+    info = {"turns": run.turns, "prompt_tokens": run.prompt_tokens, "reused_prompt_tokens": run.reused_tokens,
+            "decode_tokens": run.decode_tokens, "blocks_seen": run.blocks_seen,
+            "blocks_written": run.blocks_written, "model_s": run.model_ns / 1e9, "writer_s": run.writer_ns / 1e9,
+            "block_tokens": args.block_tokens, "error_bound": args.delta_bound, "share_prefixes": not args.no_share}
+    if args.json:
+        print(json.dumps({"run": info, "table": table.to_dict("records")}, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"{run.turns} turns, {run.prompt_tokens} prompt tokens ({run.reused_tokens} from shared "
+                  f"blocks), {run.decode_tokens} generated; {run.blocks_written} of {run.blocks_seen} blocks "
+                  f"written out; model {run.model_ns / 1e9:.1f} s, writer (shadow) {run.writer_ns / 1e9:.1f} s")
+    t = Table(title=f"Differential KV writes by layer group (1-based): savings vs full bytes; delta within "
+                    f"{args.delta_bound:g} x rms per element")
+    cols = {"group": "group", "writes": "writes", "full_mib": "full MiB", "dedup_saving": "dedup",
+            "delta_saving": "delta", "quant_saving": "quant only", "prev_saving": "prev-version",
+            "delta_saving_rewrites": "delta (rewrites)", "attn_out_rel_error": "out err",
+            "attn_out_rel_error_p95": "out err p95", "encode_us": "enc us", "decode_us": "dec us"}
+    for header in cols.values():
+        t.add_column(header, overflow="fold")
+    for _, r in table.iterrows():
+        t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+    console.print(t)
+    return 0

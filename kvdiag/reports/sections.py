@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import compression as _compression  # aliases: sections of the same names
+from kvdiag.analysis import delta as _delta
 from kvdiag.analysis import latency
 from kvdiag.analysis import locality as _locality
 from kvdiag.analysis.doctor import forecast_frame, run_rules
@@ -23,7 +24,8 @@ from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
 from kvdiag.analysis.requests import request_table
 from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
-                           ShadowBudget, ShadowCompression, ShadowLocality, ShadowLogits, ShadowSharing)
+                           ShadowBudget, ShadowCompression, ShadowDelta, ShadowLocality, ShadowLogits,
+                           ShadowSharing)
 from kvdiag.reports.hardware import kv_bandwidth_blocks, platform_section
 from kvdiag.reports.model import Absent, Block, Chart, Report, Section, Table, Text
 
@@ -309,6 +311,33 @@ def compression(logs: Logs) -> Section:
     return sec
 
 
+def differential(logs: Logs) -> Section:
+    sec = Section("differential", "Differential KV writes",
+                  "How many bytes do KV blocks written out of the pool need: in full, deduplicated, "
+                  "as a delta against a stored block or their previous version?")
+    de = logs.frame(ShadowDelta)
+    if de.empty:
+        sec.blocks.append(Absent("differential write measurements (ShadowDelta events)",
+                                 "record with `kvdiag shadow --delta --log FILE`"))
+        return sec
+    tbl = _delta.delta_table(de)
+    bound = sorted({float(b) for b in de["error_bound"]})
+    sec.blocks.append(Text(
+        f"{len(de):,} block-layer writes; savings are fractions of the bytes written in full. Dedup is "
+        f"lossless; delta and quantization-only keep every element within {', '.join(f'{b:g}' for b in bound)} "
+        f"x the rms of its (K/V, head); quant_saving is quantization alone at that bound, and "
+        f"delta_vs_quant_referenced what a stored reference saves beyond it where one was used."))
+    sec.blocks.append(Table("Per layer group (1-based): savings, references used, errors, µs per block-layer",
+                            tbl.round(4)))
+    per = _delta.by_layer(de)
+    long = per.melt(id_vars="layer", value_vars=["dedup_saving", "delta_saving", "quant_saving"],
+                    var_name="encoding", value_name="saving")
+    sec.blocks.append(Chart("Write-bandwidth saving per layer (0-based)", "line", long, "layer", "saving",
+                            color="encoding", x_title="layer", y_title="fraction of full bytes saved",
+                            table=per.round(4)))
+    return sec
+
+
 def locality(logs: Logs) -> Section:
     sec = Section("locality", "Attention locality",
                   "Where does attention go, head by head: recent window, sinks, heavy hitters?")
@@ -515,8 +544,8 @@ def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[s
     lat_sec = latency_section(logs, t0, lat, comps, baseline)
     lat_sec.blocks += kv_bandwidth_blocks(logs, t0, _thin)  # beside P99: the checklist's bandwidth item
     sections = [summary(logs, findings, problems, lat, fleet), mem, fragmentation(logs, t0, findings),
-                sharing(logs, t0, req), compression(logs), locality(logs),
-                lat_sec, requests(req), health(logs, problems)]
+                sharing(logs, t0, req), compression(logs), differential(logs),
+                locality(logs), lat_sec, requests(req), health(logs, problems)]
     platforms = platform_section(logs, baseline)
     if platforms is not None:
         sections.insert(1, platforms)
