@@ -104,9 +104,9 @@ def _fleet(args: argparse.Namespace, fmt: str, out: Path) -> int:
         from kvdiag.reports.markdown import render
     else:
         from kvdiag.reports.html import render
-    report = build(src, args.title, inputs)
-    write_atomic(out, render(report))
-    nodes = report.sections[0].blocks[2].df
+    built = build(src, args.title, inputs)
+    write_atomic(out, render(built.report))
+    nodes = built.nodes
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): fleet of {len(nodes)} node(s), "
           f"{int(nodes['events'].sum()):,} events")
     return 0

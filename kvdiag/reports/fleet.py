@@ -8,6 +8,10 @@ latency ...) need every event of a node: run ``kvdiag report`` on that node's lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pandas as pd
+
 from kvdiag.analysis import fleet
 from kvdiag.reports.model import Absent, Chart, Report, Section, Table, Text
 
@@ -16,7 +20,15 @@ NOTE = ("KV pressure: peak blocks used / pool blocks; fragmentation: empty token
         "rate: cached / prompt tokens of finished requests; TTFT of finished requests")
 
 
-def build(src: fleet.FleetSource, title: str, inputs: str) -> Report:
+@dataclass(frozen=True)
+class FleetReport:
+    """The rendered-to-be report and the node table it shows (for the command's summary)."""
+
+    report: Report
+    nodes: pd.DataFrame
+
+
+def build(src: fleet.FleetSource, title: str, inputs: str) -> FleetReport:
     """The fleet report of ``src``; ``inputs`` says what was read."""
     nodes, total = fleet.tables(src)
     occupancy = fleet.occupancy_over_time(src)
@@ -36,4 +48,4 @@ def build(src: fleet.FleetSource, title: str, inputs: str) -> Report:
     else:
         blocks.append(Absent("KV pool samples", "the agent records them (kvdiag.run, kvdiag demo)"))
     section = Section("fleet", "Fleet", "Which nodes need attention?", blocks)
-    return Report(title, f"fleet report over {inputs} (DuckDB)", [section])
+    return FleetReport(Report(title, f"fleet report over {inputs} (DuckDB)", [section]), nodes)
