@@ -78,7 +78,9 @@ def main() -> int:
                                        "--duration", "600", "--out", str(tmp / f"attach-{r}.kvlog")],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       preexec_fn=reset_interrupt_signal)
-            time.sleep(3.0)  # attach up: probes done, py-spy sampling (steady state)
+        # every condition starts after the same pause: attach's start-up (probes done, py-spy
+        # sampling) must not be the only idle gap before a measured round
+        time.sleep(3.0)
         prompts = round_prompts(r, args.requests)
 
         def one(i: int) -> int:

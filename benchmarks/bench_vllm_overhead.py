@@ -95,7 +95,9 @@ def main() -> int:
                                       # started from a background shell, SIGINT would be
                                       # ignored here and inherited: attach would not stop
                                       preexec_fn=reset_interrupt_signal)
-            time.sleep(3.0)  # attach up: probes done, py-spy sampling
+        # every condition starts after the same pause: attach's start-up (probes done, py-spy
+        # sampling) must not be the only idle gap before a measured round
+        time.sleep(3.0)
         cpu0 = tree_cpu_s(server.proc.pid)
         tokens = 0
         with InstructionCounter(tree_pids(server.proc.pid), perf_note is None) as counter:

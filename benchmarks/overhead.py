@@ -2,9 +2,10 @@
 survives a shared, noisy machine. Used by bench_agent_overhead.py (agent and attach on the
 embedded engine), bench_demo_shadow.py (shadow in the engine) and bench_vllm_overhead.py.
 
-- **Interleaved rounds.** The same seeded work runs under every condition in each round, in an
-  order reversed every other round (A B C, C B A, ...): load that drifts over minutes falls on
-  every condition alike, and each round gives one paired sample.
+- **Interleaved rounds.** The same seeded work runs under every condition in each round, in
+  orders of a Williams design (:func:`order_of_round`): load that drifts over minutes falls on
+  every condition alike, no condition owns a position in the round, and each round gives one
+  paired sample. Run a multiple of 2 x conditions rounds for a fully balanced design.
 - **Cost per token, not wall time.** Per round: CPU seconds (user + system) of the observed
   process tree per generated token, read from /proc by psutil. Wall time on a 2-core machine
   shared with other work mostly measures the other work. Where the CPU's counters are readable
@@ -166,8 +167,14 @@ class _Defaults(dict):
 
 
 def order_of_round(conditions: Sequence[str], round_index: int) -> list[str]:
-    """A B C in even rounds, C B A in odd ones."""
-    return list(conditions) if round_index % 2 == 0 else list(reversed(conditions))
+    """A Williams design: rotations of the conditions (A B C, B C A, C A B), then the same
+    reversed (C B A, A C B, B A C). Over every 2n rounds each condition runs in each position
+    equally often and follows each other condition equally often, so neither a position (the
+    first of a round meets a server idle since the last round) nor the condition before it
+    (a warm server) favours one. With two conditions: A B, B A, B A, A B."""
+    n = len(conditions)
+    rotated = [conditions[(i + round_index) % n] for i in range(n)]
+    return rotated if (round_index // n) % 2 == 0 else list(reversed(rotated))
 
 
 def run_interleaved(conditions: Sequence[str], baseline: str, rounds: int,

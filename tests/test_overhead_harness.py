@@ -25,12 +25,20 @@ def overhead():
         sys.modules.pop("overhead", None)
 
 
-def test_rounds_alternate_their_order(overhead):
+def test_rounds_follow_a_balanced_design(overhead):
+    """Over 2n rounds each condition runs in each position, and after each other condition,
+    equally often (a middle condition must not always be in the middle)."""
     seen = []
-    overhead.run_interleaved(("a", "b", "c"), "a", 4,
+    overhead.run_interleaved(("a", "b", "c"), "a", 6,
                              lambda cond, r: seen.append((r, cond)) or overhead.RoundCost(1, 1.0), progress=False)
-    assert seen == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
-                    (2, "a"), (2, "b"), (2, "c"), (3, "c"), (3, "b"), (3, "a")]
+    orders = ["".join(c for r2, c in seen if r2 == r) for r in range(6)]
+    assert orders == ["abc", "bca", "cab", "cba", "acb", "bac"]
+    for cond in "abc":
+        assert sorted(o.index(cond) for o in orders) == [0, 0, 1, 1, 2, 2]
+    pairs = [o[i:i + 2] for o in orders for i in range(2)]
+    assert all(pairs.count(x + y) == 2 for x in "abc" for y in "abc" if x != y)
+    two = [overhead.order_of_round(("a", "b"), r) for r in range(4)]
+    assert two == [["a", "b"], ["b", "a"], ["b", "a"], ["a", "b"]]
 
 
 def test_paired_rounds_see_a_known_cost_through_shared_noise(overhead):
