@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="shadow compression and locality on sampled decode steps of the live KV")
     parser.add_argument("--shadow-methods", help="comma-separated compression methods (default: all)")
     parser.add_argument("--shadow-rate", type=float, default=0.05, help="most share of decode steps sampled (the budget may lower it)")
+    parser.add_argument("--shadow-layers", type=int, default=3,
+                        help="layers measured per sampled step, spread over the depth and rotating (0: all)")
     parser.add_argument("--shadow-budget", type=float, default=0.01,
                         help="shadow CPU budget, fraction of the engine's CPU time (0: none)")
     parser.add_argument("--prometheus", metavar="[HOST:]PORT",
@@ -61,6 +63,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             raise SystemExit(f"kvdiag.run: --shadow-methods: {exc}")
         if not 0.0 <= args.shadow_rate <= 1.0:
             raise SystemExit("kvdiag.run: --shadow-rate: expected a number in [0, 1]")
+        if args.shadow_layers < 0:
+            raise SystemExit("kvdiag.run: --shadow-layers: expected 0 (all) or more")
     command = argv[split + 1:]
     if not command:
         raise SystemExit("kvdiag.run: expected a server command after `--`")
@@ -107,7 +111,8 @@ def agent_kwargs(args: argparse.Namespace, command: list[str]) -> dict:
                 inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
                 extra={"command": command}, prometheus=args.prometheus,
                 shadow={"methods": args.shadow_methods, "sample_rate": args.shadow_rate,
-                        "budget_frac": args.shadow_budget or None} if args.shadow else None)
+                        "budget_frac": args.shadow_budget or None,
+                        "layers_per_run": args.shadow_layers or None} if args.shadow else None)
 
 
 def start_agent(args: argparse.Namespace, command: list[str]) -> None:

@@ -57,8 +57,9 @@ class _Recording:
         self.snapshots = []
         original = runner._snapshot
 
-        def snapshot(layers_kv, queries):
-            snap = original(layers_kv, queries)
+        def snapshot(layers_kv, queries, layers):
+            snap = original(layers_kv, queries, layers)
+            assert list(layers) == list(range(len(layers_kv)))  # these tests measure every layer
             self.snapshots.append(snap)
             return snap
         runner._snapshot = snapshot
@@ -69,6 +70,7 @@ def _installed(sink, **kwargs):
     from kvdiag.collectors import transformers_cb_shadow as cbs
 
     adapter = tcb.install(sink)
+    kwargs.setdefault("layers_per_run", None)  # every layer of each sampled step
     shadow = cbs.install(sink, background=False, **kwargs)
     return adapter, shadow
 
@@ -203,7 +205,11 @@ def test_agent_with_shadow_writes_shadow_events_to_its_log(real, tmp_path):
     comp, loc = log.frame("shadow_compression"), log.frame("shadow_locality")
     # every decode step (tokens 2..4 of each request share steps) was sampled once
     assert comp["ts_ns"].nunique() == 3 and set(comp["method"]) == {"int8", "int4"}
-    assert len(loc) == 3 * model.config.num_hidden_layers * model.config.num_attention_heads
+    # by default three layers per sampled step, spread over the depth and rotating
+    layers = model.config.num_hidden_layers
+    measured = {ts: sorted(set(g["layer"])) for ts, g in comp.groupby("ts_ns")}
+    assert sorted(measured.values()) == [[k, k + layers // 3, k + 2 * layers // 3] for k in range(3)]
+    assert len(loc) == 3 * 3 * model.config.num_attention_heads
     prompt_lens = {len(p) for p, _ in outputs.values()}
     assert set(comp["seq_len_tokens"]) <= {n + i for n in prompt_lens for i in (1, 2, 3)}
     table = compression_table(comp)

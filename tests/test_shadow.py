@@ -75,8 +75,8 @@ def test_rate_adapts_to_the_cpu_budget_and_shadow_cpu_stays_within_it():
     cpu = FakeCpu()
     sink = ListSink()
     runner = ShadowRunner(sink, ["fp16"], sample_rate=0.05, budget_frac=0.02, cpu_clock=cpu, seed=3)
-    runner._snapshot = lambda kv, q: None
-    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + 20_000)
+    runner._snapshot = lambda kv, q, layers: None
+    runner._measure = lambda snapshot, layers: setattr(cpu, "now", cpu.now + 20_000)
     steps, engine_step_ns = 400_000, 1_000
     sampled_at = []
     for step in range(steps):
@@ -103,9 +103,9 @@ def test_first_run_one_time_cost_does_not_set_the_rate():
     the estimate starts with the second run, so the rate is the warm one from then on."""
     cpu = FakeCpu()
     runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=1.0, budget_frac=0.01, cpu_clock=cpu)
-    runner._snapshot = lambda kv, q: None
+    runner._snapshot = lambda kv, q, layers: None
     costs = iter([1_000_000] + [10_000] * 1000)
-    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + next(costs))
+    runner._measure = lambda snapshot, layers: setattr(cpu, "now", cpu.now + next(costs))
     for step in range(300_000):
         cpu.now += 1_000
         runner.maybe_run(step, [], [])
@@ -117,8 +117,8 @@ def test_first_run_one_time_cost_does_not_set_the_rate():
 def test_ceiling_holds_when_the_budget_affords_more():
     cpu = FakeCpu()
     runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=0.05, budget_frac=0.5, cpu_clock=cpu)
-    runner._snapshot = lambda kv, q: None
-    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + 10)
+    runner._snapshot = lambda kv, q, layers: None
+    runner._measure = lambda snapshot, layers: setattr(cpu, "now", cpu.now + 10)
     for step in range(20_000):
         cpu.now += 1_000
         runner.maybe_run(step, [], [])
@@ -135,7 +135,7 @@ def test_each_sampled_step_reports_the_budget_and_the_exporter_serves_it():
     sink = ListSink()
     runner = ShadowRunner(sink, ["fp16"], sample_rate=1.0, budget_frac=0.1, cpu_clock=cpu)
     costs = iter([30, 40])
-    runner._measure = lambda snapshot: setattr(cpu, "now", cpu.now + next(costs))  # a run's cost
+    runner._measure = lambda snapshot, layers: setattr(cpu, "now", cpu.now + next(costs))  # a run's cost
     _, kv = prefill_kv()
     queries = [torch.randn(1, 9, 1, 64) for _ in kv[:1]]
     assert runner.maybe_run(0, kv[:1], queries)      # offered at 0, ran 0..30
@@ -237,3 +237,33 @@ def test_background_worker_measures_the_same_as_inline_and_copies_first():
     assert runner.runs == 1 and not runner.errors
     measured = lambda events: [e for e in events if not isinstance(e, ShadowBudget)]  # noqa: E731
     assert sorted(map(_key, measured(inline.events))) == sorted(map(_key, measured(background.events)))
+
+
+def test_layers_of_run_rotate_through_every_layer_evenly():
+    runner = ShadowRunner(ListSink(), ["fp16"], layers_per_run=3)
+    runs = [runner.layers_of_run(30, k) for k in range(30)]
+    assert runs[0] == [0, 10, 20] and runs[1] == [1, 11, 21]
+    counts = [sum(layer in r for r in runs) for layer in range(30)]
+    assert counts == [3] * 30  # each layer measured equally often
+    assert all(len(r) == 3 for r in runs)
+    odd = [runner.layers_of_run(32, k) for k in range(32)]
+    assert [sum(layer in r for r in odd) for layer in range(32)] == [3] * 32
+    assert ShadowRunner(ListSink(), ["fp16"]).layers_of_run(30, 5) == list(range(30))
+    assert runner.layers_of_run(2, 0) == [0, 1]
+    with pytest.raises(ValueError, match="layers_per_run"):
+        ShadowRunner(ListSink(), ["fp16"], layers_per_run=0)
+
+
+def test_sampled_steps_measure_only_their_layers_on_real_kv():
+    _, kv = prefill_kv()
+    queries = [torch.randn(1, 9, 1, 64) for _ in kv]
+    sink = ListSink()
+    runner = ShadowRunner(sink, ["int8"], sample_rate=1.0, budget_frac=None, locality=False, layers_per_run=3)
+    for step in range(4):
+        assert runner.maybe_run(step, kv, queries)
+    comp = [e for e in sink.events if isinstance(e, ShadowCompression)]
+    by_step = {}
+    for e in comp:
+        by_step.setdefault(e.ts_ns, set()).add(e.layer)
+    n = len(kv)
+    assert sorted(sorted(v) for v in by_step.values()) == sorted(runner.layers_of_run(n, k) for k in range(4))

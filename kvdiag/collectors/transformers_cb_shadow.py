@@ -200,14 +200,17 @@ class CBShadow:
 
 
 DEFAULT_BUDGET_FRAC = 0.01
+DEFAULT_LAYERS_PER_RUN = 3  # one per third of the model's depth, rotating (ShadowRunner.layers_of_run)
 
 
 def install(sink: Sink, methods=None, sample_rate: float = 0.05, budget_frac: Optional[float] = DEFAULT_BUDGET_FRAC,
-            locality: bool = True, background: bool = False, record_steps: bool = False) -> CBShadow:
+            locality: bool = True, background: bool = False, record_steps: bool = False,
+            layers_per_run: Optional[int] = DEFAULT_LAYERS_PER_RUN) -> CBShadow:
     """A :class:`ShadowRunner` on ``sink`` wired into every continuous-batching engine of the
     process; returns the installed :class:`CBShadow` (``.uninstall()`` when done).
 
     Defaults: shadow CPU within 1% of the engine's CPU (tokens per CPU-second drop by about 1%),
+    three layers per sampled step (spread over the depth, rotating: many steps in small pieces),
     measured in the engine thread: a sampled step is slow, but sampled steps are rare (each run
     buys ~100 runs' worth of unsampled time), so step-latency percentiles below the top 1% keep
     their value; a background worker (``background=True``) instead competes with the engine
@@ -215,5 +218,5 @@ def install(sink: Sink, methods=None, sample_rate: float = 0.05, budget_frac: Op
     from kvdiag.kernels.methods import DEFAULT_METHODS
 
     runner = ShadowRunner(sink, methods or DEFAULT_METHODS, sample_rate=sample_rate, budget_frac=budget_frac,
-                          locality=locality, max_batch=1, background=background)
+                          locality=locality, max_batch=1, background=background, layers_per_run=layers_per_run)
     return CBShadow(runner, sink, record_steps=record_steps).install()

@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
                         help="most share of decode steps sampled (default 0.05; the CPU budget lowers it as needed)")
     parser.add_argument("--shadow-budget", type=float, default=0.01, metavar="F",
                         help="shadow CPU budget, fraction of the server's own CPU time (default 0.01; 0: none)")
+    parser.add_argument("--shadow-layers", type=int, default=3, metavar="N",
+                        help="layers measured per sampled step, spread over the depth and rotating "
+                             "(default 3; 0: all)")
     parser.add_argument("--shadow-logits", action="store_true",
                         help="after the traffic, teacher-forced KL / top-1 agreement per method on a fixed "
                              "text (model loaded in the demo process)")
@@ -42,6 +45,8 @@ def check(args) -> str | None:
         return "--shadow-rate: expected a number in [0, 1]"
     if not 0.0 <= args.shadow_budget <= 1.0:
         return "--shadow-budget: expected a number in [0, 1]"
+    if args.shadow_layers < 0:
+        return "--shadow-layers: expected 0 (all) or more"
     return None
 
 
@@ -49,7 +54,8 @@ def agent_args(args) -> list[str]:
     """Options for ``python -m kvdiag.run``."""
     if not args.shadow:
         return []
-    out = ["--shadow", "--shadow-rate", str(args.shadow_rate), "--shadow-budget", str(args.shadow_budget)]
+    out = ["--shadow", "--shadow-rate", str(args.shadow_rate), "--shadow-budget", str(args.shadow_budget),
+           "--shadow-layers", str(args.shadow_layers)]
     if args.shadow_methods:
         out += ["--shadow-methods", args.shadow_methods]
     return out

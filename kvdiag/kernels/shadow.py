@@ -22,7 +22,8 @@ the ceiling; the rate in force and the achieved rate (sampled / offered) are rep
 :class:`ShadowBudget`. ``budget_frac=None``: no budget, the rate is ``sample_rate``.
 Shadow CPU is counted as: inline, the whole process's CPU during the run (torch's intra-op
 threads included, the engine waits meanwhile); in the background, the caller's thread for the
-copy plus the worker thread. Only the first ``max_batch`` sequences are copied.
+copy plus the worker thread. Only the first ``max_batch`` sequences are copied, and of them
+only the layers of :meth:`ShadowRunner.layers_of_run` (``layers_per_run``; None: all).
 
 Measured per layer and kv head, for each method (a :class:`ShadowCompression` event):
 ``ratio`` = original K+V bytes / stored bytes; ``k_rel_error`` = ||K - K_hat||_F / ||K||_F over
@@ -87,7 +88,8 @@ class ShadowRunner:
     def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
                  sample_rate: float = 0.05, budget_frac: Optional[float] = 0.02, locality: bool = True,
                  max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
-                 cpu_clock: Optional[CpuClock] = None, background: bool = False) -> None:
+                 cpu_clock: Optional[CpuClock] = None, background: bool = False,
+                 layers_per_run: Optional[int] = None) -> None:
         self.sink = sink
         if isinstance(methods, str):
             self.methods = parse_methods(methods)
@@ -97,6 +99,9 @@ class ShadowRunner:
         self.budget_frac = budget_frac
         self.locality = locality
         self.max_batch = max_batch
+        if layers_per_run is not None and layers_per_run < 1:
+            raise ValueError(f"layers_per_run: expected None (all) or >= 1, got {layers_per_run}")
+        self.layers_per_run = layers_per_run
         self.scaling = scaling
         self.cpu = cpu_clock or CpuClock()
         self._rng = random.Random(seed)
@@ -168,12 +173,14 @@ class ShadowRunner:
         inline = self._queue is None
         start = self.cpu.process_ns() if inline else self.cpu.thread_ns()
         try:
-            snapshot = self._snapshot(_resolve(layers_kv), _resolve(queries))
+            all_kv = _resolve(layers_kv)
+            layers = self.layers_of_run(len(all_kv), self.sampled)
+            snapshot = self._snapshot(all_kv, _resolve(queries), layers)
             if inline:
-                self._measure(snapshot)
+                self._measure(snapshot, layers)
             else:
                 try:
-                    self._queue.put_nowait(snapshot)
+                    self._queue.put_nowait((snapshot, layers))
                 except queue.Full:
                     self.dropped += 1
         except Exception as exc:  # gathering inputs failed: count it, never reach the server
@@ -217,13 +224,13 @@ class ShadowRunner:
 
     def _work(self) -> None:
         while True:
-            snapshot = self._queue.get()
+            item = self._queue.get()
             try:
-                if snapshot is None:
+                if item is None:
                     return
                 start = self.cpu.thread_ns()
                 try:
-                    self._measure(snapshot)
+                    self._measure(*item)
                 except Exception as exc:
                     self._error("shadow", exc)
                 self._account(self.cpu.thread_ns() - start, run_done=True)
@@ -244,23 +251,35 @@ class ShadowRunner:
 
     # ------------------------------------------------------------ measurement
 
-    def _snapshot(self, layers_kv: LayersKV, queries: Queries):
-        """Private copies of the first ``max_batch`` sequences' K, V and queries of each layer."""
+    def layers_of_run(self, num_layers: int, run_index: int) -> list[int]:
+        """The layers a sampled step measures: all, or ``layers_per_run`` of them spread over
+        the depth, ``(run_index + i * num_layers // n) % num_layers``, so that consecutive runs
+        cycle through every layer equally (each once per ``num_layers`` runs per slot).
+        Measuring a few layers of many steps costs the budget in smaller, even pieces than
+        every layer of few steps, and the steps are the independent samples."""
+        n = self.layers_per_run
+        if n is None or n >= num_layers:
+            return list(range(num_layers))
+        return sorted({(run_index + i * num_layers // n) % num_layers for i in range(n)})
+
+    def _snapshot(self, layers_kv: LayersKV, queries: Queries, layers: Sequence[int]):
+        """Private copies of the first ``max_batch`` sequences' K, V and queries of ``layers``."""
         with torch.no_grad():
-            return [(k[: self.max_batch].detach().clone(), v[: self.max_batch].detach().clone(),
-                     q[: self.max_batch].detach().float().clone())
-                    for (k, v), q in zip(layers_kv, queries)]
+            return [(layers_kv[i][0][: self.max_batch].detach().clone(),
+                     layers_kv[i][1][: self.max_batch].detach().clone(),
+                     queries[i][: self.max_batch].detach().float().clone()) for i in layers]
 
     def run(self, step_id: int, layers_kv: LayersKV, queries: Queries) -> None:
         """Measure every method on every layer of one step, in the caller's thread (no
         sampling, no budget)."""
-        self._measure(self._snapshot(layers_kv, queries))
+        layers = list(range(len(layers_kv)))
+        self._measure(self._snapshot(layers_kv, queries, layers), layers)
 
-    def _measure(self, snapshot) -> None:
+    def _measure(self, snapshot, layers: Sequence[int]) -> None:
         self.runs += 1
         ts = time.time_ns()
         with torch.no_grad():
-            for layer, (k, v, q) in enumerate(snapshot):
+            for layer, (k, v, q) in zip(layers, snapshot):
                 self._layer(layer, k, v, q, ts)
         self.sink.flush()
 
