@@ -4,7 +4,8 @@ The real model serves rounds of chat prompts with ``model.generate_batch`` (page
 prefix sharing on, one torch thread). The harness (benchmarks/overhead.py) interleaves the two
 conditions round by round, off/on then on/off, so machine noise hits both. "on" = the engine
 adapter's shadow glue (:mod:`kvdiag.collectors.transformers_cb_shadow`) at the default sampling
-(rate at most 0.05, CPU budget 1%, in the engine thread, all methods + locality); the runner's
+(rate at most 0.05, CPU budget 1%, three layers per sampled step, in the engine thread, all
+methods + locality), after a warm-up that pays the kernels' one-time costs; the runner's
 CPU clock leaves out the CPU of "off" rounds, as if it were the only server. Printed:
 
 - tokens per CPU-second: generated tokens / CPU time of this process in the round, the ratio
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC
+from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN
 from overhead import Goal, InstructionCounter, RoundCost, perf_instructions_available, report, run_interleaved
 
 
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--sample-rate", type=float, default=0.05)
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_FRAC, help="shadow CPU budget, fraction")
     ap.add_argument("--background", action="store_true", help="measure in the runner's worker thread")
+    ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS_PER_RUN,
+                    help="layers measured per sampled step (0: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
@@ -76,8 +79,11 @@ def main() -> None:
     cpu_clock = OnRoundsCpu()
     sink = ListSink()
     runner = ShadowRunner(sink, sample_rate=args.sample_rate, budget_frac=args.budget, max_batch=1,
-                          cpu_clock=cpu_clock, background=args.background)
-    shadow = CBShadow(runner).install()
+                          cpu_clock=cpu_clock, background=args.background, layers_per_run=args.layers or None)
+    # a first shadow run pays one-time costs (imports, numba kernels loaded or compiled): paid
+    # here by a throwaway runner, as a server that has been up for a while has paid them
+    warm = ShadowRunner(ListSink(), sample_rate=1.0, budget_frac=None, max_batch=1, layers_per_run=None)
+    shadow = CBShadow(warm).install()
     cls = ContinuousBatchingManager
     shadowed = cls.__dict__["_generation_step"]
     dispatch = [shadow._original]
@@ -109,12 +115,20 @@ def main() -> None:
 
     cls._generation_step = timed_step
     try:
-        model.generate_batch(prompts[:2], generation_config=gen_cfg, continuous_batching_config=cb_cfg)  # warm-up
+        dispatch[0] = shadowed
+        t0 = time.process_time()
+        model.generate_batch(prompts[:2], generation_config=GenerationConfig(max_new_tokens=3, do_sample=False,
+                                                                              eos_token_id=-1),
+                             continuous_batching_config=cb_cfg)  # warm-up, every step shadowed
+        print(f"warm-up: {warm.runs} whole-model shadow runs, {time.process_time() - t0:.1f} CPU-s with the "
+              f"one-time costs", flush=True)
+        shadow.runner = runner
         steps["off"].clear()
+        steps["on"].clear()
         res = run_interleaved(("off", "on"), "off", args.rounds, run_round)
     finally:
         cls._generation_step = shadowed
-        shadow.uninstall()
+        shadow.uninstall()  # closes the runner: its last ShadowBudget has the final counts
     res.perf_note = perf_note
     print()
     print(f"{args.rounds} rounds x {args.requests} requests x {args.max_new_tokens} tokens per condition; "

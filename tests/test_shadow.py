@@ -94,8 +94,12 @@ def test_rate_adapts_to_the_cpu_budget_and_shadow_cpu_stays_within_it():
     assert min(quarters) >= 60, quarters  # no bursts: every quarter of the run gets its share
     last = [e for e in sink.events if isinstance(e, ShadowBudget)][-1]
     assert last.clock == "cpu" and last.sample_rate == pytest.approx(expected) and last.sample_rate_max == 0.05
-    assert (last.steps_offered, last.steps_sampled) == (sampled_at[-1] + 1, len(sampled_at))
+    assert last.steps_offered >= sampled_at[-1] + 1 and last.steps_sampled == len(sampled_at)
     assert last.spent_ns == 20_000 * len(sampled_at)
+    runner.close()  # the final counts, current to the last offered step
+    final = [e for e in sink.events if isinstance(e, ShadowBudget)][-1]
+    assert (final.steps_offered, final.steps_sampled) == (steps, len(sampled_at))
+    assert final.elapsed_ns == (steps - 1) * engine_step_ns
 
 
 def test_first_run_one_time_cost_does_not_set_the_rate():
@@ -267,3 +271,20 @@ def test_sampled_steps_measure_only_their_layers_on_real_kv():
         by_step.setdefault(e.ts_ns, set()).add(e.layer)
     n = len(kv)
     assert sorted(sorted(v) for v in by_step.values()) == sorted(runner.layers_of_run(n, k) for k in range(4))
+
+
+def test_budget_is_reported_while_no_step_is_sampled(monkeypatch):
+    """A runner the budget holds back still records its counts (every BUDGET_REPORT_S of wall
+    time), so a log's last ShadowBudget is not the stale one of its last sampled step."""
+    from kvdiag.kernels import shadow
+
+    monkeypatch.setattr(shadow, "BUDGET_REPORT_S", 0.0)
+    cpu = FakeCpu()
+    sink = ListSink()
+    runner = ShadowRunner(sink, ["fp16"], sample_rate=0.0, budget_frac=0.01, cpu_clock=cpu)
+    for _ in range(5):
+        cpu.now += 1_000
+        assert not runner.should_sample()
+    budgets = [e for e in sink.events if isinstance(e, ShadowBudget)]
+    assert [b.steps_offered for b in budgets] == [1, 2, 3, 4, 5]
+    assert budgets[-1].steps_sampled == 0 and budgets[-1].elapsed_ns == 4_000

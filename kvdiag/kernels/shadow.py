@@ -75,6 +75,7 @@ class CpuClock:
         return time.thread_time_ns()
 
 
+BUDGET_REPORT_S = 5.0  # most seconds between two ShadowBudget events while steps are offered
 _EWMA_WEIGHT = 0.1  # weight of the newest value in the per-step and per-run cost averages
 
 
@@ -114,6 +115,7 @@ class ShadowRunner:
         self.spent_ns = 0
         self._pending_ns = 0  # shadow CPU of the run in progress (the copy, before the worker's part)
         self._runs_costed = 0
+        self._last_report_ns = time.monotonic_ns()
         self.runs = 0
         self.skipped_budget = 0
         self.offered = 0  # should_sample calls: decode steps offered for sampling
@@ -155,6 +157,8 @@ class ShadowRunner:
         self._last_offer_ns, self._spent_at_last_offer_ns = now, spent
         self.offered += 1
         self.rate = self.target_rate()
+        if time.monotonic_ns() - self._last_report_ns >= BUDGET_REPORT_S * 1e9:
+            self.report_budget()
         if self._rng.random() >= self.rate:
             return False
         if self.budget_frac is not None and spent + (self.run_ns or 0) > self.budget_frac * self.engine_ns(now):
@@ -187,13 +191,16 @@ class ShadowRunner:
             self._error("shadow", exc)
         finally:
             self._account((self.cpu.process_ns() if inline else self.cpu.thread_ns()) - start, run_done=inline)
-            self._report_budget()
+            self.sampled += 1
+            self.report_budget()
         return True
 
-    def _report_budget(self) -> None:
-        """One :class:`ShadowBudget` after each sampled step (never raises)."""
+    def report_budget(self) -> None:
+        """Record one :class:`ShadowBudget` with the counts so far (never raises). The runner
+        does after each sampled step and at least every :data:`BUDGET_REPORT_S` seconds of
+        offered steps, so that the last one in a log is current; engines call it at the end."""
         try:
-            self.sampled += 1
+            self._last_report_ns = time.monotonic_ns()
             with self._lock:
                 spent = self.spent_ns
             self.sink.record(ShadowBudget(
@@ -243,11 +250,13 @@ class ShadowRunner:
             self._queue.join()
 
     def close(self) -> None:
-        """Stop the background worker (after the queued work)."""
+        """Stop the background worker (after the queued work) and record the final counts."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self.offered:
+            self.report_budget()
 
     # ------------------------------------------------------------ measurement
 
