@@ -4,7 +4,7 @@ The real model serves rounds of chat prompts with ``model.generate_batch`` (page
 prefix sharing on, one torch thread). The harness (benchmarks/overhead.py) interleaves the two
 conditions round by round, off/on then on/off, so machine noise hits both. "on" = the engine
 adapter's shadow glue (:mod:`kvdiag.collectors.transformers_cb_shadow`) at the default sampling
-(rate at most 0.05, CPU budget 1%, three layers per sampled step, in the engine thread, all
+(rate at most 0.005, CPU budget 1%, three layers per sampled step, in the engine thread, all
 methods + locality), after a warm-up that pays the kernels' one-time costs; the runner's
 CPU clock leaves out the CPU of "off" rounds, as if it were the only server. Printed:
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN
+from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN, DEFAULT_SAMPLE_RATE
 from overhead import Goal, InstructionCounter, RoundCost, perf_instructions_available, report, run_interleaved
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12, help="interleaved rounds (each runs both conditions)")
     ap.add_argument("--requests", type=int, default=8, help="requests per round")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--sample-rate", type=float, default=0.05)
+    ap.add_argument("--sample-rate", type=float, default=DEFAULT_SAMPLE_RATE, help="most share of steps sampled")
     ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_FRAC, help="shadow CPU budget, fraction")
     ap.add_argument("--background", action="store_true", help="measure in the runner's worker thread")
     ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS_PER_RUN,

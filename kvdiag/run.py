@@ -40,9 +40,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shadow", action="store_true",
                         help="shadow compression and locality on sampled decode steps of the live KV")
     parser.add_argument("--shadow-methods", help="comma-separated compression methods (default: all)")
-    parser.add_argument("--shadow-rate", type=float, default=0.05, help="most share of decode steps sampled (the budget may lower it)")
-    parser.add_argument("--shadow-layers", type=int, default=3,
-                        help="layers measured per sampled step, spread over the depth and rotating (0: all)")
+    parser.add_argument("--shadow-rate", type=float,
+                        help="most share of decode steps sampled (default 0.005: sampled steps are slower, and "
+                             "this keeps them out of P99; the budget may lower it)")
+    parser.add_argument("--shadow-layers", type=int,
+                        help="layers measured per sampled step, spread over the depth and rotating "
+                             "(default 3; 0: all)")
     parser.add_argument("--shadow-budget", type=float, default=0.01,
                         help="shadow CPU budget, fraction of the engine's CPU time (0: none)")
     parser.add_argument("--prometheus", metavar="[HOST:]PORT",
@@ -61,9 +64,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parse_methods(args.shadow_methods) if args.shadow_methods else None
         except ValueError as exc:
             raise SystemExit(f"kvdiag.run: --shadow-methods: {exc}")
-        if not 0.0 <= args.shadow_rate <= 1.0:
+        if args.shadow_rate is not None and not 0.0 <= args.shadow_rate <= 1.0:
             raise SystemExit("kvdiag.run: --shadow-rate: expected a number in [0, 1]")
-        if args.shadow_layers < 0:
+        if args.shadow_layers is not None and args.shadow_layers < 0:
             raise SystemExit("kvdiag.run: --shadow-layers: expected 0 (all) or more")
     command = argv[split + 1:]
     if not command:
@@ -110,9 +113,7 @@ def agent_kwargs(args: argparse.Namespace, command: list[str]) -> dict:
                 model=args.model, block_size_tokens=args.page_size,
                 inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
                 extra={"command": command}, prometheus=args.prometheus,
-                shadow={"methods": args.shadow_methods, "sample_rate": args.shadow_rate,
-                        "budget_frac": args.shadow_budget or None,
-                        "layers_per_run": args.shadow_layers or None} if args.shadow else None)
+                shadow=shadow_options(args) if args.shadow else None)
 
 
 def start_agent(args: argparse.Namespace, command: list[str]) -> None:
@@ -133,6 +134,17 @@ def start_agent(args: argparse.Namespace, command: list[str]) -> None:
         except Exception:
             pass  # the agent in the engine's process says why it records without the socket
     transformers_serve.route_agent_to_engine_process(kwargs)
+
+
+def shadow_options(args: argparse.Namespace) -> dict:
+    """``kvdiag.collectors.transformers_cb_shadow.install`` options from the flags; a flag not
+    given keeps install's default (the one definition of each)."""
+    options = {"methods": args.shadow_methods, "budget_frac": args.shadow_budget or None}
+    if args.shadow_rate is not None:
+        options["sample_rate"] = args.shadow_rate
+    if args.shadow_layers is not None:
+        options["layers_per_run"] = args.shadow_layers or None
+    return options
 
 
 def main(argv: Optional[list[str]] = None) -> int:
