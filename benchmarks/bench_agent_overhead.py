@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
-from overhead import Goal, InstructionCounter, RoundCost, perf_instructions_available, report, \
+from overhead import Attached, Goal, InstructionCounter, RoundCost, perf_instructions_available, report, \
     round_prompts, run_interleaved, tree_cpu_s, tree_pids
 
 
@@ -41,7 +41,6 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
 
-    from kvdiag.child import reset_interrupt_signal
     from kvdiag.commands._server_process import ServerProcess, free_port
     from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_NUM_BLOCKS, DEFAULT_PAGE_SIZE, DemoServer
     from kvdiag.model import ensure_model
@@ -72,15 +71,14 @@ def main() -> int:
 
     def run_round(cond: str, r: int) -> RoundCost:
         server = agent if cond == "agent" else plain
-        attach = None
-        if cond == "plain+attach":
-            attach = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(server.proc.pid),
-                                       "--duration", "600", "--out", str(tmp / f"attach-{r}.kvlog")],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      preexec_fn=reset_interrupt_signal)
         # every condition starts after the same pause: attach's start-up (probes done, py-spy
         # sampling) must not be the only idle gap before a measured round
-        time.sleep(3.0)
+        attached = Attached(server.proc.pid, tmp / f"attach-{r}.kvlog") if cond == "plain+attach" else nullcontext()
+        with attached:
+            time.sleep(3.0)
+            return measure(server, cond, r)
+
+    def measure(server, cond: str, r: int) -> RoundCost:
         prompts = round_prompts(r, args.requests)
 
         def one(i: int) -> int:
@@ -93,11 +91,7 @@ def main() -> int:
         with InstructionCounter(tree_pids(server.proc.pid), perf_note is None) as counter:
             with ThreadPoolExecutor(args.clients) as pool:
                 tokens = sum(pool.map(one, range(args.requests)))
-        cpu = tree_cpu_s(server.proc.pid) - cpu0
-        if attach is not None:
-            attach.send_signal(2)
-            attach.wait(timeout=60)
-        return RoundCost(tokens, cpu, counter.count)
+        return RoundCost(tokens, tree_cpu_s(server.proc.pid) - cpu0, counter.count)
 
     try:
         run_round("plain", -1), run_round("agent", -1)  # warm-up: first requests compile and allocate

@@ -14,25 +14,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from pathlib import Path
 
 from kvdiag.analysis.learned_policies import LeCaRPolicy, PrefixLRUPolicy
 from kvdiag.analysis.policies import FIFOPolicy, LFUPolicy, LRUPolicy
 from kvdiag.analysis.policy_replay import simulate_policy
 from kvdiag.analysis.sharing import simulate
 from kvdiag.analysis.traces import load_trace
-
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake" / "synthetic_trace.jsonl"
-
-
-def best_cpu_seconds(fn, repeats=3) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return min(times)
+from _common import DEFAULT_TRACE, best_cpu_seconds
 
 
 def main() -> None:

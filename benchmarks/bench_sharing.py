@@ -19,24 +19,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
-# the public Mooncake trace, kept in the repository as a test fixture (tests/data/mooncake/ABOUT.md)
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake" / "synthetic_trace.jsonl"
-
-
-def best_of(fn, repeats=5):
-    """Best CPU time of this process (the machine is shared: wall time includes waiting)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return min(times)
+from _common import DEFAULT_TRACE, best_cpu_seconds
 
 
 def ordered_dict_replay(requests, capacity):
@@ -92,8 +80,8 @@ def main() -> None:
     for p in POLICIES:
         simulate(trace, p, capacity)
 
-    t_od = best_of(lambda: ordered_dict_replay(requests, capacity), 3)
-    t_curve = best_of(lambda: lru_curve(trace))
+    t_od = best_cpu_seconds(lambda: ordered_dict_replay(requests, capacity), 3)
+    t_curve = best_cpu_seconds(lambda: lru_curve(trace))
     curve = lru_curve(trace)
     assert curve.block_hits[capacity] == ordered_dict_replay(requests, capacity)
     print(f"trace: {trace.requests} requests, {trace.block_refs} block refs, "
@@ -105,7 +93,7 @@ def main() -> None:
     big = trace.repeated(10)
     print(f"[2] single-capacity simulator on the trace x10 ({big.block_refs} refs), capacity {capacity}:")
     for p in POLICIES:
-        t = best_of(lambda: simulate(big, p, capacity), 3)
+        t = best_cpu_seconds(lambda: simulate(big, p, capacity), 3)
         print(f"    {p:7s} {big.block_refs / t / 1e6:6.2f} M block refs/s"
               f"  ({big.block_refs / t / (trace.block_refs / t_od):.0f}x the OrderedDict replay)")
 
@@ -130,7 +118,7 @@ def main() -> None:
     for block in (16, 64):
         rates = {}
         for algo in ("fast", "blake2b", "sha256"):
-            t = best_of(lambda: chunk_hashes(tokens, block, algorithm=algo), 3)
+            t = best_cpu_seconds(lambda: chunk_hashes(tokens, block, algorithm=algo), 3)
             rates[algo] = len(tokens) // block / t
         print(f"[4] chunk hashing, {block}-token chunks: " + ", ".join(
             f"{a} {r / 1e6:.2f} M chunks/s" for a, r in rates.items())

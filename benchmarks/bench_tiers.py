@@ -20,19 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from pathlib import Path
 
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "mooncake" / "synthetic_trace.jsonl"
-
-
-def best_of(fn, repeats=5):
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return min(times)
+from _common import DEFAULT_TRACE, best_cpu_seconds
 
 
 def main() -> None:
@@ -66,10 +55,10 @@ def main() -> None:
           f"{trace.num_blocks:,} distinct blocks")
     print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
           f"({os.cpu_count()} CPUs)")
-    base = best_of(lambda: simulate(trace, "lru", top))
+    base = best_cpu_seconds(lambda: simulate(trace, "lru", top))
     print(f"{'single-tier LRU (sharing.simulate)':40s} {refs / base / 1e6:8.1f} M refs/s   1.00x")
     for name, (tiers, write) in stacks.items():
-        t = best_of(lambda: simulate_tiers(trace, tiers, write, compare_top_alone=False))
+        t = best_cpu_seconds(lambda: simulate_tiers(trace, tiers, write, compare_top_alone=False))
         print(f"{name:40s} {refs / t / 1e6:8.1f} M refs/s   {base / t:.2f}x of single-tier LRU "
               f"speed")
     load1 = os.getloadavg()

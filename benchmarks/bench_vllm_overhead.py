@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
-from overhead import Goal, InstructionCounter, RoundCost, perf_instructions_available, report, \
+from overhead import Attached, Goal, InstructionCounter, RoundCost, perf_instructions_available, report, \
     round_prompts, run_interleaved, tree_cpu_s, tree_pids
 
 
@@ -69,7 +69,6 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    from kvdiag.child import reset_interrupt_signal
     from kvdiag.commands._demo_vllm import VllmServer
     from kvdiag.engines import SETUP_HINT, vllm_python
     from kvdiag.model import resolve_model
@@ -87,30 +86,20 @@ def main() -> int:
 
     def run_round(cond: str, r: int) -> RoundCost:
         server = servers["plugin" if cond == "plugin" else "plain"]
-        attach = None
-        if cond == "plain+attach":
-            attach = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(server.proc.pid),
-                                       "--duration", "600", "--out", str(tmp / f"attach-{r}.kvlog")],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      # started from a background shell, SIGINT would be
-                                      # ignored here and inherited: attach would not stop
-                                      preexec_fn=reset_interrupt_signal)
         # every condition starts after the same pause: attach's start-up (probes done, py-spy
         # sampling) must not be the only idle gap before a measured round
-        time.sleep(3.0)
-        cpu0 = tree_cpu_s(server.proc.pid)
-        tokens = 0
-        with InstructionCounter(tree_pids(server.proc.pid), perf_note is None) as counter:
-            for system, question in round_prompts(r, args.requests):
-                # a distinct round prefix per condition so each server starts the round cold
-                n, g = stream_chat(server.base_url, str(model), f"[{cond}] {system}", question, args.max_tokens)
-                tokens += n
-                gaps.setdefault(cond, []).extend(g)
-        cpu = tree_cpu_s(server.proc.pid) - cpu0
-        if attach is not None:
-            attach.send_signal(2)
-            attach.wait(timeout=60)
-        return RoundCost(tokens, cpu, counter.count)
+        attached = Attached(server.proc.pid, tmp / f"attach-{r}.kvlog") if cond == "plain+attach" else nullcontext()
+        with attached:
+            time.sleep(3.0)
+            cpu0 = tree_cpu_s(server.proc.pid)
+            tokens = 0
+            with InstructionCounter(tree_pids(server.proc.pid), perf_note is None) as counter:
+                for system, question in round_prompts(r, args.requests):
+                    # a distinct round prefix per condition so each server starts the round cold
+                    n, g = stream_chat(server.base_url, str(model), f"[{cond}] {system}", question, args.max_tokens)
+                    tokens += n
+                    gaps.setdefault(cond, []).extend(g)
+            return RoundCost(tokens, tree_cpu_s(server.proc.pid) - cpu0, counter.count)
 
     try:
         for s in servers.values():  # one at a time: two compiling at once double the wait

@@ -24,6 +24,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,29 @@ class InstructionCounter:
                         self.count = int(head)
         finally:
             self._out.unlink(missing_ok=True)
+
+
+class Attached:
+    """``kvdiag attach PID`` running for the length of a ``with`` block, its log in ``out``
+    (its own process: not counted in the target's CPU)."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        self.pid, self.out = pid, out
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "Attached":
+        from kvdiag.child import reset_interrupt_signal
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(self.pid), "--duration", "3600",
+                                      "--out", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     # from a background shell SIGINT would be ignored, and inherited:
+                                     # attach would not stop
+                                     preexec_fn=reset_interrupt_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=60)
 
 
 @dataclass
