@@ -15,6 +15,7 @@ the per-layer-group table (kvdiag.analysis.delta).
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
@@ -163,13 +164,13 @@ def _print(result, runner, table, rec, loc, logits) -> None:
     for header in cols.values():
         t.add_column(header, overflow="fold")
     for _, r in table.iterrows():
-        t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+        t.add_row(*[_cell(r[c]) for c in cols])
     console.print(t)
     t = Table(title="Recommendation per layer group")
     for c in rec.columns:
         t.add_column(c)
     for _, r in rec.iterrows():
-        t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
+        t.add_row(*[_cell(v) for v in r])
     console.print(t)
     s = locality.summary(loc)
     if s:
@@ -183,8 +184,15 @@ def _print(result, runner, table, rec, loc, logits) -> None:
         for c in logits.columns:
             t.add_column(c)
         for _, r in logits.iterrows():
-            t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
+            t.add_row(*[_cell(v) for v in r])
         console.print(t)
+
+
+def _cell(v) -> str:
+    """A table cell: floats to 4 significant digits, a missing value as "-"."""
+    if isinstance(v, float):
+        return "-" if math.isnan(v) else f"{v:.4g}"
+    return str(v)
 
 
 def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
@@ -228,6 +236,6 @@ def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
     for header in cols.values():
         t.add_column(header, overflow="fold")
     for _, r in table.iterrows():
-        t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+        t.add_row(*[_cell(r[c]) for c in cols])
     console.print(t)
     return 0
