@@ -194,6 +194,41 @@ def dequantize(q: QuantizedKV, backend: Backend = "auto") -> torch.Tensor:
     return head if q.residual is None else torch.cat([head, q.residual], dim=2)
 
 
+def quantized_nbytes(x_shape: tuple[int, int, int, int], dtype: torch.dtype, spec: QuantSpec) -> int:
+    """Bytes :func:`quantize` stores for a tensor of this shape (payload, scales, zeros, residual),
+    computed from the shapes alone: equal to ``quantize(x, spec).nbytes()``."""
+    b, h, t, d = x_shape
+    quant, group = _split_tokens(spec, t, d)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    residual = b * h * (t - quant) * d * elem
+    if spec.fmt in FLOAT_DTYPES:
+        return b * h * quant * d * torch.empty(0, dtype=FLOAT_DTYPES[spec.fmt]).element_size() + residual
+    payload = b * h * quant * d // _per_byte(spec)
+    if quant == 0:
+        return payload + residual
+    groups = b * h * quant * d // group
+    return payload + groups * 2 * (1 if spec.fmt in FP8_DTYPES else 2) + residual
+
+
+def round_trip(x: torch.Tensor, spec: QuantSpec, backend: Backend = "auto") -> torch.Tensor:
+    """``dequantize(quantize(x, spec, backend), backend)``, bit-identical; with the fused CPU
+    kernels in one pass that never materialises the payload (error measurements need x_hat, and
+    the stored size is :func:`quantized_nbytes`)."""
+    _check_input(x, spec)
+    if not use_numba(x, spec, backend) or x.dtype != torch.float32:
+        return dequantize(quantize(x, spec, backend), backend)
+    from kvdiag.kernels import quant_cpu
+
+    b, h, t, d = x.shape
+    quant, group = _split_tokens(spec, t, d)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if quant:
+        quant_cpu.round_trip_into(x, spec.fmt, spec.axis, group, quant, out)
+    if quant < t:
+        out[:, :, quant:] = x[:, :, quant:]
+    return out
+
+
 def _dequantize_numba(q: QuantizedKV) -> torch.Tensor:
     """x_hat written once: the kernels fill the quantized tokens, the residual is copied after."""
     from kvdiag.kernels import quant_cpu
