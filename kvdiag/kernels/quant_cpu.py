@@ -91,6 +91,21 @@ def _f32_to_fp8_bits(f, mant_bits, bias):
 
 
 @njit(inline="always", **_JIT)
+def _fp8_bits_to_f32(c, mant_bits, bias):
+    """fp32 value of fp8 bits ``c`` (finite: the encoder clamps to the fp8 range), by arithmetic
+    on the bits rather than a table lookup, so that the loop vectorizes without gathers."""
+    c = np.int64(c)
+    sign = (c & 0x80) << 24
+    exp = (c & 0x7F) >> mant_bits
+    mant = c & ((1 << mant_bits) - 1)
+    normal = np.uint32(sign | ((exp + 127 - bias) << 23) | (mant << (23 - mant_bits))).view(np.float32)
+    # subnormal: mant * 2 ** (1 - bias - mant_bits), exact in fp32
+    sub = np.float32(mant) * np.uint32((128 - bias - mant_bits) << 23).view(np.float32)
+    sub = -sub if sign else sub
+    return normal if exp > 0 else sub
+
+
+@njit(inline="always", **_JIT)
 def _encode_inverse(s16):
     """fp32 1 / scale used for encoding; a zero scale (constant group) encodes with 1."""
     s = _f16_bits_to_f32(s16)
@@ -172,6 +187,31 @@ def _fp8_params_vec(amax, n, fmax, s16, sf, invf):
         s16[g] = s
         sf[g] = _f16_bits_to_f32(s)
         invf[g] = _encode_inverse(s)
+
+
+@njit(inline="always", **_JIT)
+def _round_trip_group(x, b, zero, scale, inv, qmax, out, n):
+    """x_hat of ``n`` values from ``x[b:]`` (one group) into ``out[b:]``."""
+    for j in range(U(n)):
+        out[b + j] = _code(x[b + j], zero, inv, qmax) * scale + zero
+
+
+@njit(inline="always", **_JIT)
+def _fp8_group(x, b, inv, fmax, mant_bits, bias, payload, pb, n):
+    for j in range(U(n)):
+        payload[pb + j] = _fp8_code(x[b + j], inv, fmax, mant_bits, bias)
+
+
+@njit(inline="always", **_JIT)
+def _fp8_decode_group(payload, pb, table, s, out, b, n):
+    for j in range(U(n)):
+        out[b + j] = table[payload[pb + j]] * s
+
+
+@njit(inline="always", **_JIT)
+def _fp8_round_trip_group(x, b, inv, fmax, mant_bits, bias, table, s, out, n):
+    for j in range(U(n)):
+        out[b + j] = _fp8_bits_to_f32(_fp8_code(x[b + j], inv, fmax, mant_bits, bias), mant_bits, bias) * s
 
 
 @njit(inline="always", **_JIT)
@@ -283,8 +323,8 @@ def _encode_int_token(x, xi, rows_bh, t, d, quant, group, bits, payload, scale, 
             gi0 = U(bh * ng + c0)
             _int_params_vec(lo, hi, n, qmax, zero[gi0:gi0 + U(n)], scale[gi0:gi0 + U(n)], zf, sf, invf)
             for g in range(n):
-                _pack_one(x, base + U((c0 + g) * group), zf[g], invf[g], qmax, bits, payload,
-                          (gi0 + U(g)) * U(group // per_byte), group)
+                b, pb = base + U((c0 + g) * group), (gi0 + U(g)) * U(group // per_byte)
+                _pack_one(x, b, zf[g], invf[g], qmax, bits, payload, pb, group)
 
 
 @njit(**_JIT)
@@ -295,8 +335,8 @@ def _decode_int_token(payload, scale, zero, rows_bh, t, d, quant, group, bits, o
         base = U(bh * t * d)
         for gg in range(ng):
             gi = U(bh * ng + gg)
-            _unpack_one(payload, gi * U(group // per_byte), _f16_bits_to_f32(scale[gi]),
-                        _f16_bits_to_f32(zero[gi]), bits, out, base + U(gg * group), group)
+            pb, s, z, b = gi * U(group // per_byte), _f16_bits_to_f32(scale[gi]), _f16_bits_to_f32(zero[gi]), base + U(gg * group)
+            _unpack_one(payload, pb, s, z, bits, out, b, group)
 
 
 @njit(**_JIT)
@@ -316,9 +356,10 @@ def _round_trip_int_token(x, xi, rows_bh, t, d, quant, group, bits, out):
             _int_params_vec(lo, hi, n, qmax, z16, s16, zf, sf, invf)
             for g in range(n):
                 b = base + U((c0 + g) * group)
-                z, s, inv = zf[g], sf[g], invf[g]
-                for j in range(U(group)):
-                    out[b + j] = _code(x[b + j], z, inv, qmax) * s + z
+                if group == 32:  # a compile-time trip count: vectorized without a scalar epilogue
+                    _round_trip_group(x, b, zf[g], sf[g], invf[g], qmax, out, 32)
+                else:
+                    _round_trip_group(x, b, zf[g], sf[g], invf[g], qmax, out, group)
 
 
 @njit(inline="always", **_JIT)
@@ -416,8 +457,7 @@ def _encode_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias,
             scale[gi] = s16
             inv = _encode_inverse(s16)
             pb = gi * U(group)
-            for j in range(U(group)):
-                payload[pb + j] = _fp8_code(x[b + j], inv, fmax, mant_bits, bias)
+            _fp8_group(x, b, inv, fmax, mant_bits, bias, payload, pb, group)
 
 
 @njit(**_JIT)
@@ -429,8 +469,7 @@ def _decode_fp8_token(payload, scale, rows_bh, t, d, quant, group, table, out):
             gi = U(bh * ng + gg)
             s = _f16_bits_to_f32(scale[gi])
             b, pb = base + U(gg * group), gi * U(group)
-            for j in range(U(group)):
-                out[b + j] = table[payload[pb + j]] * s
+            _fp8_decode_group(payload, pb, table, s, out, b, group)
 
 
 @njit(**_JIT)
@@ -443,8 +482,7 @@ def _round_trip_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, b
             s16 = _f32_to_f16_bits(_group_absmax(xi, b, group) / fmax)
             s = _f16_bits_to_f32(s16)
             inv = _encode_inverse(s16)
-            for j in range(U(group)):
-                out[b + j] = table[_fp8_code(x[b + j], inv, fmax, mant_bits, bias)] * s
+            _fp8_round_trip_group(x, b, inv, fmax, mant_bits, bias, table, s, out, group)
 
 
 @njit(inline="always", **_JIT)
@@ -511,7 +549,8 @@ def _round_trip_fp8_channel(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits,
             for tt in range(group):
                 row = b + U(tt * d)
                 for j in range(U(d)):
-                    out[row + j] = table[_fp8_code(x[row + j], inv_f[j], fmax, mant_bits, bias)] * scale_f[j]
+                    out[row + j] = (_fp8_bits_to_f32(_fp8_code(x[row + j], inv_f[j], fmax, mant_bits, bias), mant_bits, bias)
+                                    * scale_f[j])
 
 
 # ------------------------------------------------------------------ entry points
