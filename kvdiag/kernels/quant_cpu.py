@@ -45,14 +45,14 @@ def _f32_to_f16_bits(f):
     u = np.int64(np.float32(f).view(np.uint32))
     sign = (u >> 16) & 0x8000
     u = u & 0x7FFFFFFF
-    if u >= 0x47800000:  # |f| >= 65536: inf (or nan)
-        out = 0x7E00 if u > 0x7F800000 else 0x7C00
-    elif u < 0x38800000:  # below fp16's smallest normal: the adder rounds to the subnormal grid
-        rounded = np.float32(np.uint32(u).view(np.float32) + np.float32(0.5))
-        out = np.int64(rounded.view(np.uint32)) - 0x3F000000
-    else:
-        odd = (u >> 13) & 1
-        out = (u + (0xFFF - (112 << 23)) + odd) >> 13
+    # every case computed and one selected (no branch: the loops calling this vectorize)
+    big = 0x7E00 if u > 0x7F800000 else 0x7C00  # |f| >= 65536: inf (or nan)
+    # below fp16's smallest normal: the adder rounds to the subnormal grid
+    rounded = np.float32(np.uint32(u).view(np.float32) + np.float32(0.5))
+    sub = np.int64(rounded.view(np.uint32)) - 0x3F000000
+    odd = (u >> 13) & 1
+    normal = (u + (0xFFF - (112 << 23)) + odd) >> 13
+    out = big if u >= 0x47800000 else (sub if u < 0x38800000 else normal)
     return np.uint16(out | sign)
 
 
@@ -62,13 +62,11 @@ def _f16_bits_to_f32(h):
     sign = (h & 0x8000) << 16
     exp = (h >> 10) & 0x1F
     mant = h & 0x3FF
-    if exp == 0:  # zero or subnormal: exact in fp32
-        mag = np.float32(np.float32(mant) * np.float32(2.0 ** -24))
-        return np.uint32(np.int64(mag.view(np.uint32)) | sign).view(np.float32)
-    if exp == 31:
-        bits = sign | 0x7F800000 | (mant << 13)
-    else:
-        bits = sign | ((exp + 112) << 23) | (mant << 13)
+    # zero or subnormal: exact in fp32
+    sub = np.int64(np.float32(np.float32(mant) * np.float32(2.0 ** -24)).view(np.uint32)) | sign
+    special = sign | 0x7F800000 | (mant << 13)
+    normal = sign | ((exp + 112) << 23) | (mant << 13)
+    bits = sub if exp == 0 else (special if exp == 31 else normal)
     return np.uint32(bits).view(np.float32)
 
 
@@ -80,13 +78,14 @@ def _f32_to_fp8_bits(f, mant_bits, bias):
     sign = (u >> 24) & 0x80
     u = u & 0x7FFFFFFF
     shift = 23 - mant_bits
-    if u < ((128 - bias) << 23):  # below the smallest fp8 normal: round on the subnormal grid
-        denorm = (127 - bias + 23 - mant_bits + 1) << 23
-        rounded = np.float32(np.uint32(u).view(np.float32) + np.uint32(denorm).view(np.float32))
-        out = np.int64(rounded.view(np.uint32)) - denorm
-    else:
-        odd = (u >> shift) & 1
-        out = (u + ((bias - 127) << 23) + ((1 << (shift - 1)) - 1) + odd) >> shift
+    # both roundings computed and one selected (no branch: the loops calling this vectorize)
+    # below the smallest fp8 normal: round on the subnormal grid by an fp32 addition
+    denorm = (127 - bias + 23 - mant_bits + 1) << 23
+    rounded = np.float32(np.uint32(u).view(np.float32) + np.uint32(denorm).view(np.float32))
+    sub = np.int64(rounded.view(np.uint32)) - denorm
+    odd = (u >> shift) & 1
+    normal = (u + ((bias - 127) << 23) + ((1 << (shift - 1)) - 1) + odd) >> shift
+    out = sub if u < ((128 - bias) << 23) else normal
     return np.uint8((out & 0x7F) | sign)
 
 
@@ -448,16 +447,19 @@ def _fp8_code(v, inv, fmax, mant_bits, bias):
 @njit(**_JIT)
 def _encode_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias, payload, scale):
     ng = quant * d // group
+    amax = np.empty(_CHUNK, np.float32)
+    sf, invf = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.float32)
     for bh in range(rows_bh):
         base = U(bh * t * d)
-        for gg in range(ng):
-            b = base + U(gg * group)
-            gi = U(bh * ng + gg)
-            s16 = _f32_to_f16_bits(_group_absmax(xi, b, group) / fmax)
-            scale[gi] = s16
-            inv = _encode_inverse(s16)
-            pb = gi * U(group)
-            _fp8_group(x, b, inv, fmax, mant_bits, bias, payload, pb, group)
+        for c0 in range(0, ng, _CHUNK):
+            n = min(_CHUNK, ng - c0)
+            for g in range(n):
+                amax[g] = _group_absmax(xi, base + U((c0 + g) * group), group)
+            gi0 = U(bh * ng + c0)
+            _fp8_params_vec(amax, n, fmax, scale[gi0:gi0 + U(n)], sf, invf)
+            for g in range(n):
+                _fp8_group(x, base + U((c0 + g) * group), invf[g], fmax, mant_bits, bias, payload,
+                           (gi0 + U(g)) * U(group), group)
 
 
 @njit(**_JIT)
@@ -475,14 +477,22 @@ def _decode_fp8_token(payload, scale, rows_bh, t, d, quant, group, table, out):
 @njit(**_JIT)
 def _round_trip_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias, table, out):
     ng = quant * d // group
+    amax = np.empty(_CHUNK, np.float32)
+    s16 = np.empty(_CHUNK, np.uint16)
+    sf, invf = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.float32)
     for bh in range(rows_bh):
         base = U(bh * t * d)
-        for gg in range(ng):
-            b = base + U(gg * group)
-            s16 = _f32_to_f16_bits(_group_absmax(xi, b, group) / fmax)
-            s = _f16_bits_to_f32(s16)
-            inv = _encode_inverse(s16)
-            _fp8_round_trip_group(x, b, inv, fmax, mant_bits, bias, table, s, out, group)
+        for c0 in range(0, ng, _CHUNK):
+            n = min(_CHUNK, ng - c0)
+            for g in range(n):
+                amax[g] = _group_absmax(xi, base + U((c0 + g) * group), group)
+            _fp8_params_vec(amax, n, fmax, s16, sf, invf)
+            for g in range(n):
+                b = base + U((c0 + g) * group)
+                if group == 32:  # a compile-time trip count: vectorized without a scalar epilogue
+                    _fp8_round_trip_group(x, b, invf[g], fmax, mant_bits, bias, table, sf[g], out, 32)
+                else:
+                    _fp8_round_trip_group(x, b, invf[g], fmax, mant_bits, bias, table, sf[g], out, group)
 
 
 @njit(inline="always", **_JIT)
