@@ -202,13 +202,13 @@ def _fp8_group(x, b, inv, fmax, mant_bits, bias, payload, pb, n):
 
 
 @njit(inline="always", **_JIT)
-def _fp8_decode_group(payload, pb, table, s, out, b, n):
+def _fp8_decode_group(payload, pb, mant_bits, bias, s, out, b, n):
     for j in range(U(n)):
-        out[b + j] = table[payload[pb + j]] * s
+        out[b + j] = _fp8_bits_to_f32(payload[pb + j], mant_bits, bias) * s
 
 
 @njit(inline="always", **_JIT)
-def _fp8_round_trip_group(x, b, inv, fmax, mant_bits, bias, table, s, out, n):
+def _fp8_round_trip_group(x, b, inv, fmax, mant_bits, bias, s, out, n):
     for j in range(U(n)):
         out[b + j] = _fp8_bits_to_f32(_fp8_code(x[b + j], inv, fmax, mant_bits, bias), mant_bits, bias) * s
 
@@ -463,7 +463,7 @@ def _encode_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias,
 
 
 @njit(**_JIT)
-def _decode_fp8_token(payload, scale, rows_bh, t, d, quant, group, table, out):
+def _decode_fp8_token(payload, scale, rows_bh, t, d, quant, group, mant_bits, bias, out):
     ng = quant * d // group
     for bh in range(rows_bh):
         base = U(bh * t * d)
@@ -471,11 +471,11 @@ def _decode_fp8_token(payload, scale, rows_bh, t, d, quant, group, table, out):
             gi = U(bh * ng + gg)
             s = _f16_bits_to_f32(scale[gi])
             b, pb = base + U(gg * group), gi * U(group)
-            _fp8_decode_group(payload, pb, table, s, out, b, group)
+            _fp8_decode_group(payload, pb, mant_bits, bias, s, out, b, group)
 
 
 @njit(**_JIT)
-def _round_trip_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias, table, out):
+def _round_trip_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias, out):
     ng = quant * d // group
     amax = np.empty(_CHUNK, np.float32)
     s16 = np.empty(_CHUNK, np.uint16)
@@ -489,10 +489,7 @@ def _round_trip_fp8_token(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, b
             _fp8_params_vec(amax, n, fmax, s16, sf, invf)
             for g in range(n):
                 b = base + U((c0 + g) * group)
-                if group == 32:  # a compile-time trip count: vectorized without a scalar epilogue
-                    _fp8_round_trip_group(x, b, invf[g], fmax, mant_bits, bias, table, sf[g], out, 32)
-                else:
-                    _fp8_round_trip_group(x, b, invf[g], fmax, mant_bits, bias, table, sf[g], out, group)
+                _fp8_round_trip_group(x, b, invf[g], fmax, mant_bits, bias, sf[g], out, group)
 
 
 @njit(inline="always", **_JIT)
@@ -527,7 +524,7 @@ def _encode_fp8_channel(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bia
 
 
 @njit(**_JIT)
-def _decode_fp8_channel(payload, scale, rows_bh, t, d, quant, group, table, out):
+def _decode_fp8_channel(payload, scale, rows_bh, t, d, quant, group, mant_bits, bias, out):
     blocks = quant // group
     scale_f = np.empty(d, np.float32)
     for bh in range(rows_bh):
@@ -539,11 +536,11 @@ def _decode_fp8_channel(payload, scale, rows_bh, t, d, quant, group, table, out)
                 row = U(bh * t * d + (tg * group + tt) * d)
                 pb = U((bh * quant + tg * group + tt) * d)
                 for j in range(U(d)):
-                    out[row + j] = table[payload[pb + j]] * scale_f[j]
+                    out[row + j] = _fp8_bits_to_f32(payload[pb + j], mant_bits, bias) * scale_f[j]
 
 
 @njit(**_JIT)
-def _round_trip_fp8_channel(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias, table, out):
+def _round_trip_fp8_channel(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits, bias, out):
     blocks = quant // group
     amax = np.empty(d, np.int64)
     inv_f = np.empty(d, np.float32)
@@ -571,16 +568,6 @@ def _bits16(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
-def _fp8_table(fmt: str) -> np.ndarray:
-    """fp32 value of every fp8 bit pattern (256 entries)."""
-    from kvdiag.kernels.quant import FP8_DTYPES
-
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPES[fmt]).float().numpy()
-
-
-_FP8_TABLES: dict[str, np.ndarray] = {}
-
-
 def _fp8_bias(fmt: str) -> int:
     return 7 if fmt == "fp8_e4m3" else 15
 
@@ -596,13 +583,6 @@ def _flat_input(x: torch.Tensor):
         xf = xf.contiguous()
     flat = xf.numpy().reshape(-1)
     return flat, flat.view(np.int32), b * h, t, d
-
-
-def _table(fmt: str) -> np.ndarray:
-    table = _FP8_TABLES.get(fmt)
-    if table is None:
-        table = _FP8_TABLES[fmt] = _fp8_table(fmt)
-    return table
 
 
 def encode(x: torch.Tensor, fmt: str, axis: str, group: int, quant: int):
@@ -647,7 +627,7 @@ def decode_into(payload: torch.Tensor, scale: torch.Tensor, zero, fmt: str, axis
         kernel(p1, s1, _bits16(zero.contiguous()).reshape(-1), b * h, t, d, quant, group, INT_BITS[fmt], out1)
         return
     kernel = _decode_fp8_token if axis == "token" else _decode_fp8_channel
-    kernel(p1, s1, b * h, t, d, quant, group, _table(fmt), out1)
+    kernel(p1, s1, b * h, t, d, quant, group, FP8_MANT_BITS[fmt], _fp8_bias(fmt), out1)
 
 
 def round_trip_into(x: torch.Tensor, fmt: str, axis: str, group: int, quant: int, out: torch.Tensor) -> None:
@@ -665,5 +645,4 @@ def round_trip_into(x: torch.Tensor, fmt: str, axis: str, group: int, quant: int
         kernel(xf, xi, bh, t, d, quant, group, INT_BITS[fmt], out1)
         return
     kernel = _round_trip_fp8_token if axis == "token" else _round_trip_fp8_channel
-    kernel(xf, xi, bh, t, d, quant, group, np.float32(FP8_MAX[fmt]), FP8_MANT_BITS[fmt], _fp8_bias(fmt),
-           _table(fmt), out1)
+    kernel(xf, xi, bh, t, d, quant, group, np.float32(FP8_MAX[fmt]), FP8_MANT_BITS[fmt], _fp8_bias(fmt), out1)
