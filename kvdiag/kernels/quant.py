@@ -18,8 +18,9 @@ fp32 before its cast): a torch reference (``backend="torch"``, the oracle), Trit
 GPUs (``backend="triton"``) and fused numba kernels for the CPU (``backend="numba"``,
 :mod:`kvdiag.kernels.quant_cpu`: integer codes, scales and zeros bit-identical to the
 reference). ``backend="auto"`` uses Triton for CUDA tensors and numba for CPU tensors of the
-grouped formats where it measured faster (:func:`use_numba`; fp16/bf16 are single casts and
-stay on torch).
+grouped formats (:func:`use_numba`; fp16/bf16 are single casts and stay on torch).
+:func:`round_trip` is ``dequantize(quantize(x))`` in one fused pass on the CPU (no payload), for
+error measurements; :func:`quantized_nbytes` gives the stored size from the shapes.
 """
 
 from __future__ import annotations
@@ -126,15 +127,13 @@ def use_triton(x: torch.Tensor, backend: Backend) -> bool:
 
 
 def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend) -> bool:
-    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor of a grouped format where
-    they measured faster than the reference (benchmarks/bench_quant_cpu.py): every format on
-    the channel axis, the integer formats on the token axis (fp8 per token stays on torch)."""
+    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor of a grouped format (every
+    one measured faster than the reference: benchmarks/bench_quant_cpu.py)."""
     if not spec.grouped:
         return False
     if backend == "numba":
         return True
-    faster = spec.axis == "channel" or spec.fmt in INT_BITS
-    return backend == "auto" and faster and x.device.type == "cpu" and numba_available()
+    return backend == "auto" and x.device.type == "cpu" and numba_available()
 
 
 def numba_available() -> bool:
