@@ -1,8 +1,14 @@
 """Quantize+dequantize throughput on the CPU as a fraction of ``torch.clone`` bandwidth on the
 same tensor (goal >= 0.5), for the fused numba kernels and the torch reference side by side.
 
-Ratio = median clone time / median (quantize + dequantize) time, so 1.0 means the round trip
-moves the tensor as fast as a copy of it. The tensor is one layer's K (V has the same shape) of
+Ratio = median over repetitions of clone time / (quantize + dequantize) time, clone and round
+trip timed in the same repetition, so 1.0 means the round trip moves the tensor as fast as a
+copy of it (pairing matters on a shared machine: phases where every call runs several times
+slower would otherwise land in one median and not the other). Columns: ``fused``:
+``dequantize(quantize(x))`` with ``backend="auto"`` (the fused numba kernels for the grouped
+formats, payload materialised: what a stored cache costs); ``rt``: :func:`quant.round_trip`,
+the same x_hat in one pass without the payload (what the shadow's error measurement needs);
+``torch``: the reference. The tensor is one layer's K (V has the same shape) of
 the embedded model (SmolLM2-135M: 3 KV heads, head_dim 64) at 4096 tokens, fp32 as the model
 runs on the CPU. Repetitions of clone, fused and reference are interleaved so that noise from
 other processes hits all three alike; each row states the thread count and the 1-minute load
@@ -32,8 +38,8 @@ def round_trip(x: torch.Tensor, spec: QuantSpec, backend: str) -> torch.Tensor:
     return dequantize(quantize(x, spec, backend), backend)
 
 
-def interleaved_medians_s(fns: dict, repeat: int) -> dict:
-    """Median seconds per call of each function, calls interleaved: a, b, c, a, b, c, ..."""
+def interleaved_times_s(fns: dict, repeat: int) -> dict:
+    """Seconds per call of each function, calls interleaved: a, b, c, a, b, c, ..."""
     for fn in fns.values():
         fn()  # compile or warm up outside the timed region
     times: dict = {name: [] for name in fns}
@@ -42,7 +48,13 @@ def interleaved_medians_s(fns: dict, repeat: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def paired_ratio(times: dict, name: str) -> float:
+    """Median over repetitions of clone time / ``name`` time, each pair from the same repetition
+    (adjacent calls): a slow phase of the shared machine hits both sides of a pair alike."""
+    return statistics.median(c / f for c, f in zip(times["clone"], times[name]))
 
 
 def main() -> None:
@@ -61,16 +73,17 @@ def main() -> None:
         for fmt in FORMATS:
             for axis in ("token", "channel"):
                 spec = QuantSpec(fmt, axis=axis)
-                med = interleaved_medians_s({
+                times = interleaved_times_s({
                     "clone": lambda: x.clone(),
                     "fused": lambda: round_trip(x, spec, "auto"),
                     "rt": lambda: fused_round_trip(x, spec, "auto"),
                     "torch": lambda: round_trip(x, spec, "torch"),
                 }, args.repeat)
+                med = {name: statistics.median(ts) for name, ts in times.items()}
                 load1 = os.getloadavg()[0]
                 print(f"{threads:7d} {fmt:9s} {axis:8s} {med['clone'] * 1e3:8.3f} {med['fused'] * 1e3:8.3f} "
-                      f"{med['rt'] * 1e3:8.3f} {med['torch'] * 1e3:8.3f} {med['clone'] / med['fused']:11.3f} "
-                      f"{med['clone'] / med['rt']:8.3f} {med['clone'] / med['torch']:11.3f} "
+                      f"{med['rt'] * 1e3:8.3f} {med['torch'] * 1e3:8.3f} {paired_ratio(times, 'fused'):11.3f} "
+                      f"{paired_ratio(times, 'rt'):8.3f} {paired_ratio(times, 'torch'):11.3f} "
                       f"{quantize(x, spec, 'torch').ratio():11.2f} {load1:5.2f}")
 
 

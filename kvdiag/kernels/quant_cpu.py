@@ -123,14 +123,14 @@ def _encode_inverse(s16):
 
 @njit(inline="always", **_JIT)
 def _key(v):
-    """fp32 bits (int32) -> int64 key with the order of the float values (-0.0 below +0.0)."""
-    v = np.int64(v)
-    return v ^ ((v >> 31) & 0x7FFFFFFF)
+    """fp32 bits (int32) -> int32 key with the order of the float values (-0.0 below +0.0)."""
+    return np.int32(v ^ ((v >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
 @njit(inline="always", **_JIT)
 def _unkey(k):
     """Inverse of :func:`_key`: the fp32 value."""
+    k = np.int64(k)
     k = k ^ ((k >> 31) & 0x7FFFFFFF)
     return np.uint32(k & 0xFFFFFFFF).view(np.float32)
 
@@ -138,8 +138,8 @@ def _unkey(k):
 @njit(inline="always", **_JIT)
 def _group_minmax(xi, b, group):
     """(min, max) of the fp32 values whose bits are ``xi[b:b + group]``."""
-    lo = np.int64(0x7FFFFFFF)
-    hi = np.int64(-0x80000000)
+    lo = np.int32(0x7FFFFFFF)
+    hi = np.int32(-0x80000000)
     for j in range(U(group)):
         k = _key(xi[b + j])
         lo = min(lo, k)
@@ -381,7 +381,7 @@ def _encode_int_channel(x, xi, rows_bh, t, d, quant, group, bits, payload, scale
     per_byte = 8 // bits
     qmax = np.float32((1 << bits) - 1)
     blocks = quant // group
-    lo, hi = np.empty(d, np.int64), np.empty(d, np.int64)
+    lo, hi = np.empty(d, np.int32), np.empty(d, np.int32)
     lof, hif = np.empty(d, np.float32), np.empty(d, np.float32)
     zero_f, scale_f, inv_f = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
     for bh in range(rows_bh):
@@ -419,7 +419,7 @@ def _decode_int_channel(payload, scale, zero, rows_bh, t, d, quant, group, bits,
 def _round_trip_int_channel(x, xi, rows_bh, t, d, quant, group, bits, out):
     qmax = np.float32((1 << bits) - 1)
     blocks = quant // group
-    lo, hi = np.empty(d, np.int64), np.empty(d, np.int64)
+    lo, hi = np.empty(d, np.int32), np.empty(d, np.int32)
     lof, hif = np.empty(d, np.float32), np.empty(d, np.float32)
     z16, s16 = np.empty(d, np.uint16), np.empty(d, np.uint16)
     zero_f, scale_f, inv_f = np.empty(d, np.float32), np.empty(d, np.float32), np.empty(d, np.float32)
