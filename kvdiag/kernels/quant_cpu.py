@@ -105,6 +105,21 @@ def _fp8_bits_to_f32(c, mant_bits, bias):
 
 
 @njit(inline="always", **_JIT)
+def _fp8_round_value(f, mant_bits, bias):
+    """fp32 (already clamped to the fp8 range) rounded to the nearest fp8 value (ties to even),
+    as an fp32: what decoding :func:`_f32_to_fp8_bits` gives, in 32-bit lanes without building the
+    code. Adding then subtracting c = 2 ** (exponent + 23 - mant_bits) rounds to the fp8 spacing
+    with the adder's round to nearest even (the exponent is clamped to fp8's smallest normal
+    one, so that subnormals round on their fixed grid)."""
+    u = np.float32(f).view(np.int32)
+    mag = np.int32(u & np.int32(0x7FFFFFFF))
+    e = max(np.int32(mag & np.int32(0x7F800000)), np.int32((128 - bias) << 23))
+    c = np.int32(e + np.int32((23 - mant_bits) << 23)).view(np.float32)
+    r = np.float32((mag.view(np.float32) + c) - c)
+    return np.int32(r.view(np.int32) | (u & np.int32(-0x80000000))).view(np.float32)
+
+
+@njit(inline="always", **_JIT)
 def _encode_inverse(s16):
     """fp32 1 / scale used for encoding; a zero scale (constant group) encodes with 1."""
     s = _f16_bits_to_f32(s16)
@@ -210,7 +225,7 @@ def _fp8_decode_group(payload, pb, mant_bits, bias, s, out, b, n):
 @njit(inline="always", **_JIT)
 def _fp8_round_trip_group(x, b, inv, fmax, mant_bits, bias, s, out, n):
     for j in range(U(n)):
-        out[b + j] = _fp8_bits_to_f32(_fp8_code(x[b + j], inv, fmax, mant_bits, bias), mant_bits, bias) * s
+        out[b + j] = _fp8_round_value(min(max(x[b + j] * inv, -fmax), fmax), mant_bits, bias) * s
 
 
 @njit(inline="always", **_JIT)
@@ -556,7 +571,7 @@ def _round_trip_fp8_channel(x, xi, rows_bh, t, d, quant, group, fmax, mant_bits,
             for tt in range(group):
                 row = b + U(tt * d)
                 for j in range(U(d)):
-                    out[row + j] = (_fp8_bits_to_f32(_fp8_code(x[row + j], inv_f[j], fmax, mant_bits, bias), mant_bits, bias)
+                    out[row + j] = (_fp8_round_value(min(max(x[row + j] * inv_f[j], -fmax), fmax), mant_bits, bias)
                                     * scale_f[j])
 
 
