@@ -345,12 +345,18 @@ def _encode_int_token(x, xi, rows_bh, t, d, quant, group, bits, payload, scale, 
 def _decode_int_token(payload, scale, zero, rows_bh, t, d, quant, group, bits, out):
     per_byte = 8 // bits
     ng = quant * d // group
+    sf, zf = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.float32)
     for bh in range(rows_bh):
         base = U(bh * t * d)
-        for gg in range(ng):
-            gi = U(bh * ng + gg)
-            pb, s, z, b = gi * U(group // per_byte), _f16_bits_to_f32(scale[gi]), _f16_bits_to_f32(zero[gi]), base + U(gg * group)
-            _unpack_one(payload, pb, s, z, bits, out, b, group)
+        for c0 in range(0, ng, _CHUNK):
+            n = min(_CHUNK, ng - c0)
+            gi0 = U(bh * ng + c0)
+            for g in range(U(n)):  # the chunk's parameters in one vectorizable loop
+                sf[g] = _f16_bits_to_f32(scale[gi0 + g])
+                zf[g] = _f16_bits_to_f32(zero[gi0 + g])
+            for g in range(n):
+                _unpack_one(payload, (gi0 + U(g)) * U(group // per_byte), sf[g], zf[g], bits, out,
+                            base + U((c0 + g) * group), group)
 
 
 @njit(**_JIT)
