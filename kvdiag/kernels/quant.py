@@ -18,8 +18,9 @@ fp32 before its cast): a torch reference (``backend="torch"``, the oracle), Trit
 GPUs (``backend="triton"``) and fused numba kernels for the CPU (``backend="numba"``,
 :mod:`kvdiag.kernels.quant_cpu`: integer codes, scales and zeros bit-identical to the
 reference). ``backend="auto"`` uses Triton for CUDA tensors and numba for CPU tensors of the
-grouped formats where it measured faster (:func:`use_numba`; fp16/bf16 are single casts and
-stay on torch).
+grouped formats (:func:`use_numba`; fp16/bf16 are single casts and stay on torch).
+:func:`round_trip` is ``dequantize(quantize(x))`` in one fused pass on the CPU (no payload), for
+error measurements; :func:`quantized_nbytes` gives the stored size from the shapes.
 """
 
 from __future__ import annotations
@@ -126,15 +127,13 @@ def use_triton(x: torch.Tensor, backend: Backend) -> bool:
 
 
 def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend) -> bool:
-    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor of a grouped format where
-    they measured faster than the reference (benchmarks/bench_quant_cpu.py): every format on
-    the channel axis, the integer formats on the token axis (fp8 per token stays on torch)."""
+    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor of a grouped format (every
+    one measured faster than the reference: benchmarks/bench_quant_cpu.py)."""
     if not spec.grouped:
         return False
     if backend == "numba":
         return True
-    faster = spec.axis == "channel" or spec.fmt in INT_BITS
-    return backend == "auto" and faster and x.device.type == "cpu" and numba_available()
+    return backend == "auto" and x.device.type == "cpu" and numba_available()
 
 
 def numba_available() -> bool:
@@ -192,6 +191,41 @@ def dequantize(q: QuantizedKV, backend: Backend = "auto") -> torch.Tensor:
     else:
         head = _dequantize_torch(q)
     return head if q.residual is None else torch.cat([head, q.residual], dim=2)
+
+
+def quantized_nbytes(x_shape: tuple[int, int, int, int], dtype: torch.dtype, spec: QuantSpec) -> int:
+    """Bytes :func:`quantize` stores for a tensor of this shape (payload, scales, zeros, residual),
+    computed from the shapes alone: equal to ``quantize(x, spec).nbytes()``."""
+    b, h, t, d = x_shape
+    quant, group = _split_tokens(spec, t, d)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    residual = b * h * (t - quant) * d * elem
+    if spec.fmt in FLOAT_DTYPES:
+        return b * h * quant * d * torch.empty(0, dtype=FLOAT_DTYPES[spec.fmt]).element_size() + residual
+    payload = b * h * quant * d // _per_byte(spec)
+    if quant == 0:
+        return payload + residual
+    groups = b * h * quant * d // group
+    return payload + groups * 2 * (1 if spec.fmt in FP8_DTYPES else 2) + residual
+
+
+def round_trip(x: torch.Tensor, spec: QuantSpec, backend: Backend = "auto") -> torch.Tensor:
+    """``dequantize(quantize(x, spec, backend), backend)``, bit-identical; with the fused CPU
+    kernels in one pass that never materialises the payload (error measurements need x_hat, and
+    the stored size is :func:`quantized_nbytes`)."""
+    _check_input(x, spec)
+    if not use_numba(x, spec, backend) or x.dtype != torch.float32:
+        return dequantize(quantize(x, spec, backend), backend)
+    from kvdiag.kernels import quant_cpu
+
+    b, h, t, d = x.shape
+    quant, group = _split_tokens(spec, t, d)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if quant:
+        quant_cpu.round_trip_into(x, spec.fmt, spec.axis, group, quant, out)
+    if quant < t:
+        out[:, :, quant:] = x[:, :, quant:]
+    return out
 
 
 def _dequantize_numba(q: QuantizedKV) -> torch.Tensor:
