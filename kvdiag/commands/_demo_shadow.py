@@ -97,23 +97,18 @@ def run_logits(model_dir: Path, log_path: Path, args) -> int:
 def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
     """The compression table + recommendation (``shadow``) and the logits table (``logits``)."""
     from rich.console import Console
-    from rich.table import Table
 
     from kvdiag.analysis import compression, locality
     from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
+    from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table
     from kvdiag.eventlog import read_log
 
     log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
                                     "shadow_budget", "collector_error"])
     console = Console()
 
-    def show(title, frame):
-        t = Table(title=title)
-        for c in frame.columns:
-            t.add_column(str(c))
-        for row in frame.itertuples(index=False):
-            t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row])
-        console.print(t)
+    def show(title, frame, columns=None):
+        console.print(frame_table(title, frame, columns, digits=3))
 
     if shadow:
         comp = log.frame("shadow_compression")
@@ -128,13 +123,8 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
             print("shadow: no sampled decode step yet (more traffic or a higher --shadow-rate)")
         else:
             table = compression.compression_table(comp)
-            cols = {"group": "group", "method": "method", "ratio": "ratio", "k_rel_error": "K err",
-                    "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
-                    "attn_out_rel_error_lo": "95% lo", "attn_out_rel_error_hi": "95% hi", "steps": "steps",
-                    "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
             show("Shadow compression by layer group (1-based): mean relative errors (K, V, attention "
-                 "output), attention TV distance, microseconds per layer-step",
-                 table[list(cols)].rename(columns=cols))
+                 "output), attention TV distance, microseconds per layer-step", table, COMPRESSION_COLUMNS)
             show(f"Recommendation per layer group (attn_out_rel_error <= {COMPRESSION_ERROR_BUDGET:g})",
                  compression.recommend(table))
         s = locality.summary(log.frame("shadow_locality"))

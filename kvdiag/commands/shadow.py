@@ -15,10 +15,10 @@ the per-layer-group table (kvdiag.analysis.delta).
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
+from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table
 
 DESCRIPTION = __doc__
 
@@ -149,29 +149,16 @@ def run(args) -> int:
 
 def _print(result, runner, table, rec, loc, logits) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from kvdiag.analysis import locality
 
     console = Console()
     console.print(f"generated {result.decode_tokens} tokens at {result.tokens_per_s():.1f} tok/s; "
                   f"shadow ran on {runner.runs} steps, errors {dict(runner.errors) or 0}")
-    t = Table(title="Shadow compression by layer group: means of relative errors (K, V, attention "
-                    "output), attention TV distance, microseconds per layer-step")
-    cols = {"group": "group", "method": "method", "ratio": "ratio", "k_rel_error": "K err",
-            "v_rel_error": "V err", "attn_score_error": "attn TV", "attn_out_rel_error": "out err",
-            "encode_us": "enc us", "decode_us": "dec us", "seq_len_tokens": "tokens"}
-    for header in cols.values():
-        t.add_column(header, overflow="fold")
-    for _, r in table.iterrows():
-        t.add_row(*[_cell(r[c]) for c in cols])
-    console.print(t)
-    t = Table(title="Recommendation per layer group")
-    for c in rec.columns:
-        t.add_column(c)
-    for _, r in rec.iterrows():
-        t.add_row(*[_cell(v) for v in r])
-    console.print(t)
+    console.print(frame_table("Shadow compression by layer group: means of relative errors (K, V, attention "
+                              "output), attention TV distance, microseconds per layer-step", table,
+                              COMPRESSION_COLUMNS))
+    console.print(frame_table("Recommendation per layer group", rec))
     s = locality.summary(loc)
     if s:
         console.print(f"attention locality: recent-20% mass {s['recent_mass']:.3f}, sinks {s['sink_mass']:.3f}, "
@@ -180,19 +167,7 @@ def _print(result, runner, table, rec, loc, logits) -> None:
         console.print("top-3 heads' share of non-recent attention, layers 12+ (1-based): " + ", ".join(
             f"L{r.layer + 1}:{r.top_share:.2f}" for r in top.itertuples() if r.layer + 1 >= 12))
     if not logits.empty:
-        t = Table(title="Teacher-forced next-token agreement with compressed prefix KV")
-        for c in logits.columns:
-            t.add_column(c)
-        for _, r in logits.iterrows():
-            t.add_row(*[_cell(v) for v in r])
-        console.print(t)
-
-
-def _cell(v) -> str:
-    """A table cell: floats to 4 significant digits, a missing value as "-"."""
-    if isinstance(v, float):
-        return "-" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
+        console.print(frame_table("Teacher-forced next-token agreement with compressed prefix KV", logits))
 
 
 def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
@@ -221,21 +196,15 @@ def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
         print(json.dumps({"run": info, "table": table.to_dict("records")}, default=str))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(f"{run.turns} turns, {run.prompt_tokens} prompt tokens ({run.reused_tokens} from shared "
                   f"blocks), {run.decode_tokens} generated; {run.blocks_written} of {run.blocks_seen} blocks "
                   f"written out; model {run.model_ns / 1e9:.1f} s, writer (shadow) {run.writer_ns / 1e9:.1f} s")
-    t = Table(title=f"Differential KV writes by layer group (1-based): savings vs full bytes; delta within "
-                    f"{args.delta_bound:g} x rms per element")
     cols = {"group": "group", "writes": "writes", "full_mib": "full MiB", "dedup_saving": "dedup",
             "delta_saving": "delta", "quant_saving": "quant only", "prev_saving": "prev-version",
             "delta_saving_rewrites": "delta (rewrites)", "attn_out_rel_error": "out err",
             "attn_out_rel_error_p95": "out err p95", "encode_us": "enc us", "decode_us": "dec us"}
-    for header in cols.values():
-        t.add_column(header, overflow="fold")
-    for _, r in table.iterrows():
-        t.add_row(*[_cell(r[c]) for c in cols])
-    console.print(t)
+    console.print(frame_table(f"Differential KV writes by layer group (1-based): savings vs full bytes; delta "
+                              f"within {args.delta_bound:g} x rms per element", table, cols))
     return 0
