@@ -288,3 +288,22 @@ def test_budget_is_reported_while_no_step_is_sampled(monkeypatch):
     budgets = [e for e in sink.events if isinstance(e, ShadowBudget)]
     assert [b.steps_offered for b in budgets] == [1, 2, 3, 4, 5]
     assert budgets[-1].steps_sampled == 0 and budgets[-1].elapsed_ns == 4_000
+
+
+def test_per_layer_inputs_are_gathered_only_for_the_measured_layers():
+    """An engine hands KV and queries as PerLayer: a run with three layers fetches exactly
+    those three, once each (the gather of the other layers is never paid)."""
+    from kvdiag.kernels.shadow import PerLayer
+
+    _, kv = prefill_kv()
+    queries = [torch.randn(1, 9, 1, 64) for _ in kv]
+    fetched = {"kv": [], "q": []}
+
+    def fetch(what, values):
+        return lambda layer: fetched[what].append(layer) or values[layer]
+
+    runner = ShadowRunner(ListSink(), ["int8"], sample_rate=1.0, budget_frac=None, locality=False, layers_per_run=3)
+    assert runner.maybe_run(0, lambda: PerLayer(len(kv), fetch("kv", kv)),
+                            lambda: PerLayer(len(queries), fetch("q", queries)))
+    expected = runner.layers_of_run(len(kv), 0)
+    assert fetched["kv"] == expected and fetched["q"] == expected

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from kvdiag.kernels.attention import QueryCapture
-from kvdiag.kernels.shadow import ShadowRunner
+from kvdiag.kernels.shadow import PerLayer, ShadowRunner
 from kvdiag.schema import CollectorError
 from kvdiag.sinks import Sink
 
@@ -59,12 +59,13 @@ def decode_row(batch) -> Optional[tuple[Any, int]]:
     return None
 
 
-def gather_request_kv(cache, request_id: str, seq_len_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def request_kv(cache, request_id: str, seq_len_tokens: int) -> PerLayer:
     """Per layer (K, V) [1, kv_heads, seq_len, head_dim]: copies of the request's first
-    ``seq_len_tokens`` cached tokens, read through its block table."""
-    out = []
+    ``seq_len_tokens`` cached tokens, read through its block table when a layer is first
+    accessed (a sampled step gathers only the layers it measures)."""
     index_of: dict[int, torch.Tensor] = {}
-    for layer in range(cache.config.num_hidden_layers):
+
+    def layer_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         allocator = cache.layer_to_allocator[layer]
         index = index_of.get(id(allocator))
         if index is None:
@@ -74,8 +75,19 @@ def gather_request_kv(cache, request_id: str, seq_len_tokens: int) -> list[tuple
         k_view, v_view = allocator._kv_token_views[layer]  # [rows, kv_heads, head_dim]
         k = torch.index_select(k_view, 0, index).transpose(0, 1).unsqueeze(0)
         v = torch.index_select(v_view, 0, index).transpose(0, 1).unsqueeze(0)
-        out.append((k, v))
-    return out
+        return k, v
+
+    return PerLayer(cache.config.num_hidden_layers, _outside_inference_mode(layer_kv))
+
+
+def _outside_inference_mode(fetch):
+    """``fetch`` run as ordinary tensors without autograd (the engine's step runs in inference
+    mode; the shadow's copies must not be inference tensors)."""
+
+    def run(layer: int):
+        with torch.inference_mode(False), torch.no_grad():
+            return fetch(layer)
+    return run
 
 
 class CBShadow:
@@ -168,15 +180,13 @@ class CBShadow:
         self.samples.append(ShadowSample(step_id, request_id, seq_len))
 
         def kv():
-            with torch.inference_mode(False), torch.no_grad():
-                return gather_request_kv(cache, request_id, seq_len)
+            return request_kv(cache, request_id, seq_len)
 
         def queries():
             # project only the request's row of the packed hidden states (and its RoPE angles)
             capture._inputs = [(h[:, row: row + 1], (cos[:, row: row + 1], sin[:, row: row + 1]))
                                for h, (cos, sin) in capture._inputs]
-            with torch.inference_mode(False), torch.no_grad():
-                return capture.queries()
+            return PerLayer(len(capture.layers), _outside_inference_mode(capture.query))
 
         self.runner.maybe_run(step_id, kv, queries, sampled=True)
 

@@ -120,17 +120,19 @@ class QueryCapture:
 
     def queries(self) -> list[torch.Tensor]:
         """[B, QH, Tq, D] per layer for the last armed forward."""
-        out = []
+        return [self.query(layer) for layer in range(len(self.layers))]
+
+    def query(self, layer: int) -> torch.Tensor:
+        """[B, QH, Tq, D] of one layer for the last armed forward."""
+        attn, captured = self.layers[layer], self._inputs[layer]
+        if captured is None:
+            raise RuntimeError("QueryCapture: no forward ran while armed")
+        hidden, (cos, sin) = captured
         with torch.no_grad():
-            for attn, captured in zip(self.layers, self._inputs):
-                if captured is None:
-                    raise RuntimeError("QueryCapture: no forward ran while armed")
-                hidden, (cos, sin) = captured
-                q = attn.q_proj(hidden).view(*hidden.shape[:-1], -1, attn.head_dim).transpose(1, 2)
-                rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
-                q, _ = rope(q, q, cos, sin)
-                out.append(q)
-        return out
+            q = attn.q_proj(hidden).view(*hidden.shape[:-1], -1, attn.head_dim).transpose(1, 2)
+            rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
+            q, _ = rope(q, q, cos, sin)
+        return q
 
     def clear(self) -> None:
         self._inputs = [None] * len(self.layers)

@@ -4,7 +4,8 @@ Entry point for any engine: ``ShadowRunner(sink, methods, sample_rate, budget_fr
 each decode forward, ``runner.maybe_run(step_id, layers_kv, queries)`` where ``layers_kv`` is a
 sequence of per-layer (K, V) [B, KH, T, D] *after* the step's cache update and ``queries`` a
 sequence of per-layer post-RoPE queries [B, QH, Tq, D] of that step (either may be a callable
-returning the sequence, so an engine gathers paged KV only on sampled steps).
+returning the sequence, so an engine gathers paged KV only on sampled steps, and the sequence
+a :class:`PerLayer`, so that it gathers only the layers the run measures).
 
 With ``background=True`` the caller's thread only copies the K/V and queries of a sampled step
 (into a one-slot queue; a step sampled while the worker is busy is dropped and counted) and a
@@ -42,6 +43,7 @@ Live tensors are only read (cloned) and never written.
 from __future__ import annotations
 
 import queue
+from collections.abc import Sequence as SequenceABC
 import random
 import threading
 import time
@@ -61,6 +63,23 @@ Queries = Sequence[torch.Tensor]
 
 def _resolve(x):
     return x() if callable(x) else x
+
+
+class PerLayer(SequenceABC):
+    """``num_layers`` values, each computed by ``fetch(layer)`` on first access: an engine hands
+    the runner its KV and queries this way, so that only the layers a run measures are
+    gathered (:meth:`ShadowRunner.layers_of_run`)."""
+
+    def __init__(self, num_layers: int, fetch: Callable[[int], object]) -> None:
+        self._fetch, self._values = fetch, [None] * num_layers
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, layer: int):
+        if self._values[layer] is None:
+            self._values[layer] = self._fetch(layer)
+        return self._values[layer]
 
 
 class CpuClock:
