@@ -122,6 +122,7 @@ def main() -> None:
                              continuous_batching_config=cb_cfg)  # warm-up, every step shadowed
         print(f"warm-up: {warm.runs} whole-model shadow runs, {time.process_time() - t0:.1f} CPU-s with the "
               f"one-time costs", flush=True)
+        runner.scaling = warm.scaling  # read from the model when the warm-up armed its capture
         shadow.runner = runner
         steps["off"].clear()
         steps["on"].clear()
