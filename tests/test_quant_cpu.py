@@ -75,16 +75,31 @@ def test_fewer_tokens_than_a_group_keep_everything_in_full_precision(axis):
 
 @settings(max_examples=40, deadline=None)
 @given(fmt=st.sampled_from(GROUPED), axis=st.sampled_from(["token", "channel"]),
-       heads=st.integers(1, 3), tokens=st.integers(1, 70), head_dim=st.sampled_from([16, 32, 64]),
-       group=st.sampled_from([4, 8, 16, 32]), residual=st.integers(0, 9),
+       heads=st.integers(1, 3), tokens=st.integers(1, 70), head_dim=st.sampled_from([16, 32, 64, 128]),
+       group=st.sampled_from([4, 8, 16, 32, 64]), residual=st.integers(0, 9),
        log_scale=st.integers(-20, 12), seed=st.integers(0, 2**31 - 1))
 def test_any_shape_and_magnitude_matches_reference(fmt, axis, heads, tokens, head_dim, group, residual,
                                                     log_scale, seed):
     """Magnitudes from 2**-20 (fp16-subnormal scales) to 2**12 (groups near fp16's range but
-    NaN-free: a zero beyond 65504 would be inf in the reference too)."""
+    NaN-free: a zero beyond 65504 would be inf in the reference too). Per token, groups of 16
+    values and more (what the kernels cover); per channel, any group."""
+    if axis == "token":
+        group = max(group, 16)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, heads, tokens, head_dim, generator=gen) * 2.0 ** log_scale
-    assert_same_as_reference(x, QuantSpec(fmt, axis=axis, group_size=group, residual_tokens=residual))
+    spec = QuantSpec(fmt, axis=axis, group_size=group, residual_tokens=residual)
+    assert use_numba(x, spec, "auto")
+    assert_same_as_reference(x, spec)
+
+
+@pytest.mark.parametrize("axis, group, head_dim", [("token", 8, 64), ("token", 32, 8), ("channel", 32, 40)])
+def test_layouts_the_kernels_do_not_cover_stay_on_the_reference(axis, group, head_dim):
+    x = torch.randn(1, 2, 64, head_dim)
+    spec = QuantSpec("int4", axis=axis, group_size=group)
+    assert not use_numba(x, spec, "auto")
+    assert torch.equal(round_trip(x, spec), dequantize(quantize(x, spec, "torch"), "torch"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize(x, spec, "numba")
 
 
 def test_non_fp32_input_round_trips_in_its_dtype():
@@ -100,8 +115,9 @@ def test_auto_uses_the_fused_kernels_for_grouped_formats_on_cpu():
 
 
 def test_compiled_code_is_not_cached_inside_the_package():
-    assert quant_cpu._encode_int_token._cache is not None
+    encode = quant_cpu._int_token(8, 32)[1]
+    assert encode._cache is not None
     package_dir = str(kvdiag.__path__[0])
     assert not str(numba.config.CACHE_DIR or "").startswith(package_dir)
-    locator = quant_cpu._encode_int_token._cache._cache_path
+    locator = encode._cache._cache_path
     assert not str(locator).startswith(package_dir)

@@ -126,14 +126,22 @@ def use_triton(x: torch.Tensor, backend: Backend) -> bool:
     return x.is_cuda and triton_available()
 
 
-def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend) -> bool:
-    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor of a grouped format (every
-    one measured faster than the reference: benchmarks/bench_quant_cpu.py)."""
+def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend, head_dim: Optional[int] = None) -> bool:
+    """The fused CPU kernels: asked for, or ``auto`` on a CPU tensor (``x``, whose last dim is
+    ``head_dim`` unless given) of a grouped format whose layout they cover
+    (:func:`kvdiag.kernels.quant_cpu.supports`); every one measured faster than the reference
+    (benchmarks/bench_quant_cpu.py)."""
     if not spec.grouped:
         return False
     if backend == "numba":
         return True
-    return backend == "auto" and x.device.type == "cpu" and numba_available()
+    if backend != "auto" or x.device.type != "cpu" or not numba_available():
+        return False
+    from kvdiag.kernels import quant_cpu
+
+    head_dim = x.shape[-1] if head_dim is None else head_dim
+    group = min(spec.group_size, head_dim) if spec.axis == "token" else spec.group_size
+    return quant_cpu.supports(spec.axis, group, head_dim)
 
 
 def numba_available() -> bool:
@@ -186,7 +194,7 @@ def dequantize(q: QuantizedKV, backend: Backend = "auto") -> torch.Tensor:
         from kvdiag.kernels import quant_triton
 
         head = quant_triton.dequantize(q)
-    elif use_numba(q.payload, q.spec, backend):
+    elif use_numba(q.payload, q.spec, backend, head_dim=q.shape[-1]):
         return _dequantize_numba(q)
     else:
         head = _dequantize_torch(q)

@@ -1,0 +1,555 @@
+"""The quantization kernels of :mod:`kvdiag.kernels.quant_cpu` written as LLVM vector code: one
+block of 16 groups per call, every group's values kept in 16-lane vectors from load to store.
+
+Why LLVM IR (through numba intrinsics) rather than numba loops: the group minima and maxima of
+the token axis are horizontal reductions, and numba's loops reduce each group on its own (four
+shuffle-and-min steps per group and per statistic). Here 16 groups are reduced together by a
+transposing butterfly (16 + 8 + 4 + 2 + 1 vectors, about three operations per group), which
+leaves the statistics of group ``g`` in lane ``g``: the fp16 scales and zeros of 16 groups are
+then computed by single vector conversions (``fptrunc``/``fpext``), and each group's codes from
+broadcast lanes. The vectors are LLVM's portable ``<16 x T>``: AVX-512 runs them as one
+register, AVX2 as two, NEON as four; the results are the same everywhere.
+
+Arithmetic is the torch reference's, step by step, in fp32 without fused multiply-add (no
+fast-math flag is set on any instruction), so codes, scales and zeros are bit-identical:
+
+- integers: zero = fp16(min), scale = fp16((max - min) / qmax), code = trunc(clamp((x - zero) *
+  (1 / scale) + 0.5, 0, qmax)), x_hat = code * scale + zero; a zero scale encodes with 1;
+- fp8: scale = fp16(absmax / fp8 max); x * (1 / scale) clamped to the fp8 range, rounded to the
+  nearest fp8 value (ties to even) by c10's bit arithmetic; x_hat = value * scale.
+
+Inputs are assumed free of NaN (as in :mod:`kvdiag.kernels.quant_cpu`). Literal arguments
+(``bits``, ``group``, ``mant``) pick the code at compile time: the drivers pass them through
+``numba.literally``.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.core.errors import RequireLiteralValue
+from numba.extending import intrinsic
+
+LANES = 16
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32 = ir.HalfType(), ir.FloatType()
+
+
+def _vt(t, n: int = LANES) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _bytes(t) -> int:
+    """Size of one element of type ``t`` (the alignment of its loads and stores)."""
+    return {F16: 2, F32: 4}.get(t) or t.width // 8
+
+
+def _literal(ty) -> int:
+    if not isinstance(ty, types.IntegerLiteral):
+        raise RequireLiteralValue(f"{ty} must be a literal integer")
+    return ty.literal_value
+
+
+class _Vec:
+    """Vector helpers over one llvmlite builder."""
+
+    def __init__(self, context, builder):
+        self.ctx, self.b = context, builder
+
+    # ---------------------------------------------------------------- memory
+    def data(self, aty, value):
+        """Element pointer of a numba array argument."""
+        return self.ctx.make_array(aty)(self.ctx, self.b, value).data
+
+    def _ptr(self, base, index, offset: int, vty):
+        p = self.b.gep(base, [self.b.add(index, ir.Constant(I64, offset)) if offset else index])
+        return self.b.bitcast(p, vty.as_pointer())
+
+    def load(self, base, index, offset: int, t, n: int = LANES):
+        """``n`` consecutive elements of type ``t`` at ``base[index + offset]``."""
+        return self.b.load(self._ptr(base, index, offset, _vt(t, n)), align=_bytes(t))
+
+    def store(self, value, base, index, offset: int = 0):
+        t = value.type.element
+        self.b.store(value, self._ptr(base, index, offset, value.type), align=_bytes(t))
+
+    # ---------------------------------------------------------------- lanes
+    def splat(self, value, t=I32, n: int = LANES):
+        return ir.Constant(_vt(t, n), [value] * n)
+
+    def shuffle(self, a, b, lanes):
+        return self.b.shuffle_vector(a, b if b is not None else ir.Constant(a.type, ir.Undefined),
+                                     ir.Constant(_vt(I32, len(lanes)), list(lanes)))
+
+    def lane(self, v, g: int):
+        """Lane ``g`` of ``v`` in every lane."""
+        return self.shuffle(v, None, [g] * LANES)
+
+    # ---------------------------------------------------------------- integer and float ops
+    def imin(self, a, c):
+        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
+
+    def imax(self, a, c):
+        return self.b.select(self.b.icmp_signed(">", a, c), a, c)
+
+    def fmin(self, a, c):
+        return self.b.select(self.b.fcmp_ordered("<", a, c), a, c)
+
+    def fmax(self, a, c):
+        return self.b.select(self.b.fcmp_ordered(">", a, c), a, c)
+
+    def fclamp(self, v, lo, hi):
+        """min(max(v, lo), hi); a -0.0 or anything not above ``lo`` becomes ``lo``."""
+        v = self.b.select(self.b.fcmp_ordered(">", v, lo), v, lo)
+        return self.b.select(self.b.fcmp_ordered("<", v, hi), v, hi)
+
+    def ftrunc(self, v):
+        name = f"llvm.trunc.v{v.type.count}f32"
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(v.type, [v.type]), name)
+        return self.b.call(fn, [v])
+
+    def as_f32(self, v):
+        return self.b.bitcast(v, _vt(F32, v.type.count))
+
+    def as_i32(self, v):
+        return self.b.bitcast(v, _vt(I32, v.type.count))
+
+    def key(self, v):
+        """fp32 bits -> int32 with the order of the float values (an involution)."""
+        n = v.type.count
+        return self.b.xor(v, self.b.and_(self.b.ashr(v, self.splat(31, n=n)), self.splat(0x7FFFFFFF, n=n)))
+
+    def to_f16(self, v):
+        """(fp16 bits as <16 x i16>, their fp32 value): round to nearest even, as torch's cast."""
+        h = self.b.fptrunc(v, _vt(F16, v.type.count))
+        return self.b.bitcast(h, _vt(I16, v.type.count)), self.b.fpext(h, v.type)
+
+    def from_f16(self, bits16):
+        return self.b.fpext(self.b.bitcast(bits16, _vt(F16, bits16.type.count)), _vt(F32, bits16.type.count))
+
+    def encode_inverse(self, s):
+        """1 / scale, with 1 for a zero scale (a constant group encodes as 0)."""
+        one = self.splat(1.0, F32, s.type.count)
+        safe = self.b.select(self.b.fcmp_ordered(">", s, self.splat(0.0, F32, s.type.count)), s, one)
+        return self.b.fdiv(one, safe)
+
+    # ---------------------------------------------------------------- reductions
+    def butterfly(self, vs, pick):
+        """16 vectors, vector ``g`` holding 16 partial results of group ``g`` -> one vector whose
+        lane ``g`` is group ``g``'s reduction by ``pick`` (each step halves the lanes per group
+        and the number of vectors)."""
+        width = LANES
+        while len(vs) > 1:
+            half = width // 2
+            lo = [s * width + i for s in range(2 * LANES // width) for i in range(half)]
+            hi = [s * width + half + i for s in range(2 * LANES // width) for i in range(half)]
+            vs = [pick(self.shuffle(vs[i], vs[i + 1], lo), self.shuffle(vs[i], vs[i + 1], hi))
+                  for i in range(0, len(vs), 2)]
+            width = half
+        return vs[0]
+
+    def fold(self, vs, pick):
+        """Lane-wise reduction of a list of vectors."""
+        acc = vs[0]
+        for v in vs[1:]:
+            acc = pick(acc, v)
+        return acc
+
+    # ---------------------------------------------------------------- packing
+    def pack(self, codes, bits: int):
+        """Codes (i32 vectors of consecutive values) -> byte vectors, low bits first: adjacent
+        fields are merged pairwise (even | odd << w) until they fill a byte."""
+        vs, w = codes, bits
+        while w < 8:
+            pairs = [(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)] if len(vs) > 1 else [(vs[0], None)]
+            merged = []
+            for a, c in pairs:
+                n = a.type.count * (1 if c is None else 2)
+                even, odd = self.shuffle(a, c, range(0, n, 2)), self.shuffle(a, c, range(1, n, 2))
+                merged.append(self.b.or_(even, self.b.shl(odd, self.splat(w, n=n // 2))))
+            vs, w = merged, 2 * w
+        return [self.b.trunc(v, _vt(I8, v.type.count)) for v in vs]
+
+    def unpack(self, payload, bits: int):
+        """Bytes (<n x i8>) -> codes as i32 vectors of at most 16 consecutive values: each field
+        is split into its low and high halves, interleaved, until fields are ``bits`` wide."""
+        vs, w = [self.b.zext(payload, _vt(I32, payload.type.count))], 8
+        while w > bits:
+            w //= 2
+            split = []
+            for v in vs:
+                n = v.type.count
+                lo = self.b.and_(v, self.splat((1 << w) - 1, n=n))
+                hi = self.b.lshr(v, self.splat(w, n=n))
+                both = self.shuffle(lo, hi, [i // 2 + (n if i % 2 else 0) for i in range(2 * n)])
+                split += [self.shuffle(both, None, range(i, i + LANES)) for i in range(0, 2 * n, LANES)] \
+                    if 2 * n > LANES else [both]
+            vs = split
+        return vs
+
+    # ---------------------------------------------------------------- fp8
+    def fp8_bits(self, y, mant: int, bias: int):
+        """fp32 (clamped to the fp8 range) -> fp8 bits in i32 lanes, round to nearest even (c10's
+        fp8 casts without their overflow branch)."""
+        c = self.splat
+        u = self.as_i32(y)
+        sign = self.b.and_(self.b.lshr(u, c(24)), c(0x80))
+        u = self.b.and_(u, c(0x7FFFFFFF))
+        shift = 23 - mant
+        denorm = (127 - bias + 23 - mant + 1) << 23
+        rounded = self.b.fadd(self.as_f32(u), self.as_f32(c(denorm)))
+        sub = self.b.sub(self.as_i32(rounded), c(denorm))
+        odd = self.b.and_(self.b.lshr(u, c(shift)), c(1))
+        normal = self.b.add(self.b.add(u, c(((bias - 127) << 23) + (1 << (shift - 1)) - 1)), odd)
+        normal = self.b.lshr(normal, c(shift))
+        out = self.b.select(self.b.icmp_signed("<", u, c((128 - bias) << 23)), sub, normal)
+        return self.b.or_(self.b.and_(out, c(0x7F)), sign)
+
+    def fp8_value(self, code, mant: int, bias: int):
+        """fp8 bits (i32 lanes) -> fp32 value (finite codes)."""
+        c = self.splat
+        sign = self.b.shl(self.b.and_(code, c(0x80)), c(24))
+        exp = self.b.lshr(self.b.and_(code, c(0x7F)), c(mant))
+        m = self.b.and_(code, c((1 << mant) - 1))
+        normal = self.b.or_(self.b.or_(sign, self.b.shl(self.b.add(exp, c(127 - bias)), c(23))),
+                            self.b.shl(m, c(23 - mant)))
+        sub = self.b.fmul(self.b.uitofp(m, _vt(F32)), self.as_f32(c((128 - bias - mant) << 23)))
+        sub = self.b.or_(self.as_i32(sub), sign)
+        return self.as_f32(self.b.select(self.b.icmp_signed(">", exp, c(0)), normal, sub))
+
+    def fp8_round(self, y, mant: int, bias: int):
+        """fp32 (clamped to the fp8 range) -> the nearest fp8 value as fp32 (ties to even):
+        adding and subtracting 2 ** (exponent + 23 - mant) rounds to the fp8 spacing."""
+        c = self.splat
+        u = self.as_i32(y)
+        mag = self.b.and_(u, c(0x7FFFFFFF))
+        e = self.imax(self.b.and_(mag, c(0x7F800000)), c((128 - bias) << 23))
+        step = self.as_f32(self.b.add(e, c((23 - mant) << 23)))
+        r = self.b.fsub(self.b.fadd(self.as_f32(mag), step), step)
+        return self.as_f32(self.b.or_(self.as_i32(r), self.b.and_(u, c(-0x80000000))))
+
+
+FP8 = {3: (7, 448.0), 2: (15, 57344.0)}  # mantissa bits -> (bias, largest finite value)
+
+
+# -------------------------------------------------------------------- token axis: 16 groups
+
+
+def _token_stats(v: _Vec, xdata, b, group: int, absmax: bool):
+    """Per group of the block at ``x[b:]``: (min, max) as fp32 vectors, lane = group; or
+    (None, absolute maximum) when ``absmax`` (on the magnitude bits, which order as the values).
+    Minima of -0.0 and 0.0 may come out as either: x_hat is the same (x + -0.0 == x + 0.0)."""
+    per = group // LANES
+    los, his = [], []
+    for g in range(LANES):
+        if absmax:
+            mags = [v.b.and_(v.load(xdata, b, (g * per + k) * LANES, I32), v.splat(0x7FFFFFFF))
+                    for k in range(per)]
+            his.append(v.fold(mags, v.imax))
+        else:
+            xs = [v.load(xdata, b, (g * per + k) * LANES, F32) for k in range(per)]
+            los.append(v.fold(xs, v.fmin))
+            his.append(v.fold(xs, v.fmax))
+    if absmax:
+        return None, v.as_f32(v.butterfly(his, v.imax))
+    return v.butterfly(los, v.fmin), v.butterfly(his, v.fmax)
+
+
+def _int_params(v: _Vec, lo, hi, qmax: float):
+    """(zero bits, scale bits, zero, scale, 1 / scale) of 16 groups."""
+    z16, zf = v.to_f16(lo)
+    s16, sf = v.to_f16(v.b.fdiv(v.b.fsub(hi, lo), v.splat(qmax, F32)))
+    return z16, s16, zf, sf, v.encode_inverse(sf)
+
+
+def _int_code(v: _Vec, x, zero, inv, qmax: float):
+    c = v.b.fadd(v.b.fmul(v.b.fsub(x, zero), inv), v.splat(0.5, F32))
+    return v.ftrunc(v.fclamp(c, v.splat(0.0, F32), v.splat(qmax, F32)))
+
+
+def _fp8_params(v: _Vec, amax, fmax: float):
+    s16, sf = v.to_f16(v.b.fdiv(amax, v.splat(fmax, F32)))
+    return s16, sf, v.encode_inverse(sf)
+
+
+def _fp8_scaled(v: _Vec, x, inv, fmax: float):
+    return v.fclamp(v.b.fmul(x, inv), v.splat(-fmax, F32), v.splat(fmax, F32))
+
+
+@intrinsic
+def int_token_round_trip(typingctx, x, out, b, bits, group):
+    """x_hat of 16 groups of ``group`` values from ``x[b:]`` into ``out[b:]``."""
+    nbits, ngroup = _literal(bits), _literal(group)
+    qmax = float((1 << nbits) - 1)
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
+        lo, hi = _token_stats(v, xd, args[2], ngroup, False)
+        _, _, zf, sf, inv = _int_params(v, lo, hi, qmax)
+        for g in range(LANES):
+            zb, sb, ib = v.lane(zf, g), v.lane(sf, g), v.lane(inv, g)
+            for k in range(ngroup // LANES):
+                off = g * ngroup + k * LANES
+                code = _int_code(v, v.load(xd, args[2], off, F32), zb, ib, qmax)
+                v.store(builder.fadd(builder.fmul(code, sb), zb), od, args[2], off)
+        return context.get_dummy_value()
+
+    return types.void(x, out, b, bits, group), codegen
+
+
+@intrinsic
+def int_token_encode(typingctx, x, b, payload, pb, scale, zero, gi, bits, group):
+    """Codes of 16 groups from ``x[b:]`` packed into ``payload[pb:]``; their fp16 scales and
+    zeros (uint16 bits) into ``scale[gi:]``, ``zero[gi:]``."""
+    nbits, ngroup = _literal(bits), _literal(group)
+    qmax = float((1 << nbits) - 1)
+    chunk = 8 // nbits  # code vectors packed into 16 bytes
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd = v.data(sig.args[0], args[0])
+        pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (2, 4, 5))
+        lo, hi = _token_stats(v, xd, args[1], ngroup, False)
+        z16, s16, zf, sf, inv = _int_params(v, lo, hi, qmax)
+        v.store(s16, sd, args[6])
+        v.store(z16, zd, args[6])
+        codes = []
+        for g in range(LANES):
+            zb, ib = v.lane(zf, g), v.lane(inv, g)
+            for k in range(ngroup // LANES):
+                x_ = v.load(xd, args[1], g * ngroup + k * LANES, F32)
+                codes.append(builder.fptoui(_int_code(v, x_, zb, ib, qmax), _vt(I32)))
+        for i in range(0, len(codes), chunk):
+            v.store(v.pack(codes[i:i + chunk], nbits)[0], pd, args[3], i * LANES // chunk)
+        return context.get_dummy_value()
+
+    return types.void(x, b, payload, pb, scale, zero, gi, bits, group), codegen
+
+
+@intrinsic
+def int_token_decode(typingctx, payload, pb, scale, zero, gi, out, b, bits, group):
+    """x_hat of 16 groups (payload at ``payload[pb:]``, fp16 bits at ``scale[gi:]``,
+    ``zero[gi:]``) into ``out[b:]``."""
+    nbits, ngroup = _literal(bits), _literal(group)
+    chunk = 8 // nbits  # code vectors unpacked from 16 bytes
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        pd, sd, zd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 3, 5))
+        sf = v.from_f16(v.load(sd, args[4], 0, I16))
+        zf = v.from_f16(v.load(zd, args[4], 0, I16))
+        for i in range(0, ngroup, chunk):  # a block holds ``ngroup`` vectors of 16 values
+            codes = v.unpack(v.load(pd, args[1], i * LANES // chunk, I8), nbits)
+            for k, code in enumerate(codes):
+                g = (i + k) * LANES // ngroup
+                val = builder.fadd(builder.fmul(builder.uitofp(code, _vt(F32)), v.lane(sf, g)), v.lane(zf, g))
+                v.store(val, od, args[6], (i + k) * LANES)
+        return context.get_dummy_value()
+
+    return types.void(payload, pb, scale, zero, gi, out, b, bits, group), codegen
+
+
+@intrinsic
+def fp8_token_round_trip(typingctx, x, out, b, mant, group):
+    nmant, ngroup = _literal(mant), _literal(group)
+    bias, fmax = FP8[nmant]
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
+        _, amax = _token_stats(v, xd, args[2], ngroup, True)
+        _, sf, inv = _fp8_params(v, amax, fmax)
+        for g in range(LANES):
+            sb, ib = v.lane(sf, g), v.lane(inv, g)
+            for k in range(ngroup // LANES):
+                off = g * ngroup + k * LANES
+                y = _fp8_scaled(v, v.load(xd, args[2], off, F32), ib, fmax)
+                v.store(builder.fmul(v.fp8_round(y, nmant, bias), sb), od, args[2], off)
+        return context.get_dummy_value()
+
+    return types.void(x, out, b, mant, group), codegen
+
+
+@intrinsic
+def fp8_token_encode(typingctx, x, b, payload, pb, scale, gi, mant, group):
+    nmant, ngroup = _literal(mant), _literal(group)
+    bias, fmax = FP8[nmant]
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd, pd, sd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
+        _, amax = _token_stats(v, xd, args[1], ngroup, True)
+        s16, _, inv = _fp8_params(v, amax, fmax)
+        v.store(s16, sd, args[5])
+        for g in range(LANES):
+            ib = v.lane(inv, g)
+            for k in range(ngroup // LANES):
+                off = g * ngroup + k * LANES
+                y = _fp8_scaled(v, v.load(xd, args[1], off, F32), ib, fmax)
+                v.store(builder.trunc(v.fp8_bits(y, nmant, bias), _vt(I8)), pd, args[3], off)
+        return context.get_dummy_value()
+
+    return types.void(x, b, payload, pb, scale, gi, mant, group), codegen
+
+
+@intrinsic
+def fp8_token_decode(typingctx, payload, pb, scale, gi, out, b, mant, group):
+    nmant, ngroup = _literal(mant), _literal(group)
+    bias, _ = FP8[nmant]
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        pd, sd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
+        sf = v.from_f16(v.load(sd, args[3], 0, I16))
+        for g in range(LANES):
+            sb = v.lane(sf, g)
+            for k in range(ngroup // LANES):
+                off = g * ngroup + k * LANES
+                code = builder.zext(v.load(pd, args[1], off, I8), _vt(I32))
+                v.store(builder.fmul(v.fp8_value(code, nmant, bias), sb), od, args[5], off)
+        return context.get_dummy_value()
+
+    return types.void(payload, pb, scale, gi, out, b, mant, group), codegen
+
+
+# -------------------------------------------------------------------- channel axis: 16 channels
+
+
+def _row(v: _Vec, b, d, r: int):
+    """Index of row ``r`` of a block starting at ``b`` with rows ``d`` elements apart."""
+    return v.b.add(b, v.b.mul(d, ir.Constant(I64, r))) if r else b
+
+
+def _channel_stats(v: _Vec, xdata, b, d, group: int, absmax: bool):
+    """Per channel of ``group`` rows of 16 channels at ``x[b:]``: (min, max), or (None, absmax)."""
+    if absmax:
+        mags = [v.b.and_(v.load(xdata, _row(v, b, d, r), 0, I32), v.splat(0x7FFFFFFF)) for r in range(group)]
+        return None, v.as_f32(v.fold(mags, v.imax))
+    xs = [v.load(xdata, _row(v, b, d, r), 0, F32) for r in range(group)]
+    return v.fold(xs, v.fmin), v.fold(xs, v.fmax)
+
+
+@intrinsic
+def int_channel_round_trip(typingctx, x, out, b, d, bits, group):
+    """x_hat of ``group`` rows (``d`` apart) of 16 channels from ``x[b:]`` into ``out[b:]``."""
+    nbits, ngroup = _literal(bits), _literal(group)
+    qmax = float((1 << nbits) - 1)
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
+        b, d = args[2], args[3]
+        lo, hi = _channel_stats(v, xd, b, d, ngroup, False)
+        _, _, zf, sf, inv = _int_params(v, lo, hi, qmax)
+        for r in range(ngroup):
+            i = _row(v, b, d, r)
+            code = _int_code(v, v.load(xd, i, 0, F32), zf, inv, qmax)
+            v.store(builder.fadd(builder.fmul(code, sf), zf), od, i)
+        return context.get_dummy_value()
+
+    return types.void(x, out, b, d, bits, group), codegen
+
+
+@intrinsic
+def int_channel_encode(typingctx, x, b, d, payload, pb, prow, scale, zero, si, bits, group):
+    """Codes of ``group`` rows of 16 channels from ``x[b:]`` (rows ``d`` apart) packed into
+    ``payload[pb:]`` (rows ``prow`` bytes apart); fp16 scales and zeros into ``scale[si:]``,
+    ``zero[si:]``."""
+    nbits, ngroup = _literal(bits), _literal(group)
+    qmax = float((1 << nbits) - 1)
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd = v.data(sig.args[0], args[0])
+        pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (3, 6, 7))
+        b, d, pb, prow = args[1], args[2], args[4], args[5]
+        lo, hi = _channel_stats(v, xd, b, d, ngroup, False)
+        z16, s16, zf, sf, inv = _int_params(v, lo, hi, qmax)
+        v.store(s16, sd, args[8])
+        v.store(z16, zd, args[8])
+        for r in range(ngroup):
+            code = _int_code(v, v.load(xd, _row(v, b, d, r), 0, F32), zf, inv, qmax)
+            v.store(v.pack([builder.fptoui(code, _vt(I32))], nbits)[0], pd, _row(v, pb, prow, r))
+        return context.get_dummy_value()
+
+    return types.void(x, b, d, payload, pb, prow, scale, zero, si, bits, group), codegen
+
+
+@intrinsic
+def int_channel_decode(typingctx, payload, pb, prow, scale, zero, si, out, b, d, bits, group):
+    nbits, ngroup = _literal(bits), _literal(group)
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        pd, sd, zd, od = (v.data(sig.args[i], args[i]) for i in (0, 3, 4, 6))
+        pb, prow, b, d = args[1], args[2], args[7], args[8]
+        sf = v.from_f16(v.load(sd, args[5], 0, I16))
+        zf = v.from_f16(v.load(zd, args[5], 0, I16))
+        nbytes = LANES * nbits // 8
+        for r in range(ngroup):
+            code = v.unpack(v.load(pd, _row(v, pb, prow, r), 0, I8, nbytes), nbits)[0]
+            val = builder.fadd(builder.fmul(builder.uitofp(code, _vt(F32)), sf), zf)
+            v.store(val, od, _row(v, b, d, r))
+        return context.get_dummy_value()
+
+    return types.void(payload, pb, prow, scale, zero, si, out, b, d, bits, group), codegen
+
+
+@intrinsic
+def fp8_channel_round_trip(typingctx, x, out, b, d, mant, group):
+    nmant, ngroup = _literal(mant), _literal(group)
+    bias, fmax = FP8[nmant]
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
+        b, d = args[2], args[3]
+        _, amax = _channel_stats(v, xd, b, d, ngroup, True)
+        _, sf, inv = _fp8_params(v, amax, fmax)
+        for r in range(ngroup):
+            i = _row(v, b, d, r)
+            y = _fp8_scaled(v, v.load(xd, i, 0, F32), inv, fmax)
+            v.store(builder.fmul(v.fp8_round(y, nmant, bias), sf), od, i)
+        return context.get_dummy_value()
+
+    return types.void(x, out, b, d, mant, group), codegen
+
+
+@intrinsic
+def fp8_channel_encode(typingctx, x, b, d, payload, pb, scale, si, mant, group):
+    """fp8 codes of ``group`` rows of 16 channels; payload rows are ``d`` bytes apart."""
+    nmant, ngroup = _literal(mant), _literal(group)
+    bias, fmax = FP8[nmant]
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        xd, pd, sd = (v.data(sig.args[i], args[i]) for i in (0, 3, 5))
+        b, d, pb = args[1], args[2], args[4]
+        _, amax = _channel_stats(v, xd, b, d, ngroup, True)
+        s16, _, inv = _fp8_params(v, amax, fmax)
+        v.store(s16, sd, args[6])
+        for r in range(ngroup):
+            y = _fp8_scaled(v, v.load(xd, _row(v, b, d, r), 0, F32), inv, fmax)
+            v.store(builder.trunc(v.fp8_bits(y, nmant, bias), _vt(I8)), pd, _row(v, pb, d, r))
+        return context.get_dummy_value()
+
+    return types.void(x, b, d, payload, pb, scale, si, mant, group), codegen
+
+
+@intrinsic
+def fp8_channel_decode(typingctx, payload, pb, scale, si, out, b, d, mant, group):
+    nmant, ngroup = _literal(mant), _literal(group)
+    bias, _ = FP8[nmant]
+
+    def codegen(context, builder, sig, args):
+        v = _Vec(context, builder)
+        pd, sd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
+        pb, b, d = args[1], args[5], args[6]
+        sf = v.from_f16(v.load(sd, args[3], 0, I16))
+        for r in range(ngroup):
+            code = builder.zext(v.load(pd, _row(v, pb, d, r), 0, I8), _vt(I32))
+            v.store(builder.fmul(v.fp8_value(code, nmant, bias), sf), od, _row(v, b, d, r))
+        return context.get_dummy_value()
+
+    return types.void(payload, pb, scale, si, out, b, d, mant, group), codegen
