@@ -11,12 +11,14 @@ the same x_hat in one pass without the payload (what the shadow's error measurem
 ``torch``: the reference.
 
 Roofline (details in docs/shadow-compression.md): per 16 fp32 values clone is one vector load and
-one store; the integer round trip is about 13 vector operations (order key, min, max, subtract,
-multiply, add, clamp, float->int->float, multiply, add) plus per-group parameters, and with the
-payload a second pass over a fresh output. On one core of the development machine (AVX-512,
-shared) the int8 per-token passes measured min/max 0.077 ms, parameters 0.03 ms, codes and
-x_hat 0.075 ms against clone's 0.06-0.07 ms: about 0.35-0.45 of clone is this structure's floor
-in numba; the payload path lands near 0.2. The tensor is one layer's K (V has the same shape) of
+one store. The kernels (kvdiag/kernels/quant_simd.py) keep every value in 16-lane vectors from
+load to store; the exact integer round trip still needs about 16 vector operations per 16 values
+per token (min, max and a share of the butterfly that reduces 16 groups at once, then subtract,
+multiply, add, clamp twice, truncate, multiply, add) and about 12 per channel (no horizontal
+reduction), without fused multiply-add (the reference rounds twice). On one core of the
+development machine that is about 0.55-0.65 of clone per token and 0.7-0.9 per channel; with the
+payload (a second pass over a fresh output, and a few microseconds of Python per call) 0.35-0.55.
+The tensor is one layer's K (V has the same shape) of
 the embedded model (SmolLM2-135M: 3 KV heads, head_dim 64) at 4096 tokens, fp32 as the model
 runs on the CPU. Repetitions of clone, fused and reference are interleaved so that noise from
 other processes hits all three alike; each row states the thread count and the 1-minute load
@@ -59,10 +61,10 @@ def interleaved_times_s(fns: dict, repeat: int) -> dict:
     return times
 
 
-def paired_ratio(times: dict, name: str) -> float:
+def paired_ratio(times: dict, name: str, clone: str = "clone") -> float:
     """Median over repetitions of clone time / ``name`` time, each pair from the same repetition
     (adjacent calls): a slow phase of the shared machine hits both sides of a pair alike."""
-    return statistics.median(c / f for c, f in zip(times["clone"], times[name]))
+    return statistics.median(c / f for c, f in zip(times[clone], times[name]))
 
 
 def best_ratio(times: dict, name: str) -> float:
@@ -74,7 +76,7 @@ def best_ratio(times: dict, name: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,3,4096,64", help="B,H,T,D of the fp32 KV tensor")
-    ap.add_argument("--repeat", type=int, default=30, help="interleaved repetitions per row")
+    ap.add_argument("--repeat", type=int, default=60, help="interleaved repetitions per row")
     ap.add_argument("--threads", default="1,2", help="torch (and numba) thread counts to measure")
     args = ap.parse_args()
     x = torch.randn(*map(int, args.shape.split(",")))
@@ -92,13 +94,18 @@ def main() -> None:
                     "clone": lambda: x.clone(),
                     "fused": lambda: round_trip(x, spec, "auto"),
                     "rt": lambda: fused_round_trip(x, spec, "auto"),
-                    "torch": lambda: round_trip(x, spec, "torch"),
                 }, args.repeat)
+                # the reference on its own, interleaved with clone: its many large temporaries,
+                # freed, make the allocator hand fresh pages to whichever call comes next
+                times.update(interleaved_times_s({
+                    "clone_ref": lambda: x.clone(),
+                    "torch": lambda: round_trip(x, spec, "torch"),
+                }, max(3, args.repeat // 5)))
                 med = {name: statistics.median(ts) for name, ts in times.items()}
                 load1 = os.getloadavg()[0]
                 print(f"{threads:7d} {fmt:9s} {axis:8s} {med['clone'] * 1e3:8.3f} {med['fused'] * 1e3:8.3f} "
                       f"{med['rt'] * 1e3:8.3f} {med['torch'] * 1e3:8.3f} {paired_ratio(times, 'fused'):11.3f} "
-                      f"{paired_ratio(times, 'rt'):8.3f} {paired_ratio(times, 'torch'):11.3f} "
+                      f"{paired_ratio(times, 'rt'):8.3f} {paired_ratio(times, 'torch', 'clone_ref'):11.3f} "
                       f"{best_ratio(times, 'fused'):8.3f} {best_ratio(times, 'rt'):9.3f} "
                       f"{quantize(x, spec, 'torch').ratio():11.2f} {load1:5.2f}")
 

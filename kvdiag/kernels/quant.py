@@ -25,6 +25,7 @@ error measurements; :func:`quantized_nbytes` gives the stored size from the shap
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -144,6 +145,7 @@ def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend, head_dim: Opti
     return quant_cpu.supports(spec.axis, group, head_dim)
 
 
+@functools.cache
 def numba_available() -> bool:
     try:
         import numba  # noqa: F401
@@ -152,6 +154,7 @@ def numba_available() -> bool:
     return True
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -165,7 +168,6 @@ def quantize(x: torch.Tensor, spec: QuantSpec, backend: Backend = "auto") -> Qua
     _check_input(x, spec)
     b, h, t, d = x.shape
     quant, group = _split_tokens(spec, t, d)
-    head = x[:, :, :quant, :]
     residual = x[:, :, quant:, :].clone() if quant < t else None
     if quant == 0:
         payload = torch.empty((b, h, 0, d // _per_byte(spec)), dtype=torch.uint8, device=x.device)
@@ -173,7 +175,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, backend: Backend = "auto") -> Qua
     elif use_triton(x, backend):
         from kvdiag.kernels import quant_triton
 
-        payload, scale, zero = quant_triton.quantize(head, spec, group)
+        payload, scale, zero = quant_triton.quantize(x[:, :, :quant, :], spec, group)
     elif use_numba(x, spec, backend):
         from kvdiag.kernels import quant_cpu
 
@@ -181,7 +183,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, backend: Backend = "auto") -> Qua
         if spec.fmt in FP8_DTYPES:
             payload = payload.view(FP8_DTYPES[spec.fmt])
     else:
-        payload, scale, zero = _quantize_torch(head, spec, group)
+        payload, scale, zero = _quantize_torch(x[:, :, :quant, :], spec, group)
     return QuantizedKV(spec, (b, h, t, d), x.dtype, quant, group, payload, scale, zero, residual)
 
 

@@ -25,10 +25,24 @@ Inputs are assumed free of NaN (as in :mod:`kvdiag.kernels.quant_cpu`). Literal 
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 from llvmlite import ir
+from numba import njit
+from numba import uint64 as U
 from numba.core import cgutils, types
 from numba.core.errors import RequireLiteralValue
 from numba.extending import intrinsic
+
+from kvdiag.paths import use_numba_cache_dir
+
+use_numba_cache_dir()  # read by numba when each loop below is decorated
+
+# the loops are compiled per format and group size on first use and cached on disk; they live in
+# this file so that an edit of the vector code above invalidates the cache (numba keys it on the
+# file of the compiled function)
+_JIT = dict(cache=True, nogil=True)
 
 LANES = 16
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -190,7 +204,8 @@ class _Vec:
     # ---------------------------------------------------------------- fp8
     def fp8_bits(self, y, mant: int, bias: int):
         """fp32 (clamped to the fp8 range) -> fp8 bits in i32 lanes, round to nearest even (c10's
-        fp8 casts without their overflow branch)."""
+        fp8 casts without their overflow branch; measured faster than rounding with
+        :meth:`fp8_round` and reading the bits off an fp16)."""
         c = self.splat
         u = self.as_i32(y)
         sign = self.b.and_(self.b.lshr(u, c(24)), c(0x80))
@@ -206,16 +221,16 @@ class _Vec:
         return self.b.or_(self.b.and_(out, c(0x7F)), sign)
 
     def fp8_value(self, code, mant: int, bias: int):
-        """fp8 bits (i32 lanes) -> fp32 value (finite codes)."""
+        """fp8 bits (i32 lanes) -> fp32 value (finite codes), exactly, through fp16: e5m2 is the
+        upper byte of an fp16; e4m3's bits placed in an fp16 give the value times 2 ** -8
+        (subnormals included)."""
         c = self.splat
-        sign = self.b.shl(self.b.and_(code, c(0x80)), c(24))
-        exp = self.b.lshr(self.b.and_(code, c(0x7F)), c(mant))
-        m = self.b.and_(code, c((1 << mant) - 1))
-        normal = self.b.or_(self.b.or_(sign, self.b.shl(self.b.add(exp, c(127 - bias)), c(23))),
-                            self.b.shl(m, c(23 - mant)))
-        sub = self.b.fmul(self.b.uitofp(m, _vt(F32)), self.as_f32(c((128 - bias - mant) << 23)))
-        sub = self.b.or_(self.as_i32(sub), sign)
-        return self.as_f32(self.b.select(self.b.icmp_signed(">", exp, c(0)), normal, sub))
+        if mant == 2:
+            h = self.b.shl(code, c(8))
+        else:
+            h = self.b.or_(self.b.shl(self.b.and_(code, c(0x7F)), c(7)), self.b.shl(self.b.and_(code, c(0x80)), c(8)))
+        value = self.from_f16(self.b.trunc(h, _vt(I16)))
+        return value if mant == 2 else self.b.fmul(value, self.splat(256.0, F32))
 
     def fp8_round(self, y, mant: int, bias: int):
         """fp32 (clamped to the fp8 range) -> the nearest fp8 value as fp32 (ties to even):
@@ -413,143 +428,390 @@ def fp8_token_decode(typingctx, payload, pb, scale, gi, out, b, mant, group):
     return types.void(payload, pb, scale, gi, out, b, mant, group), codegen
 
 
-# -------------------------------------------------------------------- channel axis: 16 channels
+# -------------------------------------------------------------------- channel axis: a block of rows
 
 
-def _row(v: _Vec, b, d, r: int):
-    """Index of row ``r`` of a block starting at ``b`` with rows ``d`` elements apart."""
-    return v.b.add(b, v.b.mul(d, ir.Constant(I64, r))) if r else b
+def _chunks(vectors: int, per_byte: int):
+    """(first vector, count) of the row's code vectors packed together: up to ``per_byte`` (16
+    bytes), a power of two each."""
+    out, i = [], 0
+    while i < vectors:
+        n = per_byte
+        while n > vectors - i:
+            n //= 2
+        out.append((i, n))
+        i += n
+    return out
 
 
-def _channel_stats(v: _Vec, xdata, b, d, group: int, absmax: bool):
-    """Per channel of ``group`` rows of 16 channels at ``x[b:]``: (min, max), or (None, absmax)."""
+def _rows(v: _Vec, group: int):
+    """A loop over the block's ``group`` rows (an LLVM loop, not unrolled: a group of 128
+    tokens would otherwise be 128 copies of the row's code); yields the row index (i64)."""
+    return cgutils.for_range(v.b, ir.Constant(I64, group))
+
+
+def _at(v: _Vec, base, r, stride: int):
+    """base + r * stride (i64)."""
+    return v.b.add(base, v.b.mul(r, ir.Constant(I64, stride)))
+
+
+def _channel_stats(v: _Vec, xdata, b, group: int, chans: int, absmax: bool):
+    """Per channel of ``group`` rows of ``chans`` channels at ``x[b:]``: lists (one vector per 16
+    channels) of (min, max), or (None, absmax)."""
+    vecs = chans // LANES
     if absmax:
-        mags = [v.b.and_(v.load(xdata, _row(v, b, d, r), 0, I32), v.splat(0x7FFFFFFF)) for r in range(group)]
-        return None, v.as_f32(v.fold(mags, v.imax))
-    xs = [v.load(xdata, _row(v, b, d, r), 0, F32) for r in range(group)]
-    return v.fold(xs, v.fmin), v.fold(xs, v.fmax)
+        accs = [cgutils.alloca_once_value(v.b, v.splat(0)) for _ in range(vecs)]
+    else:
+        accs = [(cgutils.alloca_once_value(v.b, v.splat(float("inf"), F32)),
+                 cgutils.alloca_once_value(v.b, v.splat(float("-inf"), F32))) for _ in range(vecs)]
+    with _rows(v, group) as loop:
+        row = _at(v, b, loop.index, chans)
+        for k, acc in enumerate(accs):
+            if absmax:
+                mag = v.b.and_(v.load(xdata, row, k * LANES, I32), v.splat(0x7FFFFFFF))
+                v.b.store(v.imax(v.b.load(acc), mag), acc)
+            else:
+                x = v.load(xdata, row, k * LANES, F32)
+                v.b.store(v.fmin(v.b.load(acc[0]), x), acc[0])
+                v.b.store(v.fmax(v.b.load(acc[1]), x), acc[1])
+    if absmax:
+        return None, [v.as_f32(v.b.load(acc)) for acc in accs]
+    return [v.b.load(lo) for lo, _ in accs], [v.b.load(hi) for _, hi in accs]
 
 
 @intrinsic
-def int_channel_round_trip(typingctx, x, out, b, d, bits, group):
-    """x_hat of ``group`` rows (``d`` apart) of 16 channels from ``x[b:]`` into ``out[b:]``."""
-    nbits, ngroup = _literal(bits), _literal(group)
+def int_channel_round_trip(typingctx, x, out, b, bits, group, chans):
+    """x_hat of ``group`` rows of ``chans`` channels (the whole head_dim) from ``x[b:]`` into
+    ``out[b:]``, one group per channel."""
+    nbits, ngroup, nchans = _literal(bits), _literal(group), _literal(chans)
     qmax = float((1 << nbits) - 1)
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
-        b, d = args[2], args[3]
-        lo, hi = _channel_stats(v, xd, b, d, ngroup, False)
-        _, _, zf, sf, inv = _int_params(v, lo, hi, qmax)
-        for r in range(ngroup):
-            i = _row(v, b, d, r)
-            code = _int_code(v, v.load(xd, i, 0, F32), zf, inv, qmax)
-            v.store(builder.fadd(builder.fmul(code, sf), zf), od, i)
+        los, his = _channel_stats(v, xd, args[2], ngroup, nchans, False)
+        params = [_int_params(v, lo, hi, qmax) for lo, hi in zip(los, his)]
+        with _rows(v, ngroup) as loop:
+            row = _at(v, args[2], loop.index, nchans)
+            for k, (_, _, zf, sf, inv) in enumerate(params):
+                code = _int_code(v, v.load(xd, row, k * LANES, F32), zf, inv, qmax)
+                v.store(builder.fadd(builder.fmul(code, sf), zf), od, row, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(x, out, b, d, bits, group), codegen
+    return types.void(x, out, b, bits, group, chans), codegen
 
 
 @intrinsic
-def int_channel_encode(typingctx, x, b, d, payload, pb, prow, scale, zero, si, bits, group):
-    """Codes of ``group`` rows of 16 channels from ``x[b:]`` (rows ``d`` apart) packed into
-    ``payload[pb:]`` (rows ``prow`` bytes apart); fp16 scales and zeros into ``scale[si:]``,
-    ``zero[si:]``."""
-    nbits, ngroup = _literal(bits), _literal(group)
+def int_channel_encode(typingctx, x, b, payload, pb, scale, zero, si, bits, group, chans):
+    """Codes of ``group`` rows of ``chans`` channels from ``x[b:]`` packed into ``payload[pb:]``
+    (``chans * bits / 8`` bytes a row); fp16 scales and zeros into ``scale[si:]``, ``zero[si:]``."""
+    nbits, ngroup, nchans = _literal(bits), _literal(group), _literal(chans)
     qmax = float((1 << nbits) - 1)
+    per_byte = 8 // nbits
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
-        xd = v.data(sig.args[0], args[0])
-        pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (3, 6, 7))
-        b, d, pb, prow = args[1], args[2], args[4], args[5]
-        lo, hi = _channel_stats(v, xd, b, d, ngroup, False)
-        z16, s16, zf, sf, inv = _int_params(v, lo, hi, qmax)
-        v.store(s16, sd, args[8])
-        v.store(z16, zd, args[8])
-        for r in range(ngroup):
-            code = _int_code(v, v.load(xd, _row(v, b, d, r), 0, F32), zf, inv, qmax)
-            v.store(v.pack([builder.fptoui(code, _vt(I32))], nbits)[0], pd, _row(v, pb, prow, r))
+        xd, pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4, 5))
+        los, his = _channel_stats(v, xd, args[1], ngroup, nchans, False)
+        params = [_int_params(v, lo, hi, qmax) for lo, hi in zip(los, his)]
+        for k, (z16, s16, _, _, _) in enumerate(params):
+            v.store(s16, sd, args[6], k * LANES)
+            v.store(z16, zd, args[6], k * LANES)
+        with _rows(v, ngroup) as loop:
+            row, prow = _at(v, args[1], loop.index, nchans), _at(v, args[3], loop.index, nchans // per_byte)
+            codes = [builder.fptoui(_int_code(v, v.load(xd, row, k * LANES, F32), zf, inv, qmax), _vt(I32))
+                     for k, (_, _, zf, _, inv) in enumerate(params)]
+            for i, n in _chunks(len(codes), per_byte):
+                v.store(v.pack(codes[i:i + n], nbits)[0], pd, prow, i * LANES // per_byte)
         return context.get_dummy_value()
 
-    return types.void(x, b, d, payload, pb, prow, scale, zero, si, bits, group), codegen
+    return types.void(x, b, payload, pb, scale, zero, si, bits, group, chans), codegen
 
 
 @intrinsic
-def int_channel_decode(typingctx, payload, pb, prow, scale, zero, si, out, b, d, bits, group):
-    nbits, ngroup = _literal(bits), _literal(group)
+def int_channel_decode(typingctx, payload, pb, scale, zero, si, out, b, bits, group, chans):
+    nbits, ngroup, nchans = _literal(bits), _literal(group), _literal(chans)
+    per_byte = 8 // nbits
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
-        pd, sd, zd, od = (v.data(sig.args[i], args[i]) for i in (0, 3, 4, 6))
-        pb, prow, b, d = args[1], args[2], args[7], args[8]
-        sf = v.from_f16(v.load(sd, args[5], 0, I16))
-        zf = v.from_f16(v.load(zd, args[5], 0, I16))
-        nbytes = LANES * nbits // 8
-        for r in range(ngroup):
-            code = v.unpack(v.load(pd, _row(v, pb, prow, r), 0, I8, nbytes), nbits)[0]
-            val = builder.fadd(builder.fmul(builder.uitofp(code, _vt(F32)), sf), zf)
-            v.store(val, od, _row(v, b, d, r))
+        pd, sd, zd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 3, 5))
+        sfs = [v.from_f16(v.load(sd, args[4], k * LANES, I16)) for k in range(nchans // LANES)]
+        zfs = [v.from_f16(v.load(zd, args[4], k * LANES, I16)) for k in range(nchans // LANES)]
+        with _rows(v, ngroup) as loop:
+            row, prow = _at(v, args[6], loop.index, nchans), _at(v, args[1], loop.index, nchans // per_byte)
+            for i, n in _chunks(nchans // LANES, per_byte):
+                raw = v.load(pd, prow, i * LANES // per_byte, I8, n * LANES // per_byte)
+                for k, code in enumerate(v.unpack(raw, nbits), start=i):
+                    val = builder.fadd(builder.fmul(builder.uitofp(code, _vt(F32)), sfs[k]), zfs[k])
+                    v.store(val, od, row, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(payload, pb, prow, scale, zero, si, out, b, d, bits, group), codegen
+    return types.void(payload, pb, scale, zero, si, out, b, bits, group, chans), codegen
 
 
 @intrinsic
-def fp8_channel_round_trip(typingctx, x, out, b, d, mant, group):
-    nmant, ngroup = _literal(mant), _literal(group)
+def fp8_channel_round_trip(typingctx, x, out, b, mant, group, chans):
+    nmant, ngroup, nchans = _literal(mant), _literal(group), _literal(chans)
     bias, fmax = FP8[nmant]
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
-        b, d = args[2], args[3]
-        _, amax = _channel_stats(v, xd, b, d, ngroup, True)
-        _, sf, inv = _fp8_params(v, amax, fmax)
-        for r in range(ngroup):
-            i = _row(v, b, d, r)
-            y = _fp8_scaled(v, v.load(xd, i, 0, F32), inv, fmax)
-            v.store(builder.fmul(v.fp8_round(y, nmant, bias), sf), od, i)
+        _, amaxs = _channel_stats(v, xd, args[2], ngroup, nchans, True)
+        params = [_fp8_params(v, amax, fmax) for amax in amaxs]
+        with _rows(v, ngroup) as loop:
+            row = _at(v, args[2], loop.index, nchans)
+            for k, (_, sf, inv) in enumerate(params):
+                y = _fp8_scaled(v, v.load(xd, row, k * LANES, F32), inv, fmax)
+                v.store(builder.fmul(v.fp8_round(y, nmant, bias), sf), od, row, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(x, out, b, d, mant, group), codegen
+    return types.void(x, out, b, mant, group, chans), codegen
 
 
 @intrinsic
-def fp8_channel_encode(typingctx, x, b, d, payload, pb, scale, si, mant, group):
-    """fp8 codes of ``group`` rows of 16 channels; payload rows are ``d`` bytes apart."""
-    nmant, ngroup = _literal(mant), _literal(group)
+def fp8_channel_encode(typingctx, x, b, payload, pb, scale, si, mant, group, chans):
+    nmant, ngroup, nchans = _literal(mant), _literal(group), _literal(chans)
     bias, fmax = FP8[nmant]
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
-        xd, pd, sd = (v.data(sig.args[i], args[i]) for i in (0, 3, 5))
-        b, d, pb = args[1], args[2], args[4]
-        _, amax = _channel_stats(v, xd, b, d, ngroup, True)
-        s16, _, inv = _fp8_params(v, amax, fmax)
-        v.store(s16, sd, args[6])
-        for r in range(ngroup):
-            y = _fp8_scaled(v, v.load(xd, _row(v, b, d, r), 0, F32), inv, fmax)
-            v.store(builder.trunc(v.fp8_bits(y, nmant, bias), _vt(I8)), pd, _row(v, pb, d, r))
+        xd, pd, sd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
+        _, amaxs = _channel_stats(v, xd, args[1], ngroup, nchans, True)
+        params = [_fp8_params(v, amax, fmax) for amax in amaxs]
+        for k, (s16, _, _) in enumerate(params):
+            v.store(s16, sd, args[5], k * LANES)
+        with _rows(v, ngroup) as loop:
+            row, prow = _at(v, args[1], loop.index, nchans), _at(v, args[3], loop.index, nchans)
+            for k, (_, _, inv) in enumerate(params):
+                y = _fp8_scaled(v, v.load(xd, row, k * LANES, F32), inv, fmax)
+                v.store(builder.trunc(v.fp8_bits(y, nmant, bias), _vt(I8)), pd, prow, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(x, b, d, payload, pb, scale, si, mant, group), codegen
+    return types.void(x, b, payload, pb, scale, si, mant, group, chans), codegen
 
 
 @intrinsic
-def fp8_channel_decode(typingctx, payload, pb, scale, si, out, b, d, mant, group):
-    nmant, ngroup = _literal(mant), _literal(group)
+def fp8_channel_decode(typingctx, payload, pb, scale, si, out, b, mant, group, chans):
+    nmant, ngroup, nchans = _literal(mant), _literal(group), _literal(chans)
     bias, _ = FP8[nmant]
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         pd, sd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
-        pb, b, d = args[1], args[5], args[6]
-        sf = v.from_f16(v.load(sd, args[3], 0, I16))
-        for r in range(ngroup):
-            code = builder.zext(v.load(pd, _row(v, pb, d, r), 0, I8), _vt(I32))
-            v.store(builder.fmul(v.fp8_value(code, nmant, bias), sf), od, _row(v, b, d, r))
+        sfs = [v.from_f16(v.load(sd, args[3], k * LANES, I16)) for k in range(nchans // LANES)]
+        with _rows(v, ngroup) as loop:
+            row, prow = _at(v, args[5], loop.index, nchans), _at(v, args[1], loop.index, nchans)
+            for k, sf in enumerate(sfs):
+                code = builder.zext(v.load(pd, prow, k * LANES, I8), _vt(I32))
+                v.store(builder.fmul(v.fp8_value(code, nmant, bias), sf), od, row, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(payload, pb, scale, si, out, b, d, mant, group), codegen
+    return types.void(payload, pb, scale, si, out, b, mant, group, chans), codegen
+
+
+# -------------------------------------------------------------------- loops: per token
+#
+# Flat arrays: x / out [rows * T * D] fp32, the quantized tokens being the first ``quant`` of each
+# row; groups of a row are consecutive (``ng`` = quant * D // group of them), payload
+# [rows * ng * group // per_byte], scale / zero fp16 bits [rows * ng]. A row's last partial block
+# goes through zero-filled scratch (a zero group has scale 0 and touches nothing else).
+
+
+@functools.cache
+def int_token_kernels(bits: int, group: int):
+    """(round_trip, encode, decode) for ``bits``-bit codes in groups of ``group`` values."""
+    per_byte = 8 // bits
+    block = LANES * group
+
+    @njit(**_JIT)
+    def round_trip(x, rows, t, d, quant, out):
+        ng = quant * d // group
+        full = ng - ng % LANES
+        sx, so = np.zeros(block, np.float32), np.empty(block, np.float32)
+        for r in range(rows):
+            base = r * t * d
+            for g0 in range(0, full, LANES):
+                int_token_round_trip(x, out, U(base + g0 * group), bits, group)
+            n = (ng - full) * group
+            if n:
+                b = base + full * group
+                sx[:n] = x[b:b + n]
+                int_token_round_trip(sx, so, U(0), bits, group)
+                out[b:b + n] = so[:n]
+
+    @njit(**_JIT)
+    def encode(x, rows, t, d, quant, payload, scale, zero):
+        ng = quant * d // group
+        full = ng - ng % LANES
+        sx, sp = np.zeros(block, np.float32), np.empty(block // per_byte, np.uint8)
+        ss, sz = np.empty(LANES, np.uint16), np.empty(LANES, np.uint16)
+        for r in range(rows):
+            base = r * t * d
+            for g0 in range(0, full, LANES):
+                gi = r * ng + g0
+                int_token_encode(x, U(base + g0 * group), payload, U(gi * group // per_byte),
+                                            scale, zero, U(gi), bits, group)
+            tail = ng - full
+            if tail:
+                n, b, gi = tail * group, base + full * group, r * ng + full
+                sx[:n] = x[b:b + n]
+                int_token_encode(sx, U(0), sp, U(0), ss, sz, U(0), bits, group)
+                pb = gi * group // per_byte
+                payload[pb:pb + n // per_byte] = sp[:n // per_byte]
+                scale[gi:gi + tail] = ss[:tail]
+                zero[gi:gi + tail] = sz[:tail]
+
+    @njit(**_JIT)
+    def decode(payload, scale, zero, rows, t, d, quant, out):
+        ng = quant * d // group
+        full = ng - ng % LANES
+        sp, so = np.zeros(block // per_byte, np.uint8), np.empty(block, np.float32)
+        ss, sz = np.zeros(LANES, np.uint16), np.zeros(LANES, np.uint16)
+        for r in range(rows):
+            base = r * t * d
+            for g0 in range(0, full, LANES):
+                gi = r * ng + g0
+                int_token_decode(payload, U(gi * group // per_byte), scale, zero, U(gi),
+                                            out, U(base + g0 * group), bits, group)
+            tail = ng - full
+            if tail:
+                n, b, gi = tail * group, base + full * group, r * ng + full
+                pb = gi * group // per_byte
+                sp[:n // per_byte] = payload[pb:pb + n // per_byte]
+                ss[:tail] = scale[gi:gi + tail]
+                sz[:tail] = zero[gi:gi + tail]
+                int_token_decode(sp, U(0), ss, sz, U(0), so, U(0), bits, group)
+                out[b:b + n] = so[:n]
+
+    return round_trip, encode, decode
+
+
+@functools.cache
+def fp8_token_kernels(mant: int, group: int):
+    """(round_trip, encode, decode) for fp8 with ``mant`` mantissa bits, groups of ``group``."""
+    block = LANES * group
+
+    @njit(**_JIT)
+    def round_trip(x, rows, t, d, quant, out):
+        ng = quant * d // group
+        full = ng - ng % LANES
+        sx, so = np.zeros(block, np.float32), np.empty(block, np.float32)
+        for r in range(rows):
+            base = r * t * d
+            for g0 in range(0, full, LANES):
+                fp8_token_round_trip(x, out, U(base + g0 * group), mant, group)
+            n = (ng - full) * group
+            if n:
+                b = base + full * group
+                sx[:n] = x[b:b + n]
+                fp8_token_round_trip(sx, so, U(0), mant, group)
+                out[b:b + n] = so[:n]
+
+    @njit(**_JIT)
+    def encode(x, rows, t, d, quant, payload, scale):
+        ng = quant * d // group
+        full = ng - ng % LANES
+        sx, sp = np.zeros(block, np.float32), np.empty(block, np.uint8)
+        ss = np.empty(LANES, np.uint16)
+        for r in range(rows):
+            base = r * t * d
+            for g0 in range(0, full, LANES):
+                gi = r * ng + g0
+                fp8_token_encode(x, U(base + g0 * group), payload, U(gi * group), scale, U(gi),
+                                            mant, group)
+            tail = ng - full
+            if tail:
+                n, b, gi = tail * group, base + full * group, r * ng + full
+                sx[:n] = x[b:b + n]
+                fp8_token_encode(sx, U(0), sp, U(0), ss, U(0), mant, group)
+                payload[gi * group:gi * group + n] = sp[:n]
+                scale[gi:gi + tail] = ss[:tail]
+
+    @njit(**_JIT)
+    def decode(payload, scale, rows, t, d, quant, out):
+        ng = quant * d // group
+        full = ng - ng % LANES
+        sp, so = np.zeros(block, np.uint8), np.empty(block, np.float32)
+        ss = np.zeros(LANES, np.uint16)
+        for r in range(rows):
+            base = r * t * d
+            for g0 in range(0, full, LANES):
+                gi = r * ng + g0
+                fp8_token_decode(payload, U(gi * group), scale, U(gi), out, U(base + g0 * group),
+                                            mant, group)
+            tail = ng - full
+            if tail:
+                n, b, gi = tail * group, base + full * group, r * ng + full
+                sp[:n] = payload[gi * group:gi * group + n]
+                ss[:tail] = scale[gi:gi + tail]
+                fp8_token_decode(sp, U(0), ss, U(0), so, U(0), mant, group)
+                out[b:b + n] = so[:n]
+
+    return round_trip, encode, decode
+
+
+# -------------------------------------------------------------------- loops: per channel
+#
+# A block is ``group`` consecutive tokens of the whole head_dim; payload rows hold
+# D // per_byte bytes, scale / zero fp16 bits [rows * (quant // group) * D].
+
+
+@functools.cache
+def int_channel_kernels(bits: int, group: int, chans: int):
+    """(round_trip, encode, decode) for ``bits``-bit codes, groups of ``group`` tokens, head_dim
+    ``chans``."""
+    per_byte = 8 // bits
+
+    @njit(**_JIT)
+    def round_trip(x, rows, t, d, quant, out):
+        for r in range(rows):
+            for tg in range(quant // group):
+                int_channel_round_trip(x, out, U(r * t * d + tg * group * d), bits, group, chans)
+
+    @njit(**_JIT)
+    def encode(x, rows, t, d, quant, payload, scale, zero):
+        blocks = quant // group
+        for r in range(rows):
+            for tg in range(blocks):
+                int_channel_encode(x, U(r * t * d + tg * group * d), payload,
+                                   U((r * quant + tg * group) * d // per_byte), scale, zero,
+                                   U((r * blocks + tg) * d), bits, group, chans)
+
+    @njit(**_JIT)
+    def decode(payload, scale, zero, rows, t, d, quant, out):
+        blocks = quant // group
+        for r in range(rows):
+            for tg in range(blocks):
+                int_channel_decode(payload, U((r * quant + tg * group) * d // per_byte), scale, zero,
+                                   U((r * blocks + tg) * d), out, U(r * t * d + tg * group * d), bits, group, chans)
+
+    return round_trip, encode, decode
+
+
+@functools.cache
+def fp8_channel_kernels(mant: int, group: int, chans: int):
+    @njit(**_JIT)
+    def round_trip(x, rows, t, d, quant, out):
+        for r in range(rows):
+            for tg in range(quant // group):
+                fp8_channel_round_trip(x, out, U(r * t * d + tg * group * d), mant, group, chans)
+
+    @njit(**_JIT)
+    def encode(x, rows, t, d, quant, payload, scale):
+        blocks = quant // group
+        for r in range(rows):
+            for tg in range(blocks):
+                fp8_channel_encode(x, U(r * t * d + tg * group * d), payload, U((r * quant + tg * group) * d),
+                                   scale, U((r * blocks + tg) * d), mant, group, chans)
+
+    @njit(**_JIT)
+    def decode(payload, scale, rows, t, d, quant, out):
+        blocks = quant // group
+        for r in range(rows):
+            for tg in range(blocks):
+                fp8_channel_decode(payload, U((r * quant + tg * group) * d), scale, U((r * blocks + tg) * d), out,
+                                   U(r * t * d + tg * group * d), mant, group, chans)
+
+    return round_trip, encode, decode
