@@ -232,12 +232,13 @@ class _Vec:
         value = self.from_f16(self.b.trunc(h, _vt(I16)))
         return value if mant == 2 else self.b.fmul(value, self.splat(256.0, F32))
 
-    def fp8_round(self, y, mant: int, bias: int):
-        """fp32 (clamped to the fp8 range) -> the nearest fp8 value as fp32 (ties to even):
-        adding and subtracting 2 ** (exponent + 23 - mant) rounds to the fp8 spacing."""
+    def fp8_round(self, y, mant: int, bias: int, fmax: float):
+        """fp32 -> the nearest fp8 value as fp32 (ties to even), the magnitude clamped to
+        ``fmax`` first: adding and subtracting 2 ** (exponent + 23 - mant) rounds to the fp8
+        spacing."""
         c = self.splat
         u = self.as_i32(y)
-        mag = self.b.and_(u, c(0x7FFFFFFF))
+        mag = self.as_i32(self.fmin(self.as_f32(self.b.and_(u, c(0x7FFFFFFF))), self.splat(fmax, F32)))
         e = self.imax(self.b.and_(mag, c(0x7F800000)), c((128 - bias) << 23))
         step = self.as_f32(self.b.add(e, c((23 - mant) << 23)))
         r = self.b.fsub(self.b.fadd(self.as_f32(mag), step), step)
@@ -379,8 +380,8 @@ def fp8_token_round_trip(typingctx, x, out, b, mant, group):
             sb, ib = v.lane(sf, g), v.lane(inv, g)
             for k in range(ngroup // LANES):
                 off = g * ngroup + k * LANES
-                y = _fp8_scaled(v, v.load(xd, args[2], off, F32), ib, fmax)
-                v.store(builder.fmul(v.fp8_round(y, nmant, bias), sb), od, args[2], off)
+                y = builder.fmul(v.load(xd, args[2], off, F32), ib)
+                v.store(builder.fmul(v.fp8_round(y, nmant, bias, fmax), sb), od, args[2], off)
         return context.get_dummy_value()
 
     return types.void(x, out, b, mant, group), codegen
@@ -563,8 +564,8 @@ def fp8_channel_round_trip(typingctx, x, out, b, mant, group, chans):
         with _rows(v, ngroup) as loop:
             row = _at(v, args[2], loop.index, nchans)
             for k, (_, sf, inv) in enumerate(params):
-                y = _fp8_scaled(v, v.load(xd, row, k * LANES, F32), inv, fmax)
-                v.store(builder.fmul(v.fp8_round(y, nmant, bias), sf), od, row, k * LANES)
+                y = builder.fmul(v.load(xd, row, k * LANES, F32), inv)
+                v.store(builder.fmul(v.fp8_round(y, nmant, bias, fmax), sf), od, row, k * LANES)
         return context.get_dummy_value()
 
     return types.void(x, out, b, mant, group, chans), codegen
