@@ -115,7 +115,7 @@ def test_auto_uses_the_fused_kernels_for_grouped_formats_on_cpu():
 
 
 def test_compiled_code_is_not_cached_inside_the_package():
-    encode = quant_simd.int_token_kernels(8, 32)[1]
+    encode = quant_simd.token_kernels(8, 32)[1]
     assert encode._cache is not None
     package_dir = str(kvdiag.__path__[0])
     assert not str(numba.config.CACHE_DIR or "").startswith(package_dir)

@@ -36,13 +36,13 @@ def supports(axis: str, group: int, head_dim: int) -> bool:
 
 def _kernels(fmt: str, axis: str, group: int, head_dim: int):
     """(round_trip, encode, decode) for this format, axis, group size and head_dim."""
-    if fmt in INT_BITS:
-        if axis == "token":
-            return quant_simd.int_token_kernels(INT_BITS[fmt], group)
-        return quant_simd.int_channel_kernels(INT_BITS[fmt], group, head_dim)
+    kind = INT_BITS[fmt] if fmt in INT_BITS else -FP8_MANT_BITS[fmt]
     if axis == "token":
-        return quant_simd.fp8_token_kernels(FP8_MANT_BITS[fmt], group)
-    return quant_simd.fp8_channel_kernels(FP8_MANT_BITS[fmt], group, head_dim)
+        return quant_simd.token_kernels(kind, group)
+    return quant_simd.channel_kernels(kind, group, head_dim)
+
+
+_NO_ZEROS = np.zeros(1, np.uint16)  # fp8 stores no zeros; the kernels never touch this
 
 
 # -------------------------------------------------------------------- entry points
@@ -87,15 +87,11 @@ def encode(x: torch.Tensor, fmt: str, axis: str, group: int, quant: int):
     xf, rows, _, _ = _flat_input(x)
     groups_shape = (b, h, quant, d // group) if axis == "token" else (b, h, quant // group, d)
     scale_bits, scale = _fp16_array(groups_shape)
-    kernel = _kernels(fmt, axis, group, d)[1]
     per_byte = 8 // INT_BITS.get(fmt, 8)
     payload = np.empty((b, h, quant, d // per_byte), np.uint8)
-    if fmt in INT_BITS:
-        zero_bits, zero = _fp16_array(groups_shape)
-        kernel(xf, rows, t, d, quant, payload.reshape(-1), scale_bits, zero_bits)
-        return torch.from_numpy(payload), scale, zero
-    kernel(xf, rows, t, d, quant, payload.reshape(-1), scale_bits)
-    return torch.from_numpy(payload), scale, None
+    zero_bits, zero = _fp16_array(groups_shape) if fmt in INT_BITS else (_NO_ZEROS, None)
+    _kernels(fmt, axis, group, d)[1](xf, rows, t, d, quant, payload.reshape(-1), scale_bits, zero_bits)
+    return torch.from_numpy(payload), scale, zero
 
 
 def decode_into(payload: torch.Tensor, scale: torch.Tensor, zero, fmt: str, axis: str, group: int,
@@ -109,11 +105,8 @@ def decode_into(payload: torch.Tensor, scale: torch.Tensor, zero, fmt: str, axis
     out1 = out.numpy().reshape(-1)
     quant = payload.shape[2]
     p1 = payload.view(torch.uint8).contiguous().numpy().reshape(-1)
-    kernel = _kernels(fmt, axis, group, d)[2]
-    if fmt in INT_BITS:
-        kernel(p1, _bits16(scale.contiguous()), _bits16(zero.contiguous()), b * h, t, d, quant, out1)
-    else:
-        kernel(p1, _bits16(scale.contiguous()), b * h, t, d, quant, out1)
+    zero_bits = _bits16(zero.contiguous()) if zero is not None else _NO_ZEROS
+    _kernels(fmt, axis, group, d)[2](p1, _bits16(scale.contiguous()), zero_bits, b * h, t, d, quant, out1)
 
 
 def round_trip_into(x: torch.Tensor, fmt: str, axis: str, group: int, quant: int, out: torch.Tensor) -> None:

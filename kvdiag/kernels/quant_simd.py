@@ -1,26 +1,24 @@
-"""The quantization kernels of :mod:`kvdiag.kernels.quant_cpu` written as LLVM vector code: one
-block of 16 groups per call, every group's values kept in 16-lane vectors from load to store.
+"""The CPU quantization kernels of :mod:`kvdiag.kernels.quant_cpu`: LLVM vector code for one
+block per call (16 groups per token, or one group of tokens across the head_dim per channel),
+every value kept in 16-lane vectors from load to store, and the numba loops that walk a tensor
+in those blocks.
 
-Why LLVM IR (through numba intrinsics) rather than numba loops: the group minima and maxima of
-the token axis are horizontal reductions, and numba's loops reduce each group on its own (four
+Why LLVM IR (through numba intrinsics) rather than numba loops: the group minima and maxima per
+token are horizontal reductions, and numba's loops reduce each group on its own (four
 shuffle-and-min steps per group and per statistic). Here 16 groups are reduced together by a
 transposing butterfly (16 + 8 + 4 + 2 + 1 vectors, about three operations per group), which
 leaves the statistics of group ``g`` in lane ``g``: the fp16 scales and zeros of 16 groups are
-then computed by single vector conversions (``fptrunc``/``fpext``), and each group's codes from
-broadcast lanes. The vectors are LLVM's portable ``<16 x T>``: AVX-512 runs them as one
-register, AVX2 as two, NEON as four; the results are the same everywhere.
+then single vector conversions (``fptrunc``/``fpext``), and each group's codes come from its
+broadcast lane. The vectors are LLVM's portable ``<16 x T>``: AVX-512 runs them as one register,
+AVX2 as two, NEON as four; the results are the same everywhere.
 
 Arithmetic is the torch reference's, step by step, in fp32 without fused multiply-add (no
-fast-math flag is set on any instruction), so codes, scales and zeros are bit-identical:
+fast-math flag is set on any instruction), so codes, scales and zeros are bit-identical
+(:class:`_Int`, :class:`_Fp8`). Inputs are assumed free of NaN.
 
-- integers: zero = fp16(min), scale = fp16((max - min) / qmax), code = trunc(clamp((x - zero) *
-  (1 / scale) + 0.5, 0, qmax)), x_hat = code * scale + zero; a zero scale encodes with 1;
-- fp8: scale = fp16(absmax / fp8 max); x * (1 / scale) clamped to the fp8 range, rounded to the
-  nearest fp8 value (ties to even) by c10's bit arithmetic; x_hat = value * scale.
-
-Inputs are assumed free of NaN (as in :mod:`kvdiag.kernels.quant_cpu`). Literal arguments
-(``bits``, ``group``, ``mant``) pick the code at compile time: the drivers pass them through
-``numba.literally``.
+The format (``kind``: 8, 4, 2 integer bits, or -3, -2 for fp8 e4m3, e5m2), the group size and
+the head_dim are compile-time constants: the loops are built per combination
+(:func:`token_kernels`, :func:`channel_kernels`) and hand them to the blocks as literals.
 """
 
 from __future__ import annotations
@@ -100,9 +98,6 @@ class _Vec:
         return self.shuffle(v, None, [g] * LANES)
 
     # ---------------------------------------------------------------- integer and float ops
-    def imin(self, a, c):
-        return self.b.select(self.b.icmp_signed("<", a, c), a, c)
-
     def imax(self, a, c):
         return self.b.select(self.b.icmp_signed(">", a, c), a, c)
 
@@ -127,11 +122,6 @@ class _Vec:
 
     def as_i32(self, v):
         return self.b.bitcast(v, _vt(I32, v.type.count))
-
-    def key(self, v):
-        """fp32 bits -> int32 with the order of the float values (an involution)."""
-        n = v.type.count
-        return self.b.xor(v, self.b.and_(self.b.ashr(v, self.splat(31, n=n)), self.splat(0x7FFFFFFF, n=n)))
 
     def to_f16(self, v):
         """(fp16 bits as <16 x i16>, their fp32 value): round to nearest even, as torch's cast."""
@@ -245,10 +235,84 @@ class _Vec:
         return self.as_f32(self.b.or_(self.as_i32(r), self.b.and_(u, c(-0x80000000))))
 
 
-FP8 = {3: (7, 448.0), 2: (15, 57344.0)}  # mantissa bits -> (bias, largest finite value)
+# -------------------------------------------------------------------- the formats
 
 
-# -------------------------------------------------------------------- token axis: 16 groups
+class _Int:
+    """Integer codes of ``bits`` bits: zero = fp16(min), scale = fp16((max - min) / qmax),
+    code = trunc(clamp((x - zero) * (1 / scale) + 0.5, 0, qmax)), x_hat = code * scale + zero."""
+
+    absmax = False
+
+    def __init__(self, bits: int):
+        self.bits, self.qmax = bits, float((1 << bits) - 1)
+
+    def params(self, v: _Vec, lo, hi) -> dict:
+        """Per lane (group or channel): fp16 bits to store, and fp32 zero, scale, 1 / scale."""
+        z16, zf = v.to_f16(lo)
+        s16, sf = v.to_f16(v.b.fdiv(v.b.fsub(hi, lo), v.splat(self.qmax, F32)))
+        return {"s16": s16, "z16": z16, "zf": zf, "sf": sf, "inv": v.encode_inverse(sf)}
+
+    def stored(self, v: _Vec, s16, z16) -> dict:
+        return {"sf": v.from_f16(s16), "zf": v.from_f16(z16)}
+
+    def _code(self, v: _Vec, x, p):
+        c = v.b.fadd(v.b.fmul(v.b.fsub(x, p["zf"]), p["inv"]), v.splat(0.5, F32))
+        return v.ftrunc(v.fclamp(c, v.splat(0.0, F32), v.splat(self.qmax, F32)))
+
+    def codes(self, v: _Vec, x, p):
+        return v.b.fptoui(self._code(v, x, p), _vt(I32))
+
+    def x_hat(self, v: _Vec, x, p):
+        return self.decode(v, self._code(v, x, p), p)
+
+    def decode(self, v: _Vec, code, p):
+        """x_hat of codes (i32 lanes, or their fp32 values)."""
+        if code.type.element != F32:
+            code = v.b.uitofp(code, _vt(F32))
+        return v.b.fadd(v.b.fmul(code, p["sf"]), p["zf"])
+
+
+class _Fp8:
+    """fp8 with ``mant`` mantissa bits: scale = fp16(absmax / fp8 max); x * (1 / scale) clamped to
+    the fp8 range and rounded to the nearest fp8 value; x_hat = value * scale."""
+
+    absmax = True
+    bits = 8
+
+    def __init__(self, mant: int):
+        self.mant = mant
+        self.bias, self.fmax = {3: (7, 448.0), 2: (15, 57344.0)}[mant]
+
+    def params(self, v: _Vec, _lo, amax) -> dict:
+        s16, sf = v.to_f16(v.b.fdiv(amax, v.splat(self.fmax, F32)))
+        return {"s16": s16, "sf": sf, "inv": v.encode_inverse(sf)}
+
+    def stored(self, v: _Vec, s16, _z16) -> dict:
+        return {"sf": v.from_f16(s16)}
+
+    def codes(self, v: _Vec, x, p):
+        y = v.fclamp(v.b.fmul(x, p["inv"]), v.splat(-self.fmax, F32), v.splat(self.fmax, F32))
+        return v.fp8_bits(y, self.mant, self.bias)
+
+    def x_hat(self, v: _Vec, x, p):
+        return v.b.fmul(v.fp8_round(v.b.fmul(x, p["inv"]), self.mant, self.bias, self.fmax), p["sf"])
+
+    def decode(self, v: _Vec, code, p):
+        return v.b.fmul(v.fp8_value(code, self.mant, self.bias), p["sf"])
+
+
+def _format(kind):
+    """``kind`` (a literal): 8, 4, 2 integer bits; -3, -2 fp8 with that many mantissa bits."""
+    k = _literal(kind)
+    return _Int(k) if k > 0 else _Fp8(-k)
+
+
+def _per_byte(kind: int) -> int:
+    return 8 // kind if kind > 0 else 1
+
+
+# -------------------------------------------------------------------- per token: 16 groups a call
 
 
 def _token_stats(v: _Vec, xdata, b, group: int, absmax: bool):
@@ -271,165 +335,79 @@ def _token_stats(v: _Vec, xdata, b, group: int, absmax: bool):
     return v.butterfly(los, v.fmin), v.butterfly(his, v.fmax)
 
 
-def _int_params(v: _Vec, lo, hi, qmax: float):
-    """(zero bits, scale bits, zero, scale, 1 / scale) of 16 groups."""
-    z16, zf = v.to_f16(lo)
-    s16, sf = v.to_f16(v.b.fdiv(v.b.fsub(hi, lo), v.splat(qmax, F32)))
-    return z16, s16, zf, sf, v.encode_inverse(sf)
-
-
-def _int_code(v: _Vec, x, zero, inv, qmax: float):
-    c = v.b.fadd(v.b.fmul(v.b.fsub(x, zero), inv), v.splat(0.5, F32))
-    return v.ftrunc(v.fclamp(c, v.splat(0.0, F32), v.splat(qmax, F32)))
-
-
-def _fp8_params(v: _Vec, amax, fmax: float):
-    s16, sf = v.to_f16(v.b.fdiv(amax, v.splat(fmax, F32)))
-    return s16, sf, v.encode_inverse(sf)
-
-
-def _fp8_scaled(v: _Vec, x, inv, fmax: float):
-    return v.fclamp(v.b.fmul(x, inv), v.splat(-fmax, F32), v.splat(fmax, F32))
+def _lanes_of(v: _Vec, p: dict, g: int) -> dict:
+    """Group ``g``'s parameters broadcast to every lane."""
+    return {name: v.lane(vec, g) for name, vec in p.items() if name in ("zf", "sf", "inv")}
 
 
 @intrinsic
-def int_token_round_trip(typingctx, x, out, b, bits, group):
+def token_round_trip(typingctx, x, out, b, kind, group):
     """x_hat of 16 groups of ``group`` values from ``x[b:]`` into ``out[b:]``."""
-    nbits, ngroup = _literal(bits), _literal(group)
-    qmax = float((1 << nbits) - 1)
+    fmt, ngroup = _format(kind), _literal(group)
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
-        lo, hi = _token_stats(v, xd, args[2], ngroup, False)
-        _, _, zf, sf, inv = _int_params(v, lo, hi, qmax)
+        p = fmt.params(v, *_token_stats(v, xd, args[2], ngroup, fmt.absmax))
         for g in range(LANES):
-            zb, sb, ib = v.lane(zf, g), v.lane(sf, g), v.lane(inv, g)
+            pg = _lanes_of(v, p, g)
             for k in range(ngroup // LANES):
                 off = g * ngroup + k * LANES
-                code = _int_code(v, v.load(xd, args[2], off, F32), zb, ib, qmax)
-                v.store(builder.fadd(builder.fmul(code, sb), zb), od, args[2], off)
+                v.store(fmt.x_hat(v, v.load(xd, args[2], off, F32), pg), od, args[2], off)
         return context.get_dummy_value()
 
-    return types.void(x, out, b, bits, group), codegen
+    return types.void(x, out, b, kind, group), codegen
 
 
 @intrinsic
-def int_token_encode(typingctx, x, b, payload, pb, scale, zero, gi, bits, group):
-    """Codes of 16 groups from ``x[b:]`` packed into ``payload[pb:]``; their fp16 scales and
-    zeros (uint16 bits) into ``scale[gi:]``, ``zero[gi:]``."""
-    nbits, ngroup = _literal(bits), _literal(group)
-    qmax = float((1 << nbits) - 1)
-    chunk = 8 // nbits  # code vectors packed into 16 bytes
+def token_encode(typingctx, x, b, payload, pb, scale, zero, gi, kind, group):
+    """Codes of 16 groups from ``x[b:]`` packed into ``payload[pb:]``; their fp16 scales (and
+    zeros: integers) as uint16 bits into ``scale[gi:]`` (``zero[gi:]``)."""
+    fmt, ngroup = _format(kind), _literal(group)
+    chunk = 8 // fmt.bits  # code vectors packed into 16 bytes
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
-        xd = v.data(sig.args[0], args[0])
-        pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (2, 4, 5))
-        lo, hi = _token_stats(v, xd, args[1], ngroup, False)
-        z16, s16, zf, sf, inv = _int_params(v, lo, hi, qmax)
-        v.store(s16, sd, args[6])
-        v.store(z16, zd, args[6])
+        xd, pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4, 5))
+        p = fmt.params(v, *_token_stats(v, xd, args[1], ngroup, fmt.absmax))
+        v.store(p["s16"], sd, args[6])
+        if "z16" in p:
+            v.store(p["z16"], zd, args[6])
         codes = []
         for g in range(LANES):
-            zb, ib = v.lane(zf, g), v.lane(inv, g)
-            for k in range(ngroup // LANES):
-                x_ = v.load(xd, args[1], g * ngroup + k * LANES, F32)
-                codes.append(builder.fptoui(_int_code(v, x_, zb, ib, qmax), _vt(I32)))
+            pg = _lanes_of(v, p, g)
+            codes += [fmt.codes(v, v.load(xd, args[1], g * ngroup + k * LANES, F32), pg)
+                      for k in range(ngroup // LANES)]
         for i in range(0, len(codes), chunk):
-            v.store(v.pack(codes[i:i + chunk], nbits)[0], pd, args[3], i * LANES // chunk)
+            v.store(v.pack(codes[i:i + chunk], fmt.bits)[0], pd, args[3], i * LANES // chunk)
         return context.get_dummy_value()
 
-    return types.void(x, b, payload, pb, scale, zero, gi, bits, group), codegen
+    return types.void(x, b, payload, pb, scale, zero, gi, kind, group), codegen
 
 
 @intrinsic
-def int_token_decode(typingctx, payload, pb, scale, zero, gi, out, b, bits, group):
+def token_decode(typingctx, payload, pb, scale, zero, gi, out, b, kind, group):
     """x_hat of 16 groups (payload at ``payload[pb:]``, fp16 bits at ``scale[gi:]``,
     ``zero[gi:]``) into ``out[b:]``."""
-    nbits, ngroup = _literal(bits), _literal(group)
-    chunk = 8 // nbits  # code vectors unpacked from 16 bytes
+    fmt, ngroup = _format(kind), _literal(group)
+    chunk = 8 // fmt.bits  # code vectors unpacked from 16 bytes
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         pd, sd, zd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 3, 5))
-        sf = v.from_f16(v.load(sd, args[4], 0, I16))
-        zf = v.from_f16(v.load(zd, args[4], 0, I16))
+        zero16 = v.load(zd, args[4], 0, I16) if not fmt.absmax else None
+        p = fmt.stored(v, v.load(sd, args[4], 0, I16), zero16)
         for i in range(0, ngroup, chunk):  # a block holds ``ngroup`` vectors of 16 values
-            codes = v.unpack(v.load(pd, args[1], i * LANES // chunk, I8), nbits)
+            codes = v.unpack(v.load(pd, args[1], i * LANES // chunk, I8), fmt.bits)
             for k, code in enumerate(codes):
-                g = (i + k) * LANES // ngroup
-                val = builder.fadd(builder.fmul(builder.uitofp(code, _vt(F32)), v.lane(sf, g)), v.lane(zf, g))
-                v.store(val, od, args[6], (i + k) * LANES)
+                pg = {name: v.lane(vec, (i + k) * LANES // ngroup) for name, vec in p.items()}
+                v.store(fmt.decode(v, code, pg), od, args[6], (i + k) * LANES)
         return context.get_dummy_value()
 
-    return types.void(payload, pb, scale, zero, gi, out, b, bits, group), codegen
+    return types.void(payload, pb, scale, zero, gi, out, b, kind, group), codegen
 
 
-@intrinsic
-def fp8_token_round_trip(typingctx, x, out, b, mant, group):
-    nmant, ngroup = _literal(mant), _literal(group)
-    bias, fmax = FP8[nmant]
-
-    def codegen(context, builder, sig, args):
-        v = _Vec(context, builder)
-        xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
-        _, amax = _token_stats(v, xd, args[2], ngroup, True)
-        _, sf, inv = _fp8_params(v, amax, fmax)
-        for g in range(LANES):
-            sb, ib = v.lane(sf, g), v.lane(inv, g)
-            for k in range(ngroup // LANES):
-                off = g * ngroup + k * LANES
-                y = builder.fmul(v.load(xd, args[2], off, F32), ib)
-                v.store(builder.fmul(v.fp8_round(y, nmant, bias, fmax), sb), od, args[2], off)
-        return context.get_dummy_value()
-
-    return types.void(x, out, b, mant, group), codegen
-
-
-@intrinsic
-def fp8_token_encode(typingctx, x, b, payload, pb, scale, gi, mant, group):
-    nmant, ngroup = _literal(mant), _literal(group)
-    bias, fmax = FP8[nmant]
-
-    def codegen(context, builder, sig, args):
-        v = _Vec(context, builder)
-        xd, pd, sd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
-        _, amax = _token_stats(v, xd, args[1], ngroup, True)
-        s16, _, inv = _fp8_params(v, amax, fmax)
-        v.store(s16, sd, args[5])
-        for g in range(LANES):
-            ib = v.lane(inv, g)
-            for k in range(ngroup // LANES):
-                off = g * ngroup + k * LANES
-                y = _fp8_scaled(v, v.load(xd, args[1], off, F32), ib, fmax)
-                v.store(builder.trunc(v.fp8_bits(y, nmant, bias), _vt(I8)), pd, args[3], off)
-        return context.get_dummy_value()
-
-    return types.void(x, b, payload, pb, scale, gi, mant, group), codegen
-
-
-@intrinsic
-def fp8_token_decode(typingctx, payload, pb, scale, gi, out, b, mant, group):
-    nmant, ngroup = _literal(mant), _literal(group)
-    bias, _ = FP8[nmant]
-
-    def codegen(context, builder, sig, args):
-        v = _Vec(context, builder)
-        pd, sd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
-        sf = v.from_f16(v.load(sd, args[3], 0, I16))
-        for g in range(LANES):
-            sb = v.lane(sf, g)
-            for k in range(ngroup // LANES):
-                off = g * ngroup + k * LANES
-                code = builder.zext(v.load(pd, args[1], off, I8), _vt(I32))
-                v.store(builder.fmul(v.fp8_value(code, nmant, bias), sb), od, args[5], off)
-        return context.get_dummy_value()
-
-    return types.void(payload, pb, scale, gi, out, b, mant, group), codegen
-
-
-# -------------------------------------------------------------------- channel axis: a block of rows
+# -------------------------------------------------------------------- per channel: a block of rows
 
 
 def _chunks(vectors: int, per_byte: int):
@@ -481,149 +459,89 @@ def _channel_stats(v: _Vec, xdata, b, group: int, chans: int, absmax: bool):
 
 
 @intrinsic
-def int_channel_round_trip(typingctx, x, out, b, bits, group, chans):
+def channel_round_trip(typingctx, x, out, b, kind, group, chans):
     """x_hat of ``group`` rows of ``chans`` channels (the whole head_dim) from ``x[b:]`` into
     ``out[b:]``, one group per channel."""
-    nbits, ngroup, nchans = _literal(bits), _literal(group), _literal(chans)
-    qmax = float((1 << nbits) - 1)
+    fmt, ngroup, nchans = _format(kind), _literal(group), _literal(chans)
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
-        los, his = _channel_stats(v, xd, args[2], ngroup, nchans, False)
-        params = [_int_params(v, lo, hi, qmax) for lo, hi in zip(los, his)]
+        los, his = _channel_stats(v, xd, args[2], ngroup, nchans, fmt.absmax)
+        params = [fmt.params(v, lo, hi) for lo, hi in zip(los or his, his)]
         with _rows(v, ngroup) as loop:
             row = _at(v, args[2], loop.index, nchans)
-            for k, (_, _, zf, sf, inv) in enumerate(params):
-                code = _int_code(v, v.load(xd, row, k * LANES, F32), zf, inv, qmax)
-                v.store(builder.fadd(builder.fmul(code, sf), zf), od, row, k * LANES)
+            for k, p in enumerate(params):
+                v.store(fmt.x_hat(v, v.load(xd, row, k * LANES, F32), p), od, row, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(x, out, b, bits, group, chans), codegen
+    return types.void(x, out, b, kind, group, chans), codegen
 
 
 @intrinsic
-def int_channel_encode(typingctx, x, b, payload, pb, scale, zero, si, bits, group, chans):
+def channel_encode(typingctx, x, b, payload, pb, scale, zero, si, kind, group, chans):
     """Codes of ``group`` rows of ``chans`` channels from ``x[b:]`` packed into ``payload[pb:]``
-    (``chans * bits / 8`` bytes a row); fp16 scales and zeros into ``scale[si:]``, ``zero[si:]``."""
-    nbits, ngroup, nchans = _literal(bits), _literal(group), _literal(chans)
-    qmax = float((1 << nbits) - 1)
-    per_byte = 8 // nbits
+    (``chans / per_byte`` bytes a row); fp16 scales (and zeros) into ``scale[si:]``
+    (``zero[si:]``)."""
+    fmt, ngroup, nchans = _format(kind), _literal(group), _literal(chans)
+    per_byte = 8 // fmt.bits
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         xd, pd, sd, zd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4, 5))
-        los, his = _channel_stats(v, xd, args[1], ngroup, nchans, False)
-        params = [_int_params(v, lo, hi, qmax) for lo, hi in zip(los, his)]
-        for k, (z16, s16, _, _, _) in enumerate(params):
-            v.store(s16, sd, args[6], k * LANES)
-            v.store(z16, zd, args[6], k * LANES)
+        los, his = _channel_stats(v, xd, args[1], ngroup, nchans, fmt.absmax)
+        params = [fmt.params(v, lo, hi) for lo, hi in zip(los or his, his)]
+        for k, p in enumerate(params):
+            v.store(p["s16"], sd, args[6], k * LANES)
+            if "z16" in p:
+                v.store(p["z16"], zd, args[6], k * LANES)
         with _rows(v, ngroup) as loop:
             row, prow = _at(v, args[1], loop.index, nchans), _at(v, args[3], loop.index, nchans // per_byte)
-            codes = [builder.fptoui(_int_code(v, v.load(xd, row, k * LANES, F32), zf, inv, qmax), _vt(I32))
-                     for k, (_, _, zf, _, inv) in enumerate(params)]
+            codes = [fmt.codes(v, v.load(xd, row, k * LANES, F32), p) for k, p in enumerate(params)]
             for i, n in _chunks(len(codes), per_byte):
-                v.store(v.pack(codes[i:i + n], nbits)[0], pd, prow, i * LANES // per_byte)
+                v.store(v.pack(codes[i:i + n], fmt.bits)[0], pd, prow, i * LANES // per_byte)
         return context.get_dummy_value()
 
-    return types.void(x, b, payload, pb, scale, zero, si, bits, group, chans), codegen
+    return types.void(x, b, payload, pb, scale, zero, si, kind, group, chans), codegen
 
 
 @intrinsic
-def int_channel_decode(typingctx, payload, pb, scale, zero, si, out, b, bits, group, chans):
-    nbits, ngroup, nchans = _literal(bits), _literal(group), _literal(chans)
-    per_byte = 8 // nbits
+def channel_decode(typingctx, payload, pb, scale, zero, si, out, b, kind, group, chans):
+    fmt, ngroup, nchans = _format(kind), _literal(group), _literal(chans)
+    per_byte = 8 // fmt.bits
 
     def codegen(context, builder, sig, args):
         v = _Vec(context, builder)
         pd, sd, zd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 3, 5))
-        sfs = [v.from_f16(v.load(sd, args[4], k * LANES, I16)) for k in range(nchans // LANES)]
-        zfs = [v.from_f16(v.load(zd, args[4], k * LANES, I16)) for k in range(nchans // LANES)]
+        params = [fmt.stored(v, v.load(sd, args[4], k * LANES, I16),
+                             None if fmt.absmax else v.load(zd, args[4], k * LANES, I16))
+                  for k in range(nchans // LANES)]
         with _rows(v, ngroup) as loop:
             row, prow = _at(v, args[6], loop.index, nchans), _at(v, args[1], loop.index, nchans // per_byte)
             for i, n in _chunks(nchans // LANES, per_byte):
                 raw = v.load(pd, prow, i * LANES // per_byte, I8, n * LANES // per_byte)
-                for k, code in enumerate(v.unpack(raw, nbits), start=i):
-                    val = builder.fadd(builder.fmul(builder.uitofp(code, _vt(F32)), sfs[k]), zfs[k])
-                    v.store(val, od, row, k * LANES)
+                for k, code in enumerate(v.unpack(raw, fmt.bits), start=i):
+                    v.store(fmt.decode(v, code, params[k]), od, row, k * LANES)
         return context.get_dummy_value()
 
-    return types.void(payload, pb, scale, zero, si, out, b, bits, group, chans), codegen
+    return types.void(payload, pb, scale, zero, si, out, b, kind, group, chans), codegen
 
 
-@intrinsic
-def fp8_channel_round_trip(typingctx, x, out, b, mant, group, chans):
-    nmant, ngroup, nchans = _literal(mant), _literal(group), _literal(chans)
-    bias, fmax = FP8[nmant]
-
-    def codegen(context, builder, sig, args):
-        v = _Vec(context, builder)
-        xd, od = v.data(sig.args[0], args[0]), v.data(sig.args[1], args[1])
-        _, amaxs = _channel_stats(v, xd, args[2], ngroup, nchans, True)
-        params = [_fp8_params(v, amax, fmax) for amax in amaxs]
-        with _rows(v, ngroup) as loop:
-            row = _at(v, args[2], loop.index, nchans)
-            for k, (_, sf, inv) in enumerate(params):
-                y = builder.fmul(v.load(xd, row, k * LANES, F32), inv)
-                v.store(builder.fmul(v.fp8_round(y, nmant, bias, fmax), sf), od, row, k * LANES)
-        return context.get_dummy_value()
-
-    return types.void(x, out, b, mant, group, chans), codegen
-
-
-@intrinsic
-def fp8_channel_encode(typingctx, x, b, payload, pb, scale, si, mant, group, chans):
-    nmant, ngroup, nchans = _literal(mant), _literal(group), _literal(chans)
-    bias, fmax = FP8[nmant]
-
-    def codegen(context, builder, sig, args):
-        v = _Vec(context, builder)
-        xd, pd, sd = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
-        _, amaxs = _channel_stats(v, xd, args[1], ngroup, nchans, True)
-        params = [_fp8_params(v, amax, fmax) for amax in amaxs]
-        for k, (s16, _, _) in enumerate(params):
-            v.store(s16, sd, args[5], k * LANES)
-        with _rows(v, ngroup) as loop:
-            row, prow = _at(v, args[1], loop.index, nchans), _at(v, args[3], loop.index, nchans)
-            for k, (_, _, inv) in enumerate(params):
-                y = _fp8_scaled(v, v.load(xd, row, k * LANES, F32), inv, fmax)
-                v.store(builder.trunc(v.fp8_bits(y, nmant, bias), _vt(I8)), pd, prow, k * LANES)
-        return context.get_dummy_value()
-
-    return types.void(x, b, payload, pb, scale, si, mant, group, chans), codegen
-
-
-@intrinsic
-def fp8_channel_decode(typingctx, payload, pb, scale, si, out, b, mant, group, chans):
-    nmant, ngroup, nchans = _literal(mant), _literal(group), _literal(chans)
-    bias, _ = FP8[nmant]
-
-    def codegen(context, builder, sig, args):
-        v = _Vec(context, builder)
-        pd, sd, od = (v.data(sig.args[i], args[i]) for i in (0, 2, 4))
-        sfs = [v.from_f16(v.load(sd, args[3], k * LANES, I16)) for k in range(nchans // LANES)]
-        with _rows(v, ngroup) as loop:
-            row, prow = _at(v, args[5], loop.index, nchans), _at(v, args[1], loop.index, nchans)
-            for k, sf in enumerate(sfs):
-                code = builder.zext(v.load(pd, prow, k * LANES, I8), _vt(I32))
-                v.store(builder.fmul(v.fp8_value(code, nmant, bias), sf), od, row, k * LANES)
-        return context.get_dummy_value()
-
-    return types.void(payload, pb, scale, si, out, b, mant, group, chans), codegen
-
-
-# -------------------------------------------------------------------- loops: per token
+# -------------------------------------------------------------------- the loops
 #
 # Flat arrays: x / out [rows * T * D] fp32, the quantized tokens being the first ``quant`` of each
-# row; groups of a row are consecutive (``ng`` = quant * D // group of them), payload
-# [rows * ng * group // per_byte], scale / zero fp16 bits [rows * ng]. A row's last partial block
-# goes through zero-filled scratch (a zero group has scale 0 and touches nothing else).
+# row; payload [rows * quant * D // per_byte]. Per token, a row's groups are consecutive
+# (``ng`` = quant * D // group of them; scale / zero [rows * ng]) and its last partial block goes
+# through zero-filled scratch (a zero group has scale 0 and touches nothing else). Per channel,
+# a block is ``group`` consecutive tokens of the whole head_dim; scale / zero
+# [rows * (quant // group) * D]. fp8 has no zeros: its ``zero`` array is never read or written.
 
 
 @functools.cache
-def int_token_kernels(bits: int, group: int):
-    """(round_trip, encode, decode) for ``bits``-bit codes in groups of ``group`` values."""
-    per_byte = 8 // bits
+def token_kernels(kind: int, group: int):
+    """(round_trip, encode, decode) for format ``kind`` (:func:`_format`) in groups of ``group``
+    values per token."""
+    per_byte = _per_byte(kind)
     block = LANES * group
 
     @njit(**_JIT)
@@ -634,12 +552,12 @@ def int_token_kernels(bits: int, group: int):
         for r in range(rows):
             base = r * t * d
             for g0 in range(0, full, LANES):
-                int_token_round_trip(x, out, U(base + g0 * group), bits, group)
+                token_round_trip(x, out, U(base + g0 * group), kind, group)
             n = (ng - full) * group
             if n:
                 b = base + full * group
                 sx[:n] = x[b:b + n]
-                int_token_round_trip(sx, so, U(0), bits, group)
+                token_round_trip(sx, so, U(0), kind, group)
                 out[b:b + n] = so[:n]
 
     @njit(**_JIT)
@@ -652,17 +570,18 @@ def int_token_kernels(bits: int, group: int):
             base = r * t * d
             for g0 in range(0, full, LANES):
                 gi = r * ng + g0
-                int_token_encode(x, U(base + g0 * group), payload, U(gi * group // per_byte),
-                                            scale, zero, U(gi), bits, group)
+                token_encode(x, U(base + g0 * group), payload, U(gi * group // per_byte), scale, zero, U(gi),
+                             kind, group)
             tail = ng - full
             if tail:
                 n, b, gi = tail * group, base + full * group, r * ng + full
                 sx[:n] = x[b:b + n]
-                int_token_encode(sx, U(0), sp, U(0), ss, sz, U(0), bits, group)
+                token_encode(sx, U(0), sp, U(0), ss, sz, U(0), kind, group)
                 pb = gi * group // per_byte
                 payload[pb:pb + n // per_byte] = sp[:n // per_byte]
                 scale[gi:gi + tail] = ss[:tail]
-                zero[gi:gi + tail] = sz[:tail]
+                if kind > 0:
+                    zero[gi:gi + tail] = sz[:tail]
 
     @njit(**_JIT)
     def decode(payload, scale, zero, rows, t, d, quant, out):
@@ -674,145 +593,48 @@ def int_token_kernels(bits: int, group: int):
             base = r * t * d
             for g0 in range(0, full, LANES):
                 gi = r * ng + g0
-                int_token_decode(payload, U(gi * group // per_byte), scale, zero, U(gi),
-                                            out, U(base + g0 * group), bits, group)
+                token_decode(payload, U(gi * group // per_byte), scale, zero, U(gi), out, U(base + g0 * group),
+                             kind, group)
             tail = ng - full
             if tail:
                 n, b, gi = tail * group, base + full * group, r * ng + full
                 pb = gi * group // per_byte
                 sp[:n // per_byte] = payload[pb:pb + n // per_byte]
                 ss[:tail] = scale[gi:gi + tail]
-                sz[:tail] = zero[gi:gi + tail]
-                int_token_decode(sp, U(0), ss, sz, U(0), so, U(0), bits, group)
+                if kind > 0:
+                    sz[:tail] = zero[gi:gi + tail]
+                token_decode(sp, U(0), ss, sz, U(0), so, U(0), kind, group)
                 out[b:b + n] = so[:n]
 
     return round_trip, encode, decode
 
 
 @functools.cache
-def fp8_token_kernels(mant: int, group: int):
-    """(round_trip, encode, decode) for fp8 with ``mant`` mantissa bits, groups of ``group``."""
-    block = LANES * group
-
-    @njit(**_JIT)
-    def round_trip(x, rows, t, d, quant, out):
-        ng = quant * d // group
-        full = ng - ng % LANES
-        sx, so = np.zeros(block, np.float32), np.empty(block, np.float32)
-        for r in range(rows):
-            base = r * t * d
-            for g0 in range(0, full, LANES):
-                fp8_token_round_trip(x, out, U(base + g0 * group), mant, group)
-            n = (ng - full) * group
-            if n:
-                b = base + full * group
-                sx[:n] = x[b:b + n]
-                fp8_token_round_trip(sx, so, U(0), mant, group)
-                out[b:b + n] = so[:n]
-
-    @njit(**_JIT)
-    def encode(x, rows, t, d, quant, payload, scale):
-        ng = quant * d // group
-        full = ng - ng % LANES
-        sx, sp = np.zeros(block, np.float32), np.empty(block, np.uint8)
-        ss = np.empty(LANES, np.uint16)
-        for r in range(rows):
-            base = r * t * d
-            for g0 in range(0, full, LANES):
-                gi = r * ng + g0
-                fp8_token_encode(x, U(base + g0 * group), payload, U(gi * group), scale, U(gi),
-                                            mant, group)
-            tail = ng - full
-            if tail:
-                n, b, gi = tail * group, base + full * group, r * ng + full
-                sx[:n] = x[b:b + n]
-                fp8_token_encode(sx, U(0), sp, U(0), ss, U(0), mant, group)
-                payload[gi * group:gi * group + n] = sp[:n]
-                scale[gi:gi + tail] = ss[:tail]
-
-    @njit(**_JIT)
-    def decode(payload, scale, rows, t, d, quant, out):
-        ng = quant * d // group
-        full = ng - ng % LANES
-        sp, so = np.zeros(block, np.uint8), np.empty(block, np.float32)
-        ss = np.zeros(LANES, np.uint16)
-        for r in range(rows):
-            base = r * t * d
-            for g0 in range(0, full, LANES):
-                gi = r * ng + g0
-                fp8_token_decode(payload, U(gi * group), scale, U(gi), out, U(base + g0 * group),
-                                            mant, group)
-            tail = ng - full
-            if tail:
-                n, b, gi = tail * group, base + full * group, r * ng + full
-                sp[:n] = payload[gi * group:gi * group + n]
-                ss[:tail] = scale[gi:gi + tail]
-                fp8_token_decode(sp, U(0), ss, U(0), so, U(0), mant, group)
-                out[b:b + n] = so[:n]
-
-    return round_trip, encode, decode
-
-
-# -------------------------------------------------------------------- loops: per channel
-#
-# A block is ``group`` consecutive tokens of the whole head_dim; payload rows hold
-# D // per_byte bytes, scale / zero fp16 bits [rows * (quant // group) * D].
-
-
-@functools.cache
-def int_channel_kernels(bits: int, group: int, chans: int):
-    """(round_trip, encode, decode) for ``bits``-bit codes, groups of ``group`` tokens, head_dim
-    ``chans``."""
-    per_byte = 8 // bits
+def channel_kernels(kind: int, group: int, chans: int):
+    """(round_trip, encode, decode) for format ``kind`` in groups of ``group`` tokens per
+    channel, head_dim ``chans``."""
+    per_byte = _per_byte(kind)
 
     @njit(**_JIT)
     def round_trip(x, rows, t, d, quant, out):
         for r in range(rows):
             for tg in range(quant // group):
-                int_channel_round_trip(x, out, U(r * t * d + tg * group * d), bits, group, chans)
+                channel_round_trip(x, out, U(r * t * d + tg * group * d), kind, group, chans)
 
     @njit(**_JIT)
     def encode(x, rows, t, d, quant, payload, scale, zero):
         blocks = quant // group
         for r in range(rows):
             for tg in range(blocks):
-                int_channel_encode(x, U(r * t * d + tg * group * d), payload,
-                                   U((r * quant + tg * group) * d // per_byte), scale, zero,
-                                   U((r * blocks + tg) * d), bits, group, chans)
+                channel_encode(x, U(r * t * d + tg * group * d), payload, U((r * quant + tg * group) * d // per_byte),
+                               scale, zero, U((r * blocks + tg) * d), kind, group, chans)
 
     @njit(**_JIT)
     def decode(payload, scale, zero, rows, t, d, quant, out):
         blocks = quant // group
         for r in range(rows):
             for tg in range(blocks):
-                int_channel_decode(payload, U((r * quant + tg * group) * d // per_byte), scale, zero,
-                                   U((r * blocks + tg) * d), out, U(r * t * d + tg * group * d), bits, group, chans)
-
-    return round_trip, encode, decode
-
-
-@functools.cache
-def fp8_channel_kernels(mant: int, group: int, chans: int):
-    @njit(**_JIT)
-    def round_trip(x, rows, t, d, quant, out):
-        for r in range(rows):
-            for tg in range(quant // group):
-                fp8_channel_round_trip(x, out, U(r * t * d + tg * group * d), mant, group, chans)
-
-    @njit(**_JIT)
-    def encode(x, rows, t, d, quant, payload, scale):
-        blocks = quant // group
-        for r in range(rows):
-            for tg in range(blocks):
-                fp8_channel_encode(x, U(r * t * d + tg * group * d), payload, U((r * quant + tg * group) * d),
-                                   scale, U((r * blocks + tg) * d), mant, group, chans)
-
-    @njit(**_JIT)
-    def decode(payload, scale, rows, t, d, quant, out):
-        blocks = quant // group
-        for r in range(rows):
-            for tg in range(blocks):
-                fp8_channel_decode(payload, U((r * quant + tg * group) * d), scale, U((r * blocks + tg) * d), out,
-                                   U(r * t * d + tg * group * d), mant, group, chans)
+                channel_decode(payload, U((r * quant + tg * group) * d // per_byte), scale, zero,
+                               U((r * blocks + tg) * d), out, U(r * t * d + tg * group * d), kind, group, chans)
 
     return round_trip, encode, decode
