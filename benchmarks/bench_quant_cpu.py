@@ -16,8 +16,9 @@ load to store; the exact integer round trip still needs about 16 vector operatio
 per token (min, max and a share of the butterfly that reduces 16 groups at once, then subtract,
 multiply, add, clamp twice, truncate, multiply, add) and about 12 per channel (no horizontal
 reduction), without fused multiply-add (the reference rounds twice). On one core of the
-development machine that is about 0.55-0.65 of clone per token and 0.7-0.9 per channel; with the
-payload (a second pass over a fresh output, and a few microseconds of Python per call) 0.35-0.55.
+development machine the kernels alone run at about 0.55-0.68 of clone per token and 0.8-0.9 per
+channel; with the payload (a second pass over a fresh output, and about 10 us of Python per
+call) at 0.22-0.60. Table and discussion: docs/shadow-compression.md.
 The tensor is one layer's K (V has the same shape) of
 the embedded model (SmolLM2-135M: 3 KV heads, head_dim 64) at 4096 tokens, fp32 as the model
 runs on the CPU. Repetitions of clone, fused and reference are interleaved so that noise from
