@@ -92,6 +92,18 @@ def test_any_shape_and_magnitude_matches_reference(fmt, axis, heads, tokens, hea
     assert_same_as_reference(x, spec)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int2", "fp8_e5m2"])
+@pytest.mark.parametrize("head_dim", [80, 112])
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_head_dims_of_an_odd_number_of_vectors_match_reference(fmt, head_dim, axis):
+    """5 and 7 vectors of 16 channels a row: packed in runs of 4, 2 and 1 vectors."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 2, 40, head_dim) * torch.linspace(0.01, 20, head_dim)
+    spec = QuantSpec(fmt, axis=axis, group_size=16)
+    assert use_numba(x, spec, "auto")
+    assert_same_as_reference(x, spec)
+
+
 @pytest.mark.parametrize("axis, group, head_dim", [("token", 8, 64), ("token", 32, 8), ("channel", 32, 40)])
 def test_layouts_the_kernels_do_not_cover_stay_on_the_reference(axis, group, head_dim):
     x = torch.randn(1, 2, 64, head_dim)
