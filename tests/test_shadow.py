@@ -307,3 +307,56 @@ def test_per_layer_inputs_are_gathered_only_for_the_measured_layers():
                             lambda: PerLayer(len(queries), fetch("q", queries)))
     expected = runner.layers_of_run(len(kv), 0)
     assert fetched["kv"] == expected and fetched["q"] == expected
+
+
+def test_warm_up_pays_one_time_costs_aside_and_records_nothing_of_its_synthetic_kv():
+    """A step drawn during the warm-up waits for it; the warm-up exercises every method (a
+    raising one is counted), its CPU counts as spent, and no event of its synthetic KV reaches
+    the sink."""
+    import threading
+
+    sink = ListSink()
+    methods = [parse_method("int4"), parse_method("fp8_e4m3"), Raising("raising", "fp16")]
+    runner = ShadowRunner(sink, methods, sample_rate=1.0, budget_frac=None)
+    release = threading.Event()
+    layer = runner._layer
+
+    def held_layer(*args, **kw):
+        release.wait(30)
+        return layer(*args, **kw)
+
+    runner._layer = held_layer
+    runner.warm_up(kv_heads=3, q_heads=9, head_dim=64)
+    drawn = []
+    step = threading.Thread(target=lambda: drawn.append(runner.should_sample()))
+    step.start()
+    step.join(0.5)
+    assert step.is_alive() and not drawn  # the drawn step waits for the warm-up ...
+    release.set()
+    step.join(60)
+    assert drawn == [True] and runner.warming.is_set()  # ... and is sampled once it is done
+    assert runner.spent_ns > 0 and runner.runs == 0
+    assert runner.errors["shadow:raising"] == 1
+    assert not [e for e in sink.events if isinstance(e, (ShadowCompression, ShadowLocality))]
+    runner.warm_up(kv_heads=3, q_heads=9, head_dim=64)  # once only
+    assert runner.errors["shadow:raising"] == 1
+
+
+def test_warm_up_compiles_what_the_first_sampled_step_needs():
+    """After the warm-up on the model's attention shape, a real sampled step compiles nothing:
+    numba's dispatchers of the methods' kernels hold the signatures the step uses."""
+    from kvdiag.kernels import quant_simd
+
+    _, kv = prefill_kv()
+    queries = [torch.randn(1, 9, 1, 64) for _ in kv]
+    runner = ShadowRunner(ListSink(), ["int2", "fp8_e5m2"], sample_rate=1.0, budget_frac=None,
+                          layers_per_run=1)
+    runner.warm_up(kv_heads=3, q_heads=9, head_dim=64)
+    assert runner.warming.wait(120)
+    # encode and decode (the shadow stores a payload) per token (V) and per channel (K)
+    kernels = [k for kind in (2, -2) for k in (quant_simd.token_kernels(kind, 32)[1:] +
+                                                quant_simd.channel_kernels(kind, 32, 64)[1:])]
+    before = [len(k.signatures) for k in kernels]
+    assert all(before)
+    assert runner.maybe_run(0, kv, queries)
+    assert [len(k.signatures) for k in kernels] == before
