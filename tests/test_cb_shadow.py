@@ -156,10 +156,8 @@ def test_shadow_never_changes_the_generated_tokens(real):
         adapter.uninstall()
     assert broken == off
     errors = [e for e in sink.events if isinstance(e, CollectorError) and e.collector.startswith("shadow:")]
-    # every layer of every sampled step, and once in the warm-up (one synthetic layer)
-    expected = len(shadow.samples) * model.config.num_hidden_layers + 1
-    assert shadow.runner.warming.is_set()
-    assert expected > 1 and sum(shadow.runner.errors.values()) == expected
+    expected = len(shadow.samples) * model.config.num_hidden_layers
+    assert expected > 0 and sum(shadow.runner.errors.values()) == expected
     assert len(errors) == expected and all("compressor exploded" in e.message for e in errors)
 
 

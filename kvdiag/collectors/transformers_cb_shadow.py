@@ -3,9 +3,7 @@
 ``CBShadow(runner).install()`` wraps ``ContinuousBatchingManager._generation_step`` (one engine
 step: forward + sampling) of every engine in the process. On a step whose batch holds a
 request in decode (query length 1, at least one token generated), it asks the runner whether
-to sample (:meth:`ShadowRunner.should_sample`: rate, then time budget); the first such step
-starts the runner's warm-up (:meth:`ShadowRunner.warm_up`, with :func:`attention_shape`), so
-that no sampled step pays the kernels' one-time costs. On a sampled step:
+to sample (:meth:`ShadowRunner.should_sample`: rate, then time budget). On a sampled step:
 
 - before the forward, :class:`QueryCapture` is armed on the model's attention layers; the
   engine packs every request's tokens into one sequence ``[1, N]``, so the request's decode
@@ -59,16 +57,6 @@ def decode_row(batch) -> Optional[tuple[Any, int]]:
             return future.state, row
         row += future.query_length
     return None
-
-
-def attention_shape(model) -> tuple[int, int, int]:
-    """(kv heads, query heads, head_dim) of a transformers model's attention layers."""
-    cfg = model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    q_heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or q_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads
-    return kv_heads, q_heads, head_dim
 
 
 def request_kv(cache, request_id: str, seq_len_tokens: int) -> PerLayer:
@@ -162,8 +150,6 @@ class CBShadow:
         try:
             target = decode_row(manager.batch_processor.inputs_and_outputs.requests_in_batch)
             if target is not None:
-                if self.runner.warming is None:  # the first decode step: one-time costs off the engine
-                    self.runner.warm_up(*attention_shape(manager.model))
                 sampled = self.runner.should_sample()
                 if sampled:
                     capture = self._capture_of(manager.model)

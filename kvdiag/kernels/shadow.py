@@ -26,13 +26,6 @@ threads included, the engine waits meanwhile); in the background, the caller's t
 copy plus the worker thread. Only the first ``max_batch`` sequences are copied, and of them
 only the layers of :meth:`ShadowRunner.layers_of_run` (``layers_per_run``; None: all).
 
-One-time costs (imports, each method's kernels compiled or loaded from the cache: seconds on a
-cold cache) would otherwise land on the first sampled step, inline in the engine's step: an
-engine glue calls :meth:`ShadowRunner.warm_up` with the model's attention shape at its first
-decode step, which pays them in a thread of its own on a synthetic KV (results discarded, CPU
-counted as spent); a step drawn before it is done (only likely at high sampling rates) waits
-for it.
-
 Measured per layer and kv head, for each method (a :class:`ShadowCompression` event):
 ``ratio`` = original K+V bytes / stored bytes; ``k_rel_error`` = ||K - K_hat||_F / ||K||_F over
 the head's tokens and channels (same for V); ``attn_score_error`` = mean over the head's query
@@ -62,7 +55,7 @@ import torch
 from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
 from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression
-from kvdiag.sinks import NullSink, Sink
+from kvdiag.sinks import Sink
 
 LayersKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
 Queries = Sequence[torch.Tensor]
@@ -102,7 +95,6 @@ class CpuClock:
 
 
 BUDGET_REPORT_S = 5.0  # most seconds between two ShadowBudget events while steps are offered
-WARM_UP_WAIT_S = 60.0  # most seconds a drawn step waits for the warm-up (ShadowRunner.warm_up)
 _EWMA_WEIGHT = 0.1  # weight of the newest value in the per-step and per-run cost averages
 
 
@@ -150,7 +142,6 @@ class ShadowRunner:
         self.errors: Counter[str] = Counter()
         self.dropped = 0  # sampled steps not measured because the worker was still busy
         self._lock = threading.Lock()
-        self.warming: Optional[threading.Event] = None  # set when warm_up's thread is done
         self._queue: Optional[queue.Queue] = queue.Queue(maxsize=1) if background else None
         self._thread: Optional[threading.Thread] = None
         if background:
@@ -189,10 +180,6 @@ class ShadowRunner:
             self.report_budget()
         if self._rng.random() >= self.rate:
             return False
-        if self.warming is not None and not self.warming.is_set():
-            # drawn before the warm-up is done (only likely at high rates): wait for it rather
-            # than pay its costs a second time in this step; bounded, in case it hangs
-            self.warming.wait(WARM_UP_WAIT_S)
         if self.budget_frac is not None and spent + (self.run_ns or 0) > self.budget_frac * self.engine_ns(now):
             self.skipped_budget += 1
             return False
@@ -259,37 +246,6 @@ class ShadowRunner:
                     self.run_ns = _ewma(self.run_ns, self._pending_ns)
                 self._pending_ns = 0
 
-    def warm_up(self, kv_heads: int, q_heads: int, head_dim: int, tokens: int = 64) -> None:
-        """Pay the one-time costs of a run (imports; each method's kernels compiled, or loaded
-        from the cache, for this head_dim) in a thread of its own, on a synthetic KV whose
-        results are discarded, so that the first sampled step does not stall the engine for
-        them; a step drawn before it is done waits for it (at most :data:`WARM_UP_WAIT_S`;
-        :attr:`warming` is set when done). Its CPU counts as spent. Called once (later calls do
-        nothing); never raises."""
-        if self.warming is not None:
-            return
-        self.warming = threading.Event()
-
-        def work() -> None:
-            start = self.cpu.thread_ns()
-            try:
-                gen = torch.Generator().manual_seed(0)
-                k, v = (torch.randn(1, kv_heads, tokens, head_dim, generator=gen) for _ in range(2))
-                q = torch.randn(1, q_heads, 1, head_dim, generator=gen)
-                with torch.no_grad():
-                    self._layer(0, k, v, q, time.time_ns(), NullSink())
-            except Exception as exc:
-                self._error("shadow", exc)
-            finally:
-                self._account(self.cpu.thread_ns() - start, run_done=False)
-                self.warming.set()
-
-        try:
-            threading.Thread(target=work, name="kvdiag-shadow-warm-up", daemon=True).start()
-        except Exception as exc:  # no thread to be had: sample without the warm-up
-            self.warming.set()
-            self._error("shadow", exc)
-
     # ------------------------------------------------------------ background worker
 
     def _work(self) -> None:
@@ -355,10 +311,7 @@ class ShadowRunner:
                 self._layer(layer, k, v, q, ts)
         self.sink.flush()
 
-    def _layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, ts: int,
-               sink: Optional[Sink] = None) -> None:
-        """Every method on one layer, recorded to ``sink`` (the runner's unless given)."""
-        sink = self.sink if sink is None else sink
+    def _layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, ts: int) -> None:
         scaling = self.scaling if self.scaling is not None else k.shape[-1] ** -0.5
         kh, qh = k.shape[1], q.shape[1]
         group = qh // kh
@@ -366,16 +319,16 @@ class ShadowRunner:
         out = torch.matmul(p, v.float().repeat_interleave(group, dim=1))
         if self.locality:
             for ev in locality_events(layer, p[:, :, -1, :], ts):
-                sink.record(ev)
+                self.sink.record(ev)
         attn_mass = p.sum(2).reshape(p.shape[0], kh, group, -1).sum(2)
         kf, vf = k.float(), v.float()
         for method in self.methods:
             try:
-                self._method(layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts, sink)
+                self._method(layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts)
             except Exception as exc:
                 self._error(f"shadow:{method.name}", exc)
 
-    def _method(self, layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts, sink) -> None:
+    def _method(self, layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts) -> None:
         kh, group = k.shape[1], q.shape[1] // k.shape[1]
         t0 = time.perf_counter_ns()
         compressed = method.compress(k, v, attn_mass)
@@ -393,7 +346,7 @@ class ShadowRunner:
                          out_hat.reshape(out.shape[0], kh, group, *out.shape[2:]), dims=(0, 2, 3, 4))
         enc_ns, dec_ns = (t1 - t0) // kh, (t2 - t1) // kh
         for h in range(kh):
-            sink.record(ShadowCompression(
+            self.sink.record(ShadowCompression(
                 ts_ns=ts, layer=layer, head=h, method=method.name, seq_len_tokens=k.shape[2],
                 ratio=ratio, k_rel_error=float(k_err[h]), v_rel_error=float(v_err[h]),
                 attn_score_error=float(tv[h]), attn_out_rel_error=float(o_err[h]),
