@@ -97,9 +97,14 @@ class QuantizedKV:
         return self.original_nbytes() / max(1, self.nbytes())
 
 
+def _group_used(spec: QuantSpec, head_dim: int) -> int:
+    """The group size actually used: per token at most the head_dim."""
+    return min(spec.group_size, head_dim) if spec.axis == "token" else spec.group_size
+
+
 def _split_tokens(spec: QuantSpec, tokens: int, head_dim: int) -> tuple[int, int]:
     """(quantized tokens, group size actually used)."""
-    group = min(spec.group_size, head_dim) if spec.axis == "token" else spec.group_size
+    group = _group_used(spec, head_dim)
     if spec.grouped and spec.axis == "token" and head_dim % group:
         raise ValueError(f"head_dim {head_dim} is not a multiple of group_size {group}")
     quant = max(0, tokens - spec.residual_tokens)
@@ -141,8 +146,7 @@ def use_numba(x: torch.Tensor, spec: QuantSpec, backend: Backend, head_dim: Opti
     from kvdiag.kernels import quant_cpu
 
     head_dim = x.shape[-1] if head_dim is None else head_dim
-    group = min(spec.group_size, head_dim) if spec.axis == "token" else spec.group_size
-    return quant_cpu.supports(spec.axis, group, head_dim)
+    return quant_cpu.supports(spec.axis, _group_used(spec, head_dim), head_dim)
 
 
 @functools.cache
