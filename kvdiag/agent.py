@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import msgspec
 
@@ -43,23 +43,37 @@ class Adapter(Protocol):
     def uninstall(self) -> None: ...
 
 
-def bytes_per_token_of(model_dir: Optional[str]) -> Optional[int]:
-    """KV bytes of one token over all layers, K and V, from a HF folder's config.json (fp32 assumed
-    unless the config says otherwise)."""
+class KVShape(NamedTuple):
+    """The KV cache's shape per token, from a model's config."""
+
+    layers: int
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def kv_shape_of(model_dir: Optional[str]) -> Optional[KVShape]:
+    """The KV shape from a HF folder's config.json; None when there is no folder or config, or
+    it lacks a field."""
     if not model_dir:
         return None
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         return None
-    cfg = msgspec.json.decode(config_path.read_bytes())
     try:
-        layers = int(cfg["num_hidden_layers"])
+        cfg = msgspec.json.decode(config_path.read_bytes())
         heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    except (KeyError, TypeError, ValueError):
+        return KVShape(int(cfg["num_hidden_layers"]), heads, int(cfg.get("num_key_value_heads") or heads),
+                       int(cfg.get("head_dim") or cfg["hidden_size"] // heads))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, msgspec.DecodeError):
         return None
-    return 2 * layers * kv_heads * head_dim * 4
+
+
+def bytes_per_token_of(model_dir: Optional[str]) -> Optional[int]:
+    """KV bytes of one token over all layers, K and V, from a HF folder's config.json (fp32, as
+    the model runs on the CPU)."""
+    shape = kv_shape_of(model_dir)
+    return None if shape is None else 2 * shape.layers * shape.kv_heads * shape.head_dim * 4
 
 
 # What-if prefix caches recorded beside the engine: LRU, unbounded, at the block sizes engines
@@ -84,6 +98,7 @@ class Agent:
         self._live = live
         from kvdiag.eventlog import make_header
 
+        self._model = model
         self.header = make_header(engine=engine, model=str(model), block_size_tokens=block_size_tokens,
                                   bytes_per_token=bytes_per_token_of(model), extra=dict(extra or {}))
         self._inject_leak_every = inject_leak_every
@@ -137,6 +152,7 @@ class Agent:
         if self._shadow_kwargs is not None:
             from kvdiag.collectors.transformers_cb_shadow import install as install_shadow
             self.shadow = install_shadow(recorded, **self._shadow_kwargs)
+            self._warm_up_shadow()
         if self._hardware:
             from kvdiag.collectors.hardware import HardwareRecorder
             self.hardware = HardwareRecorder(recorded, nvml=True, interval_s=self._sample_interval_s).start()
@@ -144,6 +160,16 @@ class Agent:
             from kvdiag.collectors.procfs import ProcessSampler
             self.host_sampler = ProcessSampler.of_self(recorded, interval_s=self._sample_interval_s).start()
         return self
+
+    def _warm_up_shadow(self) -> None:
+        """Pay the shadow's one-time costs now, before the engine serves
+        (:meth:`ShadowRunner.warm_up`), when the model's folder gives the KV shape; otherwise
+        the first sampled step pays them."""
+        shape = kv_shape_of(self._model)
+        if shape is None:
+            return
+        seconds = self.shadow.runner.warm_up(shape.kv_heads, shape.query_heads, shape.head_dim)
+        logging.getLogger("kvdiag.agent").info("kvdiag agent: shadow kernels ready in %.1f s", seconds)
 
     def _open_socket(self) -> Optional[LiveSocketSink]:
         """The live socket, or None after one logged warning (the engine must not fail for it)."""

@@ -215,3 +215,58 @@ def test_agent_with_shadow_writes_shadow_events_to_its_log(real, tmp_path):
     table = compression_table(comp)
     assert set(table["group"]) == {"1-6", "7-12", "13+"}
     assert list(recommend(table)["group"]) == ["1-6", "7-12", "13+"]
+
+
+@pytest.mark.model
+def test_agent_warms_the_shadow_up_before_the_engine_serves(real, model_dir, tmp_path):
+    """Given the model's folder, ``agent.start`` pays the shadow's one-time costs before the
+    engine serves: every CPU kernel a sampled step calls is built and compiled by then (no kernel
+    built and no numba signature added while serving), and the warm-up records nothing."""
+    from kvdiag import agent
+    from kvdiag.eventlog import read_log
+    from kvdiag.kernels import quant_cpu, quant_simd
+
+    model, tok = real
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    quant_simd.token_kernels.cache_clear()  # as in a fresh process: nothing built yet
+    quant_simd.channel_kernels.cache_clear()
+
+    def builds():
+        return quant_simd.token_kernels.cache_info().misses, quant_simd.channel_kernels.cache_info().misses
+
+    log_path = tmp_path / "warm.kvlog"
+    agent.start(log_path=str(log_path), socket=False, block_size_tokens=PAGE, model=str(model_dir),
+                shadow={"methods": "int8,fp8_e4m3", "sample_rate": 1.0, "budget_frac": None})
+    try:
+        built = builds()
+        assert built == (2, 2)  # int8 and fp8 values per token, keys per channel
+        kernels = [quant_cpu._kernels(fmt, axis, 32, head_dim) for fmt in ("int8", "fp8_e4m3")
+                   for axis in ("token", "channel")]
+        assert builds() == built  # the warm-up built each of them
+        signatures = [[list(fn.signatures) for fn in ks] for ks in kernels]
+        assert all(enc and dec for _, enc, dec in signatures)  # encode and decode compiled
+        _generate(model, _prompts(tok, 2), max_new_tokens=4)
+    finally:
+        agent.stop()
+    assert builds() == built
+    assert [[list(fn.signatures) for fn in ks] for ks in kernels] == signatures
+    comp = read_log(log_path).frame("shadow_compression")
+    assert comp["ts_ns"].nunique() == 3  # the three sampled decode steps, and not the warm-up
+
+
+def test_kv_shape_of_reads_the_models_config_and_says_none_otherwise(tmp_path):
+    import json
+
+    from kvdiag.agent import KVShape, bytes_per_token_of, kv_shape_of
+
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert kv_shape_of(str(tmp_path)) == KVShape(layers=30, query_heads=9, kv_heads=3, head_dim=64)
+    assert bytes_per_token_of(str(tmp_path)) == 2 * 30 * 3 * 64 * 4
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 128, "num_key_value_heads": None}))
+    assert kv_shape_of(str(tmp_path)) == KVShape(30, 9, 9, 128)  # no KV heads given: multi-head attention
+    for broken in ('{"num_hidden_layers": 30}', '{"num_hidden_layers": 30, "num_attention_heads": 0, '
+                   '"hidden_size": 576}', '{not json'):
+        (tmp_path / "config.json").write_text(broken)
+        assert kv_shape_of(str(tmp_path)) is None
+    assert kv_shape_of("") is None and kv_shape_of(str(tmp_path / "absent")) is None

@@ -55,7 +55,7 @@ import torch
 from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
 from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression
-from kvdiag.sinks import Sink
+from kvdiag.sinks import NullSink, Sink
 
 LayersKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
 Queries = Sequence[torch.Tensor]
@@ -95,6 +95,9 @@ class CpuClock:
 
 
 BUDGET_REPORT_S = 5.0  # most seconds between two ShadowBudget events while steps are offered
+# tokens of the warm-up's random KV beyond the methods' full-precision windows: whole groups of
+# every group size and a tail, so that every kernel a live step can call is compiled and loaded
+WARM_UP_TOKENS = 300
 _EWMA_WEIGHT = 0.1  # weight of the newest value in the per-step and per-run cost averages
 
 
@@ -308,10 +311,30 @@ class ShadowRunner:
         ts = time.time_ns()
         with torch.no_grad():
             for layer, (k, v, q) in zip(layers, snapshot):
-                self._layer(layer, k, v, q, ts)
+                self._layer(layer, k, v, q, ts, self.sink)
         self.sink.flush()
 
-    def _layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, ts: int) -> None:
+    def warm_up(self, kv_heads: int, query_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> float:
+        """Pay a first run's one-time costs now (imports, the CPU kernels loaded from numba's
+        cache or compiled for this head_dim): every method on random K, V and one query of this
+        shape, nothing recorded, nothing counted against the budget. Call it before the engine
+        takes traffic, else the first sampled step pays them inline (about a second with a
+        warm numba cache, several cold). Never raises; a method that fails here is reported as
+        it would be live. Returns the wall seconds it took."""
+        t0 = time.perf_counter()
+        try:
+            gen = torch.Generator().manual_seed(0)
+            tokens = WARM_UP_TOKENS + max((spec.residual_tokens for m in self.methods
+                                           for spec in (m.k_spec, m.v_spec) if spec is not None), default=0)
+            k, v = (torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(dtype) for _ in range(2))
+            q = torch.randn(1, query_heads, 1, head_dim, generator=gen)
+            with torch.no_grad():
+                self._layer(0, k, v, q, time.time_ns(), NullSink())
+        except Exception as exc:
+            self._error("shadow:warm-up", exc)
+        return time.perf_counter() - t0
+
+    def _layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, ts: int, sink: Sink) -> None:
         scaling = self.scaling if self.scaling is not None else k.shape[-1] ** -0.5
         kh, qh = k.shape[1], q.shape[1]
         group = qh // kh
@@ -319,16 +342,16 @@ class ShadowRunner:
         out = torch.matmul(p, v.float().repeat_interleave(group, dim=1))
         if self.locality:
             for ev in locality_events(layer, p[:, :, -1, :], ts):
-                self.sink.record(ev)
+                sink.record(ev)
         attn_mass = p.sum(2).reshape(p.shape[0], kh, group, -1).sum(2)
         kf, vf = k.float(), v.float()
         for method in self.methods:
             try:
-                self._method(layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts)
+                self._method(layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts, sink)
             except Exception as exc:
                 self._error(f"shadow:{method.name}", exc)
 
-    def _method(self, layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts) -> None:
+    def _method(self, layer, method, k, v, kf, vf, q, p, out, attn_mass, scaling, ts, sink: Sink) -> None:
         kh, group = k.shape[1], q.shape[1] // k.shape[1]
         t0 = time.perf_counter_ns()
         compressed = method.compress(k, v, attn_mass)
@@ -346,7 +369,7 @@ class ShadowRunner:
                          out_hat.reshape(out.shape[0], kh, group, *out.shape[2:]), dims=(0, 2, 3, 4))
         enc_ns, dec_ns = (t1 - t0) // kh, (t2 - t1) // kh
         for h in range(kh):
-            self.sink.record(ShadowCompression(
+            sink.record(ShadowCompression(
                 ts_ns=ts, layer=layer, head=h, method=method.name, seq_len_tokens=k.shape[2],
                 ratio=ratio, k_rel_error=float(k_err[h]), v_rel_error=float(v_err[h]),
                 attn_score_error=float(tv[h]), attn_out_rel_error=float(o_err[h]),
