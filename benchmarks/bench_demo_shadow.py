@@ -2,15 +2,27 @@
 
 The real model serves rounds of chat prompts with ``model.generate_batch`` (paged KV, page 32,
 prefix sharing on, one torch thread). The harness (benchmarks/overhead.py) interleaves the two
-conditions round by round, off/on then on/off, so machine noise hits both. "on" = the engine
+conditions so that machine noise hits both:
+
+- ``--interleave steps`` (the default): blocks of ``--block-steps`` consecutive engine steps
+  alternate between off and on, each pair of blocks in a seeded random order, and the cost is
+  the engine thread's CPU per token of those steps (:class:`overhead.StepArms`; shadow work
+  runs in the step, so all of it is counted, and the ratio overstates the process's overhead).
+  Pairs whose steps differ in batch shape (requests, query tokens) are left out, the sampled
+  steps that fell in them counted and printed;
+- ``--interleave rounds``: whole rounds of requests, off/on then on/off, and the cost is the
+  process's CPU per token. Rounds are seconds apart; on this 2-core machine tokens per
+  CPU-second move by +-10% from round to round, which leaves a 2% goal undecided.
+
+"on" = the engine
 adapter's shadow glue (:mod:`kvdiag.collectors.transformers_cb_shadow`) at the default sampling
 (rate at most 0.005, CPU budget 1%, three layers per sampled step, in the engine thread, all
 methods + locality), after a warm-up that pays the kernels' one-time costs; the runner's
 CPU clock leaves out the CPU of "off" rounds, as if it were the only server. Printed:
 
-- tokens per CPU-second: generated tokens / CPU time of this process in the round, the ratio
-  on / off with its 95% interval and the verdict on the goal (>= 0.98); instructions per token
-  where perf can count them;
+- tokens per CPU-second: generated tokens / CPU time (as above), the ratio on / off with its
+  95% interval and the verdict on the goal (>= 0.98); instructions per token where perf can
+  count them (rounds only);
 - P99 decode-step latency: the 99th percentile of the wall time of engine steps whose batch is
   all decode (every request at query length 1), shadow work included, on / off (<= 1.05);
 - the runner's achieved sampling rate and CPU spent against its budget, and the machine's load.
@@ -24,7 +36,8 @@ import time
 import torch
 
 from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN, DEFAULT_SAMPLE_RATE
-from overhead import Goal, InstructionCounter, RoundCost, perf_instructions_available, report, run_interleaved
+from kvdiag.analysis.intervals import goal_verdict
+from overhead import Goal, InstructionCounter, RoundCost, StepArms, perf_instructions_available, report, run_interleaved
 
 
 def p99(xs):
@@ -35,7 +48,11 @@ def p99(xs):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
-    ap.add_argument("--rounds", type=int, default=12, help="interleaved rounds (each runs both conditions)")
+    ap.add_argument("--interleave", choices=("steps", "rounds"), default="steps",
+                    help="alternate the conditions by blocks of engine steps or by rounds")
+    ap.add_argument("--block-steps", type=int, default=1, help="engine steps per block (--interleave steps)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds of requests (with --interleave rounds, "
+                                                            "each runs both conditions)")
     ap.add_argument("--requests", type=int, default=8, help="requests per round")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--sample-rate", type=float, default=DEFAULT_SAMPLE_RATE, help="most share of steps sampled")
@@ -90,15 +107,36 @@ def main() -> None:
     steps = {"off": [], "on": []}
     arm_now = ["off"]
 
+    by_steps = args.interleave == "steps"
+    arms = StepArms(("off", "on"), args.block_steps, seed=0)
+    step_tokens = [0]
+    sampled_at = []  # the steps (StepArms' count) that ran shadow work
+
     def timed_step(manager):
-        decode = all(f.query_length == 1 for f in manager.batch_processor.inputs_and_outputs.requests_in_batch) \
-            and decode_row(manager.batch_processor.inputs_and_outputs.requests_in_batch) is not None
-        t0 = time.perf_counter_ns()
+        batch = manager.batch_processor.inputs_and_outputs.requests_in_batch
+        decode = all(f.query_length == 1 for f in batch) and decode_row(batch) is not None
+        tokens = sum(1 for f in batch if f.has_new_token)  # requests that sample a token in this step
+        work = (len(batch), sum(f.query_length for f in batch))
+        runs = runner.runs
+        if by_steps and counting[0]:
+            arm_now[0] = arms.arm()
+            dispatch[0] = shadowed if arm_now[0] == "on" else shadow._original
+        t0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
         dispatch[0](manager)
+        cpu, wall = time.thread_time_ns() - cpu0, time.perf_counter_ns() - t0
+        if by_steps and counting[0]:
+            if runner.runs > runs:
+                sampled_at.append(arms.steps)
+            arms.record(tokens, cpu, work)
+            step_tokens[0] += tokens
+            if arm_now[0] == "off":
+                cpu_clock.paused_ns += cpu
         if decode:
-            steps[arm_now[0]].append(time.perf_counter_ns() - t0)
+            steps[arm_now[0]].append(wall)
 
     perf_note = perf_instructions_available()
+
+    counting = [False]
 
     def run_round(arm: str, r: int) -> RoundCost:
         arm_now[0] = arm
@@ -126,18 +164,44 @@ def main() -> None:
         shadow.runner = runner
         steps["off"].clear()
         steps["on"].clear()
-        res = run_interleaved(("off", "on"), "off", args.rounds, run_round)
+        if by_steps:
+            counting[0] = True
+            generated = 0
+            for r in range(args.rounds):
+                out = model.generate_batch(prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+                generated += sum(len(o.generated_tokens) for o in out.values())
+                print(f"round {r + 1}/{args.rounds}: {arms.steps} steps; load {os.getloadavg()[0]:.2f}", flush=True)
+            runner.wait()
+            counting[0] = False
+        else:
+            res = run_interleaved(("off", "on"), "off", args.rounds, run_round)
     finally:
         cls._generation_step = shadowed
         shadow.uninstall()  # closes the runner: its last ShadowBudget has the final counts
-    res.perf_note = perf_note
     print()
     print(f"{args.rounds} rounds x {args.requests} requests x {args.max_new_tokens} tokens per condition; "
           f"decode steps off {len(steps['off'])}, on {len(steps['on'])}; shadow runs {runner.runs} "
           f"(dropped busy {runner.dropped}, skipped by budget {runner.skipped_budget}), "
           f"errors {dict(runner.errors) or 0}/{shadow.errors}")
     print("shadow sampling: " + (sampling_summary(frame_of(sink.events, ShadowBudget)) or "no step sampled"))
-    print(report(res, [Goal("on", 0.98)]))
+    if by_steps:
+        est = arms.ratio("on", "off")
+        cpu_s = {arm: sum(arms.cpu_ns[arm][j] for j in arms.matched_pairs()) / 1e9 for arm in arms.conditions}
+        tokens = {arm: sum(arms.tokens[arm][j] for j in arms.matched_pairs()) for arm in arms.conditions}
+        print(f"machine: {os.cpu_count()} CPUs; load average (1 min) now {os.getloadavg()[0]:.2f}")
+        print(f"tokens counted in the steps {step_tokens[0]}, generated {generated} (must agree)")
+        matched = set(arms.matched_pairs())
+        left_out = [i for i in sampled_at if i // (2 * args.block_steps) not in matched]
+        print(f"block pairs that did the same work: {len(matched)} of {arms.steps // (2 * args.block_steps)}; "
+              f"sampled steps {len(sampled_at)}, of them in pairs left out {len(left_out)}")
+        print(f"{est.n} block pairs of {args.block_steps} steps: off {tokens['off']} tokens in {cpu_s['off']:.1f} "
+              f"engine CPU-s ({tokens['off'] / cpu_s['off']:.2f}/s), on {tokens['on']} in {cpu_s['on']:.1f} "
+              f"({tokens['on'] / cpu_s['on']:.2f}/s)")
+        print(f"goal: on tokens per engine CPU-second >= 0.98 x off: {goal_verdict(est, 0.98).upper()} "
+              f"(ratio {est.value:.4f}, 95% interval {est.lo:.4f}..{est.hi:.4f}, {est.n} block pairs)")
+    else:
+        res.perf_note = perf_note
+        print(report(res, [Goal("on", 0.98)]))
     print(f"P99 decode step ms off {p99(steps['off']) / 1e6:.1f}, on {p99(steps['on']) / 1e6:.1f}; ratio = "
           f"{p99(steps['on']) / p99(steps['off']):.3f} (goal <= 1.05); median ratio "
           f"{statistics.median(steps['on']) / statistics.median(steps['off']):.3f}")

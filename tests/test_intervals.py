@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from kvdiag.analysis.compression import compression_table, recommend, sampling_summary
-from kvdiag.analysis.intervals import Estimate, cluster_bootstrap_mean, goal_verdict, paired_ratio
+from kvdiag.analysis.intervals import (Estimate, cluster_bootstrap_mean, goal_verdict, paired_rate_ratio,
+                                      paired_ratio)
 
 
 def test_cluster_bootstrap_resamples_clusters_not_values():
@@ -119,3 +120,32 @@ def test_sampling_summary_reads_the_last_budget_event():
     assert "shadow CPU 0.90% of the engine's (budget 1.00%)" in line
     assert "1 skipped for the budget" in line
     assert sampling_summary(pd.DataFrame()) is None
+
+
+def test_paired_rate_ratio_point_is_the_ratio_of_totals():
+    tokens_a, cpu_a, tokens_b, cpu_b = [3, 5, 0], [1.0, 2.0, 0.5], [4, 4, 1], [2.0, 1.0, 0.25]
+    est = paired_rate_ratio(tokens_a, cpu_a, tokens_b, cpu_b)
+    assert est.value == pytest.approx((8 / 3.5) / (9 / 3.25))
+    assert est.n == 3 and est.lo <= est.value <= est.hi
+
+
+def test_paired_rate_ratio_covers_the_true_ratio():
+    """Blocks of engine steps: unequal token counts per block (prefill or decode, batch sizes),
+    a per-block speed shared by both arms of a pair (the machine's phase) and 3% of each arm's
+    own; arm a costs 1/0.985 as much CPU per token. The 95% interval covers 0.985 in at least
+    88% of 200 simulated runs of 60 pairs."""
+    rng = np.random.default_rng(11)
+    covered = 0
+    for i in range(200):
+        shared = rng.normal(1.0, 0.15, size=60)
+        tok_a, tok_b = rng.integers(1, 9, size=60), rng.integers(1, 9, size=60)
+        cpu_b = tok_b * shared * rng.normal(1.0, 0.03, size=60)
+        cpu_a = tok_a * shared * rng.normal(1.0, 0.03, size=60) / 0.985
+        est = paired_rate_ratio(tok_a, cpu_a, tok_b, cpu_b, resamples=1000, seed=i)
+        covered += est.lo <= 0.985 <= est.hi
+    assert covered >= 176, covered
+
+
+def test_paired_rate_ratio_rejects_unpaired_samples():
+    with pytest.raises(ValueError, match="equal"):
+        paired_rate_ratio([1, 2], [1.0, 1.0], [1], [1.0])

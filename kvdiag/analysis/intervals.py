@@ -9,6 +9,8 @@ data):
   bootstrap interval that resamples whole clusters;
 - :func:`paired_ratio`: mean(a) / mean(b) of paired rounds (A and B measured back to back in
   each round), with a 95% bootstrap interval resampling rounds;
+- :func:`paired_rate_ratio`: the same for rates, (sum of a's counts / sum of a's costs) over
+  (the same for b), pairs resampled whole (blocks of engine steps of unequal size);
 - :func:`goal_verdict`: ``met`` when the whole interval is on the goal's side, ``missed`` when it
   is wholly on the other side, else ``undecided``.
 
@@ -83,6 +85,28 @@ def paired_ratio(a, b, resamples: int = RESAMPLES, seed: int = 0) -> Estimate:
     pick = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
     lo, hi = _percentiles(a[pick].mean(axis=1) / b[pick].mean(axis=1))
     return Estimate(value, lo, hi, len(a))
+
+
+def paired_rate_ratio(count_a, cost_a, count_b, cost_b, resamples: int = RESAMPLES, seed: int = 0) -> Estimate:
+    """(sum(count_a) / sum(cost_a)) / (sum(count_b) / sum(cost_b)): e.g. tokens per CPU-second of
+    condition a over condition b, where pair i holds a's and b's counts and costs measured side
+    by side; 95% interval resampling pairs. ``n`` = pairs."""
+    arrays = [np.asarray(v, dtype=np.float64) for v in (count_a, cost_a, count_b, cost_b)]
+    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or len(arrays[0]) == 0:
+        raise ValueError("paired_rate_ratio needs four equal, non-empty 1-d samples, got "
+                         + ", ".join(str(a.shape) for a in arrays))
+    na, ca, nb, cb = arrays
+
+    def rate_ratio(axis=None, idx=None):
+        pick = (lambda v: v) if idx is None else (lambda v: v[idx])
+        return (pick(na).sum(axis=axis) / pick(ca).sum(axis=axis)) / (pick(nb).sum(axis=axis) / pick(cb).sum(axis=axis))
+
+    value = float(rate_ratio())
+    if len(na) < 2:
+        return Estimate(value, value, value, len(na))
+    pick = np.random.default_rng(seed).integers(0, len(na), size=(resamples, len(na)))
+    lo, hi = _percentiles(rate_ratio(axis=1, idx=pick))
+    return Estimate(value, lo, hi, len(na))
 
 
 def goal_verdict(estimate: Estimate, goal: float, higher_is_better: bool = True) -> Verdict:
