@@ -256,15 +256,16 @@ class _Int:
     def stored(self, v: _Vec, s16, z16) -> dict:
         return {"sf": v.from_f16(s16), "zf": v.from_f16(z16)}
 
-    def _code(self, v: _Vec, x, p):
+    def _clamped(self, v: _Vec, x, p):
+        """(x - zero) * (1 / scale) + 0.5 clamped to [0, qmax]: the code before truncation."""
         c = v.b.fadd(v.b.fmul(v.b.fsub(x, p["zf"]), p["inv"]), v.splat(0.5, F32))
-        return v.ftrunc(v.fclamp(c, v.splat(0.0, F32), v.splat(self.qmax, F32)))
+        return v.fclamp(c, v.splat(0.0, F32), v.splat(self.qmax, F32))
 
     def codes(self, v: _Vec, x, p):
-        return v.b.fptoui(self._code(v, x, p), _vt(I32))
+        return v.b.fptosi(self._clamped(v, x, p), _vt(I32))  # truncates, and the value is >= 0
 
     def x_hat(self, v: _Vec, x, p):
-        return self.decode(v, self._code(v, x, p), p)
+        return self.decode(v, v.ftrunc(self._clamped(v, x, p)), p)
 
     def decode(self, v: _Vec, code, p):
         """x_hat of codes (i32 lanes, or their fp32 values)."""
