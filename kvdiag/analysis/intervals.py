@@ -95,18 +95,16 @@ def paired_rate_ratio(count_a, cost_a, count_b, cost_b, resamples: int = RESAMPL
     if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1 or len(arrays[0]) == 0:
         raise ValueError("paired_rate_ratio needs four equal, non-empty 1-d samples, got "
                          + ", ".join(str(a.shape) for a in arrays))
-    na, ca, nb, cb = arrays
 
-    def rate_ratio(axis=None, idx=None):
-        pick = (lambda v: v) if idx is None else (lambda v: v[idx])
-        return (pick(na).sum(axis=axis) / pick(ca).sum(axis=axis)) / (pick(nb).sum(axis=axis) / pick(cb).sum(axis=axis))
+    def rate_ratio(na, ca, nb, cb, axis=None):
+        return (na.sum(axis) / ca.sum(axis)) / (nb.sum(axis) / cb.sum(axis))
 
-    value = float(rate_ratio())
-    if len(na) < 2:
-        return Estimate(value, value, value, len(na))
-    pick = np.random.default_rng(seed).integers(0, len(na), size=(resamples, len(na)))
-    lo, hi = _percentiles(rate_ratio(axis=1, idx=pick))
-    return Estimate(value, lo, hi, len(na))
+    value, n = float(rate_ratio(*arrays)), len(arrays[0])
+    if n < 2:
+        return Estimate(value, value, value, n)
+    pick = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    lo, hi = _percentiles(rate_ratio(*(a[pick] for a in arrays), axis=1))
+    return Estimate(value, lo, hi, n)
 
 
 def goal_verdict(estimate: Estimate, goal: float, higher_is_better: bool = True) -> Verdict:

@@ -95,8 +95,8 @@ class CpuClock:
 
 
 BUDGET_REPORT_S = 5.0  # most seconds between two ShadowBudget events while steps are offered
-# tokens of the warm-up's random KV beyond the methods' full-precision windows: whole groups of
-# every group size and a tail, so that every kernel a live step can call is compiled and loaded
+# tokens of the warm-up's random KV beyond the methods' full-precision windows: whole groups (of
+# up to 256 tokens) and a partial one, so that every kernel a live step calls is compiled
 WARM_UP_TOKENS = 300
 _EWMA_WEIGHT = 0.1  # weight of the newest value in the per-step and per-run cost averages
 
