@@ -52,13 +52,26 @@ class KVShape(NamedTuple):
     head_dim: int
 
 
-def kv_shape_of(model_dir: Optional[str]) -> Optional[KVShape]:
-    """The KV shape from a HF folder's config.json; None when there is no folder or config, or
-    it lacks a field."""
-    if not model_dir:
+def _config_path(model: str) -> Optional[Path]:
+    """A model's config.json: in its folder, or for a hub id the copy in the local Hugging Face
+    cache (never fetched: the engine does that); None when there is neither."""
+    path = Path(model) / "config.json"
+    if path.is_file():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "config.json")
+    except Exception:  # not a hub id, or no huggingface_hub
         return None
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
+    return Path(cached) if isinstance(cached, str) and Path(cached).is_file() else None
+
+
+def kv_shape_of(model: Optional[str]) -> Optional[KVShape]:
+    """The KV shape from a model's config.json (a folder, or a hub id already in the local Hugging
+    Face cache); None when there is none, or it lacks a field."""
+    config_path = _config_path(model) if model else None
+    if config_path is None:
         return None
     try:
         cfg = msgspec.json.decode(config_path.read_bytes())
@@ -69,10 +82,10 @@ def kv_shape_of(model_dir: Optional[str]) -> Optional[KVShape]:
         return None
 
 
-def bytes_per_token_of(model_dir: Optional[str]) -> Optional[int]:
-    """KV bytes of one token over all layers, K and V, from a HF folder's config.json (fp32, as
-    the model runs on the CPU)."""
-    shape = kv_shape_of(model_dir)
+def bytes_per_token_of(model: Optional[str]) -> Optional[int]:
+    """KV bytes of one token over all layers, K and V, from the model's config.json
+    (:func:`kv_shape_of`; fp32, as the model runs on the CPU)."""
+    shape = kv_shape_of(model)
     return None if shape is None else 2 * shape.layers * shape.kv_heads * shape.head_dim * 4
 
 
@@ -163,7 +176,7 @@ class Agent:
 
     def _warm_up_shadow(self) -> None:
         """Pay the shadow's one-time costs now, before the engine serves
-        (:meth:`ShadowRunner.warm_up`), when the model's folder gives the KV shape; otherwise
+        (:meth:`ShadowRunner.warm_up`), when the model's config gives the KV shape; otherwise
         the first sampled step pays them."""
         shape = kv_shape_of(self._model)
         if shape is None:

@@ -270,3 +270,24 @@ def test_kv_shape_of_reads_the_models_config_and_says_none_otherwise(tmp_path):
         (tmp_path / "config.json").write_text(broken)
         assert kv_shape_of(str(tmp_path)) is None
     assert kv_shape_of("") is None and kv_shape_of(str(tmp_path / "absent")) is None
+
+
+def test_kv_shape_of_a_hub_id_reads_the_local_hugging_face_cache_only(tmp_path, monkeypatch):
+    """A hub id (``kvdiag run --model org/name``) is looked up in the local cache, in the layout
+    huggingface_hub writes (refs/main -> snapshots/<commit>/config.json); nothing is fetched."""
+    import json
+
+    from kvdiag.agent import KVShape, kv_shape_of
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--acme--tiny-lm"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "snapshots" / "0123abcd" / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}))
+    assert kv_shape_of("acme/tiny-lm") == KVShape(4, 8, 2, 32)
+    assert kv_shape_of("acme/not-cached") is None
+    assert kv_shape_of("no such / id") is None
