@@ -109,7 +109,6 @@ def main() -> None:
 
     by_steps = args.interleave == "steps"
     arms = StepArms(("off", "on"), args.block_steps, seed=0)
-    step_tokens = [0]
     sampled_at = []  # the steps (StepArms' count) that ran shadow work
 
     def timed_step(manager):
@@ -128,7 +127,6 @@ def main() -> None:
             if runner.runs > runs:
                 sampled_at.append(arms.steps)
             arms.record(tokens, cpu, work)
-            step_tokens[0] += tokens
             if arm_now[0] == "off":
                 cpu_clock.paused_ns += cpu
         if decode:
@@ -186,11 +184,12 @@ def main() -> None:
     print("shadow sampling: " + (sampling_summary(frame_of(sink.events, ShadowBudget)) or "no step sampled"))
     if by_steps:
         est = arms.ratio("on", "off")
-        cpu_s = {arm: sum(arms.cpu_ns[arm][j] for j in arms.matched_pairs()) / 1e9 for arm in arms.conditions}
-        tokens = {arm: sum(arms.tokens[arm][j] for j in arms.matched_pairs()) for arm in arms.conditions}
-        print(f"machine: {os.cpu_count()} CPUs; load average (1 min) now {os.getloadavg()[0]:.2f}")
-        print(f"tokens counted in the steps {step_tokens[0]}, generated {generated} (must agree)")
         matched = set(arms.matched_pairs())
+        cpu_s = {arm: sum(arms.cpu_ns[arm][j] for j in matched) / 1e9 for arm in arms.conditions}
+        tokens = {arm: sum(arms.tokens[arm][j] for j in matched) for arm in arms.conditions}
+        print(f"machine: {os.cpu_count()} CPUs; load average (1 min) now {os.getloadavg()[0]:.2f}")
+        print(f"tokens counted in the steps {sum(map(sum, arms.tokens.values()))}, generated {generated} "
+              f"(must agree)")
         left_out = [i for i in sampled_at if i // (2 * args.block_steps) not in matched]
         print(f"block pairs that did the same work: {len(matched)} of {arms.steps // (2 * args.block_steps)}; "
               f"sampled steps {len(sampled_at)}, of them in pairs left out {len(left_out)}")

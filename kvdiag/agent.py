@@ -51,6 +51,11 @@ class KVShape(NamedTuple):
     kv_heads: int
     head_dim: int
 
+    @property
+    def fp32_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers, K and V, in fp32 (as the model runs on the CPU)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * 4
+
 
 def _config_path(model: str) -> Optional[Path]:
     """A model's config.json: in its folder, or for a hub id the copy in the local Hugging Face
@@ -82,13 +87,6 @@ def kv_shape_of(model: Optional[str]) -> Optional[KVShape]:
         return None
 
 
-def bytes_per_token_of(model: Optional[str]) -> Optional[int]:
-    """KV bytes of one token over all layers, K and V, from the model's config.json
-    (:func:`kv_shape_of`; fp32, as the model runs on the CPU)."""
-    shape = kv_shape_of(model)
-    return None if shape is None else 2 * shape.layers * shape.kv_heads * shape.head_dim * 4
-
-
 # What-if prefix caches recorded beside the engine: LRU, unbounded, at the block sizes engines
 # use (vLLM 16, the article's 64-token chunks, LMCache 256). The engine's own settings (LRU,
 # its page size and pool size) are added when its pool appears.
@@ -111,9 +109,10 @@ class Agent:
         self._live = live
         from kvdiag.eventlog import make_header
 
-        self._model = model
+        self.kv_shape = kv_shape_of(model)  # None when the model's config cannot be read
         self.header = make_header(engine=engine, model=str(model), block_size_tokens=block_size_tokens,
-                                  bytes_per_token=bytes_per_token_of(model), extra=dict(extra or {}))
+                                  bytes_per_token=None if self.kv_shape is None else self.kv_shape.fp32_bytes_per_token,
+                                  extra=dict(extra or {}))
         self._inject_leak_every = inject_leak_every
         self._sample_interval_s = sample_interval_s
         self._record_token_ids = record_token_ids
@@ -178,7 +177,7 @@ class Agent:
         """Pay the shadow's one-time costs now, before the engine serves
         (:meth:`ShadowRunner.warm_up`), when the model's config gives the KV shape; otherwise
         the first sampled step pays them."""
-        shape = kv_shape_of(self._model)
+        shape = self.kv_shape
         if shape is None:
             return
         seconds = self.shadow.runner.warm_up(shape.kv_heads, shape.query_heads, shape.head_dim)

@@ -257,12 +257,12 @@ def test_agent_warms_the_shadow_up_before_the_engine_serves(real, model_dir, tmp
 def test_kv_shape_of_reads_the_models_config_and_says_none_otherwise(tmp_path):
     import json
 
-    from kvdiag.agent import KVShape, bytes_per_token_of, kv_shape_of
+    from kvdiag.agent import KVShape, kv_shape_of
 
     cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert kv_shape_of(str(tmp_path)) == KVShape(layers=30, query_heads=9, kv_heads=3, head_dim=64)
-    assert bytes_per_token_of(str(tmp_path)) == 2 * 30 * 3 * 64 * 4
+    assert kv_shape_of(str(tmp_path)).fp32_bytes_per_token == 2 * 30 * 3 * 64 * 4
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 128, "num_key_value_heads": None}))
     assert kv_shape_of(str(tmp_path)) == KVShape(30, 9, 9, 128)  # no KV heads given: multi-head attention
     for broken in ('{"num_hidden_layers": 30}', '{"num_hidden_layers": 30, "num_attention_heads": 0, '
