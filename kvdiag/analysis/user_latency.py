@@ -116,10 +116,14 @@ def request_timings(logs: Logs) -> pd.DataFrame:
     first = (sch.sort_values("ts_ns", kind="stable").drop_duplicates(["node", "request_id"])
              [["node", "request_id", "ts_ns", "queue_ns"]]
              .rename(columns={"ts_ns": "scheduled_ns", "queue_ns": "queue_ev_ns"}))
-    df = req.merge(first, on=["node", "request_id"], how="left")
+    arr = (logs.frame(RequestArrived).drop_duplicates(["node", "request_id"])[["node", "request_id", "ts_ns"]]
+           .rename(columns={"ts_ns": "arrived_int_ns"}))
+    df = req.merge(first, on=["node", "request_id"], how="left").merge(arr, on=["node", "request_id"], how="left")
     arrived = pd.to_numeric(df["arrived_ns"], errors="coerce").astype("float64")
     scheduled = pd.to_numeric(df["scheduled_ns"], errors="coerce").astype("float64")
-    queue = (scheduled - arrived).fillna(pd.to_numeric(df["queue_ev_ns"], errors="coerce").astype("float64"))
+    # in integers: float64 timestamps of ~1.8e18 ns are only exact to 256 ns
+    queue = (df["scheduled_ns"].astype("Int64") - df["arrived_int_ns"].astype("Int64")).astype("Float64")
+    queue = queue.fillna(pd.to_numeric(df["queue_ev_ns"], errors="coerce")).astype("float64")
     return pd.DataFrame({
         "node": df["node"], "request_id": df["request_id"], "arrived_ns": arrived,
         "scheduled_ns": scheduled, "finished_ns": df["finished_ns"].astype("float64"),
@@ -140,8 +144,8 @@ def queue_waits_ns(logs: Logs) -> np.ndarray:
     first = first[(first["ts_ns"] >= lo) & (first["ts_ns"] <= hi)]
     arr = whole.frame(RequestArrived).drop_duplicates(["node", "request_id"])[["node", "request_id", "ts_ns"]]
     df = first.merge(arr.rename(columns={"ts_ns": "arrived_ns"}), on=["node", "request_id"], how="left")
-    q = (df["ts_ns"].astype("float64") - pd.to_numeric(df["arrived_ns"], errors="coerce").astype("float64"))
-    q = q.fillna(pd.to_numeric(df["queue_ns"], errors="coerce").astype("float64")).to_numpy(dtype="float64")
+    q = (df["ts_ns"].astype("Int64") - df["arrived_ns"].astype("Int64")).astype("Float64")  # exact: integers
+    q = q.fillna(pd.to_numeric(df["queue_ns"], errors="coerce")).astype("float64").to_numpy(dtype="float64")
     return q[np.isfinite(q)]
 
 
