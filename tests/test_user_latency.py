@@ -216,3 +216,41 @@ def test_live_queue_wait_is_the_doctors(tmp_path):
     q = user_latency.summarize(logs).overall.stats["queue"]
     assert view.queue_p50_ms == pytest.approx(q.p50_s * 1e3) and view.queue_p99_ms == pytest.approx(q.p99_s * 1e3)
     assert view.queue_p99_ms == pytest.approx(_q([t["queue"] for t in truth], 0.99) / 1e6)
+
+
+def test_vllm_latencies_come_from_its_own_histograms_marked_as_such():
+    """The vLLM plugin records no first token or scheduling: TTFT, TPOT and queue wait come
+    from vLLM's /metrics histograms (first to last scrape), marked; each count is the +Inf
+    bucket's increase and each P50 lies inside the bucket where the cumulative count first
+    reaches half of it (read from the raw lines)."""
+    path = Path(__file__).parent / "data" / "vllm_demo" / "demo_16req_seed1.kvlog.gz"
+    hists = []
+    with gzip.open(path, "rt") as f:
+        next(f)
+        for line in f:
+            ev = json.loads(line)
+            if ev["type"] == "engine_metrics" and ev.get("histograms"):
+                hists.append((ev["ts_ns"], ev["histograms"]))
+    hists.sort(key=lambda p: p[0])
+    summ = user_latency.summarize(load([path])[0]).nodes[0]
+    assert summ.scheduling_events is False
+    for m, key in user_latency.ENGINE_HISTOGRAMS.items():
+        st = summ.stats[m]
+        if m == "e2e":  # RequestFinished carries it: measured per request
+            assert st.source == "requests"
+            continue
+        first, last = hists[0][1][key], hists[-1][1][key]
+        inc = [(le, c1 - c0) for (le, c0), (_, c1) in zip(first, last)]
+        assert st.source == "engine histogram" and "histogram" in st.reason
+        assert st.count == inc[-1][1] > 0
+        k = next(i for i, (_, c) in enumerate(inc) if c >= st.count / 2)
+        lo = inc[k - 1][0] if k else 0.0
+        assert lo <= st.p50_s <= inc[k][0]
+
+
+def test_p99_rule_on_the_recorded_queued_demo_names_what_it_could_not_compare():
+    """24 requests: too few to compare TTFT or TPOT even at P50 between halves (20 a side),
+    so the rule says so with the counts instead of passing on engine steps alone."""
+    n = len(_raw(OVERLOAD))
+    reg = doctor.p99(load([OVERLOAD])[0])[0][0]
+    assert f"ttft n/a ({n} of 40 needed)" in reg.message and f"per_token n/a ({n} of 40 needed)" in reg.message

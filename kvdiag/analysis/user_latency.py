@@ -22,12 +22,17 @@ Rates over the window: the arrival rate is ``(arrivals - 1) / (last arrival - fi
 finish)`` over finished requests: each is events per second of the span they cover, so a
 sustainable load gives equal rates and an overload (requests arrive faster than the engine
 completes them, and queue) an arrival rate above the completion rate. Fewer than two events:
-no rate.
+no rate. Over several nodes the rates are the sum of the nodes' (they serve side by side; their
+logs may come from different times), the percentiles pool every node's requests.
+
+A latency that no request event carries (vLLM's plugin records no first token or scheduling)
+comes from the engine's own /metrics histogram when the log has one (:data:`ENGINE_HISTOGRAMS`),
+marked as such; otherwise it is ``n/a``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -37,7 +42,7 @@ from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.latency import quantile, request_latency
 from kvdiag.analysis.logs import Logs
-from kvdiag.schema import RequestArrived, RequestFinished, RequestScheduled
+from kvdiag.schema import EngineMetrics, RequestArrived, RequestFinished, RequestScheduled
 
 METRICS = ("ttft", "tpot", "queue", "e2e")
 LABELS = {"ttft": "TTFT", "tpot": "TPOT (inter-token)", "queue": "queue wait", "e2e": "end to end"}
@@ -55,6 +60,7 @@ class Stat:
     p99_s: Optional[float]
     reason: str = ""
     unit: str = "s"
+    source: str = "requests"  # or "engine histogram": the engine's /metrics, see ENGINE_HISTOGRAMS
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,9 @@ DEFINITIONS = {
     "e2e": "finished - arrival",
     "population": "requests finished normally in the window",
     "percentile": "inverse empirical CDF (ceil(q n)-th smallest; P99 is the maximum for n <= 100)",
-    "rates": "(events - 1) / (last - first event) of arrivals and of finished requests",
+    "rates": "(events - 1) / (last - first event) of arrivals and of finished requests; summed over nodes",
+    "engine histogram": "where no request event carries a latency: the engine's /metrics histogram, "
+                        "first to last scrape, P50/P99 interpolated within buckets",
 }
 
 
@@ -169,10 +177,43 @@ def _rate(ts_ns: np.ndarray) -> Optional[float]:
     return (len(t) - 1) / ((t.max() - t.min()) / 1e9)
 
 
+ENGINE_HISTOGRAMS = {"ttft": "ttft_s", "tpot": "inter_token_s", "queue": "queue_s", "e2e": "e2e_s"}
+"""A latency the request events do not carry is read from the engine's own /metrics histogram
+of it (``EngineMetrics.histograms``; vLLM's time_to_first_token, inter_token_latency,
+request_queue_time, e2e_request_latency): the bucket increase between the node's first and
+last scrape, its P50/P99 interpolated within buckets as PromQL's ``histogram_quantile`` does
+(:mod:`kvdiag.analysis.engine_latency`), so they are estimates to a bucket's width. vLLM's
+TPOT histogram counts every inter-token interval, not one mean per request."""
+
+
+def _engine_stat(metric: str, em: pd.DataFrame) -> Optional[Stat]:
+    """:data:`ENGINE_HISTOGRAMS`' reading of one latency on one node's scrapes (None without
+    a histogram that grew in the window, or whose buckets changed or fell: a restart)."""
+    from kvdiag.analysis.engine_latency import histogram_quantile
+    key = ENGINE_HISTOGRAMS[metric]
+    hists = [h[key] for h in em.sort_values("ts_ns", kind="stable").get("histograms", pd.Series(dtype=object))
+             if isinstance(h, dict) and h.get(key)]
+    if len(hists) < 2:
+        return None
+    first, last = hists[0], hists[-1]
+    if [le for le, _ in first] != [le for le, _ in last]:
+        return None
+    inc = [(le, c1 - c0) for (le, c0), (_, c1) in zip(first, last)]
+    if any(c < 0 for _, c in inc) or not max(c for _, c in inc) > 0:
+        return None
+    count = int(max(c for _, c in inc))
+    return Stat(metric, count, histogram_quantile(0.5, inc), histogram_quantile(0.99, inc),
+                "from the engine's /metrics histogram (interpolated within buckets)", source="engine histogram")
+
+
 def _node(name: str, timings: pd.DataFrame, arrivals: pd.DataFrame, finished: pd.DataFrame,
-          scheduling: bool) -> NodeLatency:
+          scheduling: bool, metrics: Optional[pd.DataFrame] = None) -> NodeLatency:
     stats = {m: _stat(m, timings[f"{m}_ns"].to_numpy(),
                       NO_SCHEDULING if m == "queue" and not scheduling else "") for m in METRICS}
+    if metrics is not None and len(metrics):
+        for m, st in stats.items():
+            if st.p50_s is None:
+                stats[m] = _engine_stat(m, metrics) or st
     arr_t = arrivals.drop_duplicates(["node", "request_id"])["ts_ns"].to_numpy(dtype="float64")
     fin_t = finished["ts_ns"].to_numpy(dtype="float64")
     both = np.r_[arr_t, fin_t]
@@ -187,9 +228,19 @@ def summarize(logs: Logs) -> LatencySummary:
     fin = logs.frame(RequestFinished)
     fin = fin[fin["status"] == "finished"].drop_duplicates(["node", "request_id"], keep="last")
     sch_nodes = set(logs.frame(RequestScheduled)["node"])
+    em = logs.frame(EngineMetrics)
     nodes = [_node(n, timings[timings["node"] == n], arr[arr["node"] == n], fin[fin["node"] == n],
-                   n in sch_nodes) for n in logs.nodes]
+                   n in sch_nodes, em[em["node"] == n]) for n in logs.nodes]
     overall = _node("all", timings, arr, fin, bool(sch_nodes))
+    if len(nodes) == 1:
+        overall = replace(nodes[0], node="all")
+    elif nodes:  # nodes serve side by side (their logs may be from different times): rates add up
+        def total(rates):
+            known = [r for r in rates if r is not None]
+            return float(sum(known)) if known else None
+        overall = replace(overall, arrival_rate_per_s=total(n.arrival_rate_per_s for n in nodes),
+                          completion_rate_per_s=total(n.completion_rate_per_s for n in nodes),
+                          window_s=max(n.window_s for n in nodes))
     if len(nodes) > 1 and not all(n.scheduling_events for n in nodes) and sch_nodes:
         # pooled queue wait over only some nodes would misstate the whole: say which
         q = overall.stats["queue"]
@@ -218,9 +269,10 @@ def _queueing_node(nl: NodeLatency, timings: pd.DataFrame) -> tuple[str, str, di
           "share_limit": rules.QUEUE_SHARE_LIMIT, "overload_ratio": rules.OVERLOAD_RATIO}
     if not nl.scheduling_events:
         if nl.requests_finished < need or ratio is None:
-            return "n/a", f"queue wait n/a (no scheduling events); n/a ({nl.requests_finished} of {need} needed)", ev
+            return "n/a", (f"per-request queue wait n/a (no scheduling events); n/a ({nl.requests_finished} "
+                           f"of {need} needed)"), ev
         status = rules.queueing_status(float("nan"), float("nan"), ratio)
-        return status, f"queue wait n/a (the engine emits no scheduling events); {rates}", ev
+        return status, f"per-request queue wait n/a (the engine emits no scheduling events); {rates}", ev
     if n < need:
         return "n/a", f"n/a ({n} of {need} needed: finished requests with a queue wait and a TTFT)", ev
     share = float(np.median(q[both] / t[both]))
@@ -270,6 +322,8 @@ def rows(summary: LatencySummary) -> list[dict]:
         for m in METRICS:
             s = nl.stats[m]
             note = s.reason or ("P99 = max (n <= 100)" if 0 < s.count <= 100 else "")
+            if s.source != "requests":
+                note = "engine /metrics histogram, interpolated within buckets"
             out.append({"node": nl.node, "metric": LABELS[m], "n": s.count, "P50": fmt_s(s.p50_s),
                         "P99": fmt_s(s.p99_s), "note": note})
     return out
