@@ -109,8 +109,8 @@ def latency_summary(logs: Logs, findings: list[Finding]) -> list[Block]:
     return [Table("Latency of finished requests (as users saw it)", shown,
                   note="TTFT = first token - arrival; TPOT = (e2e - TTFT) / (output tokens - 1); queue wait = "
                        "first scheduling - arrival; e2e = finished - arrival"),
-            Text("Rates: " + "; ".join(rates) + "."
-                 + (f" {q.status.upper()} latency.queueing: {q.message}." if q is not None else ""))]
+            Text("Rates: " + "; ".join(rates) + "."),
+            *([Text(f"{q.status.upper()} latency.queueing: {q.message}.")] if q is not None else [])]
 
 
 def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.DataFrame,
