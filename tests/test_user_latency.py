@@ -254,3 +254,21 @@ def test_p99_rule_on_the_recorded_queued_demo_names_what_it_could_not_compare():
     n = len(_raw(OVERLOAD))
     reg = doctor.p99(load([OVERLOAD])[0])[0][0]
     assert f"ttft n/a ({n} of 40 needed)" in reg.message and f"per_token n/a ({n} of 40 needed)" in reg.message
+
+
+def test_p99_rule_flags_the_ttft_rise_of_a_recorded_48_request_queued_demo():
+    """48 queued requests (the issue's case in small: TTFT grows as the queue does): too few
+    for P99, the rule compares TTFT P50 between the halves (by first-token time), fails, and
+    the compared values are the halves' nearest-rank P50s of the raw events."""
+    path = DATA / "overload_48req_rate30.kvlog.gz"
+    raw = sorted(_raw(path).values(), key=lambda r: r["arrived"] + r["ttft"])
+    half = len(raw) // 2
+    reg, *_ = doctor.p99(load([path])[0])[0]
+    comps = {c["metric"]: c for c in reg.evidence["comparisons"]}
+    ttft = comps["ttft"]
+    assert reg.status == "fail" and ttft["flagged"] and ttft["quantile"] == 0.5
+    assert ttft["method"] == "second half vs first half" and (ttft["n_baseline"], ttft["n_current"]) == (half, len(raw) - half)
+    assert ttft["q_baseline_ns"] == _q([r["ttft"] for r in raw[:half]], 0.5)
+    assert ttft["q_current_ns"] == _q([r["ttft"] for r in raw[half:]], 0.5)
+    assert ttft["q_current_ns"] > (1 + rules.GROSS_SHIFT_THRESHOLD) * ttft["q_baseline_ns"]
+    assert "ttft P50" in reg.message

@@ -206,11 +206,14 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
                    {"comparisons": [c.to_dict() for c in comps], "skipped": [s.to_dict() for s in skipped]})]
     supported: dict[str, list] = {}
     titles: dict[str, str] = {}
+    measured_causes: dict[str, str] = {}  # what an unsupported cause measured, first flagged metric
     for c in flagged:
         for cause in c.causes:
             titles[cause.cause] = cause.title
             if cause.supported:
                 supported.setdefault(cause.cause, []).append((c.metric, cause))
+            else:
+                measured_causes.setdefault(cause.cause, f"{c.metric}: {cause.message}")
     measured = bandwidth.summarize(logs)
     for name, ttl in _CAUSE_TITLES.items():
         hits = supported.get(name, [])
@@ -221,7 +224,8 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
         elif name == "kv_bandwidth" and not measured.steps:
             out.append(Finding(f"p99.{name}", "n/a", ttl, "no engine steps with KV blocks to measure"))
         else:
-            msg = ("not behind the regression" if flagged else "no P99 regression to explain")
+            msg = (f"not behind the regression ({measured_causes[name]})" if name in measured_causes
+                   else "not behind the regression" if flagged else "no P99 regression to explain")
             if name == "kv_bandwidth":  # the checklist asks how busy it is: say so either way
                 out.append(Finding(f"p99.{name}", "pass", ttl, f"{msg}; over the log: {bandwidth.describe(measured)}",
                                    {"log": measured.to_dict()}))

@@ -181,9 +181,12 @@ class Comparison:
     method: str = ""
 
     def describe(self) -> str:
-        """What was compared and what came out, as one clause (units: ms)."""
+        """What was compared and what came out, as one clause (ms, or s from 1 s on)."""
         q = f"P{self.quantile * 100:g}"
-        return (f"{self.metric} {q} {self.q_baseline_ns / 1e6:.1f} -> {self.q_current_ns / 1e6:.1f} ms "
+        secs = max(self.q_baseline_ns, self.q_current_ns) >= 1e9
+        scale, unit = (1e9, "s") if secs else (1e6, "ms")
+        return (f"{self.metric} {q} {self.q_baseline_ns / scale:.{2 if secs else 1}f} -> "
+                f"{self.q_current_ns / scale:.{2 if secs else 1}f} {unit} "
                 f"({self.change:+.1%}, 90% CI {self.ci_low:+.1%}..{self.ci_high:+.1%}, limit "
                 f"{self.threshold:+.0%}; {self.method}, n {self.n_baseline}/{self.n_current})")
 
