@@ -221,9 +221,10 @@ def _node(name: str, timings: pd.DataFrame, arrivals: pd.DataFrame, finished: pd
                        float((both.max() - both.min()) / 1e9) if len(both) else 0.0, scheduling)
 
 
-def summarize(logs: Logs) -> LatencySummary:
-    """:class:`LatencySummary` of ``logs`` (module docstring for every definition)."""
-    timings = request_timings(logs)
+def summarize(logs: Logs, timings: Optional[pd.DataFrame] = None) -> LatencySummary:
+    """:class:`LatencySummary` of ``logs`` (module docstring for every definition);
+    ``timings``: a precomputed :func:`request_timings` frame."""
+    timings = request_timings(logs) if timings is None else timings
     arr = logs.frame(RequestArrived)
     fin = logs.frame(RequestFinished)
     fin = fin[fin["status"] == "finished"].drop_duplicates(["node", "request_id"], keep="last")
@@ -291,8 +292,8 @@ def queueing(logs: Logs, summary: Optional[LatencySummary] = None) -> Finding:
     per finished request) and the arrival rate against the completion rate
     (:func:`summarize`); verdict :func:`kvdiag.analysis.rules.queueing_status`, the worst node
     decides. Fewer than :data:`kvdiag.analysis.rules.QUEUE_MIN_REQUESTS` requests: n/a."""
-    summary = summary or summarize(logs)
     timings = request_timings(logs)
+    summary = summary or summarize(logs, timings)
     order = {"fail": 0, "warn": 1, "pass": 2, "n/a": 3}
     judged = sorted((_queueing_node(nl, timings[timings["node"] == nl.node]) for nl in summary.nodes),
                     key=lambda r: order[r[0]])
