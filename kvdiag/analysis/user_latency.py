@@ -209,7 +209,7 @@ def _engine_stat(metric: str, em: pd.DataFrame) -> Optional[Stat]:
 def _node(name: str, timings: pd.DataFrame, arrivals: pd.DataFrame, finished: pd.DataFrame,
           scheduling: bool, metrics: Optional[pd.DataFrame] = None) -> NodeLatency:
     stats = {m: _stat(m, timings[f"{m}_ns"].to_numpy(),
-                      NO_SCHEDULING if m == "queue" and not scheduling else "") for m in METRICS}
+                      NO_SCHEDULING if m == "queue" and not scheduling and len(timings) else "") for m in METRICS}
     if metrics is not None and len(metrics):
         for m, st in stats.items():
             if st.p50_s is None:
