@@ -4,7 +4,8 @@ rate, fragmentation, phase breakdown and findings, as plain JSON-ready values.
 Definitions: token hit rate = cached prompt tokens / prompt tokens over requests finished in
 the window (``RequestFinished``); engine hit rate = increase of the engine's prefix-cache hit
 counter / increase of its query counter between the first and last ``EngineMetrics``; phase
-shares = py-spy samples per phase / all samples, pooled over windows.
+shares = py-spy samples per phase / all samples, pooled over windows; latency (TTFT, TPOT,
+queue wait, e2e, arrival and completion rates): :mod:`kvdiag.analysis.user_latency`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any, Iterable, Optional
 
 import pandas as pd
 
-from kvdiag.analysis import fragmentation, leaks
+from kvdiag.analysis import fragmentation, leaks, user_latency
+from kvdiag.analysis.logs import merge
 from kvdiag.eventlog import events_to_frames
 from kvdiag.schema import SCHEMA_VERSION, Event, LogHeader
 
@@ -167,6 +169,7 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
                            "used_blocks": free_list.used_blocks,
                            "longest_free_run_blocks": free_list.longest_free_run_blocks,
                            "free_list_fragmentation": free_list.free_list_fragmentation}
+    lat = user_latency.summarize(merge([(header, frames, "attach")]))
     status = _f(frames, "collector_status")
     # the recording's own start: an agent tells a late client what it set up earlier (the pool)
     start = header.start_ns or (events[0].ts_ns if events else 0)
@@ -175,6 +178,7 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         "target_pid": header.pid,
         "window": {"start_ns": start, "end_ns": end, "duration_s": (end - start) / 1e9},
         "events": len(events),
+        "latency": lat.to_dict(),  # first in the printed summary: what users of the server felt
         "memory": _memory(frames, block_bytes),
         "kv": kv,
         "hit_rate": _hit_rate(kv, frames),

@@ -13,6 +13,9 @@ window where latency regressed (rates are per second of the window):
   baseline's P90 at least doubled and reached 5%.
 - ``memory_pressure``: preemptions, prefix-cache evictions, pool usage or allocator retries rose.
 - ``fragmentation``: the pool's internal fragmentation (or the allocator's) rose.
+- ``queueing``: requests waited longer to be scheduled: the median queue wait (first
+  ``RequestScheduled`` - arrival, :func:`kvdiag.analysis.user_latency.queue_waits_ns`, of the
+  requests first scheduled in each window) rose (:func:`kvdiag.analysis.rules.queue_wait_rose`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import numpy as np
 from kvdiag.analysis import bandwidth
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
-from kvdiag.analysis.rules import (FRAGMENTATION_RISE, HIT_RATE_DROP, HIT_RATE_FLUCTUATION, LONG_SHARE,
-                                   PRESSURE_HIGH, RATE_RATIO, kv_bandwidth_rose)
+from kvdiag.analysis.rules import (EVICTION_RISE, FRAGMENTATION_RISE, HIT_RATE_DROP, HIT_RATE_FLUCTUATION,
+                                   LONG_SHARE, PRESSURE_HIGH, QUEUE_WAIT_RISE, RATE_RATIO, kv_bandwidth_rose,
+                                   queue_wait_rose)
 from kvdiag.schema import (BlockEvicted, EngineMetrics, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowCompression)
 
@@ -202,7 +206,7 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
     reasons = []
     if _rose(pb["preemptions_per_s"], pc["preemptions_per_s"]):
         reasons.append(f"preemptions {pb['preemptions']:.0f} -> {pc['preemptions']:.0f}")
-    if _rose(pb["evictions_per_s"], pc["evictions_per_s"], 2.0):
+    if _rose(pb["evictions_per_s"], pc["evictions_per_s"], EVICTION_RISE):
         reasons.append(f"evictions {pb['evictions_per_s']:.2f}/s -> {pc['evictions_per_s']:.2f}/s")
     if pc["peak_block_occupancy"] >= PRESSURE_HIGH > pb["peak_block_occupancy"]:
         reasons.append(f"peak pool occupancy {pb['peak_block_occupancy']:.0%} -> "
@@ -227,4 +231,28 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
         evidence={"pool_baseline": fb, "pool_current": fc, "allocator_baseline": ab,
                   "allocator_current": ac, "baseline_window_ns": wb, "current_window_ns": wc}))
 
+    out.append(_queueing(baseline, current, wb, wc))
+
     return sorted(out, key=lambda c: (not c.supported, -c.score))
+
+
+def _queueing(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``queueing`` cause: median queue wait of the requests first scheduled in each window."""
+    from kvdiag.analysis.latency import quantile  # both import this module
+    from kvdiag.analysis.user_latency import queue_waits_ns
+    title = "queue wait rose"
+    qb, qc = queue_waits_ns(baseline), queue_waits_ns(current)
+    if not len(qb) or not len(qc):
+        return Cause("queueing", title, False,
+                     "no scheduling events (RequestScheduled) in one of the windows: queue wait n/a",
+                     evidence={"requests_baseline": len(qb), "requests_current": len(qc)})
+    mb, mc = quantile(qb, 0.5), quantile(qc, 0.5)
+    return Cause(
+        "queueing", title, queue_wait_rose(mb, mc),
+        f"queue wait P50 {mb / 1e9:.3f} -> {mc / 1e9:.3f} s, P99 {quantile(qb, 0.99) / 1e9:.3f} "
+        f"-> {quantile(qc, 0.99) / 1e9:.3f} s ({len(qb)} -> {len(qc)} requests scheduled; "
+        f"rise at >= {QUEUE_WAIT_RISE:g}x)",
+        score=mc / mb if mb > 0 else float(mc > 0) * 10,
+        evidence={"queue_p50_s_baseline": mb / 1e9, "queue_p50_s_current": mc / 1e9,
+                  "requests_baseline": len(qb), "requests_current": len(qc),
+                  "baseline_window_ns": wb, "current_window_ns": wc})

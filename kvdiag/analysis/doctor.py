@@ -11,6 +11,8 @@ P99 spike: ``p99.regression`` (a P99 shift inside the log or against a baseline)
 ``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.analysis.causes`); the article's four
 questions (:data:`P99_CHECKLIST`) are answered by four of them.
 Forecast: ``forecast.memory_pressure`` (KV the active requests still need vs free blocks).
+Latency as users see it: ``latency.queueing`` (queue wait dominating TTFT, arrivals
+outpacing completions: :mod:`kvdiag.analysis.user_latency`).
 Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's, measured by
 the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observation:
 ``kv_events.gaps`` (batches of the engine's KV event stream lost by the subscriber).
@@ -25,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import fragmentation as _fragmentation
-from kvdiag.analysis import bandwidth, latency, pressure
+from kvdiag.analysis import bandwidth, latency, pressure, user_latency
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
@@ -183,29 +185,35 @@ def ooms(logs: Logs) -> Finding:
 
 def p99(logs: Logs, baseline: Optional[Logs] = None,
         threshold: float = rules.P99_THRESHOLD) -> tuple[list[Finding], list[latency.Comparison]]:
-    """``p99.regression``: fail when any latency's P99 regressed past ``threshold`` (module
-    :mod:`kvdiag.analysis.latency`); one ``p99.<cause>`` per candidate cause: warn when it
-    is supported for a flagged regression, pass otherwise."""
-    comps = latency.detect(logs, baseline, threshold)
-    title = f"P99 latency stable (no rise beyond {threshold:+.0%})"
+    """``p99.regression``: fail when any latency (TTFT, TPOT, engine step) regressed past
+    ``threshold`` at P99, or, with too few samples for P99, grossly at P90/P50 (module
+    :mod:`kvdiag.analysis.latency`, :func:`~kvdiag.analysis.latency.detect_all`); the message
+    says what each comparison compared and which latencies had too few samples (``n/a (N of M
+    needed)``). One ``p99.<cause>`` per candidate cause: warn when it is supported for a
+    flagged regression, pass otherwise."""
+    comps, skipped = latency.detect_all(logs, baseline, threshold)
+    title = f"P99 latency stable (no rise beyond {threshold:+.0%}; TTFT, TPOT, engine steps)"
+    gaps = "; ".join(s.describe() for s in skipped)
     if not comps:
-        return [Finding("p99.regression", "n/a", title, "too few latency samples to compare"),
+        return [Finding("p99.regression", "n/a", title, gaps or "no latency samples",
+                        {"skipped": [s.to_dict() for s in skipped]}),
                 *(Finding(f"p99.{name}", "n/a", _CAUSE_TITLES[name],
                           f"no P99 comparison; over the log: {_over_log(logs, name)}")
                   for name, _ in P99_CHECKLIST)], comps
-    what = "against the baseline" if baseline is not None else "after the change point vs before"
     flagged = [c for c in comps if c.flagged]
-    desc = "; ".join(f"{c.metric} P99 {c.p99_baseline_ns / 1e6:.1f} -> {c.p99_current_ns / 1e6:.1f} ms "
-                     f"({c.change:+.1%}, 90% CI {c.ci_low:+.1%}..{c.ci_high:+.1%})" for c in comps)
-    out = [Finding("p99.regression", "fail" if flagged else "pass", title, f"{what}: {desc}",
-                   {"comparisons": [c.to_dict() for c in comps]})]
+    desc = "; ".join([c.describe() for c in comps] + ([gaps] if gaps else []))
+    out = [Finding("p99.regression", "fail" if flagged else "pass", title, desc,
+                   {"comparisons": [c.to_dict() for c in comps], "skipped": [s.to_dict() for s in skipped]})]
     supported: dict[str, list] = {}
     titles: dict[str, str] = {}
+    measured_causes: dict[str, str] = {}  # what an unsupported cause measured, first flagged metric
     for c in flagged:
         for cause in c.causes:
             titles[cause.cause] = cause.title
             if cause.supported:
                 supported.setdefault(cause.cause, []).append((c.metric, cause))
+            else:
+                measured_causes.setdefault(cause.cause, f"{c.metric}: {cause.message}")
     measured = bandwidth.summarize(logs)
     for name, ttl in _CAUSE_TITLES.items():
         hits = supported.get(name, [])
@@ -216,7 +224,8 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
         elif name == "kv_bandwidth" and not measured.steps:
             out.append(Finding(f"p99.{name}", "n/a", ttl, "no engine steps with KV blocks to measure"))
         else:
-            msg = ("not behind the regression" if flagged else "no P99 regression to explain")
+            msg = (f"not behind the regression ({measured_causes[name]})" if name in measured_causes
+                   else "not behind the regression" if flagged else "no P99 regression to explain")
             if name == "kv_bandwidth":  # the checklist asks how busy it is: say so either way
                 out.append(Finding(f"p99.{name}", "pass", ttl, f"{msg}; over the log: {bandwidth.describe(measured)}",
                                    {"log": measured.to_dict()}))
@@ -266,6 +275,7 @@ _CAUSE_TITLES = {
     "long_sequences": "no burst of abnormally long sequences",
     "memory_pressure": "no rise in memory pressure, preemptions or evictions",
     "fragmentation": "no rise in fragmentation",
+    "queueing": "no rise in queue wait",
 }
 
 
@@ -474,7 +484,8 @@ def kv_event_gaps(logs: Logs) -> Finding:
 def run_rules(logs: Logs, baseline: Optional[Logs] = None) -> tuple[list[Finding], list[latency.Comparison]]:
     """All rules of both checklists, the forecast, sharing and the pool; also the latency
     comparisons behind the P99 rules (for reports)."""
-    findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs)]
+    findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs),
+                user_latency.queueing(logs)]
     p, comps = p99(logs, baseline)
     return findings + p + [memory_pressure(logs), sharing_consistency(logs), preemptions(logs),
                            kv_event_gaps(logs)], comps

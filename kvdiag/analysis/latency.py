@@ -15,7 +15,11 @@ exactly without resampling the data: in a resample of n draws the k-th smallest 
 A regression is the relative change of P99, ``P99_current / P99_baseline - 1``; it is flagged
 when its confidence interval lies wholly above the threshold (default +10%): the interval is
 the two-sided 90% bootstrap interval, so its lower end is a one-sided 95% lower bound (only
-rises matter). Detecting a +20% shift this way needs samples in the thousands when latencies
+rises matter). A latency with too few samples for a P99 comparison
+(:data:`kvdiag.analysis.rules.REGRESSION_MIN_SAMPLES`) is compared at P90, else P50, between
+the halves of the log (or against the baseline) and flagged only past
+:data:`kvdiag.analysis.rules.GROSS_SHIFT_THRESHOLD`; with fewer samples still it is reported as
+skipped (:class:`Skipped`), never as a pass. Detecting a +20% shift this way needs samples in the thousands when latencies
 are dispersed (``benchmarks/bench_regression_power.py`` prints the power by sample size). The effect size is Cliff's delta, P(current > baseline) - P(current < baseline).
 """
 
@@ -29,7 +33,7 @@ import pandas as pd
 
 from kvdiag.analysis.causes import Cause, attribute
 from kvdiag.analysis.logs import Logs
-from kvdiag.analysis.rules import P99_THRESHOLD
+from kvdiag.analysis.rules import GROSS_SHIFT_THRESHOLD, P99_THRESHOLD, REGRESSION_MIN_SAMPLES
 from kvdiag.schema import EngineStep, RequestArrived, RequestFinished, RequestFirstToken
 
 Metric = Literal["ttft", "per_token", "step"]
@@ -39,7 +43,7 @@ METRIC_LABELS = {"ttft": "time to first token", "per_token": "time per output to
 QUANTILES = (0.5, 0.95, 0.99)
 DEFAULT_THRESHOLD = P99_THRESHOLD  # kvdiag.analysis.rules
 MIN_SAMPLES = 20  # fewer samples than this: no percentile is reported
-MIN_P99_SAMPLES = 100  # below this the P99 is the sample maximum, whose bootstrap is unreliable
+MIN_P99_SAMPLES = REGRESSION_MIN_SAMPLES[0.99]  # below, the P99 is the sample maximum (rules.py)
 
 
 def request_latency(logs: Logs) -> pd.DataFrame:
@@ -148,8 +152,12 @@ def cliffs_delta(baseline: np.ndarray, current: np.ndarray) -> float:
 
 @dataclass
 class Comparison:
-    """P99 of ``current`` against ``baseline``: ``change`` = P99_cur / P99_base - 1 with its
-    two-sided ``conf`` bootstrap interval [ci_low, ci_high]; ``flagged`` when ci_low > threshold."""
+    """The ``quantile`` (P99, or P90/P50 with too few samples for P99) of ``current`` against
+    ``baseline``: ``change`` = Q_cur / Q_base - 1 with its two-sided ``conf`` bootstrap
+    interval [ci_low, ci_high]; ``flagged`` when ci_low > threshold. ``q_*_ns`` are the compared
+    quantiles; ``p99_*_ns`` the sample P99s (the maximum below 100 samples), shown either way.
+    ``method``: what was compared: "baseline" (the baseline log), "change point" (after the
+    metric's change point vs before), or "halves" (the second half of the samples vs the first)."""
 
     metric: str
     n_baseline: int
@@ -167,6 +175,20 @@ class Comparison:
     baseline_window_ns: tuple[int, int] = (0, 0)
     current_window_ns: tuple[int, int] = (0, 0)
     causes: list[Cause] = field(default_factory=list)
+    quantile: float = 0.99
+    q_baseline_ns: float = float("nan")
+    q_current_ns: float = float("nan")
+    method: str = ""
+
+    def describe(self) -> str:
+        """What was compared and what came out, as one clause (ms, or s from 1 s on)."""
+        q = f"P{self.quantile * 100:g}"
+        secs = max(self.q_baseline_ns, self.q_current_ns) >= 1e9
+        scale, unit = (1e9, "s") if secs else (1e6, "ms")
+        return (f"{self.metric} {q} {self.q_baseline_ns / scale:.{2 if secs else 1}f} -> "
+                f"{self.q_current_ns / scale:.{2 if secs else 1}f} {unit} "
+                f"({self.change:+.1%}, 90% CI {self.ci_low:+.1%}..{self.ci_high:+.1%}, limit "
+                f"{self.threshold:+.0%}; {self.method}, n {self.n_baseline}/{self.n_current})")
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "causes"}
@@ -174,30 +196,58 @@ class Comparison:
         return d
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A latency the regression rule could not compare: ``n`` samples where ``needed`` are
+    (per side, or in all for a split log)."""
+
+    metric: str
+    n: int
+    needed: int
+
+    def describe(self) -> str:
+        return f"{self.metric} n/a ({self.n} of {self.needed} needed)"
+
+    def to_dict(self) -> dict:
+        return {"metric": self.metric, "n": self.n, "needed": self.needed}
+
+
 def compare(baseline: np.ndarray, current: np.ndarray, metric: str = "",
             threshold: float = DEFAULT_THRESHOLD, conf: float = 0.90, n_boot: int = 4000,
-            seed: int = 0) -> Optional[Comparison]:
-    """Compare the P99 of two independent samples (None when either has < MIN_P99_SAMPLES:
-    with fewer, the P99 is the maximum and bootstrap intervals of a maximum are too narrow,
-    which measured 6-7 false alarms in 100 at n = 50-60)."""
+            seed: int = 0, q: float = 0.99) -> Optional[Comparison]:
+    """Compare the ``q``-quantile (default P99) of two independent samples (None when either
+    has fewer than ``rules.REGRESSION_MIN_SAMPLES[q]``: with fewer, the P99 is the maximum and
+    bootstrap intervals of a maximum are too narrow, which measured 6-7 false alarms in 100 at
+    n = 50-60)."""
     b = np.sort(np.asarray(baseline, dtype="float64"))
     c = np.sort(np.asarray(current, dtype="float64"))
     b, c = b[np.isfinite(b)], c[np.isfinite(c)]
-    if len(b) < MIN_P99_SAMPLES or len(c) < MIN_P99_SAMPLES:
+    need = REGRESSION_MIN_SAMPLES[q]
+    if len(b) < need or len(c) < need:
         return None
     rng = np.random.default_rng(seed)
-    ratio = bootstrap_quantile(c, 0.99, n_boot, rng) / bootstrap_quantile(b, 0.99, n_boot, rng)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = bootstrap_quantile(c, q, n_boot, rng) / bootstrap_quantile(b, q, n_boot, rng)
     alpha = (1 - conf) / 2
     lo, hi = np.quantile(ratio - 1, [alpha, 1 - alpha])
-    qb = {q: b[_rank(len(b), q) - 1] for q in QUANTILES}
-    qc = {q: c[_rank(len(c), q) - 1] for q in QUANTILES}
-    return Comparison(
-        metric=metric, n_baseline=len(b), n_current=len(c),
-        p99_baseline_ns=float(qb[0.99]), p99_current_ns=float(qc[0.99]),
-        change=float(qc[0.99] / qb[0.99] - 1), ci_low=float(lo), ci_high=float(hi),
-        threshold=threshold, flagged=bool(lo > threshold), cliffs_delta=cliffs_delta(b, c),
-        p50_change=float(qc[0.5] / qb[0.5] - 1), p95_change=float(qc[0.95] / qb[0.95] - 1),
-    )
+    qb = {x: b[_rank(len(b), x) - 1] for x in (*QUANTILES, q)}
+    qc = {x: c[_rank(len(c), x) - 1] for x in (*QUANTILES, q)}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return Comparison(
+            metric=metric, n_baseline=len(b), n_current=len(c),
+            p99_baseline_ns=float(qb[0.99]), p99_current_ns=float(qc[0.99]),
+            change=float(qc[q] / qb[q] - 1), ci_low=float(lo), ci_high=float(hi),
+            threshold=threshold, flagged=bool(lo > threshold), cliffs_delta=cliffs_delta(b, c),
+            p50_change=float(qc[0.5] / qb[0.5] - 1), p95_change=float(qc[0.95] / qb[0.95] - 1),
+            quantile=q, q_baseline_ns=float(qb[q]), q_current_ns=float(qc[q]),
+        )
+
+
+def fallback_quantile(n_per_side: int) -> Optional[float]:
+    """The highest quantile whose minimum count (``rules.REGRESSION_MIN_SAMPLES``) ``n_per_side``
+    samples meet, None when none is met."""
+    met = [q for q, need in REGRESSION_MIN_SAMPLES.items() if n_per_side >= need]
+    return max(met) if met else None
 
 
 # ---------------------------------------------------------------- over time, change points
@@ -241,12 +291,24 @@ def change_point(values: np.ndarray, min_size: int = MIN_SAMPLES) -> Optional[in
 
 def detect(logs: Logs, baseline: Optional[Logs] = None, threshold: float = DEFAULT_THRESHOLD,
            metrics: tuple[Metric, ...] = METRICS, seed: int = 0) -> list[Comparison]:
+    """The comparisons of :func:`detect_all` (metrics it had to skip are left out)."""
+    return detect_all(logs, baseline, threshold, metrics, seed)[0]
+
+
+def detect_all(logs: Logs, baseline: Optional[Logs] = None, threshold: float = DEFAULT_THRESHOLD,
+               metrics: tuple[Metric, ...] = METRICS, seed: int = 0
+               ) -> tuple[list[Comparison], list[Skipped]]:
     """One comparison per metric: ``logs`` against ``baseline`` when given, otherwise the
-    part of ``logs`` after its change point against the part before. Flagged comparisons
-    carry their attributed causes."""
+    part of ``logs`` after its change point against the part before (P99, at least
+    ``MIN_P99_SAMPLES`` per side). With too few samples for P99 the comparison falls back to
+    the highest quantile the counts allow (:func:`fallback_quantile`) against
+    ``rules.GROSS_SHIFT_THRESHOLD``, between the two halves of the samples (by time) when there
+    is no baseline; a metric with fewer still is returned as :class:`Skipped`. Flagged
+    comparisons carry their attributed causes."""
     req = request_latency(logs)
     base_req = request_latency(baseline) if baseline is not None else None
-    out = []
+    p50_need = REGRESSION_MIN_SAMPLES[min(REGRESSION_MIN_SAMPLES)]
+    out, skipped = [], []
     for metric in metrics:
         cur = samples(logs, metric, req)
         if baseline is not None:
@@ -254,21 +316,34 @@ def detect(logs: Logs, baseline: Optional[Logs] = None, threshold: float = DEFAU
             base_logs, cur_logs = baseline, logs
             bw = baseline.time_range_ns()
             cw = logs.time_range_ns()
+            q = fallback_quantile(min(len(base), len(cur)))
+            method = "against the baseline"
+            if q is None:
+                skipped.append(Skipped(metric, min(len(base), len(cur)), p50_need))
+                continue
         else:
             split = change_point(cur["value_ns"].to_numpy(), MIN_P99_SAMPLES)
-            if split is None:
-                continue
+            q, method = 0.99, "after the change point vs before"
+            if split is None:  # too few for P99 on both sides of a change point: halves
+                q, split, method = fallback_quantile(len(cur) // 2), len(cur) // 2, "second half vs first half"
+                if q is None:
+                    if len(cur):
+                        skipped.append(Skipped(metric, len(cur), 2 * p50_need))
+                    continue
             split_ns = int(cur["ts_ns"].iloc[split])
             t0, t1 = logs.time_range_ns()
             bw, cw = (t0, split_ns), (split_ns, t1 + 1)
             base, cur = cur.iloc[:split], cur.iloc[split:]
             base_logs, cur_logs = logs.window(*bw), logs.window(*cw)
         cmp = compare(base["value_ns"].to_numpy(), cur["value_ns"].to_numpy(), metric,
-                      threshold=threshold, seed=seed)
+                      threshold=threshold if q == 0.99 else max(threshold, GROSS_SHIFT_THRESHOLD),
+                      seed=seed, q=q)
         if cmp is None:
+            skipped.append(Skipped(metric, min(len(base), len(cur)), REGRESSION_MIN_SAMPLES[q]))
             continue
         cmp.baseline_window_ns, cmp.current_window_ns = bw, cw
+        cmp.method = method
         if cmp.flagged:
             cmp.causes = attribute(base_logs, cur_logs)
         out.append(cmp)
-    return out
+    return out, skipped

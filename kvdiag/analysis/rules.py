@@ -44,6 +44,20 @@ P99_THRESHOLD = 0.10
 """``p99.regression``: fail when the 90% bootstrap interval of P99_current / P99_baseline - 1
 lies wholly above +10% (:mod:`kvdiag.analysis.latency`)."""
 
+REGRESSION_MIN_SAMPLES = {0.99: 100, 0.90: 50, 0.50: 20}
+"""``p99.regression``: the fewest samples on each side for comparing a quantile. P99 needs 100
+(below, the P99 is the sample maximum and the bootstrap interval of a maximum is too narrow:
+6-7 false alarms in 100 were measured at n = 50-60); P90 and P50 need at least 5 and 10
+samples above them. A latency with too few samples for P99 is compared at the highest quantile
+its counts allow (P90, then P50), with :data:`GROSS_SHIFT_THRESHOLD`; with fewer than the P50's
+count it is ``n/a (N of M needed)``, never a pass."""
+GROSS_SHIFT_THRESHOLD = 0.50
+"""``p99.regression``'s fallback comparison (P90 or P50, too few samples for P99): fail only
+on a gross shift, when the 90% bootstrap interval of the ratio lies wholly above +50%.
+Requests in a queue are not independent (a backlog delays its neighbours), so small logs judge
+only large shifts; the fallback splits at the middle request (halves), not at a change point
+chosen to maximise the difference."""
+
 # P99 causes (kvdiag.analysis.causes): what counts as "rose" or "dropped" between the windows
 # before and after the change point, as absolute changes of fractions or ratios of rates
 HIT_RATE_DROP = 0.05
@@ -52,6 +66,44 @@ LONG_SHARE = 0.05
 RATE_RATIO = 1.5
 PRESSURE_HIGH = 0.90
 FRAGMENTATION_RISE = 0.05
+EVICTION_RISE = 2.0
+"""``memory_pressure`` cause: prefix-cache evictions per second rose by at least this factor."""
+QUEUE_WAIT_RISE = 2.0
+"""``queueing`` cause: the median queue wait rose by at least this factor between the windows
+(and reached :data:`QUEUE_WAIT_FLOOR_NS`)."""
+
+# ---------------------------------------------------------------- latency as users see it
+
+QUEUE_MIN_REQUESTS = 20
+"""``latency.queueing``: the fewest finished requests with a queue wait and a TTFT to judge."""
+QUEUE_SHARE_LIMIT = 0.5
+"""``latency.queueing``: queue wait dominates TTFT when, at the median over finished requests,
+at least half of a request's TTFT was spent queued (queue wait / TTFT, per request) ..."""
+QUEUE_WAIT_FLOOR_NS = 100_000_000
+"""... and the median queue wait is at least 100 ms: below, waiting is a step or two for a
+batch slot, not a backlog a user notices."""
+OVERLOAD_RATIO = 1.2
+"""``latency.queueing``: the load exceeds what the engine serves when the arrival rate is at
+least 1.2x the completion rate over the window (:mod:`kvdiag.analysis.user_latency`); equal
+rates within sampling noise are a sustainable load."""
+
+
+def queueing_status(queue_share_p50: float, queue_p50_ns: float, rate_ratio: float) -> Status:
+    """Verdict of ``latency.queueing``: fail when queue wait dominates TTFT (median share >=
+    :data:`QUEUE_SHARE_LIMIT` with a median wait >= :data:`QUEUE_WAIT_FLOOR_NS`) and arrivals
+    outpace completions (ratio >= :data:`OVERLOAD_RATIO`): a backlog that grows; warn on either
+    alone; pass otherwise. NaN (not measured) counts as not met."""
+    queued = bool(queue_share_p50 >= QUEUE_SHARE_LIMIT and queue_p50_ns >= QUEUE_WAIT_FLOOR_NS)
+    overloaded = bool(rate_ratio >= OVERLOAD_RATIO)
+    return "fail" if queued and overloaded else "warn" if queued or overloaded else "pass"
+
+
+def queue_wait_rose(p50_before_ns: float, p50_after_ns: float) -> bool:
+    """Verdict of the ``queueing`` P99 cause: the median queue wait rose by
+    :data:`QUEUE_WAIT_RISE` (from any measured value, zero included) to at least
+    :data:`QUEUE_WAIT_FLOOR_NS`; unmeasured (NaN) in either window is no rise."""
+    return bool(p50_before_ns >= 0 and p50_after_ns >= QUEUE_WAIT_FLOOR_NS
+                and p50_after_ns >= QUEUE_WAIT_RISE * p50_before_ns)
 
 KV_BANDWIDTH_RISE = 1.5
 """``p99.kv_bandwidth``: the demanded KV read bandwidth (KV bytes read per second of engine

@@ -379,11 +379,28 @@ def _pct(x) -> str:
     return "N/A" if x is None else f"{x:.1%}"
 
 
+def _latency_lines(lat) -> list[str]:
+    """The latency block of the summary (kvdiag.analysis.user_latency's figures)."""
+    if not lat:
+        return []
+    from kvdiag.analysis.user_latency import LABELS, METRICS, fmt_s
+    o = lat["overall"]
+    out = [f"latency of finished requests ({o['requests_finished']}; P50 / P99)"]
+    for m in METRICS:
+        st = o["stats"][m]
+        out.append(f"  {LABELS[m]:<18} " + (f"{fmt_s(st['p50_s'])} / {fmt_s(st['p99_s'])} (n {st['count']})"
+                                           if st["p50_s"] is not None else st["reason"]))
+    rate = lambda x: "N/A" if x is None else f"{x:.2f}/s"  # noqa: E731
+    out += [f"  arrivals           {rate(o['arrival_rate_per_s'])}, completions {rate(o['completion_rate_per_s'])}", ""]
+    return out
+
+
 def format_summary(s: dict) -> str:
     """The human-readable summary (what --json prints as data)."""
     m, kv, hr, ph = s["memory"], s["kv"], s["hit_rate"], s["phases"]
     lines = [f"kvdiag attach: PID {s['target_pid']}, {s['window']['duration_s']:.1f} s, "
              f"{s['events']} events -> {s['log']}", "",
+             *_latency_lines(s.get("latency")),
              "memory by source",
              f"  process tree RSS   {_mib(m.get('process_rss_bytes'))} (peak {_mib(m.get('process_rss_peak_bytes'))},"
              f" {m.get('processes', 'N/A')} processes)",

@@ -15,10 +15,16 @@ from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, re
 DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts
 are these same rules over the events it has seen (kvdiag/analysis/rules.py defines them):
 
+latency       printed first: TTFT, TPOT (inter-token), queue wait and end to end of finished
+              requests (count, P50, P99), arrival vs completion rate; latency.queueing warns
+              when queue wait is >= {rules.QUEUE_SHARE_LIMIT:.0%} of TTFT at the median (and >= {rules.QUEUE_WAIT_FLOOR_NS / 1e9:g} s) or
+              arrivals outpace completions {rules.OVERLOAD_RATIO:g}x, and fails on both
 memory leak   memory grows without matching KV growth; release paths not firing for finished
               requests (within {rules.RELEASE_GRACE_NS / 1e9:g} s); blocks released twice; occupancy growing at
               constant load; fragmentation >= {rules.FRAGMENTATION_LIMIT:.0%}; OOMs and allocator retries
-P99 spike     a P99 rise beyond {rules.P99_THRESHOLD:+.0%} (inside the log, or against --baseline), attributed to:
+P99 spike     a P99 rise of TTFT, TPOT or engine steps beyond {rules.P99_THRESHOLD:+.0%} (inside the log, or
+              against --baseline; with too few samples for P99, a P90/P50 rise beyond
+              {rules.GROSS_SHIFT_THRESHOLD:+.0%} between the log's halves, else n/a), attributed to: queueing,
               compression path active, KV bandwidth utilisation rose, prefix hit rate dropped,
               long sequences, memory pressure / preemptions / evictions, fragmentation; the
               article's four questions (compression, memory bandwidth, hit rate, long
@@ -111,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             snapshot = _snapshot(args.snapshot)
         except ValueError as exc:
             return fail("doctor", str(exc))
-    findings, paths, problems, fleet = [], [], [], None
+    findings, paths, problems, fleet, lat = [], [], [], None, None
     if args.logs:
         try:
             logs, problems = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial,
@@ -125,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
             return fail("doctor", str(exc))
         tell_skipped("doctor", problems)
         from kvdiag.analysis.doctor import run_rules
+        from kvdiag.analysis.user_latency import summarize
         findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
+        lat = summarize(logs)
         if args.json:
             from kvdiag.analysis.fleet import fleet_for
             from kvdiag.commands._logs import expand
@@ -135,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
     status = worst(findings)
     try:
         if args.json:
-            out = {"status": status, "logs": paths, "findings": [f.to_dict() for f in findings],
-                   "skipped_lines": skipped_lines(problems)}
+            out = {} if lat is None else {"latency": lat.to_dict()}  # first, as in the text output
+            out.update({"status": status, "logs": paths, "findings": [f.to_dict() for f in findings],
+                        "skipped_lines": skipped_lines(problems)})
             if args.logs:
                 out["p99_checklist"] = _checklist(findings)
             if snapshot:
@@ -145,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 out["fleet"] = fleet.to_dict(orient="records")
             print(json.dumps(_clean(out), indent=1))
         else:
-            _print(findings, with_checklist=bool(args.logs))
+            _print(findings, with_checklist=bool(args.logs), latency=lat)
     except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
@@ -159,16 +168,18 @@ def _checklist(findings) -> list[dict]:
             for q, f in p99_checklist(findings)]
 
 
-def _print(findings, with_checklist: bool = False) -> None:
+def _print(findings, with_checklist: bool = False, latency=None) -> None:
     from rich.console import Console
     from rich.table import Table
     style = {"pass": "green", "warn": "yellow", "fail": "bold red", "n/a": "dim"}
+    console = Console(width=max(Console().width, 120))
+    if latency is not None:  # the latency story first: what users of the server felt
+        _print_latency(console, latency, next((f for f in findings if f.rule == "latency.queueing"), None), style)
     t = Table(show_lines=False, expand=True)
     for c in ("status", "rule", "check", "measured"):
         t.add_column(c, overflow="fold")
     for f in findings:
         t.add_row(f"[{style[f.status]}]{f.status.upper()}[/]", f.rule, f.title, f.message)
-    console = Console(width=max(Console().width, 120))
     console.print(t)
     if with_checklist:
         c = Table(title="P99 checklist (the article's four questions)", expand=True)
@@ -183,6 +194,28 @@ def _print(findings, with_checklist: bool = False) -> None:
         if ids:
             console.print(f"[bold red]{f.rule}[/]: requests {', '.join(map(str, list(ids)[:50]))}"
                           + (" ..." if len(ids) > 50 else ""))
+
+
+def _print_latency(console, summary, queueing, style) -> None:
+    """The latency table (:mod:`kvdiag.analysis.user_latency`), the rates and the queueing verdict."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvdiag.analysis.user_latency import rates_line, rows
+    t = Table(title="Latency of finished requests (as users saw it)")
+    shown = rows(summary)
+    multi = len({r["node"] for r in shown}) > 1
+    for c in (["node"] if multi else []) + ["latency", "n", "P50", "P99", "note"]:
+        t.add_column(c, overflow="fold", justify="right" if c in ("n", "P50", "P99") else "left")
+    for r in shown:
+        t.add_row(*([r["node"]] if multi else []), r["metric"], str(r["n"]), r["P50"], r["P99"], r["note"])
+    console.print(t)
+    for nl in ([summary.overall] if multi else []) + summary.nodes:
+        console.print(escape(rates_line(nl)))
+    if queueing is not None:
+        console.print(f"[{style[queueing.status]}]{queueing.status.upper()}[/] latency.queueing: "
+                      f"{escape(queueing.message)}")
+    console.print()
 
 
 def _live(args: argparse.Namespace) -> int:

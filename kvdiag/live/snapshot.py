@@ -140,8 +140,8 @@ class LocalityView:
 
 @dataclass(frozen=True, slots=True)
 class LatencyView:
-    """TTFT and per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) of requests
-    finished in the latency window (kvdiag.live.state.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
+    """TTFT, per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) and queue wait of
+    requests finished in the latency window (kvdiag.live.state.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
     (whether P99 regressed is the ``p99.regression`` rule's verdict, among the alerts)."""
 
     ttft_p50_ms: Optional[float]
@@ -162,6 +162,12 @@ class LatencyView:
     kv_bandwidth_history: History = ()  # per bin: utilisation in %, or GB/s without a probe
     kv_bandwidth_history_unit: str = "%"
     nvml_memory_util_pct: Optional[float] = None  # NVML memory-controller utilisation, mean of devices
+    # queue wait = first scheduling - arrival (kvdiag.analysis.user_latency), requests finished in
+    # the latency window; queue_reason says why there is none (no scheduling events)
+    queue_p50_ms: Optional[float] = None
+    queue_p99_ms: Optional[float] = None
+    queue_p99_history: History = ()
+    queue_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

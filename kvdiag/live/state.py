@@ -100,6 +100,7 @@ class _Series:
 class _Bin:
     ttft_ns: list = field(default_factory=list)
     tpot_ns: list = field(default_factory=list)
+    queue_ns: list = field(default_factory=list)  # queue waits of requests finished in the bin
     generated_tokens: int = 0
     finished_output_tokens: int = 0
     prompt_tokens: int = 0
@@ -126,6 +127,7 @@ class _Request:
     output_tokens: Optional[int] = None
     ttft_ns: Optional[int] = None
     finished_ns: Optional[int] = None
+    queue_ns: Optional[int] = None  # first scheduling - arrival (kvdiag.analysis.user_latency)
 
 
 class LiveState:
@@ -231,6 +233,8 @@ class LiveState:
 
     def _on_scheduled(self, ev: s.RequestScheduled, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
+        if not req.scheduled_seen:  # the first scheduling; a preempted request is scheduled again
+            req.queue_ns = ev.ts_ns - req.arrived_ns if req.arrival_seen else ev.queue_ns
         req.scheduled_seen = self.saw_scheduled = True
         if req.finished_ns is None:
             req.state = "running"
@@ -263,6 +267,8 @@ class LiveState:
             self.engine_cached_tokens += ev.cached_prompt_tokens
             b.prompt_tokens += ev.prompt_tokens
             b.cached_tokens += ev.cached_prompt_tokens
+            if req.queue_ns is not None:
+                b.queue_ns.append(req.queue_ns)
             if req.ttft_ns is not None:
                 b.ttft_ns.append(req.ttft_ns)
                 if ev.e2e_ns is not None and ev.output_tokens > 1:
@@ -655,12 +661,13 @@ class LiveState:
                       latency_window: list[_Bin]) -> LatencyView:
         ttft = [v for b in latency_window for v in b.ttft_ns]
         tpot = [v for b in latency_window for v in b.tpot_ns]
+        queue = [v for b in latency_window for v in b.queue_ns]
         ms = 1e-6
 
         def scaled(v: Optional[float]) -> Optional[float]:
             return v * ms if v is not None else None
 
-        p50s, p99s, tp99s, toks, kv = [], [], [], [], []
+        p50s, p99s, tp99s, qp99s, toks, kv = [], [], [], [], [], []
         peak = self.peak_copy_bytes_per_s
         for idx in range(first, last + 1):
             b = self.bins.get(idx)
@@ -669,6 +676,7 @@ class LiveState:
             p50s.append(scaled(percentile(b.ttft_ns, 50)) if b else None)
             p99s.append(scaled(percentile(b.ttft_ns, 99)) if b else None)
             tp99s.append(scaled(percentile(b.tpot_ns, 99)) if b else None)
+            qp99s.append(scaled(percentile(b.queue_ns, 99)) if b else None)
             toks.append(self._generated(b) / self.bin_s if b else (0.0 if self.finished_count else None))
         seen = self.finished_count or self.saw_steps
         step_ns = sum(b.step_ns for b in window)
@@ -677,6 +685,9 @@ class LiveState:
         return LatencyView(
             ttft_p50_ms=scaled(percentile(ttft, 50)), ttft_p99_ms=scaled(percentile(ttft, 99)),
             tpot_p50_ms=scaled(percentile(tpot, 50)), tpot_p99_ms=scaled(percentile(tpot, 99)),
+            queue_p50_ms=scaled(percentile(queue, 50)), queue_p99_ms=scaled(percentile(queue, 99)),
+            queue_p99_history=tuple(qp99s),
+            queue_reason="" if self.saw_scheduled or not seen else "the engine emits no scheduling events",
             tokens_per_s=sum(self._generated(b) for b in window) / window_s if seen else None,
             ttft_p50_history=tuple(p50s), ttft_p99_history=tuple(p99s), tpot_p99_history=tuple(tp99s),
             tokens_history=tuple(toks),

@@ -17,6 +17,7 @@ from kvdiag.analysis import compression as _compression  # aliases: sections of 
 from kvdiag.analysis import delta as _delta
 from kvdiag.analysis import latency
 from kvdiag.analysis import locality as _locality
+from kvdiag.analysis import user_latency
 from kvdiag.analysis.doctor import forecast_frame, run_rules
 from kvdiag.analysis.engine_latency import engine_latency_frame
 from kvdiag.analysis.findings import Finding
@@ -95,6 +96,23 @@ def per_node(logs: Logs, lat: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def latency_summary(logs: Logs, findings: list[Finding]) -> list[Block]:
+    """The report's first blocks: TTFT, TPOT, queue wait and e2e of finished requests (count,
+    P50, P99), the arrival and completion rates and the ``latency.queueing`` verdict
+    (:mod:`kvdiag.analysis.user_latency`, the same figures ``kvdiag doctor`` prints first)."""
+    summ = user_latency.summarize(logs)
+    shown = pd.DataFrame(user_latency.rows(summ)).rename(columns={"metric": "latency"})
+    if shown["node"].nunique() <= 1:
+        shown = shown.drop(columns="node")
+    rates = [user_latency.rates_line(n) for n in ([summ.overall] if len(summ.nodes) > 1 else []) + summ.nodes]
+    q = next((f for f in findings if f.rule == "latency.queueing"), None)
+    return [Table("Latency of finished requests (as users saw it)", shown,
+                  note="TTFT = first token - arrival; TPOT = (e2e - TTFT) / (output tokens - 1); queue wait = "
+                       "first scheduling - arrival; e2e = finished - arrival"),
+            Text("Rates: " + "; ".join(rates) + "."),
+            *([Text(f"{q.status.upper()} latency.queueing: {q.message}.")] if q is not None else [])]
+
+
 def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.DataFrame,
             fleet: Optional[pd.DataFrame] = None) -> Section:
     rows = []
@@ -110,7 +128,8 @@ def summary(logs: Logs, findings: list[Finding], problems: list[str], lat: pd.Da
     counts = {s: sum(f.status == s for f in findings) for s in ("fail", "warn", "pass", "n/a")}
     ftable = pd.DataFrame([{"status": f.status.upper(), "rule": f.rule, "check": f.title,
                             "measured": f.message} for f in sorted(findings, key=_status_order)])
-    blocks = [Text(f"{counts['fail']} failing, {counts['warn']} warning, {counts['pass']} passing "
+    blocks = [*latency_summary(logs, findings),
+              Text(f"{counts['fail']} failing, {counts['warn']} warning, {counts['pass']} passing "
                    f"checks ({counts['n/a']} without data)."),
               Table("Findings (kvdiag doctor's rules)", ftable),
               Table("Logs", pd.DataFrame(rows))]
@@ -442,14 +461,17 @@ def latency_section(logs: Logs, t0: int, lat: pd.DataFrame, comps: list[latency.
         sec.blocks.insert(0, Table("Percentiles with bootstrap 95% confidence intervals", pd.DataFrame(qrows)))
     if comps:
         rows = [{"metric": c.metric, "flagged": "REGRESSION" if c.flagged else "no",
-                 "P99 before_ms": round(c.p99_baseline_ns / 1e6, 2), "P99 after_ms": round(c.p99_current_ns / 1e6, 2),
+                 "compared": f"P{c.quantile * 100:g}, {c.method}",
+                 "before_ms": round(c.q_baseline_ns / 1e6, 2), "after_ms": round(c.q_current_ns / 1e6, 2),
                  "change": f"{c.change:+.1%}", "90% CI": f"{c.ci_low:+.1%} .. {c.ci_high:+.1%}",
                  "threshold": f"{c.threshold:+.0%}", "Cliff's delta": round(c.cliffs_delta, 3),
                  "n before/after": f"{c.n_baseline}/{c.n_current}",
                  "split_at_s": round((c.current_window_ns[0] - t0) / 1e9, 1) if baseline is None else None}
                 for c in comps]
-        what = "against the baseline log" if baseline is not None else "after each metric's change point vs before"
-        sec.blocks.append(Table(f"P99 comparison {what}", pd.DataFrame(rows)))
+        what = "against the baseline log" if baseline is not None else "inside the log"
+        sec.blocks.append(Table(f"P99 comparison {what}", pd.DataFrame(rows),
+                                note="P99 with >= 100 samples per side; with fewer, P90 or P50 between the "
+                                     "log's halves, flagged only past the gross-shift limit (rules.py)"))
         causes = [{"metric": c.metric, "cause": k.cause, "supported": "YES" if k.supported else "no",
                    "evidence": k.message} for c in comps if c.flagged for k in c.causes]
         if causes:

@@ -314,6 +314,8 @@ class LatencyPanel(Panel):
                    width, "yellow", lo=0),
             _spark(f"TPOT p50 {fmt_ms(lat.tpot_p50_ms):>6} p99 {fmt_ms(lat.tpot_p99_ms):>6} ", lat.tpot_p99_history,
                    width, "yellow", lo=0),
+            _spark(f"queue p50 {fmt_ms(lat.queue_p50_ms):>5} p99 {fmt_ms(lat.queue_p99_ms):>6} ", lat.queue_p99_history,
+                   width, "yellow", lo=0) if not lat.queue_reason else line((f"queue wait n/a: {lat.queue_reason}", DIM)),
             _spark(f"tokens/s {fmt_num(lat.tokens_per_s):>6}{'':12}", lat.tokens_history, width, "green", lo=0),
         ]
         verdict = lat.p99_verdict
