@@ -28,7 +28,6 @@ from prometheus_client.core import (
 
 from kvdiag import schema as s
 from kvdiag.analysis import pressure
-from kvdiag.analysis.rules import RELEASE_GRACE_NS
 from kvdiag.live.state import LiveState
 from kvdiag.prom_metrics import BY_NAME, COMMON_LABELS, INTER_TOKEN_BUCKETS_S, TTFT_BUCKETS_S, markdown
 
@@ -204,11 +203,11 @@ def _pool(f: _Families, state: LiveState, snap) -> None:
     f.add("kvdiag_requests_waiting", pool.waiting_requests)
     if not pool.reason:
         f.add("kvdiag_request_preemptions_total", pool.preemptions)
-    if state.block_events_seen:
-        cutoff = snap.now_ns - RELEASE_GRACE_NS
-        holding = sum(1 for r in state.finished.values()
-                      if r.blocks and r.finished_ns is not None and r.finished_ns <= cutoff)
-        f.add("kvdiag_finished_requests_holding_blocks", holding)
+    if pool.finished_holding_requests is not None:  # the block ledger's, as the doctor counts them
+        f.add("kvdiag_finished_requests_holding_blocks", pool.finished_holding_requests)
+        f.add("kvdiag_finished_requests_held_blocks", pool.finished_holding_blocks)
+    for kind, count in pool.block_anomalies:
+        f.add("kvdiag_kv_block_anomalies_total", count, kind)
 
 
 def _slots(f: _Families, state: LiveState) -> None:
