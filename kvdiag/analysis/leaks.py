@@ -14,6 +14,7 @@ and blocks):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import pandas as pd
@@ -119,6 +120,15 @@ def double_release_finding(ledger: BlockLedger) -> Finding:
                    f"{count} double releases by {len(ledger.double_release_requests)} requests",
                    {"releases": [{"request_id": str(a.request_id), "block_id": int(a.block_id), "ts_ns": a.ts_ns}
                                  for a in doubles], "count": count})
+
+
+def ledger_findings(ledger: BlockLedger, grace_s: float = DEFAULT_GRACE_S,
+                    now_ns: Optional[int] = None) -> list[Finding]:
+    """The two rules a ledger decides, under the ids the doctor reports them with
+    (``leak.release_paths`` for ``leak.finished_holding``, ``leak.double_release``): what
+    ``kvdiag top`` shows from its own ledger, without an event window."""
+    held = finished_holding_finding(ledger, grace_s, now_ns)
+    return [replace(held, rule="leak.release_paths"), double_release_finding(ledger)]
 
 
 def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,

@@ -20,7 +20,7 @@ import msgspec
 
 from kvdiag import schema as s
 from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
-from kvdiag.analysis import pressure
+from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
 from kvdiag.analysis.rules import RELEASE_GRACE_NS, compression_verdict
@@ -722,9 +722,14 @@ class LiveState:
 
     def _alerts(self, snap: Snapshot) -> tuple[Finding, ...]:
         """The rules' findings (:func:`kvdiag.analysis.doctor.run_rules`, run by the caller
-        over the events seen so far, in ``rule_findings``), then collector health: events
+        over the events seen so far, in ``rule_findings``; the release-path and double-release
+        rules from the block ledger, over every event), then collector health: events
         dropped, collector errors and collectors not available here."""
         out: list[Finding] = list(self.rule_findings)
+        if self.ledger.block_events:  # the leak rules the ledger decides, judged on all events
+            ledger_rules = leaks.ledger_findings(self.ledger, now_ns=snap.now_ns)
+            ids = {f.rule for f in ledger_rules}
+            out = [f for f in out if f.rule not in ids] + ledger_rules
         if snap.pool.inconsistency:
             out.append(Finding("collector.pool_samples", "warn", "KV pool samples inconsistent",
                                snap.pool.inconsistency, {}))
