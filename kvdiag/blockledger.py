@@ -109,7 +109,7 @@ class BlockLedger:
         self.anomalies: list[Anomaly] = []  # all of them with keep_history, else EXAMPLES_KEPT per kind
         self.double_release_requests: set = set()  # requests that released a block twice
         self._released_by: dict[BlockId, object] = {}  # block -> releasers since its allocation
-        self.last_ts_ns = 0
+        self.last_ts_ns = 0  # the latest event folded by apply/apply_all
         # history (keep_history only)
         self.requests: dict[RequestId, RequestRecord] = {}
         self.episodes: list[Episode] = []
@@ -167,14 +167,20 @@ class BlockLedger:
         h = self._handlers.get(type(ev))
         if h is not None:
             h(ev)
+            if ev.ts_ns > self.last_ts_ns:
+                self.last_ts_ns = ev.ts_ns
 
     def apply_all(self, events: Iterable[Event]) -> None:
         """Fold a batch of events in order."""
         get = self._handlers.get
+        last = self.last_ts_ns
         for ev in events:
             h = get(type(ev))
             if h is not None:
                 h(ev)
+                if ev.ts_ns > last:
+                    last = ev.ts_ns
+        self.last_ts_ns = last
 
     def _anomaly(self, kind: str, ts_ns: int, block_id: BlockId, request_id: Optional[RequestId]) -> None:
         n = self.anomaly_counts[kind]
@@ -215,8 +221,6 @@ class BlockLedger:
     def allocated(self, ev: BlockAllocated) -> None:
         b, rid, ts = ev.block_id, ev.request_id, ev.ts_ns
         self.block_events += 1
-        if ts > self.last_ts_ns:
-            self.last_ts_ns = ts
         prev = self.holders.get(b)
         if prev is not None:  # reassigned while held: the previous holders lose it
             self._anomaly("alloc_in_use", ts, b, rid)
@@ -239,10 +243,8 @@ class BlockLedger:
 
     def hit(self, ev: PrefixHit | BlockDeduplicated) -> None:
         """``PrefixHit`` and ``BlockDeduplicated``: the request now holds ``block_id``."""
-        b, rid, ts = ev.block_id, ev.request_id, ev.ts_ns
+        b, rid = ev.block_id, ev.request_id
         self.block_events += 1
-        if ts > self.last_ts_ns:
-            self.last_ts_ns = ts
         if self._take(rid, b):
             prev = self.holders.get(b)
             if prev is None:
@@ -262,10 +264,8 @@ class BlockLedger:
             self._hist_hit(ev)
 
     def released(self, ev: BlockReleased) -> None:
-        b, rid, ts = ev.block_id, ev.request_id, ev.ts_ns
+        b, rid = ev.block_id, ev.request_id
         self.block_events += 1
-        if ts > self.last_ts_ns:
-            self.last_ts_ns = ts
         holders = self.holders
         prev = holders.get(b)
         if prev is None or (prev != rid if type(prev) is not set else rid not in prev):
@@ -310,8 +310,6 @@ class BlockLedger:
     def evicted(self, ev: BlockEvicted) -> None:
         b = ev.block_id
         self.block_events += 1
-        if ev.ts_ns > self.last_ts_ns:
-            self.last_ts_ns = ev.ts_ns
         if b in self.holders:
             self._anomaly("evict_held", ev.ts_ns, b, None)
         self.cached.pop(b, None)
@@ -326,8 +324,6 @@ class BlockLedger:
     def finished(self, ev: RequestFinished) -> None:
         rid = ev.request_id
         self.finished_requests += 1
-        if ev.ts_ns > self.last_ts_ns:
-            self.last_ts_ns = ev.ts_ns
         blocks = self.held.get(rid)
         if blocks and rid not in self.finished_holding:
             self.finished_holding[rid] = ev.ts_ns

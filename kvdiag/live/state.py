@@ -197,8 +197,52 @@ class LiveState:
             self.start_ns = header.start_ns
 
     def feed_all(self, events: Iterable[s.Event]) -> None:
+        """Fold events in order: the same as :meth:`feed` on each, faster (the block events
+        that dominate a busy engine's stream go straight to the ledger)."""
+        if self.start_ns is None:
+            events = iter(events)
+            first = next(events, None)
+            if first is None:
+                return
+            self.feed(first)
+        get = _HANDLERS.get
+        bins, bin_ns = self.bins, self.bin_ns
+        ledger = self.ledger
+        allocated, released, evicted = ledger.allocated, ledger.released, ledger.evicted
+        live = self.live
+        ALLOC, REL, EVICT = s.BlockAllocated, s.BlockReleased, s.BlockEvicted
+        cur, b, run, n = None, None, 0, 0
         for ev in events:
-            self.feed(ev)
+            idx = ev.ts_ns // bin_ns
+            if idx != cur:
+                if b is not None:
+                    b.events += run
+                    n += run
+                b = bins.get(idx)
+                if b is None:
+                    b = bins[idx] = _Bin()
+                cur, run = idx, 0
+            run += 1
+            t = type(ev)
+            if t is REL:
+                released(ev)
+            elif t is ALLOC:
+                allocated(ev)
+                req = live.get(ev.request_id)
+                if req is None:
+                    req = self._request(ev.request_id, ev.ts_ns)
+                req.allocated_blocks += 1
+            elif t is EVICT:
+                evicted(ev)
+                b.evictions += 1
+            else:
+                h = get(t)
+                if h is not None:
+                    h(self, ev, b, idx)
+        if b is not None:
+            b.events += run
+            n += run
+        self.events += n
 
     def _bin(self, ts_ns: int) -> _Bin:
         idx = ts_ns // self.bin_ns
