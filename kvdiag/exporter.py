@@ -3,8 +3,8 @@
 :class:`PrometheusSink` is a sink (``record``/``flush``/``close``): it folds every event into a
 :class:`kvdiag.live.state.LiveState` (what ``kvdiag top`` shows) and keeps latency histograms;
 at each scrape its collector takes a snapshot under the same lock and builds the metric
-families. The snapshot is taken at the latest event time seen (event time, as ``top``), so a
-replayed log exports what it recorded. :func:`serve` listens on 127.0.0.1 unless a host is
+families. The snapshot is taken at the time of the last event folded (never going back; event
+time, as ``top``), so a replayed log exports what it recorded. :func:`serve` listens on 127.0.0.1 unless a host is
 given, with its own registry (none of prometheus_client's process or platform collectors).
 
     python -m kvdiag.exporter --markdown > docs/metrics.md
@@ -97,12 +97,19 @@ class PrometheusSink:
         """Fold the queued events into the state (under the lock; never raises)."""
         with self._lock:
             queue = self._queue
-            while queue:
-                event = queue.popleft()
+            if not queue:
+                return
+            pop = queue.popleft
+            batch = [pop() for _ in range(len(queue))]  # record() may append meanwhile
+            try:
+                self.state.feed_all(batch)  # skips (and counts) events it cannot fold
+                self._last_ns = max(self._last_ns, batch[-1].ts_ns)
+            except Exception:
+                pass
+            finished = s.RequestFinished
+            for event in [e for e in batch if type(e) is finished]:
                 try:
-                    self.state.feed(event)
-                    self._last_ns = max(self._last_ns, event.ts_ns)
-                    if isinstance(event, s.RequestFinished) and event.status == "finished":
+                    if event.status == "finished":
                         self._observe_latency(event)
                 except Exception:  # one bad event costs its own figures, not the endpoint
                     pass

@@ -141,6 +141,7 @@ class LiveState:
         self.header: Optional[s.LogHeader] = None
         self.start_ns: Optional[int] = None
         self.events = 0
+        self.bad_events = 0  # events feed_all could not fold (malformed)
         self.bins: dict[int, _Bin] = {}
         self.series: dict[str, _Series] = {k: _Series() for k in (
             "nvml", "allocator", "kv_pool", "rss", "occupancy")}
@@ -198,7 +199,8 @@ class LiveState:
 
     def feed_all(self, events: Iterable[s.Event]) -> None:
         """Fold events in order: the same as :meth:`feed` on each, faster (the block events
-        that dominate a busy engine's stream go straight to the ledger)."""
+        that dominate a busy engine's stream go straight to the ledger); an event that raises
+        is counted in ``bad_events`` and skipped."""
         if self.start_ns is None:
             events = iter(events)
             first = next(events, None)
@@ -224,21 +226,24 @@ class LiveState:
                 cur, run = idx, 0
             run += 1
             t = type(ev)
-            if t is REL:
-                released(ev)
-            elif t is ALLOC:
-                allocated(ev)
-                req = live.get(ev.request_id)
-                if req is None:
-                    req = self._request(ev.request_id, ev.ts_ns)
-                req.allocated_blocks += 1
-            elif t is EVICT:
-                evicted(ev)
-                b.evictions += 1
-            else:
-                h = get(t)
-                if h is not None:
-                    h(self, ev, b, idx)
+            try:  # free unless raised (Python 3.11+)
+                if t is REL:
+                    released(ev)
+                elif t is ALLOC:
+                    allocated(ev)
+                    req = live.get(ev.request_id)
+                    if req is None:
+                        req = self._request(ev.request_id, ev.ts_ns)
+                    req.allocated_blocks += 1
+                elif t is EVICT:
+                    evicted(ev)
+                    b.evictions += 1
+                else:
+                    h = get(t)
+                    if h is not None:
+                        h(self, ev, b, idx)
+            except Exception:  # one malformed event costs its own figures, not the fold
+                self.bad_events += 1
         if b is not None:
             b.events += run
             n += run
