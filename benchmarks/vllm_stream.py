@@ -30,10 +30,13 @@ def pool_info(num_blocks: int) -> s.KVPoolInfo:
                         head_dim=128, dtype="bfloat16", prefix_sharing=True)
 
 
-def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: int = 64) -> Iterator[s.Event]:
-    """Yield about ``n_events`` events (stops at the first request boundary past it)."""
+def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: int = 64,
+           events_per_s: float = 5_000.0) -> Iterator[s.Event]:
+    """Yield about ``n_events`` events (stops at the first request boundary past it), one
+    every 1 / ``events_per_s`` seconds of event time."""
     rng = random.Random(seed)
     ts = 1_000_000_000
+    dt = max(1, round(1e9 / events_per_s))
     yield pool_info(num_blocks)
     n = 1
     free = list(range(num_blocks))
@@ -53,7 +56,7 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
         while len(live) < concurrency:
             rid = f"req-{i}"
             i += 1
-            ts += 50_000
+            ts += dt
             prompt_blocks = rng.randint(16, 128)
             yield s.RequestArrived(ts_ns=ts, request_id=rid, prompt_tokens=prompt_blocks * BLOCK_TOKENS,
                                    max_new_tokens=256)
@@ -65,7 +68,7 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
                     if b not in cached:
                         break
                     del cached[b]
-                    ts += 1_000
+                    ts += dt
                     yield s.PrefixHit(ts_ns=ts, request_id=rid, block_id=b, num_tokens=BLOCK_TOKENS)
                     n += 1
                     blocks.append(b)
@@ -73,10 +76,10 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
                 b = take()
                 if b < 0:
                     b = -b - 1
-                    ts += 1_000
+                    ts += dt
                     yield s.BlockEvicted(ts_ns=ts, block_id=b)
                     n += 1
-                ts += 1_000
+                ts += dt
                 yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
                 n += 1
                 blocks.append(b)
@@ -88,23 +91,23 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
             b = take()
             if b < 0:
                 b = -b - 1
-                ts += 1_000
+                ts += dt
                 yield s.BlockEvicted(ts_ns=ts, block_id=b)
                 n += 1
-            ts += 1_000
+            ts += dt
             yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
             n += 1
             blocks.append(b)
             live[k] = (rid, blocks, grow - 1)
         else:
             live.pop(k)
-            ts += 1_000
+            ts += dt
             yield s.RequestFinished(ts_ns=ts, request_id=rid, prompt_tokens=len(blocks) * BLOCK_TOKENS,
                                     output_tokens=128, cached_prompt_tokens=0, e2e_ns=2_000_000_000,
                                     ttft_ns=100_000_000)
             n += 1
             for b in blocks:
-                ts += 1_000
+                ts += dt
                 keep = b not in cached
                 yield s.BlockReleased(ts_ns=ts, request_id=rid, block_id=b, cached=keep)
                 n += 1
@@ -116,7 +119,7 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
                 prefixes[rng.randrange(64)] = blocks[:8]
         if n // 32 > step:
             step = n // 32
-            ts += 1_000
+            ts += dt
             yield s.EngineStep(ts_ns=ts, step_id=step, phase="decode", batch_size=len(live),
                                num_tokens=len(live), duration_ns=20_000_000, decode_tokens=len(live))
             n += 1
