@@ -233,3 +233,61 @@ def test_live_ledger_memory_collapses_finished_requests(events, truth):
     assert not ledger.requests and not ledger.episodes
     assert set(ledger.held) == set(truth["leaking"])
     assert len(ledger.anomalies) <= len(ANOMALY_KINDS) * EXAMPLES_KEPT
+
+
+# ---------------------------------------------------------------------- any stream
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def block_streams(draw) -> list[s.Event]:
+    """Random streams over 6 blocks and 4 requests, anomalies included; as engines do, a
+    request only releases blocks once it has finished."""
+    out: list[s.Event] = [s.KVPoolInfo(ts_ns=1, num_blocks=8, block_size_tokens=16, block_bytes=64,
+                                       num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32")]
+    done: set[str] = set()
+    for i in range(draw(st.integers(0, 60))):
+        ts = 2 + i * RELEASE_GRACE_NS // 8
+        kind = draw(st.sampled_from(["alloc", "hit", "release", "evict", "finish"]))
+        rid, block = f"r{draw(st.integers(0, 3))}", draw(st.integers(0, 5))
+        if kind in ("alloc", "hit") and rid in done:
+            kind = "release"
+        if kind == "alloc":
+            out.append(s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=block))
+        elif kind == "hit":
+            out.append(s.PrefixHit(ts_ns=ts, request_id=rid, block_id=block, num_tokens=16))
+        elif kind == "release":
+            out.append(s.BlockReleased(ts_ns=ts, request_id=rid, block_id=block, cached=draw(st.booleans())))
+        elif kind == "evict":
+            out.append(s.BlockEvicted(ts_ns=ts, block_id=block))
+        elif rid not in done:
+            done.add(rid)
+            out.append(s.RequestFinished(ts_ns=ts, request_id=rid, prompt_tokens=16, output_tokens=1))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_streams())
+def test_any_stream_ledger_top_and_exporter_count_as_the_brute_force(events):
+    now = events[-1].ts_ns
+    truth = brute_force(events, now)
+    one, batch = LiveState(), LiveState()
+    for ev in events:
+        one.feed(ev)
+    batch.feed_all(events)
+    for state in (one, batch):
+        pool = state.snapshot(now).pool
+        ledger = state.ledger
+        assert (ledger.held_blocks, ledger.cached_blocks, ledger.free_blocks) == \
+            (truth["held"], truth["cached"], 8 - truth["held"] - truth["cached"])
+        assert ledger.anomaly_counts == truth["anomalies"]
+        assert ledger.held_by_finished(now, RELEASE_GRACE_NS) == truth["leaking"]
+        assert ledger.holdings == sum(len(b) for b in ledger.held.values())
+        if pool.finished_holding_requests is not None:
+            assert (pool.finished_holding_requests, pool.finished_holding_blocks) == \
+                (len(truth["leaking"]), truth["leaking_blocks"])
+    history = leaks.ledger_from_events(events)  # the doctor's, with request records and episodes
+    assert (history.held_blocks, history.cached_blocks, history.anomaly_counts) == \
+        (truth["held"], truth["cached"], truth["anomalies"])
