@@ -776,9 +776,8 @@ class LiveState:
         dropped, collector errors and collectors not available here."""
         out: list[Finding] = list(self.rule_findings)
         if self.ledger.block_events:  # the leak rules the ledger decides, judged on all events
-            ledger_rules = leaks.ledger_findings(self.ledger, now_ns=snap.now_ns)
-            ids = {f.rule for f in ledger_rules}
-            out = [f for f in out if f.rule not in ids] + ledger_rules
+            ledger_rules = {f.rule: f for f in leaks.ledger_findings(self.ledger, now_ns=snap.now_ns)}
+            out = [ledger_rules.pop(f.rule, f) for f in out] + list(ledger_rules.values())
         if snap.pool.inconsistency:
             out.append(Finding("collector.pool_samples", "warn", "KV pool samples inconsistent",
                                snap.pool.inconsistency, {}))
