@@ -17,7 +17,8 @@
 4. ``--rss N``: RSS of top + exporter (a LiveState and a PrometheusSink fed the same stream,
    5,000 events per second of event time, folded once a second, a snapshot every second and
    a scrape every 15 s of event time, as top, the exporter and Prometheus would) at 1 M
-   events and at N (the goal: flat within +-10% up to 20 M).
+   events and at N (the goal: flat within +-10% up to 20 M); ``--with-rules`` adds top's
+   LiveRules, whose window of the latest 2 M events for the doctor's rules is bounded, not flat.
 
 Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
        python benchmarks/bench_top.py --fold [--events 1000000] [--rss 20000000]
@@ -165,8 +166,9 @@ def fold_rate(n_events: int, rounds: int = 5) -> None:
     print(f"  load after {load()}")
 
 
-def rss_flat(n_events: int) -> None:
-    """RSS of a LiveState + PrometheusSink at 1 M events and at ``n_events``."""
+def rss_flat(n_events: int, with_rules: bool = False) -> None:
+    """RSS of a LiveState + PrometheusSink at 1 M events and at ``n_events`` (``with_rules``:
+    also top's LiveRules, which keeps the latest 2 M events for the doctor's rules)."""
     import gc
 
     from prometheus_client import generate_latest
@@ -176,14 +178,18 @@ def rss_flat(n_events: int) -> None:
     from kvdiag.exporter import PrometheusSink
 
     proc = psutil.Process()
+    from kvdiag.live.rules import LiveRules
+
     state, sink = LiveState(), PrometheusSink()
+    rules = LiveRules() if with_rules else None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(sink)
     marks = sorted({min(1_000_000, n_events), n_events})
     next_snap = next_scrape = 0
     batch: list = []
     seen, t0 = 0, time.perf_counter()
-    print(f"rss: top + exporter fed {n_events:,} vLLM-shaped events; load before {load()}")
+    print(f"rss: top + exporter{' + top rules window' if with_rules else ''} fed {n_events:,} "
+          f"vLLM-shaped events; load before {load()}")
     readings = []
     for ev in vllm_stream.events(n_events):
         batch.append(ev)
@@ -192,6 +198,8 @@ def rss_flat(n_events: int) -> None:
         if len(batch) == 5_000 or seen >= marks[0]:  # 1 s of the stream: the exporter folds once a second
             state.feed_all(batch)
             sink.flush()
+            if rules is not None:
+                rules.record(batch)
             ts = batch[-1].ts_ns
             batch = []
             if ts >= next_snap:
@@ -225,12 +233,13 @@ def main() -> None:
     ap.add_argument("--fold", action="store_true", help="only the live fold's events/s (3.)")
     ap.add_argument("--events", type=int, default=1_000_000, help="events of the fold benchmark")
     ap.add_argument("--rss", type=int, default=0, metavar="N", help="only RSS at 1 M and N events (4.)")
+    ap.add_argument("--with-rules", action="store_true", help="--rss: also top's LiveRules event window")
     args = ap.parse_args()
     if args.fold or args.rss:
         if args.fold:
             fold_rate(args.events)
         if args.rss:
-            rss_flat(args.rss)
+            rss_flat(args.rss, args.with_rules)
         return
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
