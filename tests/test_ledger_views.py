@@ -291,3 +291,25 @@ def test_any_stream_ledger_top_and_exporter_count_as_the_brute_force(events):
     history = leaks.ledger_from_events(events)  # the doctor's, with request records and episodes
     assert (history.held_blocks, history.cached_blocks, history.anomaly_counts) == \
         (truth["held"], truth["cached"], truth["anomalies"])
+
+
+@pytest.mark.parametrize("name", ["demo_small/demo_24req_seed1.kvlog.gz", "vllm_demo/demo_16req_seed1.kvlog.gz"])
+def test_batch_fold_is_the_event_by_event_fold(name):
+    """``LiveState.feed_all`` (top's and the exporter's fold) gives the snapshot of ``feed``
+    on each event, on recorded logs with every kind of event."""
+    from pathlib import Path
+
+    from kvdiag.eventlog import iter_events, read_header
+
+    path = Path(__file__).parent / "data" / name
+    events = list(iter_events(path))
+    one, batch = LiveState(), LiveState()
+    for state in (one, batch):
+        state.set_header(read_header(path))
+    for ev in events:
+        one.feed(ev)
+    for k in range(0, len(events), 97):  # in uneven batches, as a source's polls deliver them
+        batch.feed_all(events[k:k + 97])
+    now = max(e.ts_ns for e in events)
+    assert one.snapshot(now) == batch.snapshot(now)
+    assert one.events == batch.events == len(events) and batch.bad_events == 0
