@@ -19,7 +19,15 @@ engine process keeps at least one core busy: the demo runs one torch thread), wi
 interval; the verdict against 0.5%: met (upper bound below), missed (lower bound above), or
 undecided. Writes only into a temporary folder.
 
+``--vllm-rate R`` measures instead, in this process on one core, what the exporter costs on a
+vLLM-shaped stream (benchmarks/vllm_stream.py, CONSTRUCTED DATA) at R events/s with 15 s
+scrapes: CPU per event of ``record`` plus the folds (one per second of event time, as the
+exporter's fold thread does) and CPU per scrape (collect + exposition, at the end of each
+15 s of event time), in interleaved trials; share of one core = R x CPU per event + CPU per
+scrape / 15 s (goal <= 0.5%).
+
 Usage: python benchmarks/bench_exporter_overhead.py [--trials 12] [--seconds 3]
+       python benchmarks/bench_exporter_overhead.py --vllm-rate 5000 [--trials 5]
 """
 
 from __future__ import annotations
@@ -113,6 +121,57 @@ def bootstrap(a: list[float], b: list[float], stat, n: int = 10000) -> tuple[flo
     return values[int(0.025 * n)], values[int(0.975 * n) - 1]
 
 
+def vllm_rate(rate: float, trials: int, events_per_trial: int = 300_000) -> None:
+    """The exporter's share of one core at ``rate`` vLLM-shaped events/s, 15 s scrapes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_stream
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from kvdiag.exporter import PrometheusSink
+
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    events = list(vllm_stream.events(events_per_trial))
+    fold_every = max(1, round(rate))  # one fold per second of the stream at `rate`
+    scrape_every = round(rate * SCRAPE_INTERVAL_S)
+    print(f"vLLM-shaped stream: {len(events):,} events per trial at {rate:g} events/s = a fold every "
+          f"{fold_every:,} events, a scrape every {scrape_every:,}; {trials} trials; {os.cpu_count()} CPUs, "
+          f"load before {load}")
+    per_event, per_scrape = [], []
+    for _ in range(trials):
+        sink = PrometheusSink()
+        sink._stop.set()  # folds are driven here, one per second of the stream's time
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(sink)
+        fold_cpu = scrape_cpu = 0.0
+        scrapes = 0
+        for start in range(0, len(events), fold_every):
+            chunk = events[start:start + fold_every]
+            c = time.process_time()
+            for ev in chunk:
+                sink.record(ev)
+            sink.flush()
+            fold_cpu += time.process_time() - c
+            if (start + fold_every) // scrape_every > start // scrape_every:
+                c = time.process_time()
+                generate_latest(registry)
+                scrape_cpu += time.process_time() - c
+                scrapes += 1
+        per_event.append(fold_cpu / len(events))
+        per_scrape.append(scrape_cpu / max(1, scrapes))
+        sink.close()
+    ev_s, sc_s = statistics.median(per_event), statistics.median(per_scrape)
+    share = rate * ev_s + sc_s / SCRAPE_INTERVAL_S
+    print(f"record + fold: {ev_s * 1e6:.2f} us CPU/event (trials {min(per_event) * 1e6:.2f}.."
+          f"{max(per_event) * 1e6:.2f}); scrape: {sc_s * 1e3:.2f} ms CPU (trials {min(per_scrape) * 1e3:.2f}.."
+          f"{max(per_scrape) * 1e3:.2f})")
+    print(f"exporter at {rate:g} events/s, 15 s scrapes: {share * 100:.3f}% of one core "
+          f"(events {rate * ev_s * 100:.3f}% + scrapes {sc_s / SCRAPE_INTERVAL_S * 100:.4f}%); "
+          f"goal <= {GOAL * 100:g}%: {'met' if share <= GOAL else 'missed'} "
+          f"({share / GOAL:.2f} of the budget); highest event rate within it: {(GOAL - sc_s / SCRAPE_INTERVAL_S) / ev_s:,.0f}/s")
+    print(f"load after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=12, help="trials of each of A and B")
@@ -120,7 +179,12 @@ def main() -> None:
     parser.add_argument("--rate-multiple", type=float, default=100.0,
                         help="real event rate as a multiple of the demo log's")
     parser.add_argument("--speedup", type=float, default=20.0, help="time compression")
+    parser.add_argument("--vllm-rate", type=float, default=0.0, metavar="R",
+                        help="only the vLLM-shaped stream's cost at R events/s (see the docstring)")
     args = parser.parse_args()
+    if args.vllm_rate:
+        vllm_rate(args.vllm_rate, args.trials if args.trials != 12 else 5)
+        return
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
 

@@ -9,7 +9,19 @@
    ``kvdiag demo``) plain ``kvdiag top`` runs the live demo: only the UI process is counted,
    not the demo server it started.
 
+3. ``--fold``: the live fold on a vLLM-shaped stream (benchmarks/vllm_stream.py, CONSTRUCTED
+   DATA) on one core, events/s, side by side in interleaved rounds: msgspec decoding of the
+   stream's JSON lines (for scale), the pool ledger alone (``BlockLedger.apply_all``, goal
+   >= 1 M events/s), and top's whole fold (``LiveState.feed_all``: ledger + request, bin and
+   latency state; and event by event, ``LiveState.feed``).
+4. ``--rss N``: RSS of top + exporter (a LiveState and a PrometheusSink fed the same stream,
+   5,000 events per second of event time, folded once a second, a snapshot every second and
+   a scrape every 15 s of event time, as top, the exporter and Prometheus would) at 1 M
+   events and at N (the goal: flat within +-10% up to 20 M); ``--with-rules`` adds top's
+   LiveRules, whose window of the latest 2 M events for the doctor's rules is bounded, not flat.
+
 Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
+       python benchmarks/bench_top.py --fold [--events 1000000] [--rss 20000000]
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tui_data import write_constructed_log  # noqa: E402
 
@@ -101,12 +114,133 @@ def ui_cpu(log: Path, seconds: float, demo: bool) -> None:
         time.sleep(1)  # let the tmux server exit before the next run starts one on the same socket
 
 
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
+
+
+def fold_rate(n_events: int, rounds: int = 5) -> None:
+    """Events/s of each fold, rounds interleaved; the median round of each."""
+    import statistics
+
+    import msgspec
+
+    import vllm_stream
+    from kvdiag.blockledger import BlockLedger
+    from kvdiag.schema import AnyEvent
+
+    events = list(vllm_stream.events(n_events))
+    n = len(events)
+    lines = [msgspec.json.encode(e) for e in events]
+    decoder = msgspec.json.Decoder(AnyEvent)  # the tagged union of every event type
+
+    def decode():
+        for line in lines:
+            decoder.decode(line)
+
+    def ledger():
+        BlockLedger().apply_all(events)
+
+    def live_batch():
+        LiveState().feed_all(events)
+
+    def live_each():
+        state = LiveState()
+        for ev in events:
+            state.feed(ev)
+
+    runs = {"msgspec JSON decode (for scale)": decode, "BlockLedger.apply_all": ledger,
+            "LiveState.feed_all (top's fold)": live_batch, "LiveState.feed, one by one": live_each}
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    print(f"fold: {n:,} vLLM-shaped events, {rounds} interleaved rounds; load before {load()}")
+    for r in range(rounds):
+        for name, fn in (runs.items() if r % 2 == 0 else reversed(runs.items())):
+            t = time.process_time()
+            fn()
+            rates[name].append(n / (time.process_time() - t))
+    ledger_rate = statistics.median(rates["BlockLedger.apply_all"])
+    for name, v in rates.items():
+        med = statistics.median(v)
+        print(f"  {name:<34} {med / 1e6:5.2f} M events/s = {1e6 / med:5.2f} us/event "
+              f"(rounds {min(v) / 1e6:.2f}..{max(v) / 1e6:.2f}); x{med / ledger_rate:.2f} the ledger's; "
+              f"{med / 1e6:.2f} of the 1 M/s goal")
+    print(f"  load after {load()}")
+
+
+def rss_flat(n_events: int, with_rules: bool = False) -> None:
+    """RSS of a LiveState + PrometheusSink at 1 M events and at ``n_events`` (``with_rules``:
+    also top's LiveRules, which keeps the latest 2 M events for the doctor's rules)."""
+    import gc
+
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    import vllm_stream
+    from kvdiag.exporter import PrometheusSink
+
+    proc = psutil.Process()
+    from kvdiag.live.rules import LiveRules
+
+    state, sink = LiveState(), PrometheusSink()
+    rules = LiveRules() if with_rules else None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(sink)
+    marks = sorted({min(1_000_000, n_events), n_events})
+    next_snap = next_scrape = 0
+    batch: list = []
+    seen, t0 = 0, time.perf_counter()
+    print(f"rss: top + exporter{' + top rules window' if with_rules else ''} fed {n_events:,} "
+          f"vLLM-shaped events; load before {load()}")
+    readings = []
+    for ev in vllm_stream.events(n_events):
+        batch.append(ev)
+        sink.record(ev)
+        seen += 1
+        if len(batch) == 5_000 or seen >= marks[0]:  # 1 s of the stream: the exporter folds once a second
+            state.feed_all(batch)
+            sink.flush()
+            if rules is not None:
+                rules.record(batch)
+            ts = batch[-1].ts_ns
+            batch = []
+            if ts >= next_snap:
+                state.snapshot(ts)
+                next_snap = ts + 1_000_000_000
+            if ts >= next_scrape:
+                generate_latest(registry)
+                next_scrape = ts + 15_000_000_000
+            if seen >= marks[0]:
+                sink.flush()
+                gc.collect()
+                rss = proc.memory_info().rss
+                readings.append((seen, rss))
+                print(f"  after {seen:>12,} events: RSS {rss / 2**20:8.1f} MiB "
+                      f"({time.perf_counter() - t0:.0f} s)")
+                marks.pop(0)
+                if not marks:
+                    break
+    sink.close()
+    if len(readings) == 2:
+        (n1, r1), (n2, r2) = readings
+        print(f"  RSS at {n2:,} / at {n1:,} events: {r2 / r1:.3f} (goal 0.90..1.10)")
+    print(f"  load after {load()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--demo", action="store_true", help="also measure plain `kvdiag top` on the live demo")
+    ap.add_argument("--fold", action="store_true", help="only the live fold's events/s (3.)")
+    ap.add_argument("--events", type=int, default=1_000_000, help="events of the fold benchmark")
+    ap.add_argument("--rss", type=int, default=0, metavar="N", help="only RSS at 1 M and N events (4.)")
+    ap.add_argument("--with-rules", action="store_true", help="--rss: also top's LiveRules event window")
     args = ap.parse_args()
+    if args.fold or args.rss:
+        if args.fold:
+            fold_rate(args.events)
+        if args.rss:
+            rss_flat(args.rss, args.with_rules)
+        return
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
         big = write_constructed_log(Path(d) / "big.jsonl", n_requests=args.requests, arrivals_per_s=10.0)

@@ -69,7 +69,10 @@ ROWS: tuple = (
             (_q("kvdiag_requests_running"), N + " running"),
             (_q("kvdiag_requests_waiting"), N + " waiting")]),
         ("Finished requests still holding blocks", "short", [
-            (_q("kvdiag_finished_requests_holding_blocks"), N)]),
+            (_q("kvdiag_finished_requests_holding_blocks"), N + " requests"),
+            (_q("kvdiag_finished_requests_held_blocks"), N + " blocks")]),
+        ("Bad block events /s", "short", [
+            (_rate("kvdiag_kv_block_anomalies_total"), N + " {{kind}}")]),
         ("Preemptions and finished requests /s", "reqps", [
             (_rate("kvdiag_request_preemptions_total"), N + " preempted"),
             (_rate("kvdiag_requests_finished_total"), N + " finished")]),

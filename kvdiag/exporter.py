@@ -3,8 +3,8 @@
 :class:`PrometheusSink` is a sink (``record``/``flush``/``close``): it folds every event into a
 :class:`kvdiag.live.state.LiveState` (what ``kvdiag top`` shows) and keeps latency histograms;
 at each scrape its collector takes a snapshot under the same lock and builds the metric
-families. The snapshot is taken at the latest event time seen (event time, as ``top``), so a
-replayed log exports what it recorded. :func:`serve` listens on 127.0.0.1 unless a host is
+families. The snapshot is taken at the time of the last event folded (never going back; event
+time, as ``top``), so a replayed log exports what it recorded. :func:`serve` listens on 127.0.0.1 unless a host is
 given, with its own registry (none of prometheus_client's process or platform collectors).
 
     python -m kvdiag.exporter --markdown > docs/metrics.md
@@ -28,7 +28,6 @@ from prometheus_client.core import (
 
 from kvdiag import schema as s
 from kvdiag.analysis import pressure
-from kvdiag.analysis.rules import RELEASE_GRACE_NS
 from kvdiag.live.state import LiveState
 from kvdiag.prom_metrics import BY_NAME, COMMON_LABELS, INTER_TOKEN_BUCKETS_S, TTFT_BUCKETS_S, markdown
 
@@ -98,12 +97,19 @@ class PrometheusSink:
         """Fold the queued events into the state (under the lock; never raises)."""
         with self._lock:
             queue = self._queue
-            while queue:
-                event = queue.popleft()
+            if not queue:
+                return
+            pop = queue.popleft
+            batch = [pop() for _ in range(len(queue))]  # record() may append meanwhile
+            try:
+                self.state.feed_all(batch)  # skips (and counts) events it cannot fold
+                self._last_ns = max(self._last_ns, batch[-1].ts_ns)
+            except Exception:
+                pass
+            finished = s.RequestFinished
+            for event in [e for e in batch if type(e) is finished]:
                 try:
-                    self.state.feed(event)
-                    self._last_ns = max(self._last_ns, event.ts_ns)
-                    if isinstance(event, s.RequestFinished) and event.status == "finished":
+                    if event.status == "finished":
                         self._observe_latency(event)
                 except Exception:  # one bad event costs its own figures, not the endpoint
                     pass
@@ -204,11 +210,11 @@ def _pool(f: _Families, state: LiveState, snap) -> None:
     f.add("kvdiag_requests_waiting", pool.waiting_requests)
     if not pool.reason:
         f.add("kvdiag_request_preemptions_total", pool.preemptions)
-    if state.block_events_seen:
-        cutoff = snap.now_ns - RELEASE_GRACE_NS
-        holding = sum(1 for r in state.finished.values()
-                      if r.blocks and r.finished_ns is not None and r.finished_ns <= cutoff)
-        f.add("kvdiag_finished_requests_holding_blocks", holding)
+    if pool.finished_holding_requests is not None:  # the block ledger's, as the doctor counts them
+        f.add("kvdiag_finished_requests_holding_blocks", pool.finished_holding_requests)
+        f.add("kvdiag_finished_requests_held_blocks", pool.finished_holding_blocks)
+    for kind, count in pool.block_anomalies:
+        f.add("kvdiag_kv_block_anomalies_total", count, kind)
 
 
 def _slots(f: _Families, state: LiveState) -> None:

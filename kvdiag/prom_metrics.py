@@ -66,8 +66,15 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_requests_finished_total", "counter", "requests",
               "Requests finished (any status) since the exporter started."),
     MetricDef("kvdiag_finished_requests_holding_blocks", "gauge", "requests",
-              "Recently finished requests (the last 200) that still hold KV blocks, among those "
-              "finished longer than the doctor's release grace ago (leak.finished_holding)."),
+              "Finished requests that still hold KV blocks, among those finished longer than the "
+              "doctor's release grace ago (leak.finished_holding), from the block ledger: every "
+              "finished request seen since the exporter started, however many finished after it."),
+    MetricDef("kvdiag_finished_requests_held_blocks", "gauge", "blocks",
+              "KV blocks held by the requests of kvdiag_finished_requests_holding_blocks."),
+    MetricDef("kvdiag_kv_block_anomalies_total", "counter", "events",
+              "Block events that contradict the pool state, by kind (kvdiag/blockledger.py): "
+              "double_release, release_unheld (also blocks allocated before kvdiag joined), "
+              "alloc_in_use, evict_held.", ("kind",)),
     # ------------------------------------------------------------------ prefix sharing
     MetricDef("kvdiag_prefix_engine_hit_ratio", "gauge", "ratio",
               "Engine prefix-cache token hit rate: cached prompt tokens / prompt tokens of finished "

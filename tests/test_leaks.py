@@ -125,7 +125,8 @@ def test_release_monitor_forwards_and_accounts():
     inner = ListSink()
     mon = ReleaseMonitor(inner)
     mon.record(BlockAllocated(ts_ns=1, request_id="x", block_id=3))
-    assert len(inner.events) == 1 and mon.ledger.requests["x"].held == {3}
+    assert len(inner.events) == 1 and mon.ledger.blocks_of("x") == {3}
+    assert (mon.ledger.held_blocks, mon.ledger.holdings) == (1, 1)
 
 
 class Owner:

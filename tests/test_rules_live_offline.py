@@ -1,6 +1,9 @@
 """One verdict per rule in every view: a recorded log replayed through the live path (the
 source, LiveState and LiveRules, called as ``kvdiag top --log`` calls them) ends with the
-same findings as ``kvdiag doctor`` on the file: same rule ids, statuses and measured values."""
+same findings as ``kvdiag doctor`` on the file: same rule ids, statuses and measured values.
+The leak rules top shows come from its own block ledger (LiveState.ledger), the others from
+the doctor run on its event window; tests/test_ledger_views.py checks top's, the exporter's
+and the doctor's pool numbers against a brute-force count."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 Per engine step (``EngineStep``, ``ts_ns`` = the start of its forward pass):
 
-- ``blocks_held``: KV blocks held by live requests when the step starts, from the block
-  ledger (+1 per ``BlockAllocated``, ``PrefixHit`` and ``BlockDeduplicated``, -1 per
-  ``BlockReleased``, every event with ``ts_ns`` <= the step's). A block shared by two requests
-  counts twice: each request's attention reads it. Without block events, the last
+- ``blocks_held``: KV blocks held by requests when the step starts: the pool ledger's
+  ``holdings`` (:class:`kvdiag.blockledger.BlockLedger`, the state ``kvdiag top`` and the
+  exporter read) after every block event with ``ts_ns`` <= the step's. A block shared by two
+  requests counts twice: each request's attention reads it; a bad release (double, or of a
+  block the request does not hold) changes nothing. Without block events, the last
   ``KVPoolSample.blocks_used`` at or before the step.
 - ``kv_read_bytes`` = blocks_held x block bytes (the pool's ``block_bytes``; all layers, K
   and V): what decode attention reads once per step.
@@ -28,13 +29,15 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis.logs import Logs
-from kvdiag.schema import (BlockAllocated, BlockDeduplicated, BlockReleased, EngineStep, KVPoolSample,
+from kvdiag.blockledger import BlockLedger
+from kvdiag.schema import (BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased, EngineStep, KVPoolSample,
                            MemoryBandwidthProbe, NvmlSample, PrefixHit)
 
 COLUMNS = ["ts_ns", "node", "step_id", "batch_size", "duration_ns", "blocks_held", "block_bytes",
            "kv_read_bytes", "kv_read_bytes_per_s", "peak_copy_bytes_per_s", "utilisation"]
 
-_DELTAS = ((BlockAllocated, 1), (PrefixHit, 1), (BlockDeduplicated, 1), (BlockReleased, -1))
+_BLOCK_EVENTS = (BlockAllocated, PrefixHit, BlockDeduplicated, BlockReleased, BlockEvicted)
+"""In this order at equal timestamps (an allocation before the release of the same instant)."""
 
 
 def peak_copy_bandwidth(logs: Logs, node: str) -> Optional[float]:
@@ -45,21 +48,36 @@ def peak_copy_bandwidth(logs: Logs, node: str) -> Optional[float]:
     return float(pr["copy_bandwidth_bytes_per_s"].iloc[-1]) if len(pr) else None
 
 
-def _held_at(logs: Logs, node: str, t: np.ndarray) -> Optional[np.ndarray]:
-    """Blocks held by live requests at each time of ``t`` (events at or before it), None
-    when the node has neither block events nor pool samples."""
-    times, deltas = [], []
-    for cls, sign in _DELTAS:
+def _block_events(logs: Logs, node: str) -> list:
+    """``node``'s block events rebuilt from the frames, in time order."""
+    out = []
+    for rank, cls in enumerate(_BLOCK_EVENTS):
         df = logs.frame(cls)
-        ts = df["ts_ns"][df["node"] == node].to_numpy(dtype="int64")
-        times.append(ts)
-        deltas.append(np.full(len(ts), sign, dtype="int64"))
-    ts, d = np.concatenate(times), np.concatenate(deltas)
-    if len(ts):
-        order = np.argsort(ts, kind="stable")
-        ts, cum = ts[order], np.cumsum(d[order])
-        idx = np.searchsorted(ts, t, side="right") - 1
-        return np.maximum(np.where(idx >= 0, cum[np.maximum(idx, 0)], 0), 0).astype("float64")
+        df = df[df["node"] == node].drop(columns="node")
+        fields = list(df.columns)
+        out += [(row[0], rank, cls(**dict(zip(fields, row[1:])))) for row in
+                zip(df["ts_ns"].to_numpy().tolist(), *(df[c].tolist() for c in fields))]
+    out.sort(key=lambda p: (p[0], p[1]))
+    return [ev for _, _, ev in out]
+
+
+def _held_at(logs: Logs, node: str, t: np.ndarray) -> Optional[np.ndarray]:
+    """Blocks held by requests at each time of ``t`` (the ledger after the events at or before
+    it), None when the node has neither block events nor pool samples."""
+    events = _block_events(logs, node)
+    if events:
+        ledger = BlockLedger()
+        apply = ledger.apply
+        order = np.argsort(t, kind="stable")
+        held = np.zeros(len(t), dtype="float64")
+        i, n = 0, len(events)
+        for k in order:
+            tk = t[k]
+            while i < n and events[i].ts_ns <= tk:
+                apply(events[i])
+                i += 1
+            held[k] = ledger.holdings
+        return held
     kp = logs.frame(KVPoolSample)
     kp = kp[kp["node"] == node]
     if kp.empty:

@@ -29,7 +29,8 @@ import pandas as pd
 
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.rules import FRAGMENTATION_LIMIT, fragmentation_status
-from kvdiag.schema import BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased, Event, KVPoolInfo, PrefixHit
+from kvdiag.blockledger import BlockLedger
+from kvdiag.schema import Event
 from kvdiag.snapshot_check import check_snapshot
 
 SMALL_ALLOC_MAX_BYTES = 1 << 20
@@ -332,46 +333,36 @@ class FreeListState:
 
 
 def replay_free_list(events: Iterable[Event]) -> Optional[FreeListState]:
-    """Replay ``KVPoolInfo`` + block events: a block is used while some request holds it,
-    cached when released with ``cached`` until evicted or hit again, free otherwise. None
-    without a ``KVPoolInfo``. Block ids are taken to be ``num_blocks`` consecutive integers
-    starting at 0, or ending at the largest id seen when that is beyond ``num_blocks - 1``
-    (transformers' paged cache numbers its pages after two reserved "trash" pages)."""
-    num_blocks = None
-    holders: dict[int, set] = {}
-    cached: set[int] = set()
+    """Replay ``KVPoolInfo`` + block events through the pool ledger
+    (:class:`kvdiag.blockledger.BlockLedger`: used while some request holds a block, cached
+    when released with ``cached`` until evicted or hit again, free otherwise, bad releases as
+    it defines them). None without a ``KVPoolInfo``."""
+    ledger = BlockLedger()
     max_id = -1
+    apply = ledger.apply
     for ev in events:
         block_id = getattr(ev, "block_id", None)
-        if block_id is not None:
-            max_id = max(max_id, block_id)
-        if isinstance(ev, KVPoolInfo):
-            num_blocks, holders, cached = ev.num_blocks, {}, set()
-        elif isinstance(ev, BlockAllocated):
-            holders.setdefault(ev.block_id, set()).add(ev.request_id)
-            cached.discard(ev.block_id)
-        elif isinstance(ev, (PrefixHit, BlockDeduplicated)):
-            holders.setdefault(ev.block_id, set()).add(ev.request_id)
-            cached.discard(ev.block_id)
-        elif isinstance(ev, BlockReleased):
-            h = holders.get(ev.block_id)
-            if h is not None:
-                h.discard(ev.request_id)
-                if not h:
-                    del holders[ev.block_id]
-                    if ev.cached:
-                        cached.add(ev.block_id)
-        elif isinstance(ev, BlockEvicted):
-            cached.discard(ev.block_id)
+        if block_id is not None and block_id > max_id:
+            max_id = block_id
+        apply(ev)
+    return free_list_state(ledger, max_id)
+
+
+def free_list_state(ledger: BlockLedger, max_block_id: int) -> Optional[FreeListState]:
+    """The free list of ``ledger`` now (None before a ``KVPoolInfo``). Block ids are taken to
+    be ``num_blocks`` consecutive integers starting at 0, or ending at ``max_block_id`` (the
+    largest id seen) when that is beyond ``num_blocks - 1`` (transformers' paged cache numbers
+    its pages after two reserved "trash" pages)."""
+    num_blocks = ledger.num_blocks
     if num_blocks is None:
         return None
-    busy = set(holders) | cached
-    first_id = max(0, max_id + 1 - num_blocks)
+    busy = [*ledger.holders, *ledger.cached]
+    first_id = max(0, max_block_id + 1 - num_blocks)
     end_id = first_id + num_blocks
     bounds = [first_id - 1, *sorted(b for b in busy if first_id <= b < end_id), end_id]
     longest = max(b - a - 1 for a, b in zip(bounds, bounds[1:]))  # the longest free run
-    free = num_blocks - len(busy)
-    return FreeListState(num_blocks, free, len(cached - set(holders)), len(holders), longest,
+    free = ledger.free_blocks
+    return FreeListState(num_blocks, free, ledger.cached_blocks, ledger.held_blocks, longest,
                          _ext_frag(free, longest))
 
 

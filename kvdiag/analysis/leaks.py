@@ -14,6 +14,7 @@ and blocks):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Optional
 
 import pandas as pd
@@ -37,32 +38,30 @@ EPISODE_COLUMNS = [
 ]
 
 
-def ledger_from_events(events: Iterable[Event]) -> BlockLedger:
-    """Replay events (in the order given, which should be time order) into a ledger."""
-    ledger = BlockLedger()
-    for ev in events:
-        ledger.apply(ev)
+def ledger_from_events(events: Iterable[Event], keep_history: bool = True) -> BlockLedger:
+    """Replay events (in the order given, which should be time order) into a ledger; with
+    ``keep_history`` (the default here) it keeps the request records and episodes the frames
+    below need."""
+    ledger = BlockLedger(keep_history=keep_history)
+    ledger.apply_all(events)
     return ledger
 
 
 def request_frame(ledger: BlockLedger) -> pd.DataFrame:
-    """One row per request seen in block or request events; ``blocks_still_held`` at the end."""
-    doubles: dict = {}
-    for a in ledger.anomalies:
-        if a.kind == "double_release":
-            doubles[a.request_id] = doubles.get(a.request_id, 0) + 1
+    """One row per request seen in block or request events; ``blocks_still_held`` at the end
+    (a ledger built with ``keep_history``)."""
     rows = [{"request_id": r.request_id, "arrived_ns": r.arrived_ns, "finished_ns": r.finished_ns,
              "status": r.status, "blocks_allocated": r.blocks_allocated,
              "blocks_prefix_hit": r.blocks_prefix_hit, "blocks_deduplicated": r.blocks_deduplicated,
              "blocks_released": r.blocks_released,
              "blocks_released_cached": r.blocks_released_cached,
-             "blocks_evicted_later": r.blocks_evicted_later, "blocks_still_held": len(r.held),
-             "double_releases": doubles.get(r.request_id, 0)} for r in ledger.requests.values()]
+             "blocks_evicted_later": r.blocks_evicted_later,
+             "blocks_still_held": len(ledger.blocks_of(r.request_id)), "double_releases": r.double_releases} for r in ledger.requests.values()]
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
 
 def episode_frame(ledger: BlockLedger) -> pd.DataFrame:
-    """One row per block allocation: lifetime_ns = released - allocated (NaN while held);
+    """One row per block allocation (a ledger built with ``keep_history``): lifetime_ns = released - allocated (NaN while held);
     idle_before_evict_ns = evicted - released for cached blocks (NaN until evicted)."""
     rows = []
     for e in ledger.episodes:
@@ -77,8 +76,10 @@ def episode_frame(ledger: BlockLedger) -> pd.DataFrame:
 
 
 def anomaly_frame(ledger: BlockLedger) -> pd.DataFrame:
-    """Events that contradict the pool state: double_release, release_unheld (also normal for
-    blocks allocated before recording began), alloc_in_use, evict_held."""
+    """Events that contradict the pool state (:mod:`kvdiag.blockledger` defines the kinds):
+    double_release, release_unheld (also normal for blocks allocated before recording began),
+    alloc_in_use, evict_held; every one with ``keep_history``, else the first of each kind
+    (``ledger.anomaly_counts`` has the counts)."""
     return pd.DataFrame([{"kind": a.kind, "ts_ns": a.ts_ns, "block_id": a.block_id,
                           "request_id": a.request_id} for a in ledger.anomalies],
                         columns=["kind", "ts_ns", "block_id", "request_id"])
@@ -90,7 +91,7 @@ def finished_holding_finding(ledger: BlockLedger, grace_s: float = DEFAULT_GRACE
     now = ledger.last_ts_ns if now_ns is None else now_ns
     held = ledger.held_by_finished(now, int(grace_s * 1e9))
     title = f"finished requests release their KV blocks within {grace_s:g} s"
-    finished = sum(1 for r in ledger.requests.values() if r.finished_ns is not None)
+    finished = ledger.finished_requests
     if finished == 0:
         return Finding("leak.finished_holding", "n/a", title, "no finished request in the window")
     if not held:
@@ -108,16 +109,26 @@ def finished_holding_finding(ledger: BlockLedger, grace_s: float = DEFAULT_GRACE
 
 def double_release_finding(ledger: BlockLedger) -> Finding:
     """Rule ``leak.double_release``: releases of a block the same request had already released."""
-    doubles = [a for a in ledger.anomalies if a.kind == "double_release"]
+    count = ledger.anomaly_counts["double_release"]
     title = "no KV block is released twice"
-    if not ledger.requests:
+    if not ledger.block_events and not ledger.finished_requests:
         return Finding("leak.double_release", "n/a", title, "no block events")
-    if not doubles:
+    if not count:
         return Finding("leak.double_release", "pass", title, "0 double releases")
+    doubles = [a for a in ledger.anomalies if a.kind == "double_release"][:MAX_NAMED]
     return Finding("leak.double_release", "fail", title,
-                   f"{len(doubles)} double releases by {len({a.request_id for a in doubles})} requests",
+                   f"{count} double releases by {len(ledger.double_release_requests)} requests",
                    {"releases": [{"request_id": str(a.request_id), "block_id": int(a.block_id), "ts_ns": a.ts_ns}
-                                 for a in doubles[:MAX_NAMED]], "count": len(doubles)})
+                                 for a in doubles], "count": count})
+
+
+def ledger_findings(ledger: BlockLedger, grace_s: float = DEFAULT_GRACE_S,
+                    now_ns: Optional[int] = None) -> list[Finding]:
+    """The two rules a ledger decides, under the ids the doctor reports them with
+    (``leak.release_paths`` for ``leak.finished_holding``, ``leak.double_release``): what
+    ``kvdiag top`` shows from its own ledger, without an event window."""
+    held = finished_holding_finding(ledger, grace_s, now_ns)
+    return [replace(held, rule="leak.release_paths"), double_release_finding(ledger)]
 
 
 def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,
@@ -149,7 +160,7 @@ def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,
 def leak_findings(events: Iterable[Event], pool_samples: Optional[pd.DataFrame] = None,
                   grace_s: float = DEFAULT_GRACE_S, now_ns: Optional[int] = None) -> list[Finding]:
     """All three leak rules over one event sequence (time order)."""
-    ledger = ledger_from_events(events)
+    ledger = ledger_from_events(events, keep_history=False)
     return [finished_holding_finding(ledger, grace_s, now_ns), double_release_finding(ledger),
             pool_growth_finding(pool_samples)]
 

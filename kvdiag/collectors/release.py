@@ -3,8 +3,9 @@
 Two tools:
 
 - :class:`ReleaseMonitor`, a sink for an engine adapter's block events that keeps a live
-  :class:`~kvdiag.blockledger.BlockLedger` (per-request blocks held, released, cached, evicted)
-  and forwards every event to an inner sink;
+  :class:`~kvdiag.blockledger.BlockLedger` (the one pool ledger: blocks held per request,
+  cached, free, finished requests still holding, bad releases; flat memory) and forwards every
+  event to an inner sink;
 - :class:`Tracker` behind ``kvdiag.track(obj, nbytes, owner=...)``, for engines without an
   adapter: it holds only weak references, and reports objects still alive after their owner
   (an object, or a key ended with :meth:`Tracker.end_owner`) is gone.
@@ -25,7 +26,8 @@ from kvdiag.sinks import NullSink, Sink
 
 
 class ReleaseMonitor:
-    """Sink: applies each event to a ledger (under a lock) and forwards it to ``inner``."""
+    """Sink: applies each event to a ledger (under a lock) and forwards it to ``inner``. Read
+    ``ledger`` under ``lock``."""
 
     def __init__(self, inner: Optional[Sink] = None) -> None:
         self.inner = inner or NullSink()

@@ -58,7 +58,8 @@ class LiveRules:
             if dropped > 0:
                 findings.append(Finding("collector.doctor_window", "n/a", "rules judged recent events only",
                                         f"the {len(events)} latest events; {dropped} earlier ones are not "
-                                        "kept live (kvdiag doctor LOG judges the whole log)",
+                                        "kept live (kvdiag doctor LOG judges the whole log; top's release-path "
+                                        "and double-release verdicts come from its block ledger, over every event)",
                                         {"events": len(events), "dropped": dropped}))
             self.findings = tuple(findings)
         except Exception as exc:  # a rule that breaks on partial live data must not stop top

@@ -69,6 +69,13 @@ class PoolView:
     occupancy_history: History  # block occupancy per bin
     reason: str
     inconsistency: str = ""  # why a sampled number was rejected ("" when all are plausible)
+    # from the block ledger (kvdiag.blockledger), None without block events
+    ledger_held_blocks: Optional[int] = None
+    ledger_cached_blocks: Optional[int] = None
+    ledger_free_blocks: Optional[int] = None  # also None without a KVPoolInfo
+    finished_holding_requests: Optional[int] = None  # finished > the release grace ago, still holding
+    finished_holding_blocks: Optional[int] = None  # the blocks those requests hold
+    block_anomalies: tuple = ()  # (kind, count) per kvdiag.blockledger.ANOMALY_KINDS
 
 
 @dataclass(frozen=True, slots=True)

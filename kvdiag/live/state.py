@@ -19,10 +19,11 @@ from typing import Iterable, Optional
 import msgspec
 
 from kvdiag import schema as s
-from kvdiag.analysis import pressure
+from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
+from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
-from kvdiag.analysis.rules import compression_verdict
+from kvdiag.analysis.rules import RELEASE_GRACE_NS, compression_verdict
 from kvdiag.analysis.shadow_sampling import sampling_line
 from kvdiag.live.snapshot import (
     LOCALITY_METRICS,
@@ -117,7 +118,6 @@ class _Request:
     arrived_ns: int
     prompt_tokens: int = 0
     state: str = "waiting"
-    blocks: set = field(default_factory=set)
     hit_tokens: int = 0
     hit_blocks: int = 0
     allocated_blocks: int = 0  # BlockAllocated events (the forecast's blocks already taken)
@@ -143,6 +143,7 @@ class LiveState:
         self.header: Optional[s.LogHeader] = None
         self.start_ns: Optional[int] = None
         self.events = 0
+        self.bad_events = 0  # events feed_all could not fold (malformed)
         self.bins: dict[int, _Bin] = {}
         self.series: dict[str, _Series] = {k: _Series() for k in (
             "nvml", "allocator", "kv_pool", "rss", "occupancy")}
@@ -150,11 +151,8 @@ class LiveState:
         # pool
         self.pool_info: Optional[s.KVPoolInfo] = None
         self.pool_sample: Optional[s.KVPoolSample] = None
-        self.holders: dict[int, int] = {}
-        self.cached_blocks: set[int] = set()
+        self.ledger = BlockLedger()  # the one owner of block state (held, cached, per request, leaks)
         self.preemptions = 0
-        self.block_events_seen = False
-        self.blocks_held = 0  # sum over live requests of the blocks each holds
         self.peak_copy_bytes_per_s: Optional[float] = None  # the log's bandwidth probe
         self.kv_read_bytes_total = 0.0  # demanded KV read of every step counted, and their time
         self.kv_read_step_ns_total = 0
@@ -185,6 +183,15 @@ class LiveState:
         self.status: dict[str, s.CollectorStatus] = {}
         self.rule_findings: tuple[Finding, ...] = ()  # run_rules over the events so far, run by the caller
 
+    @property
+    def block_events_seen(self) -> bool:
+        return self.ledger.block_events > 0
+
+    @property
+    def blocks_held(self) -> int:
+        """Sum over requests of the blocks each holds (the ledger's ``holdings``)."""
+        return self.ledger.holdings
+
     # ------------------------------------------------------------------ feeding
 
     def set_header(self, header: s.LogHeader) -> None:
@@ -193,8 +200,56 @@ class LiveState:
             self.start_ns = header.start_ns
 
     def feed_all(self, events: Iterable[s.Event]) -> None:
+        """Fold events in order: the same as :meth:`feed` on each, faster (the block events
+        that dominate a busy engine's stream go straight to the ledger); an event that raises
+        is counted in ``bad_events`` and skipped."""
+        if self.start_ns is None:
+            events = iter(events)
+            first = next(events, None)
+            if first is None:
+                return
+            self.feed(first)
+        get = _HANDLERS.get
+        bins, bin_ns = self.bins, self.bin_ns
+        ledger = self.ledger
+        allocated, released, evicted = ledger.allocated, ledger.released, ledger.evicted
+        live = self.live
+        ALLOC, REL, EVICT = s.BlockAllocated, s.BlockReleased, s.BlockEvicted
+        cur, b, run, n = None, None, 0, 0
         for ev in events:
-            self.feed(ev)
+            idx = ev.ts_ns // bin_ns
+            if idx != cur:
+                if b is not None:
+                    b.events += run
+                    n += run
+                b = bins.get(idx)
+                if b is None:
+                    b = bins[idx] = _Bin()
+                cur, run = idx, 0
+            run += 1
+            t = type(ev)
+            try:  # free unless raised (Python 3.11+)
+                if t is REL:
+                    released(ev)
+                elif t is ALLOC:
+                    allocated(ev)
+                    req = live.get(ev.request_id)
+                    if req is None:
+                        req = self._request(ev.request_id, ev.ts_ns)
+                    req.allocated_blocks += 1
+                elif t is EVICT:
+                    evicted(ev)
+                    b.evictions += 1
+                else:
+                    h = get(t)
+                    if h is not None:
+                        h(self, ev, b, idx)
+            except Exception:  # one malformed event costs its own figures, not the fold
+                self.bad_events += 1
+        if b is not None:
+            b.events += run
+            n += run
+        self.events += n
 
     def _bin(self, ts_ns: int) -> _Bin:
         idx = ts_ns // self.bin_ns
@@ -247,6 +302,7 @@ class LiveState:
         b.generated_tokens += 1
 
     def _on_finished(self, ev: s.RequestFinished, b: _Bin, idx: int) -> None:
+        self.ledger.finished(ev)
         req = self.live.pop(ev.request_id, None) or self.finished.get(ev.request_id)
         if req is None:
             req = _Request(ev.request_id, ev.ts_ns - (ev.e2e_ns or 0))
@@ -285,8 +341,8 @@ class LiveState:
         block bytes, over its duration (a live feed sees the step after its own block events)."""
         self.saw_steps = True
         b.generated_tokens += ev.decode_tokens
-        if self.pool_info is not None and self.block_events_seen and ev.duration_ns > 0:
-            read = self.blocks_held * self.pool_info.block_bytes
+        if self.pool_info is not None and self.ledger.block_events and ev.duration_ns > 0:
+            read = self.ledger.holdings * self.pool_info.block_bytes
             b.kv_read_bytes += read
             b.step_ns += ev.duration_ns
             self.kv_read_bytes_total += read
@@ -297,46 +353,32 @@ class LiveState:
 
     def _on_pool_info(self, ev: s.KVPoolInfo, b: _Bin, idx: int) -> None:
         self.pool_info = ev
+        self.ledger.apply(ev)
 
-    def _hold(self, req: _Request, block: int) -> None:
-        self.block_events_seen = True
-        if block not in req.blocks:
-            req.blocks.add(block)
-            self.holders[block] = self.holders.get(block, 0) + 1
-            self.blocks_held += 1
+    # block state is the ledger's (kvdiag.blockledger: holdings, cache, bad releases); the
+    # handlers below add only the per-request figures top shows
 
     def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
-        self.cached_blocks.discard(ev.block_id)
-        req = self._request(ev.request_id, ev.ts_ns)
-        req.allocated_blocks += 1
-        self._hold(req, ev.block_id)
+        self.ledger.allocated(ev)
+        self._request(ev.request_id, ev.ts_ns).allocated_blocks += 1
 
     def _on_hit(self, ev: s.PrefixHit, b: _Bin, idx: int) -> None:
+        self.ledger.hit(ev)
         req = self._request(ev.request_id, ev.ts_ns)
         req.hit_tokens += ev.num_tokens
         req.hit_blocks += 1
-        self._hold(req, ev.block_id)
 
     def _on_deduplicated(self, ev, b: _Bin, idx: int) -> None:
         """``BlockDeduplicated``: the request now holds the cached ``block_id`` (its duplicate
         is given back by the ``BlockReleased`` that follows)."""
-        self._hold(self._request(ev.request_id, ev.ts_ns), ev.block_id)
+        self.ledger.hit(ev)
+        self._request(ev.request_id, ev.ts_ns)
 
     def _on_released(self, ev: s.BlockReleased, b: _Bin, idx: int) -> None:
-        req = self.live.get(ev.request_id) or self.finished.get(ev.request_id)
-        if req is not None and ev.block_id in req.blocks:
-            req.blocks.discard(ev.block_id)
-            self.blocks_held -= 1
-            left = self.holders.get(ev.block_id, 1) - 1
-            if left > 0:
-                self.holders[ev.block_id] = left
-            else:
-                self.holders.pop(ev.block_id, None)
-        if ev.cached:
-            self.cached_blocks.add(ev.block_id)
+        self.ledger.released(ev)
 
     def _on_evicted(self, ev: s.BlockEvicted, b: _Bin, idx: int) -> None:
-        self.cached_blocks.discard(ev.block_id)
+        self.ledger.evicted(ev)
         b.evictions += 1
 
     def _on_pool_sample(self, ev: s.KVPoolSample, b: _Bin, idx: int) -> None:
@@ -425,7 +467,7 @@ class LiveState:
         window = self._bins_window(last, self.rate_window_bins)
         window_s = self.rate_window_bins * self.bin_s
         latency_window = self._bins_window(last, self.rate_window_bins * LATENCY_WINDOWS)
-        pool = self._pool_view(first, last, window, window_s)
+        pool = self._pool_view(first, last, window, window_s, now_ns)
         memory = self._memory_view(first, last, now_ns)
         sharing = self._sharing_view(first, last)
         latency = self._latency_view(first, last, window, window_s, latency_window)
@@ -532,15 +574,16 @@ class LiveState:
         return float(pressure.needed_blocks(expected, allocated)), float(sample.blocks_free + sample.blocks_cached)
 
     def _pool_blocks(self) -> Optional[tuple[int, int]]:
-        """(blocks held by live requests, blocks held only by the prefix cache)."""
+        """(blocks held by requests, blocks held only by the prefix cache): the latest pool
+        sample, else the ledger's counts."""
         if self.pool_sample is not None:
             return self.pool_sample.blocks_used, self.pool_sample.blocks_cached
-        if self.pool_info is None and not self.holders and not self.cached_blocks:
+        ledger = self.ledger
+        if self.pool_info is None and not ledger.holders and not ledger.cached:
             return None
-        only_cached = sum(1 for blk in self.cached_blocks if blk not in self.holders)
-        return len(self.holders), only_cached
+        return ledger.held_blocks, ledger.cached_blocks
 
-    def _pool_view(self, first: int, last: int, window: list[_Bin], window_s: float) -> PoolView:
+    def _pool_view(self, first: int, last: int, window: list[_Bin], window_s: float, now_ns: int) -> PoolView:
         info, sample = self.pool_info, self.pool_sample
         blocks = self._pool_blocks()
         num_blocks = sample.num_blocks if sample else (info.num_blocks if info else None)
@@ -559,7 +602,10 @@ class LiveState:
         alloc = list(self.allocator.values())
         reserved = sum(a.reserved_bytes for a in alloc)
         alloc_frag = (reserved - sum(a.allocated_bytes for a in alloc)) / reserved if reserved else None
-        has_pool = info is not None or sample is not None or bool(self.holders)
+        ledger = self.ledger
+        has_pool = info is not None or sample is not None or bool(ledger.holders)
+        seen = ledger.block_events > 0
+        holding = ledger.finished_holding_count(now_ns, RELEASE_GRACE_NS) if seen else (None, None)
         return PoolView(
             num_blocks=num_blocks, block_size_tokens=block_size, blocks_used=used, blocks_cached=cached,
             block_occupancy=block_occ, token_occupancy=token_occ,
@@ -571,7 +617,12 @@ class LiveState:
             waiting_requests=sample.waiting_requests if sample else None,
             occupancy_history=self.series["occupancy"].history(first, last, 10),
             reason="" if has_pool else "no KV pool events: the server needs the kvdiag agent (kvdiag demo runs one)",
-            inconsistency=inconsistency)
+            inconsistency=inconsistency,
+            ledger_held_blocks=ledger.held_blocks if seen else None,
+            ledger_cached_blocks=ledger.cached_blocks if seen else None,
+            ledger_free_blocks=ledger.free_blocks if seen else None,
+            finished_holding_requests=holding[0], finished_holding_blocks=holding[1],
+            block_anomalies=tuple((k, ledger.anomaly_counts[k]) for k in ANOMALY_KINDS) if seen else ())
 
     def _engine_hit_rate(self) -> Optional[float]:
         m = self.engine_metrics
@@ -709,28 +760,35 @@ class LiveState:
         block_bytes = info.block_bytes if info else None
         bpt = header.bytes_per_token if header and header.bytes_per_token else None
 
+        blocks_of = self.ledger.blocks_of
+
         def kv_bytes(r: _Request) -> Optional[int]:
-            if r.blocks and block_bytes:
-                return len(r.blocks) * block_bytes
+            blocks = blocks_of(r.request_id)
+            if blocks and block_bytes:
+                return len(blocks) * block_bytes
             if self.block_events_seen or r.finished_ns is not None or r.state == "waiting":
                 return 0  # the engine reports blocks and this request holds none
             return r.prompt_tokens * bpt if bpt is not None else None  # no block events: estimate
 
         live = heapq.nlargest(TOP_REQUESTS, self.live.values(),
                               key=lambda r: (kv_bytes(r) or 0, -r.arrived_ns))
-        rows = [_row(r, kv_bytes(r), now_ns) for r in live]
+        rows = [_row(r, kv_bytes(r), now_ns, blocks_of(r.request_id)) for r in live]
         for r in reversed(self.finished.values()):
             if len(rows) >= TOP_REQUESTS:
                 break
-            rows.append(_row(r, kv_bytes(r), now_ns))
+            rows.append(_row(r, kv_bytes(r), now_ns, blocks_of(r.request_id)))
         reason = "" if rows else "no requests seen yet"
         return RequestsView(rows=tuple(rows), live=len(self.live), finished=self.finished_count, reason=reason)
 
     def _alerts(self, snap: Snapshot) -> tuple[Finding, ...]:
         """The rules' findings (:func:`kvdiag.analysis.doctor.run_rules`, run by the caller
-        over the events seen so far, in ``rule_findings``), then collector health: events
+        over the events seen so far, in ``rule_findings``; the release-path and double-release
+        rules from the block ledger, over every event), then collector health: events
         dropped, collector errors and collectors not available here."""
         out: list[Finding] = list(self.rule_findings)
+        if self.ledger.block_events:  # the leak rules the ledger decides, judged on all events
+            ledger_rules = {f.rule: f for f in leaks.ledger_findings(self.ledger, now_ns=snap.now_ns)}
+            out = [ledger_rules.pop(f.rule, f) for f in out] + list(ledger_rules.values())
         if snap.pool.inconsistency:
             out.append(Finding("collector.pool_samples", "warn", "KV pool samples inconsistent",
                                snap.pool.inconsistency, {}))
@@ -755,13 +813,13 @@ def _point(ev: s.ShadowSharing) -> WhatIfPoint:
                        ev.block_hit_rate, ev.requests)
 
 
-def _row(r: _Request, kv: Optional[int], now_ns: int) -> RequestRow:
+def _row(r: _Request, kv: Optional[int], now_ns: int, blocks) -> RequestRow:
     end = r.finished_ns if r.finished_ns is not None else now_ns
     return RequestRow(
         request_id=r.request_id, state=r.state, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-        blocks=len(r.blocks), kv_bytes=kv, hit_tokens=r.hit_tokens, hit_blocks=r.hit_blocks,
+        blocks=len(blocks), kv_bytes=kv, hit_tokens=r.hit_tokens, hit_blocks=r.hit_blocks,
         age_s=max(0.0, (end - r.arrived_ns) / 1e9),
-        ttft_ms=r.ttft_ns / 1e6 if r.ttft_ns is not None else None, block_ids=tuple(sorted(r.blocks)))
+        ttft_ms=r.ttft_ns / 1e6 if r.ttft_ns is not None else None, block_ids=tuple(sorted(blocks)))
 
 
 _HANDLERS = {
