@@ -4,9 +4,12 @@ rounding, codes packed low bits first). fp8 values are rounded to the fp8 grid i
 from zero) before the cast, so the cast is exact on every backend; torch rounds half to even, so
 the two can differ by one fp8 step at exact ties.
 
-One program quantizes ``ROWS`` tokens of one (batch, head) stream: with the token axis any
-``ROWS`` rows, with the channel axis exactly one group of ``G`` tokens. Programs read the input
-through its 4-D strides, so the slice in front of the residual window is never copied.
+One program quantizes ``ROWS`` tokens (rows of ``head_dim`` values): with the token axis any
+``ROWS`` rows, with the channel axis whole groups of ``G`` tokens (``ROWS`` = max(G, TOKEN_ROWS);
+a group never spans two (batch, head) streams, as the quantized tokens are a multiple of ``G``).
+Programs read the input through its 4-D strides, so the slice in front of the residual window is
+never copied. Each program loads and stores whole rows, (ROWS, D) values and (ROWS, D // per_byte)
+bytes, and packs or unpacks the codes of a byte in registers (reshape + split / join).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import triton.language as tl
 
 from kvdiag.kernels.quant import FLOAT_DTYPES, FP8_DTYPES, INT_BITS, QuantizedKV, QuantSpec
 
-TOKEN_ROWS = 64  # rows per program on the token axis
+TOKEN_ROWS = 64  # tokens per program (on the channel axis: at least)
+TILE_VALUES = 64 * 128  # values per program that 4 warps hold; larger tiles get 8
 
 
 @triton.jit
@@ -30,86 +34,115 @@ def _row_offsets(pid, n_rows, H, T, sB, sH, sT, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr):
+def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_UP: tl.constexpr, SUB_DN: tl.constexpr):
     """Round fp32 ``y`` to the fp8 grid (MANT mantissa bits, min normal exponent EMIN) in fp32,
-    half away from zero, so that the cast to fp8 is exact on every backend."""
+    half away from zero, so that the cast to fp8 is exact on every backend. Normal values: add
+    half a step to the magnitude's bits and clear the dropped mantissa bits (a carry moves to
+    the next binade); below 2**EMIN the step is fixed, SUB_DN = 2**(EMIN - MANT) = 1 / SUB_UP."""
     a = tl.abs(y)
-    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), EMIN)
-    r = tl.floor(a * tl.exp2(MANT - e) + 0.5) * tl.exp2(e - MANT)
+    SH: tl.constexpr = 23 - MANT
+    bits = a.to(tl.uint32, bitcast=True)
+    normal = ((bits + (1 << (SH - 1))) >> SH << SH).to(tl.float32, bitcast=True)
+    sub = tl.floor(a * SUB_UP + 0.5) * SUB_DN
+    r = tl.where(bits < ((127 + EMIN) << 23), sub, normal)
     return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _pack(codes, ROWS: tl.constexpr, D: tl.constexpr, PPB: tl.constexpr, BITS: tl.constexpr):
+    """int32 codes (ROWS, D) -> (ROWS, D // PPB), value d at bits (d % PPB) * BITS of byte
+    d // PPB; the tile is split in registers, so the caller loads and stores it contiguously."""
+    DP: tl.constexpr = D // PPB
+    if PPB == 1:
+        packed = codes
+    elif PPB == 2:
+        c0, c1 = tl.split(tl.reshape(codes, (ROWS, DP, 2)))
+        packed = c0 | (c1 << BITS)
+    else:  # 4 per byte: j = 2 * j1 + j0, split j0 first
+        e0, e1 = tl.split(tl.reshape(codes, (ROWS, DP, 2, 2)))
+        c0, c2 = tl.split(e0)
+        c1, c3 = tl.split(e1)
+        packed = c0 | (c1 << BITS) | (c2 << (2 * BITS)) | (c3 << (3 * BITS))
+    return packed
+
+
+@triton.jit
+def _unpack(p, ROWS: tl.constexpr, D: tl.constexpr, PPB: tl.constexpr, BITS: tl.constexpr):
+    """int32 bytes (ROWS, D // PPB) -> int32 codes (ROWS, D), the inverse of :func:`_pack`."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if PPB == 1:
+        codes = p
+    elif PPB == 2:
+        codes = tl.reshape(tl.join(p & MASK, p >> BITS), (ROWS, D))
+    else:  # join j1 inside j0 -> [row, byte, j1, j0], i.e. d = 4 * byte + 2 * j1 + j0
+        c0 = p & MASK
+        c1 = (p >> BITS) & MASK
+        c2 = (p >> (2 * BITS)) & MASK
+        c3 = p >> (3 * BITS)
+        codes = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (ROWS, D))
+    return codes
 
 
 @triton.jit
 def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, n_rows, H, T, sB, sH, sT, sD,
                   ROWS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PPB: tl.constexpr,
                   BITS: tl.constexpr, CHANNEL: tl.constexpr, FP8: tl.constexpr,
-                  FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+                  FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+                  SUB_UP: tl.constexpr, SUB_DN: tl.constexpr):
     pid = tl.program_id(0)
     rows, ok, base = _row_offsets(pid, n_rows, H, T, sB, sH, sT, ROWS)
     DP: tl.constexpr = D // PPB
-    NG: tl.constexpr = D // G  # groups per token on the token axis
     QMAX: tl.constexpr = (1 << BITS) - 1
-    cols = tl.arange(0, DP)
+    cols = tl.arange(0, D)
     mask2 = ok[:, None]
-    packed = tl.zeros((ROWS, DP), dtype=tl.int32)
+    # one contiguous (ROWS, D) tile, viewed as groups: (groups, G, D) or (ROWS, groups, G)
+    x = tl.load(x_ptr + base[:, None] + (cols * sD)[None, :], mask=mask2, other=0.0).to(tl.float32)
     if CHANNEL:
-        for j in tl.static_range(PPB):
-            xj = tl.load(x_ptr + base[:, None] + ((cols * PPB + j) * sD)[None, :]).to(tl.float32)
-            soff = pid * D + cols * PPB + j
-            if FP8:
-                s16 = tl.div_rn(tl.max(tl.abs(xj), axis=0), FMAX).to(tl.float16)
-                tl.store(scale_ptr + soff, s16)
-                s = s16.to(tl.float32)
-                inv = tl.div_rn(1.0, tl.where(s > 0, s, 1.0))
-                y = tl.minimum(tl.maximum(_round_fp8(xj * inv[None, :], MANT, EMIN), -FMAX), FMAX)
-                tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty))
-            else:
-                mn = tl.min(xj, axis=0)
-                mx = tl.max(xj, axis=0)
-                z16 = mn.to(tl.float16)
-                s16 = tl.div_rn(mx - mn, QMAX * 1.0).to(tl.float16)
-                tl.store(scale_ptr + soff, s16)
-                tl.store(zero_ptr + soff, z16)
-                s = s16.to(tl.float32)
-                inv = tl.div_rn(1.0, tl.where(s > 0, s, 1.0))
-                code = tl.floor((xj - z16.to(tl.float32)[None, :]) * inv[None, :] + 0.5)
-                code = tl.minimum(tl.maximum(code, 0.0), QMAX * 1.0).to(tl.int32)
-                packed = packed | (code << (j * BITS))
-    else:
-        mn = tl.full((ROWS, NG), float("inf"), tl.float32)
-        mx = tl.full((ROWS, NG), float("-inf"), tl.float32)
-        for j in tl.static_range(PPB):
-            xj = tl.load(x_ptr + base[:, None] + ((cols * PPB + j) * sD)[None, :], mask=mask2, other=0.0)
-            xg = tl.reshape(xj.to(tl.float32), (ROWS, NG, G // PPB))
-            if FP8:
-                mx = tl.maximum(mx, tl.max(tl.abs(xg), axis=2))
-            else:
-                mn = tl.minimum(mn, tl.min(xg, axis=2))
-                mx = tl.maximum(mx, tl.max(xg, axis=2))
-        soff = rows[:, None] * NG + tl.arange(0, NG)[None, :]
+        GP: tl.constexpr = ROWS // G  # whole groups of G tokens per program
+        xg = tl.reshape(x, (GP, G, D))
+        grp = pid * GP + tl.arange(0, GP)
+        soff = grp[:, None] * D + cols[None, :]
+        smask = (grp < n_rows // G)[:, None]
         if FP8:
-            s16 = tl.div_rn(mx, FMAX).to(tl.float16)
+            mx = tl.max(tl.abs(xg), axis=1)
         else:
-            s16 = tl.div_rn(mx - mn, QMAX * 1.0).to(tl.float16)
-            z16 = mn.to(tl.float16)
-            tl.store(zero_ptr + soff, z16, mask=mask2)
-            zb = tl.reshape(tl.broadcast_to(z16.to(tl.float32)[:, :, None], (ROWS, NG, G // PPB)), (ROWS, DP))
-        tl.store(scale_ptr + soff, s16, mask=mask2)
-        s = s16.to(tl.float32)
-        inv = tl.div_rn(1.0, tl.where(s > 0, s, 1.0))
-        ib = tl.reshape(tl.broadcast_to(inv[:, :, None], (ROWS, NG, G // PPB)), (ROWS, DP))
-        for j in tl.static_range(PPB):
-            xj = tl.load(x_ptr + base[:, None] + ((cols * PPB + j) * sD)[None, :], mask=mask2, other=0.0)
-            xj = xj.to(tl.float32)
-            if FP8:
-                y = tl.minimum(tl.maximum(_round_fp8(xj * ib, MANT, EMIN), -FMAX), FMAX)
-                tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask2)
-            else:
-                code = tl.floor((xj - zb) * ib + 0.5)
-                code = tl.minimum(tl.maximum(code, 0.0), QMAX * 1.0).to(tl.int32)
-                packed = packed | (code << (j * BITS))
-    if not FP8:
-        tl.store(out_ptr + rows[:, None] * DP + cols[None, :], packed.to(tl.uint8), mask=mask2)
+            mn = tl.min(xg, axis=1)
+            mx = tl.max(xg, axis=1)
+    else:
+        NG: tl.constexpr = D // G  # groups per token
+        xg = tl.reshape(x, (ROWS, NG, G))
+        soff = rows[:, None] * NG + tl.arange(0, NG)[None, :]
+        smask = mask2
+        if FP8:
+            mx = tl.max(tl.abs(xg), axis=2)
+        else:
+            mn = tl.min(xg, axis=2)
+            mx = tl.max(xg, axis=2)
+    if FP8:
+        s16 = tl.div_rn(mx, FMAX).to(tl.float16)
+    else:
+        s16 = tl.div_rn(mx - mn, QMAX * 1.0).to(tl.float16)
+        z16 = mn.to(tl.float16)
+        tl.store(zero_ptr + soff, z16, mask=smask)
+    tl.store(scale_ptr + soff, s16, mask=smask)
+    s = s16.to(tl.float32)
+    inv = tl.div_rn(1.0, tl.where(s > 0, s, 1.0))
+    if CHANNEL:
+        ib = inv[:, None, :]
+    else:
+        ib = inv[:, :, None]
+    if FP8:
+        y = tl.minimum(tl.maximum(_round_fp8(xg * ib, MANT, EMIN, SUB_UP, SUB_DN), -FMAX), FMAX)
+        payload = tl.reshape(y, (ROWS, D)).to(out_ptr.dtype.element_ty)
+    else:
+        if CHANNEL:
+            zb = z16.to(tl.float32)[:, None, :]
+        else:
+            zb = z16.to(tl.float32)[:, :, None]
+        code = tl.floor((xg - zb) * ib + 0.5)
+        code = tl.minimum(tl.maximum(code, 0.0), QMAX * 1.0).to(tl.int32)
+        payload = _pack(tl.reshape(code, (ROWS, D)), ROWS, D, PPB, BITS).to(tl.uint8)
+    tl.store(out_ptr + rows[:, None] * DP + tl.arange(0, DP)[None, :], payload, mask=mask2)
 
 
 @triton.jit
@@ -121,34 +154,34 @@ def _dequant_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, n_rows,
     ok = rows < n_rows
     mask2 = ok[:, None]
     DP: tl.constexpr = D // PPB
-    NG: tl.constexpr = D // G
-    MASK: tl.constexpr = (1 << BITS) - 1
-    cols = tl.arange(0, DP)
-    p = tl.load(q_ptr + rows[:, None] * DP + cols[None, :], mask=mask2)
+    cols = tl.arange(0, D)
+    p = tl.load(q_ptr + rows[:, None] * DP + tl.arange(0, DP)[None, :], mask=mask2)
     if FP8:
-        p = p.to(tl.float32)
+        c = p.to(tl.float32)
     else:
-        p = p.to(tl.int32)
-    if not CHANNEL:
-        soff = rows[:, None] * NG + tl.arange(0, NG)[None, :]
-        s = tl.load(scale_ptr + soff, mask=mask2, other=0.0).to(tl.float32)
-        sb = tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, NG, G // PPB)), (ROWS, DP))
+        c = _unpack(p.to(tl.int32), ROWS, D, PPB, BITS).to(tl.float32)
+    if CHANNEL:
+        GP: tl.constexpr = ROWS // G
+        cg = tl.reshape(c, (GP, G, D))
+        grp = pid * GP + tl.arange(0, GP)
+        soff = grp[:, None] * D + cols[None, :]
+        smask = (grp < n_rows // G)[:, None]
+        sb = tl.load(scale_ptr + soff, mask=smask, other=0.0).to(tl.float32)[:, None, :]
         if not FP8:
-            z = tl.load(zero_ptr + soff, mask=mask2, other=0.0).to(tl.float32)
-            zb = tl.reshape(tl.broadcast_to(z[:, :, None], (ROWS, NG, G // PPB)), (ROWS, DP))
-    for j in tl.static_range(PPB):
-        if CHANNEL:
-            soff = pid * D + cols * PPB + j
-            sb = tl.load(scale_ptr + soff).to(tl.float32)[None, :]
-            if not FP8:
-                zb = tl.load(zero_ptr + soff).to(tl.float32)[None, :]
-        if FP8:
-            x = p * sb
-        else:
-            code = ((p >> (j * BITS)) & MASK).to(tl.float32)
-            x = code * sb + zb
-        tl.store(out_ptr + rows[:, None] * D + (cols * PPB + j)[None, :],
-                 x.to(out_ptr.dtype.element_ty), mask=mask2)
+            zb = tl.load(zero_ptr + soff, mask=smask, other=0.0).to(tl.float32)[:, None, :]
+    else:
+        NG: tl.constexpr = D // G
+        cg = tl.reshape(c, (ROWS, NG, G))
+        soff = rows[:, None] * NG + tl.arange(0, NG)[None, :]
+        sb = tl.load(scale_ptr + soff, mask=mask2, other=0.0).to(tl.float32)[:, :, None]
+        if not FP8:
+            zb = tl.load(zero_ptr + soff, mask=mask2, other=0.0).to(tl.float32)[:, :, None]
+    if FP8:
+        x = cg * sb
+    else:
+        x = cg * sb + zb
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :],
+             tl.reshape(x, (ROWS, D)).to(out_ptr.dtype.element_ty), mask=mask2)
 
 
 @triton.jit
@@ -170,6 +203,13 @@ def _launch_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _tile(channel: bool, group: int, head_dim: int) -> tuple[int, int]:
+    """(rows per program, warps): TOKEN_ROWS tokens, or on the channel axis whole groups of
+    ``group`` tokens (at least TOKEN_ROWS); 8 warps for tiles over TILE_VALUES values."""
+    rows = max(group, TOKEN_ROWS) if channel else TOKEN_ROWS
+    return rows, 4 if rows * head_dim <= TILE_VALUES else 8
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, group: int):
     """(payload, scale, zero) for ``x`` = the quantized head of a KV tensor."""
     b, h, t, d = x.shape
@@ -180,21 +220,18 @@ def quantize(x: torch.Tensor, spec: QuantSpec, group: int):
     ppb = 8 // bits
     channel = spec.axis == "channel"
     n_rows = b * h * t
-    if channel:
-        sshape = (b, h, t // group, d)
-        rows_per_prog, grid = group, n_rows // group
-    else:
-        sshape = (b, h, t, d // group)
-        rows_per_prog, grid = TOKEN_ROWS, triton.cdiv(n_rows, TOKEN_ROWS)
+    sshape = (b, h, t // group, d) if channel else (b, h, t, d // group)
+    rows, warps = _tile(channel, group, d)
     scale = torch.empty(sshape, dtype=torch.float16, device=x.device)
     zero = None if fp8 else torch.empty(sshape, dtype=torch.float16, device=x.device)
     out_dtype = FP8_DTYPES[spec.fmt] if fp8 else torch.uint8
     payload = torch.empty((b, h, t, d // ppb), dtype=out_dtype, device=x.device)
     fmax = float(torch.finfo(FP8_DTYPES[spec.fmt]).max) if fp8 else 1.0
     mant, emin = (3, -6) if spec.fmt == "fp8_e4m3" else (2, -14)
-    _quant_kernel[(grid,)](
+    _quant_kernel[(triton.cdiv(n_rows, rows),)](
         x, payload, scale, scale if zero is None else zero, n_rows, h, t, *x.stride(),
-        ROWS=rows_per_prog, D=d, G=group, PPB=ppb, BITS=bits, CHANNEL=channel, FP8=fp8, FMAX=fmax, MANT=mant, EMIN=emin)
+        ROWS=rows, D=d, G=group, PPB=ppb, BITS=bits, CHANNEL=channel, FP8=fp8, FMAX=fmax, MANT=mant,
+        EMIN=emin, SUB_UP=2.0 ** (mant - emin), SUB_DN=2.0 ** (emin - mant), num_warps=warps)
     return payload, scale, zero
 
 
@@ -211,8 +248,8 @@ def dequantize(q: QuantizedKV) -> torch.Tensor:
     channel = spec.axis == "channel"
     n_rows = b * h * t
     out = torch.empty((b, h, t, d), dtype=q.dtype, device=q.payload.device)
-    rows_per_prog = q.group_size if channel else TOKEN_ROWS
-    _dequant_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
+    rows, warps = _tile(channel, q.group_size, d)
+    _dequant_kernel[(triton.cdiv(n_rows, rows),)](
         q.payload, q.scale, q.scale if q.zero is None else q.zero, out, n_rows,
-        ROWS=rows_per_prog, D=d, G=q.group_size, PPB=ppb, BITS=bits, CHANNEL=channel, FP8=fp8)
+        ROWS=rows, D=d, G=q.group_size, PPB=ppb, BITS=bits, CHANNEL=channel, FP8=fp8, num_warps=warps)
     return out
