@@ -43,9 +43,9 @@ def check(name: str, x: torch.Tensor, group: int = 32) -> None:
 
 torch.manual_seed(0)
 check("random", torch.randn(1, 2, 67, 64) * 3)
-# tiles the kernels cut differently: 4-value groups (16 per program on the channel axis, the last
-# program holding 4), one 128-token group per program with a 64-wide token group, and head_dim
-# 128 with a last program holding one of its two channel groups
+# tiles the kernels cut differently: 4-value groups (8 groups per channel-axis program, the last
+# of each stream holding 2), one 128-token group per program with a 64-wide token group, and
+# head_dim 128 in 3 streams, its payload rows spanning streams in dequantization
 check("group4", torch.randn(2, 1, 43, 16) * 3, group=4)
 check("group128", torch.randn(1, 2, 264, 64) * 3, group=128)
 check("dim128", torch.randn(1, 3, 35, 128) * 3)
