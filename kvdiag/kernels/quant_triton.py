@@ -149,8 +149,9 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, H, T, sB, sH, sT, sD,
             zb = z16.to(tl.float32)[:, None, :]
         else:
             zb = z16.to(tl.float32)[:, :, None]
-        code = tl.floor((xg - zb) * ib + 0.5)
-        code = tl.minimum(tl.maximum(code, 0.0), QMAX * 1.0).to(tl.int32)
+        # floor(y + 0.5) clamped to [0, QMAX]: after the clamp the value is >= 0, so the
+        # truncating cast is the floor (as in the torch reference)
+        code = tl.minimum(tl.maximum((xg - zb) * ib + 0.5, 0.0), QMAX * 1.0).to(tl.int32)
         payload = _pack(tl.reshape(code, (ROWS, D)), ROWS, D, PPB, BITS).to(tl.uint8)
     tl.store(out_ptr + row0 * DP + t[:, None] * DP + tl.arange(0, DP)[None, :], payload, mask=mask2)
 
