@@ -41,18 +41,21 @@ def _stream_tile(H, T, sB, sH, sT, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_UP: tl.constexpr, SUB_DN: tl.constexpr):
-    """Round fp32 ``y`` to the fp8 grid (MANT mantissa bits, min normal exponent EMIN) in fp32,
-    half away from zero, so that the cast to fp8 is exact on every backend. Normal values: add
-    half a step to the magnitude's bits and clear the dropped mantissa bits (a carry moves to
-    the next binade); below 2**EMIN the step is fixed, SUB_DN = 2**(EMIN - MANT) = 1 / SUB_UP."""
-    a = tl.abs(y)
+def _round_fp8(y, FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_UP: tl.constexpr,
+               SUB_DN: tl.constexpr):
+    """``y`` (fp32) rounded to the fp8 grid (MANT mantissa bits, min normal exponent EMIN) in fp32,
+    half away from zero, and clamped to [-FMAX, FMAX], so that the cast to fp8 is exact on every
+    backend. Normal magnitudes: add half a step to the bits and clear the dropped mantissa bits (a
+    carry moves to the next binade); below 2**EMIN the step is fixed, SUB_DN = 2**(EMIN - MANT) =
+    1 / SUB_UP. The sign bit is put back last (so -0.0 stays -0.0, as in torch)."""
     SH: tl.constexpr = 23 - MANT
-    bits = a.to(tl.uint32, bitcast=True)
+    ybits = y.to(tl.uint32, bitcast=True)
+    bits = ybits & 0x7FFFFFFF
+    a = bits.to(tl.float32, bitcast=True)
     normal = ((bits + (1 << (SH - 1))) >> SH << SH).to(tl.float32, bitcast=True)
     sub = tl.floor(a * SUB_UP + 0.5) * SUB_DN
-    r = tl.where(bits < ((127 + EMIN) << 23), sub, normal)
-    return tl.where(y < 0, -r, r)
+    r = tl.minimum(tl.where(bits < ((127 + EMIN) << 23), sub, normal), FMAX)
+    return (r.to(tl.uint32, bitcast=True) | (ybits & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -142,7 +145,7 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, H, T, sB, sH, sT, sD,
     else:
         ib = inv[:, :, None]
     if FP8:
-        y = tl.minimum(tl.maximum(_round_fp8(xg * ib, MANT, EMIN, SUB_UP, SUB_DN), -FMAX), FMAX)
+        y = _round_fp8(xg * ib, FMAX, MANT, EMIN, SUB_UP, SUB_DN)
         payload = tl.reshape(y, (ROWS, D)).to(out_ptr.dtype.element_ty)
     else:
         if CHANNEL:
