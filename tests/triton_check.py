@@ -13,10 +13,10 @@ from kvdiag.kernels.quant import FORMATS, QuantSpec, dequantize, quant_step, qua
 EXACT = {"fp16", "int8", "int4", "int2"}  # the interpreter casts to bf16/fp8 by truncation
 
 
-def check(name: str, x: torch.Tensor) -> None:
+def check(name: str, x: torch.Tensor, group: int = 32) -> None:
     for fmt in FORMATS:
         for axis in ("token", "channel"):
-            spec = QuantSpec(fmt, axis=axis, group_size=32, residual_tokens=3)
+            spec = QuantSpec(fmt, axis=axis, group_size=group, residual_tokens=3)
             ref, tri = quantize(x, spec, "torch"), quantize(x, spec, "triton")
             x_ref, x_tri = dequantize(ref, "torch"), dequantize(tri, "triton")
             assert tri.nbytes() == ref.nbytes()
@@ -43,6 +43,12 @@ def check(name: str, x: torch.Tensor) -> None:
 
 torch.manual_seed(0)
 check("random", torch.randn(1, 2, 67, 64) * 3)
+# tiles the kernels cut differently: 4-value groups (8 groups per channel-axis program, the last
+# of each stream holding 2), one 128-token group per program with a 64-wide token group, and
+# head_dim 128 in 3 streams, its payload rows spanning streams in dequantization
+check("group4", torch.randn(2, 1, 43, 16) * 3, group=4)
+check("group128", torch.randn(1, 2, 264, 64) * 3, group=128)
+check("dim128", torch.randn(1, 3, 35, 128) * 3)
 if len(sys.argv) > 1:
     k, v = torch.load(sys.argv[1])
     check("real-k", k)
