@@ -136,7 +136,7 @@ def test_bad_log_is_one_line_error(tmp_path):
 
 def test_pid_that_does_not_exist_is_one_line_error():
     out = subprocess.run([KVDIAG, "top", "--pid", "999999999"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and out.stderr.strip() == "kvdiag top: no process with pid 999999999"
+    assert out.returncode == 2 and out.stderr.strip() == "kvdiag top: no process with PID 999999999"
 
 
 @pytest.mark.slow
