@@ -8,7 +8,11 @@ Shape of the traffic (the content lives in ``kvdiag/data/traffic.json``):
 - a mix of short questions and long ones (``long_share``) that paste a customer history, so
   that the prompt exceeds ``LONG_PROMPT_MIN_CHARS`` characters (well over 512 tokens);
 - Poisson arrivals: request ``i`` is released at the i-th arrival of a Poisson process of
-  ``rate_per_s``; a follow-up also waits for the answer it continues.
+  ``rate_per_s``; a follow-up also waits for the answer it continues;
+- a cap on requests in flight (:class:`TrafficDriver` ``max_in_flight``): an arrival that finds
+  the cap reached waits for a request to finish, and the following arrivals keep their Poisson
+  gaps from then on. The arrival rate is so capped at what the machine serves, and the server's
+  queue (so its queue wait) stays bounded whatever the machine.
 
 The sequence of requests (conversation, turn, text) depends only on the seed; answers are the
 model's real text.
@@ -145,21 +149,48 @@ def chat(base_url: str, model: str, messages: list[dict], max_tokens: int, reque
 
 
 class TrafficDriver:
-    """Sends the plan's requests to a server at their arrival times, one thread per request."""
+    """Sends the plan's requests to a server at their arrival times, one thread per request,
+    with at most ``max_in_flight`` requests sent and not yet answered (None: no cap)."""
 
     def __init__(self, base_url: str, model: str, plan: TrafficPlan, max_tokens: int = 32,
-                 on_result: Optional[Callable[[Result], None]] = None) -> None:
+                 on_result: Optional[Callable[[Result], None]] = None, max_in_flight: Optional[int] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max in flight: expected a positive number of requests, got {max_in_flight}")
         self.base_url = base_url
         self.model = model
         self.plan = plan
         self.max_tokens = max_tokens
         self.on_result = on_result
+        self.max_in_flight = max_in_flight
         self.results: list[Result] = []
+        self.released = 0
+        self.capped = 0  # releases the cap delayed
+        self.abandoned = 0  # requests still unanswered when the drain's bound ran out
+        self.started_s: Optional[float] = None
+        self._clock = clock
         self._lock = threading.Lock()
+        self._slots = threading.Condition(self._lock)
+        self._in_flight = 0
         self._stop = threading.Event()
 
     def stop(self) -> None:
+        """Release no more requests (those in flight go on)."""
         self._stop.set()
+        with self._slots:
+            self._slots.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests released and not yet answered."""
+        return self._in_flight
+
+    def rates_per_s(self) -> tuple[float, float]:
+        """(released, answered) requests per second of wall time since the first release."""
+        elapsed = self._clock() - self.started_s if self.started_s is not None else 0.0
+        if elapsed <= 0:
+            return 0.0, 0.0
+        return self.released / elapsed, len(self.results) / elapsed
 
     def _send(self, planned: PlannedRequest, predecessor: Optional[threading.Event]) -> None:
         conv = planned.conversation
@@ -184,21 +215,60 @@ class TrafficDriver:
         if self.on_result is not None:
             self.on_result(result)
 
-    def run(self, num_requests: Optional[int] = None, duration_s: Optional[float] = None) -> list[Result]:
-        """Release requests until ``num_requests`` were sent or ``duration_s`` passed; wait for all."""
+    def _wait(self, until_s: float) -> bool:
+        """Wait until clock time ``until_s``; False when stopped first."""
+        while not self._stop.is_set():
+            left = until_s - self._clock()
+            if left <= 0:
+                return True
+            self._stop.wait(left)
+        return False
+
+    def _take_slot(self, deadline_s: float) -> Optional[bool]:
+        """Wait for a free slot under the cap (until ``deadline_s``): whether it had to wait, or
+        None when stopped or past the deadline first."""
+        waited = False
+        with self._slots:
+            while self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
+                left = deadline_s - self._clock()
+                if self._stop.is_set() or left <= 0:
+                    return None
+                waited = True
+                self._slots.wait(min(left, 1.0))
+            if self._stop.is_set() or self._clock() >= deadline_s:
+                return None
+            self._in_flight += 1
+            return waited
+
+    def _free_slot(self) -> None:
+        with self._slots:
+            self._in_flight -= 1
+            self._slots.notify_all()
+
+    def run(self, num_requests: Optional[int] = None, duration_s: Optional[float] = None,
+            drain_s: float = float("inf"), on_drain: Optional[Callable[[int], None]] = None) -> list[Result]:
+        """Release requests until ``num_requests`` were sent or ``duration_s`` of wall time passed
+        (or :meth:`stop`), then wait up to ``drain_s`` for those in flight (``on_drain(n)`` is told
+        how many first); ``abandoned`` counts those still unanswered after that."""
         if num_requests is None and duration_s is None:
             raise ValueError("expected --requests N or --duration S")
-        start = time.monotonic()
+        start = self.started_s = self._clock()
+        deadline = start + duration_s if duration_s is not None else float("inf")
+        lag = 0.0  # how much the cap has delayed the schedule so far
         threads: list[threading.Thread] = []
         done_events: dict[str, threading.Event] = {}
         for planned in self.plan.requests():
             if num_requests is not None and planned.index >= num_requests:
                 break
-            if duration_s is not None and planned.arrival_s >= duration_s:
+            due = start + planned.arrival_s + lag
+            if due >= deadline or not self._wait(due):
                 break
-            delay = start + planned.arrival_s - time.monotonic()
-            if delay > 0 and self._stop.wait(delay):
+            waited = self._take_slot(deadline)
+            if waited is None:
                 break
+            if waited:  # later arrivals keep their Poisson gaps from now
+                lag += max(0.0, self._clock() - due)
+                self.capped += 1
             conv_id = planned.conversation.conversation_id
             predecessor = done_events.get(conv_id)
             finished = threading.Event()
@@ -209,10 +279,17 @@ class TrafficDriver:
                     self._send(p, pred)
                 finally:
                     fin.set()
+                    self._free_slot()
 
             thread = threading.Thread(target=work, name=f"kvdiag-traffic-{planned.index}", daemon=True)
+            self.released += 1
             thread.start()
             threads.append(thread)
-        for thread in threads:
-            thread.join()
+        pending = [t for t in threads if t.is_alive()]
+        if pending and on_drain is not None:
+            on_drain(len(pending))
+        end = self._clock() + drain_s
+        for thread in pending:
+            thread.join(timeout=max(0.0, end - self._clock()) if end != float("inf") else None)
+        self.abandoned = sum(t.is_alive() for t in threads)
         return self.results
