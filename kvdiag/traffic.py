@@ -20,12 +20,14 @@ model's real text.
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
+import socket
 import threading
 import time
 import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Callable, Iterator, Optional
@@ -135,17 +137,33 @@ class Result:
     answer: str = ""
     error: str = ""
     is_long: bool = False
+    cut: bool = False  # failed because the traffic was aborted (TrafficDriver.abort), not by the server
 
 
 def chat(base_url: str, model: str, messages: list[dict], max_tokens: int, request_id: str,
-         timeout_s: float = 600.0) -> dict:
-    """POST one OpenAI-style chat completion (greedy) and return the decoded JSON answer."""
+         timeout_s: float = 600.0, on_connection: Optional[Callable[[http.client.HTTPConnection], None]] = None
+         ) -> dict:
+    """POST one OpenAI-style chat completion (greedy) and return the decoded JSON answer.
+    ``on_connection`` is given the connection before the request is sent (to cut it from
+    another thread: :meth:`TrafficDriver.abort`). Raises ``urllib.error.HTTPError`` for a
+    status other than 200, OSError or ``http.client.HTTPException`` when the connection fails."""
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
                        "temperature": 0, "stream": False}).encode()
-    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", "X-Request-ID": request_id})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    if on_connection is not None:
+        on_connection(conn)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", "X-Request-ID": request_id})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise urllib.error.HTTPError(f"{base_url}/v1/chat/completions", resp.status, resp.reason,
+                                         resp.headers, None)
+        return json.loads(data)
+    finally:
+        conn.close()
 
 
 class TrafficDriver:
@@ -168,11 +186,14 @@ class TrafficDriver:
         self.capped = 0  # releases the cap delayed
         self.abandoned = 0  # requests still unanswered when the drain's bound ran out
         self.started_s: Optional[float] = None
+        self.stopped_sending_s: Optional[float] = None
         self._clock = clock
         self._lock = threading.Lock()
         self._slots = threading.Condition(self._lock)
         self._in_flight = 0
         self._stop = threading.Event()
+        self._aborted = threading.Event()
+        self._connections: set[http.client.HTTPConnection] = set()
 
     def stop(self) -> None:
         """Release no more requests (those in flight go on)."""
@@ -180,17 +201,44 @@ class TrafficDriver:
         with self._slots:
             self._slots.notify_all()
 
+    def abort(self) -> None:
+        """Stop, and cut the connections of the requests in flight: a server that cancels a
+        request whose client left (``transformers serve`` does) frees it at once, so that its
+        graceful shutdown need not wait for it; requests not yet sent are not sent."""
+        self._aborted.set()
+        self.stop()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _track(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._connections.add(conn)
+        if self._aborted.is_set():  # aborted while it was being made: do not send it
+            conn.close()
+            raise ConnectionAbortedError("the traffic was stopped")
+
     @property
     def in_flight(self) -> int:
         """Requests released and not yet answered."""
         return self._in_flight
 
     def rates_per_s(self) -> tuple[float, float]:
-        """(released, answered) requests per second of wall time since the first release."""
-        elapsed = self._clock() - self.started_s if self.started_s is not None else 0.0
-        if elapsed <= 0:
+        """(released, answered) requests per second: released over the sending window (from the
+        start to now, or to when sending stopped), answered over the whole run so far."""
+        if self.started_s is None:
             return 0.0, 0.0
-        return self.released / elapsed, len(self.results) / elapsed
+        now = self._clock()
+        sending_s = (self.stopped_sending_s or now) - self.started_s
+        running_s = now - self.started_s
+        return (self.released / sending_s if sending_s > 0 else 0.0,
+                len(self.results) / running_s if running_s > 0 else 0.0)
 
     def _send(self, planned: PlannedRequest, predecessor: Optional[threading.Event]) -> None:
         conv = planned.conversation
@@ -198,19 +246,25 @@ class TrafficDriver:
             predecessor.wait()
         messages = conv.messages + [{"role": "user", "content": conv.user_turns[planned.turn]}]
         t0 = time.monotonic()
+        conn: list[http.client.HTTPConnection] = []
         try:
-            answer = chat(self.base_url, self.model, messages, self.max_tokens, planned.request_id)
+            if self._aborted.is_set():
+                raise ConnectionAbortedError("the traffic was stopped")
+            answer = chat(self.base_url, self.model, messages, self.max_tokens, planned.request_id,
+                          on_connection=lambda c: (conn.append(c), self._track(c)))
             text = answer["choices"][0]["message"]["content"] or ""
             usage = answer.get("usage") or {}
             result = Result(planned.request_id, True, int(usage.get("prompt_tokens", 0)),
                             int(usage.get("completion_tokens", 0)), time.monotonic() - t0, text,
                             is_long=planned.is_long)
             conv.messages = messages + [{"role": "assistant", "content": text}]
-        except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, KeyError) as exc:
             result = Result(planned.request_id, False, latency_s=time.monotonic() - t0,
-                            error=f"{type(exc).__name__}: {exc}", is_long=planned.is_long)
+                            error=f"{type(exc).__name__}: {exc}", is_long=planned.is_long,
+                            cut=self._aborted.is_set())
             conv.messages = messages + [{"role": "assistant", "content": ""}]
         with self._lock:
+            self._connections.difference_update(conn)
             self.results.append(result)
         if self.on_result is not None:
             self.on_result(result)
@@ -285,8 +339,9 @@ class TrafficDriver:
             self.released += 1
             thread.start()
             threads.append(thread)
+        self.stopped_sending_s = self._clock()
         pending = [t for t in threads if t.is_alive()]
-        if pending and on_drain is not None:
+        if pending and on_drain is not None and not self._stop.is_set():
             on_drain(len(pending))
         end = self._clock() + drain_s
         for thread in pending:

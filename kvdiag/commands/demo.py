@@ -11,6 +11,7 @@ server is stopped cleanly at the end so that the event log is complete.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -247,7 +248,7 @@ def run(args) -> int:
         _interrupted(traffic, server, stats)
         print(f"event log: {log_path}")
         return 130
-    code = server.stop(QUICK_STOP if traffic.driver.abandoned else None)
+    code = _stop_after_traffic(traffic, server)
     stats.close()
     failed = _summary(traffic.driver, counters, elapsed, stats, server, code, args)
     if args.shadow_logits:
@@ -264,7 +265,7 @@ def _ask(server, model_dir: Path, args) -> bool:
     try:
         answer = chat(server.base_url, str(model_dir), [{"role": "user", "content": args.ask}],
                       args.max_tokens, "ask/t0")
-    except OSError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         print(f"kvdiag demo: the server failed to answer ({exc}); server log {server.server_log}:\n"
               f"{server.tail()}", file=sys.stderr)
         return False
@@ -272,24 +273,26 @@ def _ask(server, model_dir: Path, args) -> bool:
     return True
 
 
-QUICK_STOP = ((signal.SIGTERM, 5.0), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0))
-"""How an interrupted demo stops its server: uvicorn's graceful shutdown answers the requests
-in flight (at most --max-in-flight) within 5 s, else its forced exit closes their connections
-(no HTTP 500: the client sees them cut)."""
+QUICK_STOP = ((signal.SIGTERM, 10.0), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0))
+"""How a demo stops its server once it has cut the requests in flight (Ctrl-C, `kvdiag top`
+quitting, a drain that ran out): the server cancels a request whose client left, so uvicorn's
+graceful shutdown has nothing to wait for (a forced exit would answer them HTTP 500)."""
 
 
 class _Traffic:
     """The demo's traffic driver and its counters (shared by the live line and the summary)."""
 
     def __init__(self, base_url: str, model_dir: Path, plan: TrafficPlan, args) -> None:
-        self.counters = {"done": 0, "failed": 0, "tokens": 0}
+        self.counters = {"done": 0, "failed": 0, "cut": 0, "tokens": 0}
         self.driver = TrafficDriver(base_url, str(model_dir), plan, max_tokens=args.max_tokens,
                                     on_result=self._on_result, max_in_flight=args.max_in_flight or None)
 
     def _on_result(self, result: Result) -> None:
         self.counters["done"] += 1
         self.counters["tokens"] += result.completion_tokens
-        if not result.ok:
+        if result.cut:
+            self.counters["cut"] += 1
+        elif not result.ok:
             self.counters["failed"] += 1
 
 
@@ -343,25 +346,35 @@ def _drive(traffic: _Traffic, args, stats: LiveStats):
     return counters, time.monotonic() - start
 
 
+def _stop_after_traffic(traffic: _Traffic, server) -> int:
+    """Stop the server once the traffic is over; requests the drain gave up on are cut first."""
+    if traffic.driver.abandoned:
+        traffic.driver.abort()
+        return server.stop(QUICK_STOP)
+    return server.stop()
+
+
 def _interrupted(traffic: _Traffic, server, stats: LiveStats) -> None:
     """Ctrl-C (or `kvdiag top` quitting): no more requests, then the server stops quickly
     (:data:`QUICK_STOP`); what the traffic got is said in one line."""
-    traffic.driver.stop()
-    print(f"\nkvdiag demo: interrupted; no more requests, stopping the server "
-          f"({traffic.driver.in_flight} in flight)", file=sys.stderr, flush=True)
+    c = traffic.counters
+    in_flight = traffic.driver.in_flight
+    traffic.driver.abort()
+    print(f"\nkvdiag demo: interrupted; no more requests, {in_flight} in flight cut, stopping the server",
+          file=sys.stderr, flush=True)
     server.stop(QUICK_STOP)
     stats.close()
-    c = traffic.counters
-    print(f"kvdiag demo: stopped: {c['done'] - c['failed']} requests answered, {c['failed']} failed",
-          file=sys.stderr, flush=True)
+    print(f"kvdiag demo: stopped: {c['done'] - c['failed'] - c['cut']} requests answered, {c['failed']} failed, "
+          f"{in_flight} cut by the stop", file=sys.stderr, flush=True)
 
 
 def _summary(driver, counters: dict, elapsed: float, stats: LiveStats, server, code: int, args) -> list:
     """Print what the run did; returns the failed results."""
     results = driver.results
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and not r.cut]
     long_count = sum(r.is_long for r in results)
-    print(f"done: {len(results) - len(failed)} requests answered ({long_count} long prompts), "
+    answered = [r for r in results if r.ok]
+    print(f"done: {len(answered)} requests answered ({long_count} long prompts), "
           f"{len(failed)} failed, {counters['tokens']} tokens in {elapsed:.1f} s "
           f"({counters['tokens'] / elapsed:.1f} tok/s)")
     if driver.abandoned:
@@ -476,7 +489,7 @@ def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
         print(f"event log: {log_path}")
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     recording.finish_before_stop()
-    code = server.stop(QUICK_STOP if traffic.driver.abandoned else None)
+    code = _stop_after_traffic(traffic, server)
     stats.close()
     recording.close()
     failed = _summary(traffic.driver, counters, elapsed, stats, server, code, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 DESCRIPTION = """\
 Live terminal UI of a KV cache: memory by source, KV pool occupancy and fragmentation, prefix
@@ -81,8 +82,19 @@ def open_source(args: argparse.Namespace):
         demo_args = ["--duration", str(DEMO_DURATION_S), *demo_args]  # run until top quits
     from kvdiag.paths import log_dir
 
-    demo = sources.DemoSource(demo_args, log_dir=log_dir())  # its output beside its event log
+    # its output beside its event log
+    demo = sources.DemoSource(demo_args, log_dir=_demo_log(demo_args).parent if _demo_log(demo_args) else log_dir())
     return sources.with_host_view(demo, demo.child.pid)
+
+
+def _demo_log(demo_args: list[str]) -> Optional[Path]:
+    """The demo's ``--log PATH`` among its arguments, if given."""
+    for i, arg in enumerate(demo_args):
+        if arg == "--log" and i + 1 < len(demo_args):
+            return Path(demo_args[i + 1]).expanduser()
+        if arg.startswith("--log="):
+            return Path(arg.split("=", 1)[1]).expanduser()
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
