@@ -13,11 +13,13 @@ sharing (engine vs shadow), compression, attention locality, latency, requests a
 
   kvdiag top                    start the embedded demo server and watch it (stopped on quit)
   kvdiag top --engine vllm      the same demo on a real vLLM server (kvdiag fetch-engine vllm)
-  kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside)
+  kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside);
+                                PID: any process of its tree (kvdiag demo, the server, an engine child)
   kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
 
-Quitting never stops a server that top attached to. Press ? inside for the keys.
-Exit status 2 when the source cannot be opened: among others, --pid whose agent is not
+Quitting never stops a server that top attached to; it stops the demo it started within
+seconds (the requests in flight are cut). Press ? inside for the keys.
+Exit status 2 when the source cannot be opened: among others, --pid of no process, whose agent is not
 answering (no header within 5 s), refuses top (too many clients) or is another user's.
 """
 
