@@ -171,3 +171,10 @@ def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
     assert answered and set(answered) == {"200"}, sorted(set(answered))
     demo_out = (tmp_path / "kvdiag-top-demo.out").read_text()  # beside the demo's --log
     assert "Traceback" not in demo_out and re.search(r"stopped: \d+ requests answered, 0 failed, \d+ cut by the stop", demo_out)
+    # the log is complete: the engine recorded the cut requests as aborted before it stopped
+    from kvdiag.eventlog import read_log
+    events = read_log(log)
+    cut = int(re.search(r"(\d+) cut by the stop", demo_out).group(1))
+    finished = events.frame("request_finished")
+    assert len(finished) == len(events.frame("request_arrived"))
+    assert (finished["status"] == "aborted").sum() == cut

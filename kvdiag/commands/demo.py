@@ -28,7 +28,7 @@ from kvdiag.commands._server_process import ServerProcess, free_port
 from kvdiag.commands.fetch_model import resolve_with_progress
 from kvdiag.model import ModelFetchError
 from kvdiag.paths import log_dir, runtime_dir
-from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestFinished
+from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished
 from kvdiag.traffic import Result, TrafficDriver, TrafficPlan, chat
 
 DESCRIPTION = __doc__
@@ -109,9 +109,11 @@ class LiveStats:
         self.peak_blocks_used = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.arrived = 0
         self.finished = 0
         self.connected = False
         self._conn: Optional[AgentConnection] = None
+        self._idle = threading.Condition()
 
     @property
     def prefix_hit_rate(self) -> Optional[float]:
@@ -138,10 +140,21 @@ class LiveStats:
                 self.peak_blocks_used = max(self.peak_blocks_used, self.blocks_used)
             elif isinstance(ev, KVPoolInfo):
                 self.num_blocks = ev.num_blocks
+            elif isinstance(ev, RequestArrived):
+                with self._idle:
+                    self.arrived += 1
             elif isinstance(ev, RequestFinished):
-                self.finished += 1
                 self.prompt_tokens += ev.prompt_tokens
                 self.cached_prompt_tokens += ev.cached_prompt_tokens
+                with self._idle:
+                    self.finished += 1
+                    self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every request the engine saw arrive has finished (aborted ones included),
+        at most ``timeout_s``; whether it did."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.finished >= self.arrived, timeout=timeout_s)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -248,7 +261,7 @@ def run(args) -> int:
         _interrupted(traffic, server, stats)
         print(f"event log: {log_path}")
         return 130
-    code = _stop_after_traffic(traffic, server)
+    code = _stop_after_traffic(traffic, server, stats)
     stats.close()
     failed = _summary(traffic.driver, counters, elapsed, stats, server, code, args)
     if args.shadow_logits:
@@ -273,6 +286,8 @@ def _ask(server, model_dir: Path, args) -> bool:
     return True
 
 
+CANCEL_WAIT_S = 5.0
+"""Longest wait, after cutting the requests in flight, for the engine to record them aborted."""
 QUICK_STOP = ((signal.SIGTERM, 10.0), (signal.SIGINT, 10.0), (signal.SIGKILL, 10.0))
 """How a demo stops its server once it has cut the requests in flight (Ctrl-C, `kvdiag top`
 quitting, a drain that ran out): the server cancels a request whose client left, so uvicorn's
@@ -346,10 +361,11 @@ def _drive(traffic: _Traffic, args, stats: LiveStats):
     return counters, time.monotonic() - start
 
 
-def _stop_after_traffic(traffic: _Traffic, server) -> int:
+def _stop_after_traffic(traffic: _Traffic, server, stats: LiveStats) -> int:
     """Stop the server once the traffic is over; requests the drain gave up on are cut first."""
     if traffic.driver.abandoned:
         traffic.driver.abort()
+        stats.wait_idle(CANCEL_WAIT_S)
         return server.stop(QUICK_STOP)
     return server.stop()
 
@@ -362,6 +378,7 @@ def _interrupted(traffic: _Traffic, server, stats: LiveStats) -> None:
     traffic.driver.abort()
     print(f"\nkvdiag demo: interrupted; no more requests, {in_flight} in flight cut, stopping the server",
           file=sys.stderr, flush=True)
+    stats.wait_idle(CANCEL_WAIT_S)  # the engine records the cancelled requests as aborted
     server.stop(QUICK_STOP)
     stats.close()
     print(f"kvdiag demo: stopped: {c['done'] - c['failed'] - c['cut']} requests answered, {c['failed']} failed, "
@@ -489,7 +506,7 @@ def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
         print(f"event log: {log_path}")
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     recording.finish_before_stop()
-    code = _stop_after_traffic(traffic, server)
+    code = _stop_after_traffic(traffic, server, stats)
     stats.close()
     recording.close()
     failed = _summary(traffic.driver, counters, elapsed, stats, server, code, args)
