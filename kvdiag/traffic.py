@@ -201,21 +201,25 @@ class TrafficDriver:
         with self._slots:
             self._slots.notify_all()
 
-    def abort(self) -> None:
+    def abort(self) -> int:
         """Stop, and cut the connections of the requests in flight: a server that cancels a
-        request whose client left (``transformers serve`` does) frees it at once, so that its
-        graceful shutdown need not wait for it; requests not yet sent are not sent."""
+        request whose client left (``transformers serve`` and vLLM do) frees it at once, so that
+        its graceful shutdown need not wait for it; requests not yet sent are not sent. Returns
+        how many connections were cut."""
         self._aborted.set()
         self.stop()
         with self._lock:
             connections = list(self._connections)
+        cut = 0
         for conn in connections:
             sock = conn.sock
             if sock is not None:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
                 except OSError:
                     pass
+        return cut
 
     def _track(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:

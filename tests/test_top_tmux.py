@@ -177,4 +177,5 @@ def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
     cut = int(re.search(r"(\d+) cut by the stop", demo_out).group(1))
     finished = events.frame("request_finished")
     assert len(finished) == len(events.frame("request_arrived"))
-    assert (finished["status"] == "aborted").sum() == cut
+    # (a cut request the engine had just finished, or not yet read, is not aborted)
+    assert (finished["status"] == "aborted").sum() <= cut

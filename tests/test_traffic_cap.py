@@ -140,7 +140,7 @@ def test_abort_cuts_the_requests_in_flight(server):
     driver = TrafficDriver(server.url, "m", plan, max_in_flight=3)
     run = _start(driver, num_requests=100)
     server.wait(lambda: server.in_progress == 3)
-    driver.abort()
+    assert driver.abort() == 3
     run.join(WAIT_S)
     assert not run.is_alive() and driver.in_flight == 0 and server.arrived == 3
     assert len(driver.results) == 3 and all(r.cut and not r.ok for r in driver.results)

@@ -374,15 +374,14 @@ def _interrupted(traffic: _Traffic, server, stats: LiveStats) -> None:
     """Ctrl-C (or `kvdiag top` quitting): no more requests, then the server stops quickly
     (:data:`QUICK_STOP`); what the traffic got is said in one line."""
     c = traffic.counters
-    in_flight = traffic.driver.in_flight
-    traffic.driver.abort()
-    print(f"\nkvdiag demo: interrupted; no more requests, {in_flight} in flight cut, stopping the server",
+    cut = traffic.driver.abort()
+    print(f"\nkvdiag demo: interrupted; no more requests, {cut} in flight cut, stopping the server",
           file=sys.stderr, flush=True)
     stats.wait_idle(CANCEL_WAIT_S)  # the engine records the cancelled requests as aborted
     server.stop(QUICK_STOP)
     stats.close()
     print(f"kvdiag demo: stopped: {c['done'] - c['failed'] - c['cut']} requests answered, {c['failed']} failed, "
-          f"{in_flight} cut by the stop", file=sys.stderr, flush=True)
+          f"{cut} cut by the stop", file=sys.stderr, flush=True)
 
 
 def _summary(driver, counters: dict, elapsed: float, stats: LiveStats, server, code: int, args) -> list:
