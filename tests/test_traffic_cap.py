@@ -149,3 +149,14 @@ def test_abort_cuts_the_requests_in_flight(server):
 def test_a_cap_below_one_is_refused():
     with pytest.raises(ValueError, match="max in flight"):
         TrafficDriver("http://127.0.0.1:1", "m", TrafficPlan(seed=0, rate_per_s=1.0), max_in_flight=0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--duration", "0"], "--duration: expected a positive number of seconds"),
+    (["--max-in-flight", "-1"], "--max-in-flight: expected 0 (no cap) or a positive number"),
+])
+def test_demo_refuses_bad_traffic_options(args, message, capsys):
+    from kvdiag.cli import main
+
+    assert main(["demo", *args]) == 2
+    assert capsys.readouterr().err == f"kvdiag demo: {message}\n"
