@@ -7,6 +7,15 @@ traffic generator sends customer-service chats over the OpenAI-style HTTP API; a
 shows requests done, generated tokens/s, KV blocks in use and the prefix-cache hit rate
 (prompt tokens served from the cache / prompt tokens, from the agent's live stream). The
 server is stopped cleanly at the end so that the event log is complete.
+
+At start it prints the server's PID (any PID of the tree, this launcher's too, is what
+`doctor --pid`, `top --pid` and `attach` take), the event log, the server's output and, with
+--prometheus, the metrics URL. At most --max-in-flight requests are sent and unanswered: an
+arrival that finds them all busy waits, so the arrival rate falls to what this machine serves
+(the live line then says "arrival rate capped at X req/s: this machine serves Y req/s") and
+queue wait stays bounded. --duration is wall time, then the requests in flight are drained
+("draining N", bounded). Ctrl-C cuts the requests in flight (the engine records them aborted)
+and stops the server within seconds.
 """
 
 from __future__ import annotations
