@@ -134,3 +134,29 @@ def test_a_pid_that_does_not_exist(capsys):
     assert capsys.readouterr().err == f"kvdiag top: no process with PID {gone}\n"
     assert main(["attach", str(gone)]) == 1
     assert capsys.readouterr().err == f"kvdiag attach: no process with PID {gone}\n"
+
+
+def test_attach_to_a_vllm_engine_child_joins_its_server(tmp_path):
+    """A process whose command line runs vLLM (``exec -a vllm``: argv[0] is ``vllm``) with a
+    child: attach given the child joins the server (its /metrics, KV events and whole tree)."""
+    from kvdiag.commands.attach import vllm_root
+    from kvdiag.eventlog import read_header
+
+    server = subprocess.Popen(["bash", "-c", "exec -a vllm python3 -c 'import subprocess, time; "
+                               "p = subprocess.Popen([\"sleep\", \"300\"]); print(p.pid, flush=True); "
+                               "time.sleep(300)'"], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(server.stdout.readline())
+        assert vllm_root(child) == vllm_root(server.pid) == server.pid
+        out = tmp_path / "a.jsonl"
+        r = subprocess.run([sys.executable, "-m", "kvdiag", "attach", str(child), "--duration", "1", "--no-pyspy",
+                            "--json", "--out", str(out)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"PID {child} is part of vLLM server {server.pid}'s process tree: attaching to {server.pid}" in r.stderr
+        assert read_header(out).pid == server.pid
+        assert json.loads(r.stdout)["memory"]["processes"] == 2  # the server and its child
+    finally:
+        for p in psutil.Process(server.pid).children(recursive=True):
+            p.kill()
+        server.kill()
+        server.wait()

@@ -34,8 +34,8 @@ Never signals, stops or writes to the target. Attached to an ancestor of kvdiag 
 container's PID 1, its shell), kvdiag's own processes are left out of the target's tree.
 
 PID may be any process of a served tree: `kvdiag demo`, the server it starts, an engine child
-(VLLM::EngineCore, VLLM::Worker); the agent is found the same way as by `doctor --pid` and
-`top --pid`.
+(VLLM::EngineCore, VLLM::Worker: attach then joins their vLLM server); the agent is found the
+same way as by `doctor --pid` and `top --pid`.
 
 Exit status: 0 done; 1 no such process / not ours to trace; 2 bad arguments (a PID that is
 not an integer from 1 to the kernel's pid_max, kvdiag's own PID); 3 the target exited while
@@ -95,8 +95,9 @@ def parse_pid(text: str) -> Optional[int]:
     return pid if 1 <= pid <= pid_max() else None
 
 
-def _serves_vllm(pid: int) -> bool:
-    """Whether ``pid`` belongs to a vLLM server's tree: it, or one of its ancestors, is one."""
+def vllm_root(pid: int) -> Optional[int]:
+    """The vLLM API server whose tree ``pid`` belongs to: ``pid`` itself or its nearest
+    ancestor that is one (None when neither is)."""
     import psutil
 
     from kvdiag.collectors import vllm
@@ -104,10 +105,10 @@ def _serves_vllm(pid: int) -> bool:
     for p in [pid, *ancestors(pid)]:
         try:
             if vllm.identify(psutil.Process(p)) is not None:
-                return True
+                return p
         except psutil.Error:
             continue
-    return False
+    return None
 
 
 def _default_out(pid: int) -> Path:
@@ -289,6 +290,10 @@ def run(args: argparse.Namespace) -> int:
     if pid == os.getpid():
         _err(f"PID {pid} is kvdiag itself")
         return 2
+    root = vllm_root(pid) if not args.socket else None
+    if root is not None and root != pid:  # an engine child: its server's /metrics and KV events too
+        _err(f"PID {pid} is part of vLLM server {root}'s process tree: attaching to {root}")
+        pid = args.pid = root
     if args.duration <= 0 or args.interval <= 0:
         _err("expected --duration and --interval > 0")
         return 2
@@ -307,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     agent = None
     found = find_agent_socket(pid) if not args.socket else None
     socks = [Path(args.socket)] if args.socket else [found] if found else []
-    if not (socks or args.metrics_url or args.any_process or _serves_vllm(pid)):
+    if not (socks or args.metrics_url or args.any_process or root is not None):
         _err(f"process {process_label(pid)} serves no recognised engine: no kvdiag agent in its process "
              f"tree and not a vLLM server (--any-process attaches to it anyway: process tree, NVML, py-spy)")
         return NO_ENGINE_EXIT
