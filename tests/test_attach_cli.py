@@ -34,7 +34,7 @@ def test_target_exiting_while_attached_keeps_the_log(tmp_path):
     target = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     out = tmp_path / "x.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(target.pid), "--duration", "120",
-                             "--out", str(out), "--json", "--no-pyspy"],
+                             "--out", str(out), "--json", "--no-pyspy", "--any-process"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while not (out.exists() and "process_sample" in out.read_text()):
@@ -69,7 +69,7 @@ def test_python_target_without_agent(tmp_path):
     target = subprocess.Popen([sys.executable, "-c", code])
     try:
         out = tmp_path / "x.jsonl"
-        r = attach(target.pid, "--duration", 3, "--out", out, "--json", "--pyspy-rate", 50)
+        r = attach(target.pid, "--duration", 3, "--out", out, "--json", "--pyspy-rate", 50, "--any-process")
         assert r.returncode == 0, r.stderr
         s = json.loads(r.stdout)
         status = {c["collector"]: c["available"] for c in s["collectors"]}
@@ -94,7 +94,7 @@ def test_sigterm_ends_attach_early_with_its_summary(tmp_path):
     out = tmp_path / "x.kvlog"
     try:
         proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(target.pid), "--duration", "120",
-                                 "--no-pyspy", "--json", "--out", str(out)], stdout=subprocess.PIPE,
+                                 "--no-pyspy", "--json", "--any-process", "--out", str(out)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         deadline = time.monotonic() + 30
@@ -163,7 +163,7 @@ def test_missing_pyspy_makes_phases_na_without_a_traceback(tmp_path):
     out = tmp_path / "x.jsonl"
     code = ("import sys, kvdiag.collectors.pyspy as p; p.pyspy_binary = lambda: None\n"
             "from kvdiag.cli import main\n"
-            f"sys.exit(main(['attach', '{target.pid}', '--duration', '3', '--out', {str(out)!r}, '--json']))")
+            f"sys.exit(main(['attach', '{target.pid}', '--duration', '3', '--out', {str(out)!r}, '--json', '--any-process']))")
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     finally:

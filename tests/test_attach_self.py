@@ -46,7 +46,8 @@ KVDIAG_CHILD = textwrap.dedent("""
     threading.Thread(target=kvdiag_self_busy, daemon=True).start()
     from kvdiag.cli import main
     code = main(["attach", str(os.getppid()), "--duration", "4", "--pyspy-window", "3",
-                 "--pyspy-rate", "50", "--interval", "0.5", "--out", os.path.join(folder, "a.jsonl"), "--json"])
+                 "--pyspy-rate", "50", "--interval", "0.5", "--out", os.path.join(folder, "a.jsonl"), "--json",
+                 "--any-process"])
     stop.set()
     sys.exit(code)
 """)
@@ -141,7 +142,7 @@ def test_attach_never_signals_nor_stops_the_target(tmp_path, monkeypatch):
     before = signal.getsignal(signal.SIGTERM)
     try:
         code = main(["attach", str(target.pid), "--duration", "3", "--pyspy-window", "2", "--pyspy-rate", "50",
-                     "--interval", "0.5", "--out", str(tmp_path / "x.jsonl"), "--json"])
+                     "--interval", "0.5", "--out", str(tmp_path / "x.jsonl"), "--json", "--any-process"])
     finally:
         done.set()
         watcher.join(timeout=10)

@@ -8,9 +8,13 @@ read it when it stopped (the last pool sample).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -41,6 +45,10 @@ def test_demo_ends_by_itself_and_answers_with_real_text(demo_run):
     assert "Paris" in answer
     assert f"event log: {log_path}" in proc.stdout
     assert "prefix hit" in proc.stdout
+    # where to find the run, printed at start
+    assert re.search(r"^kvdiag demo: server PID \d+ \(launcher PID \d+", proc.stdout, re.M)
+    assert f"kvdiag demo: event log {log_path}\n" in proc.stdout
+    assert f"kvdiag demo: server output {log_path}.server.txt\n" in proc.stdout
 
 
 @pytest.mark.model
@@ -130,3 +138,56 @@ def test_fresh_demo_log_gets_the_same_verdicts_live_and_offline(demo_run):
     live = live_findings(log_path)
     _same(live, offline_findings(log_path))
     assert live["leak.release_paths"].status == "pass" and live["sharing.consistency"].status != "n/a"
+
+
+DURATION_S = 20
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_every_pid_of_a_running_demo_reaches_its_agent_and_duration_is_wall_time(model_dir, tmp_path, capsys):
+    """`kvdiag doctor --pid` with the launcher's, the server's and each of its children's PIDs
+    (the engine process among them) reaches the demo's agent; the Prometheus URL the demo
+    printed answers; --duration is wall time: sending stops after it, the drain is said and
+    bounded."""
+    import psutil
+
+    from kvdiag.cli import main
+    from kvdiag.commands.demo import DEFAULT_MAX_IN_FLIGHT, DRAIN_S
+
+    log_path = tmp_path / "demo.kvlog"
+    demo = subprocess.Popen([sys.executable, "-m", "kvdiag", "demo", "--duration", str(DURATION_S), "--rate", "2",
+                             "--max-tokens", "8", "--log", str(log_path), "--prometheus", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in demo.stdout:  # until the traffic starts: the server is ready, its agent up
+            lines.append(line)
+            if line.startswith("kvdiag demo: arrivals"):
+                sending_at = time.monotonic()
+                break
+        out = "".join(lines)
+        assert demo.poll() is None, out
+        server, launcher = map(int, re.search(r"server PID (\d+) \(launcher PID (\d+)", out).groups())
+        assert launcher == demo.pid
+        url = re.search(r"Prometheus metrics at (\S+)", out).group(1)
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.status == 200 and b"kvdiag_" in resp.read()
+        children = [c.pid for c in psutil.Process(server).children(recursive=True)]
+        assert children  # transformers serve runs its model in a process of its own
+        for pid in [launcher, server, *children]:
+            # reached: the agent's stream was recorded and judged (0 or 1 are verdicts; 2 and 4
+            # would say no agent was reached); a 2-second window is no window for the verdicts
+            assert main(["doctor", "--pid", str(pid), "--seconds", "2", "--json"]) in (0, 1), pid
+            assert json.loads(capsys.readouterr().out)["findings"], pid
+        rest, _ = demo.communicate(timeout=DURATION_S + DRAIN_S + 120)
+        ended_at = time.monotonic()
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 0, out + rest
+    draining = re.search(r"^kvdiag demo: draining (\d+) requests? in flight", rest, re.M)
+    assert draining and 1 <= int(draining.group(1)) <= DEFAULT_MAX_IN_FLIGHT, rest
+    # sending stopped after DURATION_S of wall time; the drain and the stop are bounded
+    assert DURATION_S <= ended_at - sending_at < DURATION_S + DRAIN_S + 60, rest

@@ -136,24 +136,46 @@ def test_bad_log_is_one_line_error(tmp_path):
 
 def test_pid_that_does_not_exist_is_one_line_error():
     out = subprocess.run([KVDIAG, "top", "--pid", "999999999"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and out.stderr.strip() == "kvdiag top: no process with pid 999999999"
+    assert out.returncode == 2 and out.stderr.strip() == "kvdiag top: no process with PID 999999999"
 
 
 @pytest.mark.slow
 @pytest.mark.model
 def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
+    """Quitting top stops the demo within a few seconds, while requests are in flight, and no
+    request gets an HTTP 500 (the server's own access log, beside the demo's event log)."""
     import psutil
 
-    tmux.type(f"cd {tmp_path} && {KVDIAG} top; echo TOP-EXIT=$?")
+    log = tmp_path / "demo.kvlog"
+    tmux.type(f"cd {tmp_path} && {KVDIAG} top -- --log {log}; echo TOP-EXIT=$?")
     screen = tmux.wait_for(r"demo pid (\d+)", timeout_s=60)
     demo_pid = int(re.search(r"demo pid (\d+)", screen).group(1))
+    quit_at = None
     try:
         # model load, server start, then requests holding blocks (ids like c0003/t0)
         screen = tmux.wait_for(r"│ \S+\s+[\d.]+[KMG]\s+\d+\s+\d+\s+[\d.]+s\s+running", timeout_s=400)
         assert re.search(r"blocks\s+\d+/256", screen) and re.search(r"\d+ live", screen)
         tmux.wait_for(r"TTFT p50\s+[\d.]+m?s", timeout_s=300)  # the first finished requests
     finally:
+        quit_at = time.monotonic()
         tmux.send("q")
-        screen = tmux.wait_for(r"TOP-EXIT=\d+", timeout_s=150)  # the demo stops its server gracefully
+        screen = tmux.wait_for(r"TOP-EXIT=\d+", timeout_s=150)
+    stopped_s = time.monotonic() - quit_at
     assert "TOP-EXIT=0" in screen
     assert not psutil.pid_exists(demo_pid) or psutil.Process(demo_pid).status() == psutil.STATUS_ZOMBIE
+    # the demo stops sending and cuts what is in flight (the server cancels those requests), so the
+    # server's graceful shutdown has nothing to wait for
+    assert stopped_s < 25, stopped_s
+    access = (tmp_path / "demo.kvlog.server.txt").read_text()
+    answered = re.findall(r'"POST /v1/chat/completions HTTP/1.1" (\d{3})', access)
+    assert answered and set(answered) == {"200"}, sorted(set(answered))
+    demo_out = (tmp_path / "kvdiag-top-demo.out").read_text()  # beside the demo's --log
+    assert "Traceback" not in demo_out and re.search(r"stopped: \d+ requests answered, 0 failed, \d+ cut by the stop", demo_out)
+    # the log is complete: the engine recorded the cut requests as aborted before it stopped
+    from kvdiag.eventlog import read_log
+    events = read_log(log)
+    cut = int(re.search(r"(\d+) cut by the stop", demo_out).group(1))
+    finished = events.frame("request_finished")
+    assert len(finished) == len(events.frame("request_arrived"))
+    # (a cut request the engine had just finished, or not yet read, is not aborted)
+    assert (finished["status"] == "aborted").sum() <= cut

@@ -87,3 +87,26 @@ def test_attach_records_metrics_kv_events_and_the_plugin(vllm_server, tmp_path):
     raw = Path(str(out) + ".kvevents.jsonl")
     assert raw.is_file() and kv_event_gaps(raw) == []
     assert {f["rule"]: f["status"] for f in summary["findings"]}.get("kv_events.gaps", "pass") == "pass"
+
+
+def test_every_pid_of_the_vllm_tree_reaches_the_plugin(vllm_server, tmp_path):
+    """`doctor --pid` with the API server's, the engine core's or the worker's PID reaches the
+    plugin's agent in the engine core; `attach` given the worker joins the API server."""
+    from kvdiag.collectors.agent_client import find_agent_socket
+    from kvdiag.eventlog import read_header
+
+    server = identify(psutil.Process(vllm_server.proc.pid))
+    pids = [server.pid, *server.engine_core_pids, *server.worker_pids]
+    assert {find_agent_socket(p) for p in pids} == {Path(vllm_server.socket_path)}
+    for pid in pids:
+        r = subprocess.run([sys.executable, "-m", "kvdiag", "doctor", "--pid", str(pid), "--seconds", "2", "--json"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode in (0, 1) and json.loads(r.stdout)["findings"], (pid, r.stderr)
+    worker = server.worker_pids[0]
+    out = tmp_path / "worker.kvlog"
+    r = subprocess.run([sys.executable, "-m", "kvdiag", "attach", str(worker), "--duration", "3", "--no-pyspy",
+                        "--json", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"attaching to {server.pid}" in r.stderr and read_header(out).pid == server.pid
+    status = {e.collector: e for e in iter_events(out) if isinstance(e, CollectorStatus)}
+    assert status["vllm"].available and status["agent"].available

@@ -3,7 +3,9 @@
 
 :class:`AgentConnection` is the one client of that protocol (connect, header, events);
 :class:`AgentStream` records a connection's events into a sink from a background thread;
-:func:`candidate_sockets` finds a process tree's agent sockets.
+:func:`candidate_sockets` finds a process tree's agent sockets and :func:`find_agent_socket`
+the one agent serving any PID of a served process tree (what ``doctor --pid``, ``top --pid``
+and ``attach`` all use).
 
 Trust: a socket file owned by another uid, or a symlink, is never connected to, and after
 connecting the peer's uid (``SO_PEERCRED``, Linux) must be this process's uid. Timeouts: the
@@ -38,6 +40,11 @@ HEADER_TIMEOUT_S = 5.0
 """Longest wait for the connection and the agent's header line."""
 READ_TIMEOUT_S = 10.0
 """Longest silence after the header before a reader may call the agent not answering."""
+
+
+NO_ENGINE_EXIT = 4
+"""Exit status of ``attach PID`` and ``doctor --pid PID`` when PID serves no recognised engine
+(no kvdiag agent in its process tree; for attach, not a vLLM server either)."""
 
 
 class AgentProtocolError(ConnectionError):
@@ -222,7 +229,8 @@ def _socket_from_cmdline(cmdline: list[str]) -> Optional[str]:
 
 def candidate_sockets(pids: list[int]) -> list[Path]:
     """Agent sockets of the target tree, most specific first: ``--socket`` on a
-    ``python -m kvdiag.run`` command line; Unix sockets the tree listens on that live in a
+    ``python -m kvdiag.run`` command line, or ``KVDIAG_SOCKET`` in the environment of a
+    process running the agent as a plugin (vLLM's engine core); Unix sockets the tree listens on that live in a
     kvdiag runtime dir or are named ``agent-*.sock``; the default per-pid path under the
     target's runtime dir (``$XDG_RUNTIME_DIR/kvdiag`` of its environment, else
     ``/tmp/kvdiag-<uid>``). Only existing sockets of this uid are returned; stale sockets of
@@ -233,6 +241,13 @@ def candidate_sockets(pids: list[int]) -> list[Path]:
     for pid in pids:
         try:
             explicit = _socket_from_cmdline(psutil.Process(pid).cmdline())
+        except (psutil.Error, OSError):
+            explicit = None
+        if explicit:
+            found.append(Path(explicit))
+    for pid in pids:
+        try:
+            explicit = psutil.Process(pid).environ().get("KVDIAG_SOCKET")
         except (psutil.Error, OSError):
             explicit = None
         if explicit:
@@ -262,6 +277,47 @@ def candidate_sockets(pids: list[int]) -> list[Path]:
             seen.add(p)
             out.append(p)
     return out
+
+
+def tree_below(pid: int) -> list[int]:
+    """``pid`` and its live descendants (just ``pid`` when they cannot be listed)."""
+    try:
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except (psutil.Error, OSError):
+        return [pid]
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parents of ``pid``, nearest first (empty when it cannot be read)."""
+    try:
+        return [p.pid for p in psutil.Process(pid).parents()]
+    except (psutil.Error, OSError):
+        return []
+
+
+def find_agent_socket(pid: int) -> Optional[Path]:
+    """The kvdiag agent socket serving process ``pid``, given any PID of a served process tree:
+    first ``pid`` and its descendants (the launcher ``kvdiag demo``, the server under
+    ``python -m kvdiag.run``, a vLLM API server whose engine core runs the plugin), then each
+    ancestor on its own, nearest first (an engine child such as ``VLLM::Worker``, whose agent is
+    its parent ``VLLM::EngineCore``). An ancestor's other children are never searched: a shell
+    that started a server is not that server. None when the tree runs no agent."""
+    found = candidate_sockets(tree_below(pid))
+    if found:
+        return found[0]
+    for parent in ancestors(pid):
+        found = candidate_sockets([parent])
+        if found:
+            return found[0]
+    return None
+
+
+def process_label(pid: int) -> str:
+    """``PID (name)`` for messages, or ``PID`` when the name cannot be read."""
+    try:
+        return f"{pid} ({psutil.Process(pid).name()})"
+    except (psutil.Error, OSError):
+        return str(pid)
 
 
 def _owned_by_me(path: Path, is_kind) -> bool:

@@ -70,11 +70,11 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self) -> int:
-        """Send :attr:`stop_signals` in turn until the child exits; its exit code."""
+    def stop(self, signals: Optional[tuple] = None) -> int:
+        """Send ``signals`` (default :attr:`stop_signals`) in turn until the child exits; its exit code."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
-        for sig, wait_s in self.stop_signals:
+        for sig, wait_s in signals or self.stop_signals:
             self.proc.send_signal(sig)
             try:
                 return self.proc.wait(timeout=wait_s)

@@ -33,9 +33,14 @@ to the server but GETs. Everything goes into one kvdiag log; a summary is printe
 Never signals, stops or writes to the target. Attached to an ancestor of kvdiag (a
 container's PID 1, its shell), kvdiag's own processes are left out of the target's tree.
 
+PID may be any process of a served tree: `kvdiag demo`, the server it starts, an engine child
+(VLLM::EngineCore, VLLM::Worker: attach then joins their vLLM server); the agent is found the
+same way as by `doctor --pid` and `top --pid`.
+
 Exit status: 0 done; 1 no such process / not ours to trace; 2 bad arguments (a PID that is
 not an integer from 1 to the kernel's pid_max, kvdiag's own PID); 3 the target exited while
-attached (the log recorded so far is kept).
+attached (the log recorded so far is kept); 4 the process serves no recognised engine (no
+kvdiag agent in its process tree, not a vLLM server; --any-process attaches anyway).
 """
 
 
@@ -53,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per phase profile (default 10)")
     parser.add_argument("--no-pyspy", action="store_true", help="do not sample Python stacks")
     parser.add_argument("--metrics-url", help="Prometheus endpoint (default: probe the target's ports)")
-    parser.add_argument("--socket", help="agent socket (default: found from the target)")
+    parser.add_argument("--socket", help="agent socket (default: found from the target's process tree)")
+    parser.add_argument("--any-process", action="store_true",
+                        help="attach also to a process that serves no recognised engine (no kvdiag agent "
+                             "in its tree, not vLLM): the outside view only (process tree, NVML, py-spy)")
     parser.add_argument("--prometheus", metavar="[HOST:]PORT", default=None,
                         help="also serve what is recorded as kvdiag's metrics for Prometheus while "
                              "attached (127.0.0.1 unless a host is given; docs/metrics.md)")
@@ -85,6 +93,22 @@ def parse_pid(text: str) -> Optional[int]:
     except ValueError:
         return None
     return pid if 1 <= pid <= pid_max() else None
+
+
+def vllm_root(pid: int) -> Optional[int]:
+    """The vLLM API server whose tree ``pid`` belongs to: ``pid`` itself or its nearest
+    ancestor that is one (None when neither is)."""
+    import psutil
+
+    from kvdiag.collectors import vllm
+    from kvdiag.collectors.agent_client import ancestors
+    for p in [pid, *ancestors(pid)]:
+        try:
+            if vllm.identify(psutil.Process(p)) is not None:
+                return p
+        except psutil.Error:
+            continue
+    return None
 
 
 def _default_out(pid: int) -> Path:
@@ -251,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from kvdiag.collectors import procfs
-    from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
+    from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
+                                                process_label)
     from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
     from kvdiag.schema import CollectorStatus
     from kvdiag.sinks import FanoutSink
@@ -265,6 +290,10 @@ def run(args: argparse.Namespace) -> int:
     if pid == os.getpid():
         _err(f"PID {pid} is kvdiag itself")
         return 2
+    root = vllm_root(pid) if not args.socket else None
+    if root is not None and root != pid:  # an engine child: its server's /metrics and KV events too
+        _err(f"PID {pid} is part of vLLM server {root}'s process tree: attaching to {root}")
+        pid = args.pid = root
     if args.duration <= 0 or args.interval <= 0:
         _err("expected --duration and --interval > 0")
         return 2
@@ -281,7 +310,12 @@ def run(args: argparse.Namespace) -> int:
     args.out_path = out
 
     agent = None
-    socks = [Path(args.socket)] if args.socket else candidate_sockets(procs.pids())
+    found = find_agent_socket(pid) if not args.socket else None
+    socks = [Path(args.socket)] if args.socket else [found] if found else []
+    if not (socks or args.metrics_url or args.any_process or root is not None):
+        _err(f"process {process_label(pid)} serves no recognised engine: no kvdiag agent in its process "
+             f"tree and not a vLLM server (--any-process attaches to it anyway: process tree, NVML, py-spy)")
+        return NO_ENGINE_EXIT
     agent_problem = "the target runs no kvdiag agent (start it with python -m kvdiag.run)"
     for path in socks:
         try:

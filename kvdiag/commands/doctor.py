@@ -8,7 +8,7 @@ import math
 import sys
 
 from kvdiag.analysis import rules
-from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S
+from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S, NO_ENGINE_EXIT
 from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
                                    skipped_lines, tell_skipped)
 
@@ -39,15 +39,18 @@ no code in it runs, and a malformed, crafted or too deeply nested one is a one-l
 
 Each rule is pass, warn, fail or n/a (no data) with its evidence.
 Exit status: 0 when no rule fails, 1 when one fails, 2 on bad input (a log or snapshot that
-cannot be read, or with --strict a skipped line); with --pid also 2 when no agent can be
-reached or it is not answering (no header within {HEADER_TIMEOUT_S:g} s)."""
+cannot be read, or with --strict a skipped line); with --pid also 2 when there is no such
+process or its agent is not answering (no header within {HEADER_TIMEOUT_S:g} s), and
+{NO_ENGINE_EXIT} when PID serves no recognised engine: no kvdiag agent in its process tree. PID
+may be any process of the served tree (`kvdiag demo`, the server, an engine child)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="*", metavar="LOG",
                         help="event logs, or Parquet datasets of `kvdiag export` (folders, or a quoted glob)")
     parser.add_argument("--pid", type=int, default=None,
-                        help="diagnose a running server (run under the kvdiag agent) instead")
+                        help="diagnose a running server (run under the kvdiag agent) instead: any PID "
+                             "of its process tree (kvdiag demo, the server, an engine child)")
     parser.add_argument("--seconds", type=float, default=30.0,
                         help="with --pid: how long to record its live events (default 30)")
     parser.add_argument("--socket", default=None, help="with --pid: the agent's socket path")
@@ -226,15 +229,17 @@ def _live(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from kvdiag.collectors.agent_client import AgentConnection, AgentNotAnswering, AgentRefused
-    from kvdiag.paths import agent_socket_path
+    from kvdiag.collectors.agent_client import (AgentConnection, AgentNotAnswering, AgentRefused,
+                                                find_agent_socket, process_label)
 
-    if not psutil.pid_exists(args.pid):
-        return fail("doctor", f"no process with pid {args.pid}")
-    try:
-        path = args.socket if args.socket is not None else agent_socket_path(args.pid)
-    except OSError as exc:  # RuntimeDirError: the runtime dir may not be trusted
-        return fail("doctor", str(exc))
+    if args.pid <= 0 or not psutil.pid_exists(args.pid):
+        return fail("doctor", f"no process with PID {args.pid}")
+    path = args.socket if args.socket is not None else find_agent_socket(args.pid)
+    if path is None:
+        print(f"kvdiag doctor: process {process_label(args.pid)} serves no recognised engine: no kvdiag "
+              f"agent in its process tree (start the server under `python -m kvdiag.run`, or record a "
+              f"log and run `kvdiag doctor LOG`)", file=sys.stderr)
+        return NO_ENGINE_EXIT
     deadline = time.monotonic() + args.seconds
     try:
         conn = AgentConnection(path, timeout_s=args.seconds)

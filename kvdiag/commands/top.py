@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 DESCRIPTION = """\
 Live terminal UI of a KV cache: memory by source, KV pool occupancy and fragmentation, prefix
@@ -12,11 +13,13 @@ sharing (engine vs shadow), compression, attention locality, latency, requests a
 
   kvdiag top                    start the embedded demo server and watch it (stopped on quit)
   kvdiag top --engine vllm      the same demo on a real vLLM server (kvdiag fetch-engine vllm)
-  kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside)
+  kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside);
+                                PID: any process of its tree (kvdiag demo, the server, an engine child)
   kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
 
-Quitting never stops a server that top attached to. Press ? inside for the keys.
-Exit status 2 when the source cannot be opened: among others, --pid whose agent is not
+Quitting never stops a server that top attached to; it stops the demo it started within
+seconds (the requests in flight are cut). Press ? inside for the keys.
+Exit status 2 when the source cannot be opened: among others, --pid of no process, whose agent is not
 answering (no header within 5 s), refuses top (too many clients) or is another user's.
 """
 
@@ -81,8 +84,19 @@ def open_source(args: argparse.Namespace):
         demo_args = ["--duration", str(DEMO_DURATION_S), *demo_args]  # run until top quits
     from kvdiag.paths import log_dir
 
-    demo = sources.DemoSource(demo_args, log_dir=log_dir())  # its output beside its event log
+    # its output beside its event log
+    demo = sources.DemoSource(demo_args, log_dir=_demo_log(demo_args).parent if _demo_log(demo_args) else log_dir())
     return sources.with_host_view(demo, demo.child.pid)
+
+
+def _demo_log(demo_args: list[str]) -> Optional[Path]:
+    """The demo's ``--log PATH`` among its arguments, if given."""
+    for i, arg in enumerate(demo_args):
+        if arg == "--log" and i + 1 < len(demo_args):
+            return Path(demo_args[i + 1]).expanduser()
+        if arg.startswith("--log="):
+            return Path(arg.split("=", 1)[1]).expanduser()
+    return None
 
 
 def run(args: argparse.Namespace) -> int:

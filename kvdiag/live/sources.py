@@ -293,16 +293,9 @@ class ProcessSource:
 
 
 def find_agent_socket(pid: int) -> Optional[Path]:
-    """The kvdiag agent socket of process ``pid`` or of one of its children, if one exists."""
-    from kvdiag.collectors.agent_client import candidate_sockets
-    from kvdiag.collectors.procfs import ProcessCollector
-
-    try:
-        pids = ProcessCollector(pid).pids()
-    except Exception:
-        pids = [pid]
-    found = candidate_sockets(pids or [pid])
-    return found[0] if found else None
+    """The kvdiag agent socket serving any PID of a served process tree (see
+    :func:`kvdiag.collectors.agent_client.find_agent_socket`), if one exists."""
+    return agent_client.find_agent_socket(pid)
 
 
 class MergedSource:
@@ -356,7 +349,7 @@ def attach(pid: int):
     import psutil
 
     if not psutil.pid_exists(pid):
-        raise SourceError(f"no process with pid {pid}")
+        raise SourceError(f"no process with PID {pid}")
     path = find_agent_socket(pid)
     if path is not None:
         try:
