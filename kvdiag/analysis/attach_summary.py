@@ -155,7 +155,10 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         block_size * header.bytes_per_token if block_size and header.bytes_per_token else None)
     kv, pool = _kv(frames, block_size, header.bytes_per_token)
     pool_samples = _f(frames, "kv_pool_sample")
-    findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s)
+    prefill = leaks.prefill_spans(*(_f(frames, t) for t in ("request_arrived", "request_scheduled",
+                                                            "request_first_token", "request_finished")))
+    findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s,
+                                   prefill=prefill)
     findings.append(fragmentation.kv_pool_fragmentation_finding(
         pool if not pool.empty else pd.DataFrame(columns=fragmentation.KV_POOL_COLUMNS)))
     alloc = _f(frames, "allocator_sample")

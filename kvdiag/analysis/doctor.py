@@ -36,7 +36,7 @@ from kvdiag.prefix_cache import VLLM_KV_EVENTS_COLLECTOR
 from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
                            BlockReleased, CollectorGap, EngineMetrics, EngineStep, KVPoolInfo,
                            KVPoolSample, NvmlSample, PrefixCacheCleared, PrefixCacheRemoved,
-                           PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived,
+                           PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived, RequestFirstToken,
                            RequestFinished, RequestPreempted, RequestScheduled, ShadowSharing)
 
 _NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
@@ -64,26 +64,39 @@ def _process_memory(logs: Logs) -> tuple[str, Optional[pd.DataFrame]]:
 
 
 def _serving_since_ns(logs: Logs) -> dict:
-    """Per node, when the engine's first step ended: before it, memory grows by loading the
-    model, allocating the KV pool and the first forward's one-time costs (weights paged in from
-    a memory-mapped file, buffers), which is warm-up, not growth while serving."""
+    """Per node, when serving began: the end of its first engine step (before it, memory grows
+    by loading the model, allocating the KV pool and the first forward's one-time costs:
+    weights paged in from a memory-mapped file, buffers: warm-up, not growth while serving);
+    on a node without engine steps, its first finished request; without either, its first
+    scrape of the engine's metrics (a client that joined an engine already serving). A node
+    with none of these has not served yet (model load) and is absent."""
+    since: dict = {}
     st = logs.frame(EngineStep)
-    if st.empty:
-        return {}
-    return (st["ts_ns"] + st["duration_ns"]).groupby(st["node"]).min().to_dict()
+    if len(st):
+        since.update((st["ts_ns"] + st["duration_ns"]).groupby(st["node"]).min().to_dict())
+    for cls in (RequestFinished, EngineMetrics):
+        f = logs.frame(cls)
+        if len(f):
+            for node, ts in f.groupby("node")["ts_ns"].min().items():
+                since.setdefault(node, ts)
+    return since
 
 
 def memory_growth(logs: Logs) -> Finding:
     """Growth of process memory (median of the last 10% of samples minus the first 10%,
     summed over devices/processes) minus the KV pool's growth (blocks held by requests and
-    the prefix cache x block bytes) over the same span: the log, or on a node with engine
-    steps, from the end of its first step (warm-up excluded)."""
+    the prefix cache x block bytes) over the same span: per node, its serving window
+    (:func:`_serving_since_ns`: model load and the first engine step are outside it; a node
+    that has not served yet is not judged)."""
     title = "memory grows only with the KV cache"
     label, mem = _process_memory(logs)
     if mem is None or mem.empty:
         return Finding("leak.memory_growth", "n/a", title, "no memory samples (NVML, allocator, RSS)")
     since = _serving_since_ns(logs)
-    mem = mem[mem["ts_ns"] >= mem["node"].map(since).fillna(0)]
+    mem = mem[mem["node"].isin(since) & (mem["ts_ns"] >= mem["node"].map(since))]
+    if mem.empty:
+        return Finding("leak.memory_growth", "n/a", title,
+                       "no engine step yet: model load and warm-up are not judged as growth")
     mem_growth = start = 0.0
     measured = False
     for _, g in mem.groupby(["node", "key"]):
@@ -93,10 +106,13 @@ def memory_growth(logs: Logs) -> Finding:
             mem_growth += gr
             start += float(np.median(g.sort_values("ts_ns")["bytes"].to_numpy()[:max(2, len(g) // 10)]))
     if not measured:
+        most = int(mem.groupby(["node", "key"]).size().max())
         return Finding("leak.memory_growth", "n/a", title,
-                       f"fewer than 4 {label} samples{' after the first engine step' if since else ''}")
+                       rules.too_few(most, rules.MIN_MEMORY_SAMPLES,
+                                     f"{label} samples since serving began (first engine step)"),
+                       {"samples": most, "needed": rules.MIN_MEMORY_SAMPLES})
     kv = kv_pool_bytes(logs)
-    kv = kv[kv["ts_ns"] >= kv["node"].map(since).fillna(0)]
+    kv = kv[kv["node"].isin(since) & (kv["ts_ns"] >= kv["node"].map(since))]
     kv_growth = 0.0
     for _, g in kv.groupby("node"):
         kv_growth += growth(g["ts_ns"].to_numpy(), (g["used_bytes"] + g["cached_bytes"]).to_numpy()) or 0.0
@@ -104,7 +120,7 @@ def memory_growth(logs: Logs) -> Finding:
     share = unexplained / start if start > 0 else 0.0
     status = rules.growth_status(share, unexplained)
     return Finding("leak.memory_growth", status, title,
-                   f"{label} grew {mem_growth / 2**20:+.1f} MiB{' after warm-up' if since else ''}, KV cache {kv_growth / 2**20:+.1f} MiB: "
+                   f"{label} grew {mem_growth / 2**20:+.1f} MiB after warm-up, KV cache {kv_growth / 2**20:+.1f} MiB: "
                    f"{unexplained / 2**20:+.1f} MiB ({share:+.1%}) unexplained "
                    f"(fail at >= {rules.GROWTH_FAIL[0]:.0%} and {rules.GROWTH_FAIL[1] >> 20} MiB)",
                    {"source": label, "memory_growth_bytes": mem_growth, "kv_growth_bytes": kv_growth,
@@ -128,6 +144,15 @@ def _events(logs: Logs, node: str, classes) -> list:
     return [ev for _, ev in sorted(out, key=lambda p: p[0])]
 
 
+def _prefill_spans(logs: Logs, node: str):
+    """:func:`kvdiag.analysis.leaks.prefill_spans` of ``node``'s requests."""
+    def mine(cls) -> pd.DataFrame:
+        f = logs.frame(cls)
+        return f[f["node"] == node]
+    return _leaks.prefill_spans(mine(RequestArrived), mine(RequestScheduled), mine(RequestFirstToken),
+                                mine(RequestFinished))
+
+
 def release_paths(logs: Logs) -> list[Finding]:
     """Every finished request gave back every block it held, no block was released twice, and
     occupancy does not grow at constant load: :func:`kvdiag.analysis.leaks.leak_findings` per
@@ -137,7 +162,8 @@ def release_paths(logs: Logs) -> list[Finding]:
                         "no block events in the log")]
     kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
     found = [f for node in logs.nodes for f in _leaks.leak_findings(
-        _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node])]
+        _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node],
+        prefill=_prefill_spans(logs, node))]
     # the checklist's rule keeps its id (top's alerts and scripts key on it)
     return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
             for f in found]
