@@ -29,7 +29,7 @@ from kvdiag.analysis import bandwidth, latency, pressure
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
+from kvdiag.analysis.live_sharing import headline_config, sharing_window
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
 from kvdiag.prefix_cache import VLLM_KV_EVENTS_COLLECTOR
@@ -401,59 +401,89 @@ def memory_pressure(logs: Logs) -> Finding:
                     "last_active_requests": float(last["active_requests"])})
 
 
-def engine_hit_rate(logs: Logs, node: str) -> Optional[float]:
-    """:func:`kvdiag.analysis.live_sharing.engine_token_hit_rate` of ``node``'s requests and
-    latest engine metrics."""
-    fin = logs.frame(RequestFinished)
-    fin = fin[(fin["node"] == node) & (fin["status"] == "finished")]
-    em = logs.frame(EngineMetrics)
-    em = em[em["node"] == node]
-    last = em.iloc[-1] if len(em) else pd.Series(dtype=object)
+def _config_key(r) -> tuple:
+    return (r.policy, int(r.block_size_tokens), None if pd.isna(r.capacity_blocks) else int(r.capacity_blocks))
 
-    def counter(name: str) -> Optional[float]:
-        value = last.get(name)
-        return float(value) if value is not None and pd.notna(value) else None
 
-    return engine_token_hit_rate(float(fin["prompt_tokens"].sum()), float(fin["cached_prompt_tokens"].sum()),
-                                 counter("prefix_cache_queries_tokens"), counter("prefix_cache_hits_tokens"))
+def _as_event(r) -> ShadowSharing:
+    def opt(v):
+        return None if v is None or (isinstance(v, float) and np.isnan(v)) else v
+    return ShadowSharing(ts_ns=int(r.ts_ns), policy=r.policy, block_size_tokens=int(r.block_size_tokens),
+                         capacity_blocks=_config_key(r)[2], requests=int(r.requests),
+                         block_hit_rate=float(r.block_hit_rate), token_hit_rate=float(r.token_hit_rate),
+                         engine_hit_rate=opt(r.engine_hit_rate),
+                         **{f: None if opt(getattr(r, f, None)) is None else int(getattr(r, f))
+                            for f in ("finished_requests", "finished_prompt_tokens", "finished_hit_tokens",
+                                      "finished_engine_cached_tokens")})
+
+
+def _same_requests(mine: pd.DataFrame, key: tuple, fin: pd.DataFrame) -> Optional[dict]:
+    """Engine and shadow over the same requests, for one configuration's events of one node:
+    the window between its first and last event (:func:`kvdiag.analysis.live_sharing.sharing_window`);
+    for a log without the ``finished_*`` counters (schema < 1.6), the latest event taken when
+    every request the shadow had counted had finished (its ``requests`` equal to the requests
+    finished by then), whose shadow and engine rates cover the same requests."""
+    rows = [r for r in mine.sort_values("ts_ns", kind="stable").itertuples() if _config_key(r) == key]
+    first, last = _as_event(rows[0]), _as_event(rows[-1])
+    window = sharing_window(first, last)
+    if window is not None:
+        return {"shadow_hit_rate": window.shadow_hit_rate, "engine_hit_rate": window.engine_hit_rate,
+                "requests": window.requests, "window_start_ns": window.start_ns, "window_end_ns": window.end_ns,
+                "prompt_tokens": window.prompt_tokens}
+    done = np.sort(fin["ts_ns"].to_numpy(dtype="int64"))
+    for r in reversed(rows):
+        if r.requests and np.searchsorted(done, r.ts_ns, side="right") == r.requests and pd.notna(r.engine_hit_rate):
+            return {"shadow_hit_rate": float(r.token_hit_rate), "engine_hit_rate": float(r.engine_hit_rate),
+                    "requests": int(r.requests), "window_start_ns": None, "window_end_ns": int(r.ts_ns)}
+    return None
 
 
 def sharing_consistency(logs: Logs) -> Finding:
     """``sharing.consistency``: the content's hit rate (the shadow cache configured closest
-    to the engine: :func:`kvdiag.analysis.live_sharing.headline_config`, its latest value)
-    minus the engine's own (:func:`engine_hit_rate`); the node with the largest gap decides."""
+    to the engine: :func:`kvdiag.analysis.live_sharing.headline_config`) minus the engine's
+    own, over the same requests (:func:`_same_requests`: those that finished between the
+    node's first and last shadow results; a log cut mid-run or joined mid-stream judges only
+    them); n/a with fewer than :data:`kvdiag.analysis.rules.MIN_SHARING_REQUESTS` of them. The
+    node with the largest gap decides."""
     title = "engine prefix hit rate matches the content's"
     sh = logs.frame(ShadowSharing)
     if sh.empty:
         return Finding("sharing.consistency", "n/a", title, "no shadow sharing events (the agent records them)")
     info = logs.frame(KVPoolInfo)
+    fin_all = logs.frame(RequestFinished)
     worst: Optional[dict] = None
+    fewest: Optional[int] = None
     for node in logs.nodes:
         mine = sh[sh["node"] == node]
         if mine.empty:
             continue
-        latest = {(r.policy, r.block_size_tokens, None if pd.isna(r.capacity_blocks) else int(r.capacity_blocks)): r
-                  for r in mine.sort_values("ts_ns", kind="stable").itertuples()}
+        keys = {_config_key(r) for r in mine.itertuples()}
         pool = info[info["node"] == node]
         last_info = pool.iloc[-1] if len(pool) else None
-        key = headline_config(latest, None if last_info is None else int(last_info["block_size_tokens"]),
+        key = headline_config(keys, None if last_info is None else int(last_info["block_size_tokens"]),
                               None if last_info is None else int(last_info["num_blocks"]))
-        head = latest[key]
-        engine = engine_hit_rate(logs, node)
-        if engine is None and pd.notna(head.engine_hit_rate):
-            engine = float(head.engine_hit_rate)
-        if engine is None:
+        same = _same_requests(mine, key, fin_all[fin_all["node"] == node])
+        if same is None or same["engine_hit_rate"] is None:
             continue
-        gap = float(head.token_hit_rate) - engine
+        if same["requests"] < rules.MIN_SHARING_REQUESTS:
+            fewest = max(fewest or 0, same["requests"])
+            continue
+        gap = float(same["shadow_hit_rate"]) - float(same["engine_hit_rate"])
         if worst is None or abs(gap) > abs(worst["gap"]):
-            worst = {"node": node, "gap": gap, "engine_hit_rate": engine,
-                     "shadow_hit_rate": float(head.token_hit_rate), "policy": key[0],
+            worst = {"node": node, "gap": gap, **same, "policy": key[0],
                      "block_size_tokens": int(key[1]), "capacity_blocks": key[2],
                      "limit": rules.SHARING_GAP_LIMIT}
     if worst is None:
-        return Finding("sharing.consistency", "n/a", title, "no engine hit rate to compare with")
+        if fewest is not None:
+            return Finding("sharing.consistency", "n/a", title,
+                           rules.too_few(fewest, rules.MIN_SHARING_REQUESTS,
+                                         "finished requests counted by both the shadow and the engine"),
+                           {"requests": fewest, "needed": rules.MIN_SHARING_REQUESTS})
+        return Finding("sharing.consistency", "n/a", title,
+                       "no engine hit rate over the requests the shadow counted")
     return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title,
                    f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
+                   f"over the same {worst['requests']} finished requests "
                    f"(gap {worst['gap']:+.1%}, limit ±{rules.SHARING_GAP_LIMIT:.0%})", worst)
 
 
