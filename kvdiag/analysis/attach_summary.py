@@ -3,7 +3,10 @@ rate, fragmentation, phase breakdown and findings, as plain JSON-ready values.
 
 Definitions: token hit rate = cached prompt tokens / prompt tokens over requests finished in
 the window (``RequestFinished``); engine hit rate = increase of the engine's prefix-cache hit
-counter / increase of its query counter between the first and last ``EngineMetrics``; phase
+counter / increase of its query counter between the first and last ``EngineMetrics``;
+sharing = shadow and engine token hit rates over the same requests, those finished since the
+first shadow result received (the agent sends its latest at join), and ``sharing.consistency``
+on them; phase
 shares = py-spy samples per phase / all samples, pooled over windows.
 """
 
@@ -15,6 +18,7 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis import fragmentation, leaks
+from kvdiag.analysis.findings import Finding
 from kvdiag.eventlog import events_to_frames
 from kvdiag.schema import SCHEMA_VERSION, Event, LogHeader
 
@@ -114,6 +118,22 @@ def _hit_rate(kv: dict, frames: dict) -> dict:
     return out
 
 
+def _sharing(frames: dict, header: LogHeader) -> tuple[dict, Finding]:
+    """``sharing.consistency`` over this window (:func:`kvdiag.analysis.doctor.sharing_consistency`:
+    shadow and engine over the same requests, those finished since the first shadow result
+    the client received, which the agent sends at join time) and that window."""
+    from kvdiag.analysis.doctor import sharing_consistency
+    from kvdiag.analysis.logs import Logs
+
+    node = header.node or header.host or "attach"
+    logs = Logs(headers={node: header}, frames={t: f.assign(node=node) for t, f in frames.items()})
+    finding = sharing_consistency(logs)
+    ev = finding.evidence
+    out = {k: ev.get(k) for k in ("engine_hit_rate", "shadow_hit_rate", "gap", "requests",
+                                  "window_start_ns", "window_end_ns")}
+    return out, finding
+
+
 def _efficiency(kv: dict, frames: dict) -> dict:
     """Generated tokens per joule: output tokens of requests finished in the window / GPU
     energy used over the window (NVML energy counter, summed over devices)."""
@@ -170,6 +190,8 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
                            "used_blocks": free_list.used_blocks,
                            "longest_free_run_blocks": free_list.longest_free_run_blocks,
                            "free_list_fragmentation": free_list.free_list_fragmentation}
+    sharing, sharing_finding = _sharing(frames, header)
+    findings.append(sharing_finding)
     status = _f(frames, "collector_status")
     # the recording's own start: an agent tells a late client what it set up earlier (the pool)
     start = header.start_ns or (events[0].ts_ns if events else 0)
@@ -181,6 +203,7 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         "memory": _memory(frames, block_bytes),
         "kv": kv,
         "hit_rate": _hit_rate(kv, frames),
+        "sharing": sharing,
         "efficiency": _efficiency(kv, frames),
         "fragmentation": {"kv_empty_slot_share": kv_frag.evidence.get("value"),
                           "allocator": next(f for f in findings if f.rule == "fragmentation.allocator").evidence.get("value")},

@@ -452,7 +452,7 @@ def sharing_consistency(logs: Logs) -> Finding:
     info = logs.frame(KVPoolInfo)
     fin_all = logs.frame(RequestFinished)
     worst: Optional[dict] = None
-    fewest: Optional[int] = None
+    fewest: Optional[dict] = None  # the largest window with too few requests
     for node in logs.nodes:
         mine = sh[sh["node"] == node]
         if mine.empty:
@@ -466,7 +466,8 @@ def sharing_consistency(logs: Logs) -> Finding:
         if same is None or same["engine_hit_rate"] is None:
             continue
         if same["requests"] < rules.MIN_SHARING_REQUESTS:
-            fewest = max(fewest or 0, same["requests"])
+            if fewest is None or same["requests"] > fewest["requests"]:
+                fewest = {"node": node, **same}
             continue
         gap = float(same["shadow_hit_rate"]) - float(same["engine_hit_rate"])
         if worst is None or abs(gap) > abs(worst["gap"]):
@@ -476,9 +477,9 @@ def sharing_consistency(logs: Logs) -> Finding:
     if worst is None:
         if fewest is not None:
             return Finding("sharing.consistency", "n/a", title,
-                           rules.too_few(fewest, rules.MIN_SHARING_REQUESTS,
+                           rules.too_few(fewest["requests"], rules.MIN_SHARING_REQUESTS,
                                          "finished requests counted by both the shadow and the engine"),
-                           {"requests": fewest, "needed": rules.MIN_SHARING_REQUESTS})
+                           {**fewest, "needed": rules.MIN_SHARING_REQUESTS})
         return Finding("sharing.consistency", "n/a", title,
                        "no engine hit rate over the requests the shadow counted")
     return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title,
