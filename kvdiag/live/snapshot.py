@@ -88,10 +88,12 @@ class SharingView:
     """Prefix sharing. Engine hit rate = cached prompt tokens / prompt tokens over finished
     requests (or the engine's own prefix-cache counters, hits / queries, since the client
     joined). Shadow hit rate = token hit rate of the shadow cache at the engine's
-    configuration. Gap = shadow - engine. With shadow results that carry the same-requests
-    counters (schema 1.6), all three cover the same window: the requests that finished
-    normally since ``window_start_ns`` (the client's first shadow result: its join, or the
-    shadow's start), ``window_requests`` of them."""
+    configuration. Gap = shadow - engine over the same requests, None when they cannot be
+    matched or are fewer than ``rules.MIN_SHARING_REQUESTS`` (``gap_status`` then says so).
+    With shadow results that carry the same-requests counters (schema 1.6), all three cover
+    the same window: the requests that finished normally since ``window_start_ns`` (the
+    client's first shadow result: its join, or the shadow's start), ``window_requests`` of
+    them."""
 
     engine_hit_rate: Optional[float]
     shadow_hit_rate: Optional[float]

@@ -174,6 +174,7 @@ class LiveState:
         # shadow
         self.shadow: dict[tuple, s.ShadowSharing] = {}
         self.shadow_baseline: dict[tuple, s.ShadowSharing] = {}  # each configuration's first result
+        self.shadow_drained: dict[tuple, s.ShadowSharing] = {}  # its latest with no request in flight
         self.compression: dict[tuple, s.ShadowCompression] = {}
         self.shadow_budget: Optional[s.ShadowBudget] = None  # the latest
         self.locality_sum: dict[tuple[int, int], list[float]] = {}
@@ -370,6 +371,8 @@ class LiveState:
         key = (ev.policy, ev.block_size_tokens, ev.capacity_blocks)
         self.shadow[key] = ev
         base = self.shadow_baseline.setdefault(key, ev)
+        if ev.requests and ev.requests == self.finished_count:  # every request it counted finished
+            self.shadow_drained[key] = ev
         series = self.shadow_series.get(key)
         if series is None:
             series = self.shadow_series[key] = _Series()
@@ -610,11 +613,18 @@ class LiveState:
             engine = head.engine_hit_rate
         shadow = head.token_hit_rate if head else None
         window = sharing_window(self.shadow_baseline[key], head) if head is not None else None
+        same: Optional[int] = None  # requests both sides cover (None: no such comparison)
         if window is not None:  # both sides over the same requests, since the first result seen
-            engine, shadow = window.engine_hit_rate, window.shadow_hit_rate
-        gap = shadow - engine if shadow is not None and engine is not None else None
-        if window is not None and window.requests < MIN_SHARING_REQUESTS:
-            status = too_few(window.requests, MIN_SHARING_REQUESTS, "finished requests in the window")
+            engine, shadow, same = window.engine_hit_rate, window.shadow_hit_rate, window.requests
+        elif key in self.shadow_drained and self.shadow_drained[key].engine_hit_rate is not None:
+            # results without the same-requests counters (an older agent): the latest taken with
+            # no request in flight, when the shadow (at arrival) and the engine (at finish)
+            # counted the same requests (the doctor's sharing.consistency makes the same choice)
+            d = self.shadow_drained[key]
+            same, shadow, engine = d.requests, d.token_hit_rate, d.engine_hit_rate
+        gap = shadow - engine if shadow is not None and engine is not None and same is not None else None
+        if same is not None and same < MIN_SHARING_REQUESTS:
+            status, gap = too_few(same, MIN_SHARING_REQUESTS, "finished requests in the window"), None
         else:
             status = sharing_gap_status(gap) if gap is not None else ""
         what_if = tuple(sorted((_point(ev) for ev in self.shadow.values()), key=lambda p: (

@@ -180,6 +180,8 @@ class SharingPanel(Panel):
             since = time.strftime("%H:%M:%S", time.localtime(sh.window_start_ns / 1e9))
             rows.append(line((f"since {since}: {sh.window_requests} finished requests"
                               + (f", {sh.gap_status.split(':')[0]}" if sh.gap_status.startswith("n/a") else ""), DIM)))
+        elif sh.gap_status.startswith("n/a") and height >= 4:
+            rows.append(line((sh.gap_status, DIM)))
         if height < 5:
             return rows
         same = [p for p in sh.what_if if p.policy == cfg.policy]
