@@ -129,8 +129,8 @@ def _sharing(frames: dict, header: LogHeader) -> tuple[dict, Finding]:
     logs = Logs(headers={node: header}, frames={t: f.assign(node=node) for t, f in frames.items()})
     finding = sharing_consistency(logs)
     ev = finding.evidence
-    out = {k: ev.get(k) for k in ("engine_hit_rate", "shadow_hit_rate", "gap", "requests",
-                                  "window_start_ns", "window_end_ns")}
+    out = {k: ev.get(k) for k in ("engine_hit_rate", "shadow_hit_rate", "gap", "requests", "prompt_tokens",
+                                  "engine_cached_tokens", "shadow_hit_tokens", "window_start_ns", "window_end_ns")}
     return out, finding
 
 

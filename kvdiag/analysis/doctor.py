@@ -429,7 +429,8 @@ def _same_requests(mine: pd.DataFrame, key: tuple, fin: pd.DataFrame) -> Optiona
     if window is not None:
         return {"shadow_hit_rate": window.shadow_hit_rate, "engine_hit_rate": window.engine_hit_rate,
                 "requests": window.requests, "window_start_ns": window.start_ns, "window_end_ns": window.end_ns,
-                "prompt_tokens": window.prompt_tokens}
+                "prompt_tokens": window.prompt_tokens, "shadow_hit_tokens": window.shadow_hit_tokens,
+                "engine_cached_tokens": window.engine_cached_tokens}
     done = np.sort(fin["ts_ns"].to_numpy(dtype="int64"))
     for r in reversed(rows):
         if r.requests and np.searchsorted(done, r.ts_ns, side="right") == r.requests and pd.notna(r.engine_hit_rate):
