@@ -223,8 +223,8 @@ def _take_sample(h: _Hooks, sched, now: int) -> None:
     """One pool sample; the next one is due a sample interval later, or later still on a
     large pool, so that sampling costs at most :data:`SAMPLE_BUDGET` of the time. The cost is
     the CPU time of the thread that sampled, not wall time: a thread that waited for the GIL
-    while the engine worked did not cost that wait (measured as wall time, one such wait of
-    60 ms held the next sample back 12 s). The caller holds ``h.sample_lock``."""
+    while the engine worked did not cost that wait (as wall time, a wait of 60 ms would hold the
+    next sample back 12 s). The caller holds ``h.sample_lock``."""
     started_ns = time.thread_time_ns()
     h.record(pool_sample(sched))
     cost_ns = time.thread_time_ns() - started_ns
