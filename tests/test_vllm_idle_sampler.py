@@ -43,13 +43,16 @@ def test_the_pool_is_sampled_while_the_engine_is_idle():
                    == (4, 1, 1, 2, 1) for s in first)
         gaps = [b.ts_ns - a.ts_ns for a, b in zip(first, first[1:])]
         assert all(g >= INTERVAL_NS for g in gaps)
-        # a step just ran: the engine is not idle, the idle thread leaves the sampling to it
-        h.last_step_ns = time.time_ns() + 10**12  # a step "ends" far ahead: always busy
-        n = len(samples())
-        assert not vp._idle_sample(h)
-        assert len(samples()) == n
     finally:
         h.idle_stop.set()
         h.idle_thread.join(timeout=5)
     assert not h.idle_thread.is_alive()
     assert not h.errors
+    # the thread's turn, taken by hand: while steps run it leaves the sampling to them ...
+    n = len(samples())
+    h.next_sample_ns = 0
+    h.last_step_ns = time.time_ns() + 10**12  # a step "ends" far ahead: always busy
+    assert not vp._idle_sample(h) and len(samples()) == n
+    # ... and once the engine has been idle for an interval it samples
+    h.last_step_ns = time.time_ns() - 2 * INTERVAL_NS
+    assert vp._idle_sample(h) and len(samples()) == n + 1
