@@ -12,7 +12,7 @@ from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
 from kvdiag.analysis.sharing import simulate
 from kvdiag.analysis.traces import TraceBuilder
 from kvdiag.kernels.hashing import chunk_hashes
-from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
+from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished, ShadowSharing
 from kvdiag.sinks import ListSink
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
@@ -142,6 +142,11 @@ def test_results_every_interval_while_requests_are_in_flight():
     # is recorded (3 finished)
     assert [(e.requests, e.finished_requests) for e in batches] == [(1, 0), (5, 3), (9, 7), (13, 11), (17, 15)]
     assert all(e.finished_prompt_tokens == 32 * e.finished_requests for e in batches)
+    # an idle engine (pool samples only, no request arriving or finishing): no repeated results
+    for t in range(10):
+        clock.now = 6_000_000_000 + t * 1_000_000_000
+        live.record(KVPoolSample(ts_ns=clock.now, num_blocks=10, blocks_used=1))
+    assert len([e for e in sink.events if isinstance(e, ShadowSharing)]) == len(batches)
     live.record(RequestFinished(ts_ns=clock.now, request_id="19", prompt_tokens=32, output_tokens=1))
     last = [e for e in sink.events if isinstance(e, ShadowSharing)][-1]
     assert last.ts_ns == clock.now == 5_700_000_000 and last.requests == 20  # drained

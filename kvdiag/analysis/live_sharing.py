@@ -3,8 +3,8 @@
 Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids`` at each
 configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
 (policy, block size, capacity) — exactly the offline simulator, one request at a time — and
-every ``interval_s`` (and whenever the last request in flight finished) records one
-``ShadowSharing`` event per configuration into ``out``.
+every ``interval_s`` in which requests arrived or finished (and whenever the last request in
+flight finished) records one ``ShadowSharing`` event per configuration into ``out``.
 When a request finishes, the full blocks of its prompt and generated tokens (from the
 adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
 
@@ -184,6 +184,7 @@ class ShadowSharingSink:
         self._engine_prompt_tokens = 0
         self._last_emit_ns = clock()
         self._emitted = False  # the first event recorded starts the counters' baseline
+        self._changed = False  # counters moved since the last results (an idle engine: no repeats)
         # what arrived and finished before the engine's pool was announced, replayed into the
         # engine-settings cache when it is (the pool is created with the first request)
         self._before_pool: Optional[list[tuple[bool, list[int], str]]] = [] if engine_settings else None
@@ -249,8 +250,10 @@ class ShadowSharingSink:
             drained = isinstance(event, RequestFinished) and not self._live
             # at the start (the counters' baseline), when the engine's cache is added, every
             # interval, and whenever the last live request finished
+            if isinstance(event, (RequestArrived, RequestFinished)):
+                self._changed = True
             if (not self._emitted or added or drained
-                    or now - self._last_emit_ns >= self.interval_ns):
+                    or (self._changed and now - self._last_emit_ns >= self.interval_ns)):
                 self._emit(now)
         except Exception:  # a shadow analysis never breaks the observed process
             self.errors += 1
@@ -357,5 +360,6 @@ class ShadowSharingSink:
     def _emit(self, now: int) -> None:
         self._last_emit_ns = now
         self._emitted = True
+        self._changed = False
         for ev in self.snapshot(now):
             self.out.record(ev)
