@@ -142,13 +142,12 @@ def test_results_every_interval_while_requests_are_in_flight():
     # is recorded (3 finished)
     assert [(e.requests, e.finished_requests) for e in batches] == [(1, 0), (5, 3), (9, 7), (13, 11), (17, 15)]
     assert all(e.finished_prompt_tokens == 32 * e.finished_requests for e in batches)
-    # then an idle engine (pool samples only): one batch with what changed since 4.8 s, at the
-    # first event a second later, and no repeats after it
-    for t in range(10):
-        clock.now = 6_000_000_000 + t * 1_000_000_000
-        live.record(KVPoolSample(ts_ns=clock.now, num_blocks=10, blocks_used=1))
-    later = [e for e in sink.events if isinstance(e, ShadowSharing)][len(batches):]
-    assert [(e.ts_ns, e.requests, e.finished_requests) for e in later] == [(6_000_000_000, 20, 19)]
     live.record(RequestFinished(ts_ns=clock.now, request_id="19", prompt_tokens=32, output_tokens=1))
     last = [e for e in sink.events if isinstance(e, ShadowSharing)][-1]
     assert last.ts_ns == clock.now == 5_700_000_000 and last.requests == 20  # drained
+    # then an idle engine (pool samples only, no request arriving or finishing): no repeats
+    n = len([e for e in sink.events if isinstance(e, ShadowSharing)])
+    for t in range(10):
+        clock.now = 6_000_000_000 + t * 1_000_000_000
+        live.record(KVPoolSample(ts_ns=clock.now, num_blocks=10, blocks_used=1))
+    assert len([e for e in sink.events if isinstance(e, ShadowSharing)]) == n
