@@ -482,7 +482,8 @@ def sharing_consistency(logs: Logs) -> Finding:
                                          "finished requests counted by both the shadow and the engine"),
                            {**fewest, "needed": rules.MIN_SHARING_REQUESTS})
         return Finding("sharing.consistency", "n/a", title,
-                       "no engine hit rate over the requests the shadow counted")
+                       "no engine hit rate over the same requests as the shadow's (shadow results "
+                       "older than schema 1.6 compare only when no request was in flight)")
     return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title,
                    f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
                    f"over the same {worst['requests']} finished requests "
