@@ -10,7 +10,8 @@ Live stream protocol: a client connects to the socket (mode 0600, in the runtime
 ``kvdiag.paths.agent_socket_path(pid)`` unless given) and reads JSON lines: first the
 ``LogHeader``, then the events that describe the setup whenever they happened (the latest
 ``KVPoolInfo`` and every ``CollectorStatus``: a client that joins after the engine built its
-pool still learns its shape), then every event as it happens (the same JSON as a log line). A client that
+pool still learns its shape; the latest ``ShadowSharing`` of each configuration: the baseline
+from which a late client compares shadow and engine over the same requests), then every event as it happens (the same JSON as a log line). A client that
 reads too slowly loses its own events (counted and told; the agent never blocks the engine);
 limits in :mod:`kvdiag.agent_socket`. There is no TCP listener unless ``prometheus`` is given
 (an HTTP /metrics endpoint, :mod:`kvdiag.exporter`, on 127.0.0.1 unless a host is given). When the runtime dir may not

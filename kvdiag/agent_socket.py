@@ -1,7 +1,8 @@
 """The agent's live socket: a Sink that serves every event as a JSON line to local clients.
 
 Protocol: the ``LogHeader`` line, then the setup events (latest ``KVPoolInfo``, every
-``CollectorStatus``), then every event as it happens; a blank line is a keep-alive, sent after
+``CollectorStatus``, the latest ``ShadowSharing`` of each configuration: a client that joins
+late takes its counters as the baseline of its window), then every event as it happens; a blank line is a keep-alive, sent after
 :data:`KEEPALIVE_S` without data. A refused client gets one line ``{"refused": REASON}``.
 
 Limits (one client cannot hurt the others or the engine):
@@ -36,7 +37,7 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag.schema import CollectorGap, CollectorStatus, Event, KVPoolInfo, LogHeader
+from kvdiag.schema import CollectorGap, CollectorStatus, Event, KVPoolInfo, LogHeader, ShadowSharing
 
 MAX_CLIENTS = 8
 CLIENT_QUEUE_BYTES = 4 << 20
@@ -120,8 +121,10 @@ class LiveSocketSink:
         return len(self._clients)
 
     def record(self, event: Event) -> None:
-        if isinstance(event, (KVPoolInfo, CollectorStatus)):
-            key = "pool" if isinstance(event, KVPoolInfo) else f"status:{event.collector}"
+        if isinstance(event, (KVPoolInfo, CollectorStatus, ShadowSharing)):
+            key = ("pool" if isinstance(event, KVPoolInfo) else f"status:{event.collector}"
+                   if isinstance(event, CollectorStatus)
+                   else f"shadow:{event.policy}:{event.block_size_tokens}:{event.capacity_blocks}")
             if key in self._setup_lines or len(self._setup_lines) < 256:
                 try:
                     self._setup_lines[key] = self._setup_encoder.encode(event) + b"\n"

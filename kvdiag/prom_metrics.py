@@ -78,11 +78,14 @@ METRICS: tuple[MetricDef, ...] = (
     # ------------------------------------------------------------------ prefix sharing
     MetricDef("kvdiag_prefix_engine_hit_ratio", "gauge", "ratio",
               "Engine prefix-cache token hit rate: cached prompt tokens / prompt tokens of finished "
-              "requests (or the engine's own counters, hits / queries)."),
+              "requests (or the increase of the engine's own counters, hits / queries, since the "
+              "exporter started)."),
     MetricDef("kvdiag_prefix_content_hit_ratio", "gauge", "ratio",
-              "Content hit rate: token hit rate of the shadow cache at the engine's settings."),
+              "Content hit rate: token hit rate of the shadow cache at the engine's settings, over the "
+              "same finished requests as the engine's."),
     MetricDef("kvdiag_prefix_hit_ratio_gap", "gauge", "ratio",
-              "Content hit rate - engine hit rate (doctor: sharing.consistency)."),
+              "Content hit rate - engine hit rate over the same finished requests (doctor: "
+              "sharing.consistency); absent with fewer than its minimum of requests."),
     MetricDef("kvdiag_shadow_token_hit_ratio", "gauge", "ratio",
               "Token hit rate of a what-if prefix cache; block_size in tokens, capacity in blocks "
               "(\"unbounded\" without a limit).", ("policy", "block_size", "capacity")),

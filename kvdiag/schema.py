@@ -25,11 +25,12 @@ from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.5"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+SCHEMA_VERSION = "1.6"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
 # PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: MemoryBandwidthProbe,
 # HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget; 1.4: ShadowBudget.clock (CPU-time
-# budget), sample_rate, sample_rate_max; 1.5: ShadowDelta
+# budget), sample_rate, sample_rate_max; 1.5: ShadowDelta; 1.6: ShadowSharing.finished_* (the
+# same finished requests counted on the shadow's and the engine's side)
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -397,8 +398,16 @@ class EngineMetrics(Event, tag="engine_metrics"):
 
 class ShadowSharing(Event, tag="shadow_sharing"):
     """What-if prefix sharing over the traffic seen so far. Block hit rate = hit blocks /
-    referenced blocks; token hit rate = hit tokens / prompt tokens. ``capacity_blocks`` null
-    means unbounded. ``engine_hit_rate``: the engine's own token hit rate for comparison."""
+    referenced blocks; token hit rate = hit tokens / prompt tokens (requests counted at their
+    arrival). ``capacity_blocks`` null means unbounded. ``engine_hit_rate``: the engine's own
+    token hit rate for comparison.
+
+    The ``finished_*`` counters (cumulative since the shadow started) cover one population on
+    both sides: the requests that finished normally and whose arrival this cache counted:
+    their number, their prompt tokens, this cache's hit tokens on them (at their arrival) and
+    the engine's cached prompt tokens of the same requests. A reader compares engine and
+    shadow over a window as the difference of two events' counters (a client that joins a
+    running engine takes them at join time)."""
 
     policy: str
     block_size_tokens: Count
@@ -409,6 +418,10 @@ class ShadowSharing(Event, tag="shadow_sharing"):
     request_hit_rate: Optional[Fraction] = None
     bytes_saved: Optional[Count] = None
     engine_hit_rate: Optional[Fraction] = None
+    finished_requests: Optional[Count] = None
+    finished_prompt_tokens: Optional[Count] = None
+    finished_hit_tokens: Optional[Count] = None
+    finished_engine_cached_tokens: Optional[Count] = None
 
 
 class ShadowCompression(Event, tag="shadow_compression"):

@@ -30,7 +30,8 @@ def test_summary_of_the_recorded_demo_log():
     assert s["memory"]["kv_pool_bytes"] == info.num_blocks * info.block_bytes
     assert s["memory"]["kv_cached_bytes"] == last.blocks_cached * info.block_bytes
     assert {f["rule"] for f in s["findings"]} == {"leak.finished_holding", "leak.double_release", "leak.pool_growth",
-                                                  "fragmentation.kv_pool", "fragmentation.allocator"}
+                                                  "fragmentation.kv_pool", "fragmentation.allocator",
+                                                  "sharing.consistency"}
 
 
 def test_tokens_per_joule_and_pooled_phases():

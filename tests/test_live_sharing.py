@@ -12,7 +12,7 @@ from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
 from kvdiag.analysis.sharing import simulate
 from kvdiag.analysis.traces import TraceBuilder
 from kvdiag.kernels.hashing import chunk_hashes
-from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
+from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished, ShadowSharing
 from kvdiag.sinks import ListSink
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
@@ -70,9 +70,11 @@ def test_live_events_equal_offline_simulation():
     live.flush()
     assert live.errors == 0
     emitted = [e for e in sink.events if isinstance(e, ShadowSharing)]
-    # a batch whenever the engine drained (here: each request finishes before the next
-    # arrives), + flush; the 1 s interval is tested with requests in flight below
-    assert len(emitted) == len(CONFIGS) * (len(prompts) + 1)
+    # a batch at the start (the counters' baseline), whenever the engine drained (here: each
+    # request finishes before the next arrives), + flush; the 1 s interval is tested with
+    # requests in flight below
+    assert len(emitted) == len(CONFIGS) * (len(prompts) + 2)
+    assert all(e.finished_requests == 0 and e.requests <= 1 for e in emitted[:len(CONFIGS)])
     final = emitted[-len(CONFIGS):]
     engine = sum(engine_cached) / sum(len(t) for t in prompts)
     for cfg, ev in zip(CONFIGS, final):
@@ -86,6 +88,12 @@ def test_live_events_equal_offline_simulation():
         assert ev.request_hit_rate == pytest.approx(offline.request_hit_rate, abs=1e-12)
         assert ev.bytes_saved == offline.hit_tokens * 46080
         assert ev.engine_hit_rate == pytest.approx(engine)
+        # the same requests on both sides: every request finished, so the finished counters
+        # are the offline simulation's hits and the engine's reported cached tokens
+        assert ev.finished_requests == len(prompts)
+        assert ev.finished_prompt_tokens == sum(len(t) for t in prompts)
+        assert ev.finished_hit_tokens == offline.hit_tokens
+        assert ev.finished_engine_cached_tokens == sum(engine_cached)
     # every intermediate batch is the offline result over the requests seen by then
     mid = emitted[len(CONFIGS) * 40]
     offline = simulate(trace_from_tokens(prompts[:mid.requests], 512), "lru", None)
@@ -126,8 +134,20 @@ def test_results_every_interval_while_requests_are_in_flight():
         if i:
             live.record(RequestFinished(ts_ns=clock.now, request_id=str(i - 1), prompt_tokens=32,
                                         output_tokens=1))
-    times = [e.ts_ns for e in sink.events if isinstance(e, ShadowSharing)]
-    assert times == [1_200_000_000, 2_400_000_000, 3_600_000_000, 4_800_000_000]
+    batches = [e for e in sink.events if isinstance(e, ShadowSharing)]
+    # the baseline at the first event, then every interval
+    assert [e.ts_ns for e in batches] == [0, 1_200_000_000, 2_400_000_000, 3_600_000_000, 4_800_000_000]
+    # arrivals are counted as they come, the same-requests counters once a request finished:
+    # the 1.2 s batch is taken on request 4's arrival (5 arrived), before request 3's finish
+    # is recorded (3 finished)
+    assert [(e.requests, e.finished_requests) for e in batches] == [(1, 0), (5, 3), (9, 7), (13, 11), (17, 15)]
+    assert all(e.finished_prompt_tokens == 32 * e.finished_requests for e in batches)
     live.record(RequestFinished(ts_ns=clock.now, request_id="19", prompt_tokens=32, output_tokens=1))
     last = [e for e in sink.events if isinstance(e, ShadowSharing)][-1]
     assert last.ts_ns == clock.now == 5_700_000_000 and last.requests == 20  # drained
+    # then an idle engine (pool samples only, no request arriving or finishing): no repeats
+    n = len([e for e in sink.events if isinstance(e, ShadowSharing)])
+    for t in range(10):
+        clock.now = 6_000_000_000 + t * 1_000_000_000
+        live.record(KVPoolSample(ts_ns=clock.now, num_blocks=10, blocks_used=1))
+    assert len([e for e in sink.events if isinstance(e, ShadowSharing)]) == n

@@ -1,6 +1,7 @@
 """leak.memory_growth on real process memory: a child process that keeps allocating (a leak)
 and one that holds steady, their RSS sampled with psutil as a collector would. The child
-allocates only after a steady baseline of samples and holds until a steady tail is sampled."""
+allocates only after a steady baseline of samples and holds until a steady tail is sampled.
+A log of memory samples alone, with no engine step (model load), is not judged."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def _record(tmp_path, step_bytes: int):
     rss = []
     done_at = None
     with LogWriter(log, make_header(engine="test-child")) as w:
+        # the child serves from here (growth rules judge only a serving window: model load and
+        # the first engine step are warm-up); its "first step" ends before the first sample
+        w.record(s.EngineStep(ts_ns=time.time_ns(), step_id=1, phase="decode", batch_size=1,
+                              num_tokens=1, duration_ns=0))
         while done_at is None or len(rss) < done_at + TAIL:
             assert child.poll() is None, "the child exited early"
             sample = s.ProcessSample(ts_ns=time.time_ns(), pid=child.pid, rss_bytes=proc.memory_info().rss)
@@ -74,3 +79,16 @@ def test_memory_growth_on_real_rss(tmp_path, step_mib, expected):
     assert f.evidence["memory_growth_bytes"] == np.median(rss[-k:]) - np.median(rss[:k])
     # ... and what the child did: it allocated and wrote STEPS x step_mib MiB after the baseline
     assert abs(f.evidence["memory_growth_bytes"] - STEPS * (step_mib << 20)) <= 4 << 20
+
+
+def test_memory_growth_not_judged_before_the_first_engine_step():
+    """Model load: memory samples and no engine step yet: n/a, whatever the memory did."""
+    from kvdiag.analysis.logs import Logs
+    import pandas as pd
+
+    rss = [100 << 20, 600 << 20, 1100 << 20, 1200 << 20, 1300 << 20]
+    frame = pd.DataFrame({"ts_ns": [i * 10**9 for i in range(len(rss))], "pid": 1, "rss_bytes": rss,
+                          "node": "n"})
+    logs = Logs(headers={"n": make_header()}, frames={"process_sample": frame})
+    f = doctor.memory_growth(logs)
+    assert f.status == "n/a" and "no engine step" in f.message

@@ -36,8 +36,10 @@ def test_prefix_cache_off_shows_the_gap_and_a_failing_hook_is_contained(vllm_pyt
         events = ListSink()
         stream = AgentStream(server.socket_path, sink=events).start()
         before = metrics_text(server)
-        answers = [chat(server, q) for q in QUESTIONS]
-        finished = _wait_finished(events, len(QUESTIONS))
+        # enough requests for the consistency rule to judge (rules.MIN_SHARING_REQUESTS)
+        traffic = QUESTIONS * -(-rules.MIN_SHARING_REQUESTS // len(QUESTIONS))
+        answers = [chat(server, q) for q in traffic]
+        finished = _wait_finished(events, len(traffic))
         after = metrics_text(server)
         stream.close(drain_s=0.5)
     # vLLM served every request although kvdiag's allocation hook raised each time

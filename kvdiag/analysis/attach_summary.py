@@ -3,9 +3,11 @@ rate, fragmentation, phase breakdown and findings, as plain JSON-ready values.
 
 Definitions: token hit rate = cached prompt tokens / prompt tokens over requests finished in
 the window (``RequestFinished``); engine hit rate = increase of the engine's prefix-cache hit
-counter / increase of its query counter between the first and last ``EngineMetrics``; phase
-shares = py-spy samples per phase / all samples, pooled over windows; latency (TTFT, TPOT,
-queue wait, e2e, arrival and completion rates): :mod:`kvdiag.analysis.user_latency`.
+counter / increase of its query counter between the first and last ``EngineMetrics``;
+sharing = shadow and engine token hit rates over the same requests, those finished since the
+first shadow result received (the agent sends its latest at join), and ``sharing.consistency``
+on them; phase shares = py-spy samples per phase / all samples, pooled over windows; latency
+(TTFT, TPOT, queue wait, e2e, arrival and completion rates): :mod:`kvdiag.analysis.user_latency`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from kvdiag.analysis import fragmentation, leaks, user_latency
+from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.logs import merge
 from kvdiag.eventlog import events_to_frames
 from kvdiag.schema import SCHEMA_VERSION, Event, LogHeader
@@ -116,6 +119,22 @@ def _hit_rate(kv: dict, frames: dict) -> dict:
     return out
 
 
+def _sharing(frames: dict, header: LogHeader) -> tuple[dict, Finding]:
+    """``sharing.consistency`` over this window (:func:`kvdiag.analysis.doctor.sharing_consistency`:
+    shadow and engine over the same requests, those finished since the first shadow result
+    the client received, which the agent sends at join time) and that window."""
+    from kvdiag.analysis.doctor import sharing_consistency
+    from kvdiag.analysis.logs import Logs
+
+    node = header.node or header.host or "attach"
+    logs = Logs(headers={node: header}, frames={t: f.assign(node=node) for t, f in frames.items()})
+    finding = sharing_consistency(logs)
+    ev = finding.evidence
+    out = {k: ev.get(k) for k in ("engine_hit_rate", "shadow_hit_rate", "gap", "requests", "prompt_tokens",
+                                  "engine_cached_tokens", "shadow_hit_tokens", "window_start_ns", "window_end_ns")}
+    return out, finding
+
+
 def _efficiency(kv: dict, frames: dict) -> dict:
     """Generated tokens per joule: output tokens of requests finished in the window / GPU
     energy used over the window (NVML energy counter, summed over devices)."""
@@ -157,7 +176,10 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         block_size * header.bytes_per_token if block_size and header.bytes_per_token else None)
     kv, pool = _kv(frames, block_size, header.bytes_per_token)
     pool_samples = _f(frames, "kv_pool_sample")
-    findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s)
+    prefill = leaks.prefill_spans(*(_f(frames, t) for t in ("request_arrived", "request_scheduled",
+                                                            "request_first_token", "request_finished")))
+    findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s,
+                                   prefill=prefill)
     findings.append(fragmentation.kv_pool_fragmentation_finding(
         pool if not pool.empty else pd.DataFrame(columns=fragmentation.KV_POOL_COLUMNS)))
     alloc = _f(frames, "allocator_sample")
@@ -170,6 +192,8 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
                            "longest_free_run_blocks": free_list.longest_free_run_blocks,
                            "free_list_fragmentation": free_list.free_list_fragmentation}
     lat = user_latency.summarize(merge([(header, frames, "attach")]))
+    sharing, sharing_finding = _sharing(frames, header)
+    findings.append(sharing_finding)
     status = _f(frames, "collector_status")
     # the recording's own start: an agent tells a late client what it set up earlier (the pool)
     start = header.start_ns or (events[0].ts_ns if events else 0)
@@ -182,6 +206,7 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         "memory": _memory(frames, block_bytes),
         "kv": kv,
         "hit_rate": _hit_rate(kv, frames),
+        "sharing": sharing,
         "efficiency": _efficiency(kv, frames),
         "fragmentation": {"kv_empty_slot_share": kv_frag.evidence.get("value"),
                           "allocator": next(f for f in findings if f.rule == "fragmentation.allocator").evidence.get("value")},

@@ -31,14 +31,14 @@ from kvdiag.analysis import bandwidth, latency, pressure, user_latency
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
+from kvdiag.analysis.live_sharing import headline_config, sharing_window
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
 from kvdiag.prefix_cache import VLLM_KV_EVENTS_COLLECTOR
 from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
                            BlockReleased, CollectorGap, EngineMetrics, EngineStep, KVPoolInfo,
                            KVPoolSample, NvmlSample, PrefixCacheCleared, PrefixCacheRemoved,
-                           PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived,
+                           PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived, RequestFirstToken,
                            RequestFinished, RequestPreempted, RequestScheduled, ShadowSharing)
 
 _NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
@@ -66,26 +66,39 @@ def _process_memory(logs: Logs) -> tuple[str, Optional[pd.DataFrame]]:
 
 
 def _serving_since_ns(logs: Logs) -> dict:
-    """Per node, when the engine's first step ended: before it, memory grows by loading the
-    model, allocating the KV pool and the first forward's one-time costs (weights paged in from
-    a memory-mapped file, buffers), which is warm-up, not growth while serving."""
+    """Per node, when serving began: the end of its first engine step (before it, memory grows
+    by loading the model, allocating the KV pool and the first forward's one-time costs:
+    weights paged in from a memory-mapped file, buffers: warm-up, not growth while serving);
+    on a node without engine steps, its first finished request; without either, its first
+    scrape of the engine's metrics (a client that joined an engine already serving). A node
+    with none of these has not served yet (model load) and is absent."""
+    since: dict = {}
     st = logs.frame(EngineStep)
-    if st.empty:
-        return {}
-    return (st["ts_ns"] + st["duration_ns"]).groupby(st["node"]).min().to_dict()
+    if len(st):
+        since.update((st["ts_ns"] + st["duration_ns"]).groupby(st["node"]).min().to_dict())
+    for cls in (RequestFinished, EngineMetrics):
+        f = logs.frame(cls)
+        if len(f):
+            for node, ts in f.groupby("node")["ts_ns"].min().items():
+                since.setdefault(node, ts)
+    return since
 
 
 def memory_growth(logs: Logs) -> Finding:
     """Growth of process memory (median of the last 10% of samples minus the first 10%,
     summed over devices/processes) minus the KV pool's growth (blocks held by requests and
-    the prefix cache x block bytes) over the same span: the log, or on a node with engine
-    steps, from the end of its first step (warm-up excluded)."""
+    the prefix cache x block bytes) over the same span: per node, its serving window
+    (:func:`_serving_since_ns`: model load and the first engine step are outside it; a node
+    that has not served yet is not judged)."""
     title = "memory grows only with the KV cache"
     label, mem = _process_memory(logs)
     if mem is None or mem.empty:
         return Finding("leak.memory_growth", "n/a", title, "no memory samples (NVML, allocator, RSS)")
     since = _serving_since_ns(logs)
-    mem = mem[mem["ts_ns"] >= mem["node"].map(since).fillna(0)]
+    mem = mem[mem["node"].isin(since) & (mem["ts_ns"] >= mem["node"].map(since))]
+    if mem.empty:
+        return Finding("leak.memory_growth", "n/a", title,
+                       "no engine step yet: model load and warm-up are not judged as growth")
     mem_growth = start = 0.0
     measured = False
     for _, g in mem.groupby(["node", "key"]):
@@ -95,10 +108,13 @@ def memory_growth(logs: Logs) -> Finding:
             mem_growth += gr
             start += float(np.median(g.sort_values("ts_ns")["bytes"].to_numpy()[:max(2, len(g) // 10)]))
     if not measured:
+        most = int(mem.groupby(["node", "key"]).size().max())
         return Finding("leak.memory_growth", "n/a", title,
-                       f"fewer than 4 {label} samples{' after the first engine step' if since else ''}")
+                       rules.too_few(most, rules.MIN_MEMORY_SAMPLES,
+                                     f"{label} samples since serving began (first engine step)"),
+                       {"samples": most, "needed": rules.MIN_MEMORY_SAMPLES})
     kv = kv_pool_bytes(logs)
-    kv = kv[kv["ts_ns"] >= kv["node"].map(since).fillna(0)]
+    kv = kv[kv["node"].isin(since) & (kv["ts_ns"] >= kv["node"].map(since))]
     kv_growth = 0.0
     for _, g in kv.groupby("node"):
         kv_growth += growth(g["ts_ns"].to_numpy(), (g["used_bytes"] + g["cached_bytes"]).to_numpy()) or 0.0
@@ -106,7 +122,7 @@ def memory_growth(logs: Logs) -> Finding:
     share = unexplained / start if start > 0 else 0.0
     status = rules.growth_status(share, unexplained)
     return Finding("leak.memory_growth", status, title,
-                   f"{label} grew {mem_growth / 2**20:+.1f} MiB{' after warm-up' if since else ''}, KV cache {kv_growth / 2**20:+.1f} MiB: "
+                   f"{label} grew {mem_growth / 2**20:+.1f} MiB after warm-up, KV cache {kv_growth / 2**20:+.1f} MiB: "
                    f"{unexplained / 2**20:+.1f} MiB ({share:+.1%}) unexplained "
                    f"(fail at >= {rules.GROWTH_FAIL[0]:.0%} and {rules.GROWTH_FAIL[1] >> 20} MiB)",
                    {"source": label, "memory_growth_bytes": mem_growth, "kv_growth_bytes": kv_growth,
@@ -130,6 +146,15 @@ def _events(logs: Logs, node: str, classes) -> list:
     return [ev for _, ev in sorted(out, key=lambda p: p[0])]
 
 
+def _prefill_spans(logs: Logs, node: str):
+    """:func:`kvdiag.analysis.leaks.prefill_spans` of ``node``'s requests."""
+    def mine(cls) -> pd.DataFrame:
+        f = logs.frame(cls)
+        return f[f["node"] == node]
+    return _leaks.prefill_spans(mine(RequestArrived), mine(RequestScheduled), mine(RequestFirstToken),
+                                mine(RequestFinished))
+
+
 def release_paths(logs: Logs) -> list[Finding]:
     """Every finished request gave back every block it held, no block was released twice, and
     occupancy does not grow at constant load: :func:`kvdiag.analysis.leaks.leak_findings` per
@@ -139,7 +164,8 @@ def release_paths(logs: Logs) -> list[Finding]:
                         "no block events in the log")]
     kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
     found = [f for node in logs.nodes for f in _leaks.leak_findings(
-        _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node])]
+        _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node],
+        prefill=_prefill_spans(logs, node))]
     # the checklist's rule keeps its id (top's alerts and scripts key on it)
     return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f
             for f in found]
@@ -385,59 +411,92 @@ def memory_pressure(logs: Logs) -> Finding:
                     "last_active_requests": float(last["active_requests"])})
 
 
-def engine_hit_rate(logs: Logs, node: str) -> Optional[float]:
-    """:func:`kvdiag.analysis.live_sharing.engine_token_hit_rate` of ``node``'s requests and
-    latest engine metrics."""
-    fin = logs.frame(RequestFinished)
-    fin = fin[(fin["node"] == node) & (fin["status"] == "finished")]
-    em = logs.frame(EngineMetrics)
-    em = em[em["node"] == node]
-    last = em.iloc[-1] if len(em) else pd.Series(dtype=object)
+def _config_key(r) -> tuple:
+    return (r.policy, int(r.block_size_tokens), None if pd.isna(r.capacity_blocks) else int(r.capacity_blocks))
 
-    def counter(name: str) -> Optional[float]:
-        value = last.get(name)
-        return float(value) if value is not None and pd.notna(value) else None
 
-    return engine_token_hit_rate(float(fin["prompt_tokens"].sum()), float(fin["cached_prompt_tokens"].sum()),
-                                 counter("prefix_cache_queries_tokens"), counter("prefix_cache_hits_tokens"))
+def _as_event(r) -> ShadowSharing:
+    def opt(v):
+        return None if v is None or (isinstance(v, float) and np.isnan(v)) else v
+    return ShadowSharing(ts_ns=int(r.ts_ns), policy=r.policy, block_size_tokens=int(r.block_size_tokens),
+                         capacity_blocks=_config_key(r)[2], requests=int(r.requests),
+                         block_hit_rate=float(r.block_hit_rate), token_hit_rate=float(r.token_hit_rate),
+                         engine_hit_rate=opt(r.engine_hit_rate),
+                         **{f: None if opt(getattr(r, f, None)) is None else int(getattr(r, f))
+                            for f in ("finished_requests", "finished_prompt_tokens", "finished_hit_tokens",
+                                      "finished_engine_cached_tokens")})
+
+
+def _same_requests(mine: pd.DataFrame, key: tuple, fin: pd.DataFrame) -> Optional[dict]:
+    """Engine and shadow over the same requests, for one configuration's events of one node:
+    the window between its first and last event (:func:`kvdiag.analysis.live_sharing.sharing_window`);
+    for a log without the ``finished_*`` counters (schema < 1.6), the latest event taken when
+    every request the shadow had counted had finished (its ``requests`` equal to the requests
+    finished by then), whose shadow and engine rates cover the same requests."""
+    rows = [r for r in mine.sort_values("ts_ns", kind="stable").itertuples() if _config_key(r) == key]
+    first, last = _as_event(rows[0]), _as_event(rows[-1])
+    window = sharing_window(first, last)
+    if window is not None:
+        return {"shadow_hit_rate": window.shadow_hit_rate, "engine_hit_rate": window.engine_hit_rate,
+                "requests": window.requests, "window_start_ns": window.start_ns, "window_end_ns": window.end_ns,
+                "prompt_tokens": window.prompt_tokens, "shadow_hit_tokens": window.shadow_hit_tokens,
+                "engine_cached_tokens": window.engine_cached_tokens}
+    done = np.sort(fin["ts_ns"].to_numpy(dtype="int64"))
+    for r in reversed(rows):
+        if r.requests and np.searchsorted(done, r.ts_ns, side="right") == r.requests and pd.notna(r.engine_hit_rate):
+            return {"shadow_hit_rate": float(r.token_hit_rate), "engine_hit_rate": float(r.engine_hit_rate),
+                    "requests": int(r.requests), "window_start_ns": None, "window_end_ns": int(r.ts_ns)}
+    return None
 
 
 def sharing_consistency(logs: Logs) -> Finding:
     """``sharing.consistency``: the content's hit rate (the shadow cache configured closest
-    to the engine: :func:`kvdiag.analysis.live_sharing.headline_config`, its latest value)
-    minus the engine's own (:func:`engine_hit_rate`); the node with the largest gap decides."""
+    to the engine: :func:`kvdiag.analysis.live_sharing.headline_config`) minus the engine's
+    own, over the same requests (:func:`_same_requests`: those that finished between the
+    node's first and last shadow results; a log cut mid-run or joined mid-stream judges only
+    them); n/a with fewer than :data:`kvdiag.analysis.rules.MIN_SHARING_REQUESTS` of them. The
+    node with the largest gap decides."""
     title = "engine prefix hit rate matches the content's"
     sh = logs.frame(ShadowSharing)
     if sh.empty:
         return Finding("sharing.consistency", "n/a", title, "no shadow sharing events (the agent records them)")
     info = logs.frame(KVPoolInfo)
+    fin_all = logs.frame(RequestFinished)
     worst: Optional[dict] = None
+    fewest: Optional[dict] = None  # the largest window with too few requests
     for node in logs.nodes:
         mine = sh[sh["node"] == node]
         if mine.empty:
             continue
-        latest = {(r.policy, r.block_size_tokens, None if pd.isna(r.capacity_blocks) else int(r.capacity_blocks)): r
-                  for r in mine.sort_values("ts_ns", kind="stable").itertuples()}
+        keys = {_config_key(r) for r in mine.itertuples()}
         pool = info[info["node"] == node]
         last_info = pool.iloc[-1] if len(pool) else None
-        key = headline_config(latest, None if last_info is None else int(last_info["block_size_tokens"]),
+        key = headline_config(keys, None if last_info is None else int(last_info["block_size_tokens"]),
                               None if last_info is None else int(last_info["num_blocks"]))
-        head = latest[key]
-        engine = engine_hit_rate(logs, node)
-        if engine is None and pd.notna(head.engine_hit_rate):
-            engine = float(head.engine_hit_rate)
-        if engine is None:
+        same = _same_requests(mine, key, fin_all[fin_all["node"] == node])
+        if same is None or same["engine_hit_rate"] is None:
             continue
-        gap = float(head.token_hit_rate) - engine
+        if same["requests"] < rules.MIN_SHARING_REQUESTS:
+            if fewest is None or same["requests"] > fewest["requests"]:
+                fewest = {"node": node, **same}
+            continue
+        gap = float(same["shadow_hit_rate"]) - float(same["engine_hit_rate"])
         if worst is None or abs(gap) > abs(worst["gap"]):
-            worst = {"node": node, "gap": gap, "engine_hit_rate": engine,
-                     "shadow_hit_rate": float(head.token_hit_rate), "policy": key[0],
+            worst = {"node": node, "gap": gap, **same, "policy": key[0],
                      "block_size_tokens": int(key[1]), "capacity_blocks": key[2],
                      "limit": rules.SHARING_GAP_LIMIT}
     if worst is None:
-        return Finding("sharing.consistency", "n/a", title, "no engine hit rate to compare with")
+        if fewest is not None:
+            return Finding("sharing.consistency", "n/a", title,
+                           rules.too_few(fewest["requests"], rules.MIN_SHARING_REQUESTS,
+                                         "finished requests counted by both the shadow and the engine"),
+                           {**fewest, "needed": rules.MIN_SHARING_REQUESTS})
+        return Finding("sharing.consistency", "n/a", title,
+                       "no engine hit rate over the same requests as the shadow's (shadow results "
+                       "older than schema 1.6 compare only when no request was in flight)")
     return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title,
                    f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
+                   f"over the same {worst['requests']} finished requests "
                    f"(gap {worst['gap']:+.1%}, limit ±{rules.SHARING_GAP_LIMIT:.0%})", worst)
 
 

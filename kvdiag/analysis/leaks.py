@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable, Optional
 
+import numpy as np
 import pandas as pd
 
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.rules import RELEASE_GRACE_NS
+from kvdiag.analysis.rules import MIN_POOL_GROWTH_SAMPLES, RELEASE_GRACE_NS, too_few
 from kvdiag.blockledger import BlockLedger
 from kvdiag.schema import Event
 
@@ -131,20 +132,56 @@ def ledger_findings(ledger: BlockLedger, grace_s: float = DEFAULT_GRACE_S,
     return [replace(held, rule="leak.release_paths"), double_release_finding(ledger)]
 
 
+def prefill_spans(arrived: pd.DataFrame, scheduled: pd.DataFrame, first_token: pd.DataFrame,
+                  finished: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, when its prefill ran: from its first scheduling (a log without scheduling
+    events: its arrival) to its first output token or its finish, whichever came first; a
+    request with neither in the window is still in its prefill at the window's end (end
+    +inf). Frames of ``RequestArrived``/``RequestScheduled``/``RequestFirstToken``/
+    ``RequestFinished`` (columns ``request_id``, ``ts_ns``). Returns (start_ns, end_ns)."""
+    first = (scheduled if len(scheduled) else arrived)
+    if first is None or not len(first):
+        return np.zeros(0, dtype="float64"), np.zeros(0, dtype="float64")
+    start = first.groupby("request_id")["ts_ns"].min()
+    ends = [f.groupby("request_id")["ts_ns"].min() for f in (first_token, finished) if f is not None and len(f)]
+    end = pd.concat(ends, axis=1).min(axis=1).reindex(start.index) if ends else pd.Series(np.nan, index=start.index)
+    s_ns = start.to_numpy(dtype="float64")
+    e_ns = np.maximum(end.fillna(np.inf).to_numpy(dtype="float64"), s_ns)
+    return s_ns, e_ns
+
+
+def _mid_prefill(ts_ns: np.ndarray, spans: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Whether some request was in its prefill (start <= t < end) at each time."""
+    start, end = np.sort(spans[0]), np.sort(spans[1])
+    t = np.asarray(ts_ns, dtype="float64")
+    return (np.searchsorted(start, t, side="right") - np.searchsorted(end, t, side="right")) > 0
+
+
 def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,
-                        min_samples: int = 3) -> Finding:
+                        min_samples: int = MIN_POOL_GROWTH_SAMPLES,
+                        prefill: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Finding:
     """Rule ``leak.pool_growth``: among ``KVPoolSample`` rows taken at the window's lowest
     running-request count, blocks used by live requests at the last such sample minus at the
     first (at least ``min_samples`` samples). Real demand moves with running requests; a
-    leak raises the floor."""
+    leak raises the floor. Samples taken while a request was in its prefill (``prefill``:
+    :func:`prefill_spans`) are left out: a prompt's chunked prefill grows the pool at a
+    constant running count, and a window cut mid-prefill would end on it."""
     title = "KV pool occupancy does not grow while live requests don't"
+    n = 0 if pool_samples is None else len(pool_samples)
+    if pool_samples is not None and n and prefill is not None and len(prefill[0]):
+        pool_samples = pool_samples[~_mid_prefill(pool_samples["ts_ns"].to_numpy(), prefill)]
     if pool_samples is None or len(pool_samples) < min_samples:
-        return Finding("leak.pool_growth", "n/a", title, "too few KV pool samples")
+        have = 0 if pool_samples is None else len(pool_samples)
+        why = "KV pool samples" + (" outside prefills" if prefill is not None and have < n else "")
+        return Finding("leak.pool_growth", "n/a", title, too_few(have, min_samples, why),
+                       {"samples": have, "needed": min_samples})
     floor = int(pool_samples["running_requests"].min())
     at_floor = pool_samples[pool_samples["running_requests"] == floor].sort_values("ts_ns")
     if len(at_floor) < min_samples:
         return Finding("leak.pool_growth", "n/a", title,
-                       f"fewer than {min_samples} samples at the lowest load ({floor} running)")
+                       too_few(len(at_floor), min_samples,
+                               f"KV pool samples at the lowest load ({floor} running)"),
+                       {"samples": int(len(at_floor)), "needed": min_samples})
     first, last = at_floor.iloc[0], at_floor.iloc[-1]
     growth = int(last["blocks_used"] - first["blocks_used"])
     evidence = {"running_requests": floor, "blocks_used_first": int(first["blocks_used"]),
@@ -158,11 +195,13 @@ def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,
 
 
 def leak_findings(events: Iterable[Event], pool_samples: Optional[pd.DataFrame] = None,
-                  grace_s: float = DEFAULT_GRACE_S, now_ns: Optional[int] = None) -> list[Finding]:
-    """All three leak rules over one event sequence (time order)."""
+                  grace_s: float = DEFAULT_GRACE_S, now_ns: Optional[int] = None,
+                  prefill: Optional[tuple[np.ndarray, np.ndarray]] = None) -> list[Finding]:
+    """All three leak rules over one event sequence (time order); ``prefill``: the requests'
+    prefill spans (:func:`prefill_spans`) for ``leak.pool_growth``."""
     ledger = ledger_from_events(events, keep_history=False)
     return [finished_holding_finding(ledger, grace_s, now_ns), double_release_finding(ledger),
-            pool_growth_finding(pool_samples)]
+            pool_growth_finding(pool_samples, prefill=prefill)]
 
 
 def outliver_finding(outlivers: list, grace_s: float = 0.0) -> Finding:

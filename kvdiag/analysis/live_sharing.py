@@ -3,8 +3,8 @@
 Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids`` at each
 configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
 (policy, block size, capacity) — exactly the offline simulator, one request at a time — and
-every ``interval_s`` (and whenever the last request in flight finished) records one
-``ShadowSharing`` event per configuration into ``out``.
+every ``interval_s`` in which requests arrived or finished (and whenever the last request in
+flight finished) records one ``ShadowSharing`` event per configuration into ``out``.
 When a request finishes, the full blocks of its prompt and generated tokens (from the
 adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
 
@@ -18,8 +18,17 @@ Each event also carries ``engine_hit_rate``: the engine's own token hit rate, su
 shadow token hit rate at the engine's own settings (LRU, its page size, its pool's block
 count; added automatically when ``KVPoolInfo`` arrives), a gap shows prefix sharing that the
 content allows but the engine did not deliver (a silent prefix-cache failure), or the other
-way round. Shadow rates count requests at arrival, the engine's at finish; with requests that
-overlap in time the engine can also miss blocks that are not complete yet.
+way round. With requests that overlap in time the engine can also miss blocks that are not
+complete yet.
+
+Same population: ``token_hit_rate`` counts requests at arrival, the engine at finish. The
+comparison uses the ``finished_*`` counters instead: each request's shadow hits are kept from
+its arrival and counted, with the engine's cached tokens of the same request, when it finishes
+normally. :func:`sharing_window` compares two events' counters: the requests that finished
+between them, on both sides. The sink records one event per configuration as soon as it
+starts (all counters zero) and when the engine's configuration is added, so a log recorded
+from the start has its baseline; a client that joins later takes the latest events at join
+time (the agent's socket sends them first) as its baseline.
 """
 
 from __future__ import annotations
@@ -73,6 +82,56 @@ def headline_config(keys: Iterable[tuple], block_size_tokens: Optional[int],
 
 
 @dataclass(frozen=True)
+class SharingWindow:
+    """Engine and shadow over the same requests: those that finished normally between two
+    ``ShadowSharing`` events of one configuration (``start_ns`` excluded, ``end_ns``
+    included). Hit rates are hit (or cached) prompt tokens / prompt tokens of those requests."""
+
+    start_ns: int
+    end_ns: int
+    requests: int
+    prompt_tokens: int
+    shadow_hit_tokens: int
+    engine_cached_tokens: int
+
+    @property
+    def shadow_hit_rate(self) -> Optional[float]:
+        return self.shadow_hit_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def engine_hit_rate(self) -> Optional[float]:
+        return self.engine_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def gap(self) -> Optional[float]:
+        """Shadow minus engine hit rate (None without prompt tokens)."""
+        if not self.prompt_tokens:
+            return None
+        return (self.shadow_hit_tokens - self.engine_cached_tokens) / self.prompt_tokens
+
+
+def sharing_window(baseline: Optional[ShadowSharing], latest: ShadowSharing) -> Optional[SharingWindow]:
+    """The requests that finished between ``baseline`` (None: the shadow's start) and
+    ``latest``, two events of one configuration; None when ``latest`` has no ``finished_*``
+    counters (a log older than schema 1.6) or the counters went back (the shadow restarted:
+    the window then starts at ``latest``'s start, unknown)."""
+    def counts(ev: Optional[ShadowSharing]) -> Optional[tuple[int, int, int, int]]:
+        if ev is None:
+            return (0, 0, 0, 0)
+        c = (ev.finished_requests, ev.finished_prompt_tokens, ev.finished_hit_tokens,
+             ev.finished_engine_cached_tokens)
+        return None if any(v is None for v in c) else c  # type: ignore[return-value]
+    now, then = counts(latest), counts(baseline)
+    if now is None:
+        return None
+    if then is None or any(a < b for a, b in zip(now, then)):
+        return None
+    d = [a - b for a, b in zip(now, then)]
+    return SharingWindow(start_ns=baseline.ts_ns if baseline is not None else 0, end_ns=latest.ts_ns,
+                         requests=d[0], prompt_tokens=d[1], shadow_hit_tokens=d[2], engine_cached_tokens=d[3])
+
+
+@dataclass(frozen=True)
 class ShadowConfig:
     """One what-if cache: policy (not ``opt``: the future is unknown live), block size in
     tokens, capacity in blocks (None = unbounded)."""
@@ -91,6 +150,11 @@ class _Counts:
     prompt_tokens: int = 0
     request_rate_sum: float = 0.0
     requests_with_prompt: int = 0
+    # the requests that finished normally, whose arrival this cache counted
+    finished_requests: int = 0
+    finished_prompt_tokens: int = 0
+    finished_hit_tokens: int = 0
+    finished_engine_cached_tokens: int = 0
 
 
 class ShadowSharingSink:
@@ -114,13 +178,16 @@ class ShadowSharingSink:
         self._sims: dict[ShadowConfig, PrefixCacheSim] = {}
         self._counts: dict[ShadowConfig, _Counts] = {}
         self._ids: dict[int, dict[int, int]] = {}  # block size -> chained key -> dense id
-        self._live: dict[str, tuple[list[int], list[list[int]]]] = {}  # prompt, stored blocks
+        # live request -> prompt, stored blocks, its hit tokens per cache (counted at arrival)
+        self._live: dict[str, tuple[list[int], list[list[int]], dict[ShadowConfig, int]]] = {}
         self._engine_cached_tokens = 0
         self._engine_prompt_tokens = 0
         self._last_emit_ns = clock()
+        self._emitted = False  # the first event recorded starts the counters' baseline
+        self._changed = False  # counters moved since the last results (an idle engine: no repeats)
         # what arrived and finished before the engine's pool was announced, replayed into the
         # engine-settings cache when it is (the pool is created with the first request)
-        self._before_pool: Optional[list[tuple[bool, list[int]]]] = [] if engine_settings else None
+        self._before_pool: Optional[list[tuple[bool, list[int], str]]] = [] if engine_settings else None
         self.errors = 0
         self._lock = threading.Lock()
         for cfg in configs:
@@ -142,10 +209,11 @@ class ShadowSharingSink:
 
     def _record(self, event: Event) -> None:
         try:
+            added = False
             if isinstance(event, RequestArrived) and event.token_ids is not None:
-                self._arrived(event.token_ids)
-                self._remember_before_pool(True, list(event.token_ids))
-                self._live[event.request_id] = (list(event.token_ids), [])
+                hits = self._arrived(event.token_ids)
+                self._remember_before_pool(True, list(event.token_ids), event.request_id)
+                self._live[event.request_id] = (list(event.token_ids), [], hits)
             elif isinstance(event, BlockStored):
                 if event.request_id in self._live and event.token_ids:
                     self._live[event.request_id][1].append(event.token_ids)
@@ -154,9 +222,12 @@ class ShadowSharingSink:
                 self._engine_prompt_tokens += event.prompt_tokens
                 live = self._live.pop(event.request_id, None)
                 if live is not None:
-                    tokens = full_sequence(*live)
+                    prompt, stored, hits = live
+                    if event.status == "finished":
+                        self._count_finished(event, hits)
+                    tokens = full_sequence(prompt, stored)
                     self._finished(tokens)
-                    self._remember_before_pool(False, tokens)
+                    self._remember_before_pool(False, tokens, event.request_id)
             elif isinstance(event, KVPoolInfo):
                 if self.bytes_per_token is None and event.block_size_tokens:
                     self.bytes_per_token = event.block_bytes // event.block_size_tokens
@@ -165,15 +236,24 @@ class ShadowSharingSink:
                 if self.engine_settings:
                     self.engine_config = ShadowConfig("lru", event.block_size_tokens,
                                                       event.num_blocks)
+                    added = self.engine_config not in self._sims
                     self.add(self.engine_config)
-                    for arrived, tokens in self._before_pool or ():
-                        (self._arrived if arrived else self._finished)(tokens, only=self.engine_config)
+                    for arrived, tokens, rid in self._before_pool or ():
+                        if arrived:
+                            h = self._arrived(tokens, only=self.engine_config)
+                            if rid in self._live:
+                                self._live[rid][2].update(h)
+                        else:
+                            self._finished(tokens, only=self.engine_config)
                 self._before_pool = None
             now = self.clock()
             drained = isinstance(event, RequestFinished) and not self._live
-            # every interval, and whenever the last live request finished: then shadow (counted
-            # at arrival) and engine (counted at finish) cover the same requests
-            if drained or now - self._last_emit_ns >= self.interval_ns:
+            # at the start (the counters' baseline), when the engine's cache is added, every
+            # interval, and whenever the last live request finished
+            if isinstance(event, (RequestArrived, RequestFinished)):
+                self._changed = True
+            if (not self._emitted or added or drained
+                    or (self._changed and now - self._last_emit_ns >= self.interval_ns)):
                 self._emit(now)
         except Exception:  # a shadow analysis never breaks the observed process
             self.errors += 1
@@ -184,17 +264,29 @@ class ShadowSharingSink:
         self.out.flush()
 
     # ------------------------------------------------------------------ internals
-    def _remember_before_pool(self, arrived: bool, tokens: list[int]) -> None:
+    def _count_finished(self, event: RequestFinished, hits: dict) -> None:
+        """A request that finished normally: its prompt, the hits each cache counted at its
+        arrival and the engine's cached tokens, on every cache that counted its arrival."""
+        for cfg, h in hits.items():
+            c = self._counts[cfg]
+            c.finished_requests += 1
+            c.finished_prompt_tokens += event.prompt_tokens
+            c.finished_hit_tokens += h
+            c.finished_engine_cached_tokens += event.cached_prompt_tokens
+
+    def _remember_before_pool(self, arrived: bool, tokens: list[int], request_id: str) -> None:
         if self._before_pool is not None:
-            self._before_pool.append((arrived, tokens))
+            self._before_pool.append((arrived, tokens, request_id))
             if len(self._before_pool) > _MAX_BEFORE_POOL:  # no pool announced: stop waiting
                 self._before_pool = None
 
     def _selected(self, only: Optional[ShadowConfig]):
         return self._sims.items() if only is None else [(only, self._sims[only])]
 
-    def _arrived(self, token_ids: list[int], only: Optional[ShadowConfig] = None) -> None:
+    def _arrived(self, token_ids: list[int], only: Optional[ShadowConfig] = None) -> dict[ShadowConfig, int]:
+        """Look the prompt up in each cache (then insert it); returns its hit tokens per cache."""
         prompt = len(token_ids)
+        out: dict[ShadowConfig, int] = {}
         by_size = {bs: self._dense(token_ids, bs) for bs in self._ids}
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
@@ -212,6 +304,8 @@ class ShadowSharingSink:
             if prompt:
                 c.requests_with_prompt += 1
                 c.request_rate_sum += h * cfg.block_size_tokens / prompt
+            out[cfg] = h * cfg.block_size_tokens
+        return out
 
     def _finished(self, tokens: list[int], only: Optional[ShadowConfig] = None) -> None:
         """Touch or insert the full blocks of a finished request's prompt and generated tokens
@@ -248,18 +342,24 @@ class ShadowSharingSink:
                                   if c.requests_with_prompt else None),
                 bytes_saved=(c.hit_tokens * self.bytes_per_token
                              if self.bytes_per_token else None),
-                engine_hit_rate=self.engine_hit_rate))
+                engine_hit_rate=self.engine_hit_rate, finished_requests=c.finished_requests,
+                finished_prompt_tokens=c.finished_prompt_tokens, finished_hit_tokens=c.finished_hit_tokens,
+                finished_engine_cached_tokens=c.finished_engine_cached_tokens))
         return out
 
     def gap(self) -> Optional[float]:
-        """Shadow token hit rate at the engine's own settings minus the engine's hit rate."""
-        if self.engine_config is None or self.engine_hit_rate is None:
+        """Shadow token hit rate at the engine's own settings minus the engine's hit rate, over
+        the same requests (those finished normally since the engine's cache was added)."""
+        if self.engine_config is None:
             return None
         c = self._counts[self.engine_config]
-        shadow = c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
-        return shadow - self.engine_hit_rate
+        if not c.finished_prompt_tokens:
+            return None
+        return (c.finished_hit_tokens - c.finished_engine_cached_tokens) / c.finished_prompt_tokens
 
     def _emit(self, now: int) -> None:
         self._last_emit_ns = now
+        self._emitted = True
+        self._changed = False
         for ev in self.snapshot(now):
             self.out.record(ev)

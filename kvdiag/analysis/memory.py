@@ -215,10 +215,13 @@ def allocator_fragmentation(logs: Logs) -> pd.DataFrame:
 
 def growth(ts_ns: np.ndarray, values: np.ndarray, edge: float = 0.1) -> Optional[float]:
     """Growth of a series: median of its last ``edge`` share of samples minus the median of
-    its first (robust to single spikes); None with fewer than 4 samples."""
+    its first (robust to single spikes); None with fewer than
+    :data:`kvdiag.analysis.rules.MIN_MEMORY_SAMPLES` samples."""
+    from kvdiag.analysis.rules import MIN_MEMORY_SAMPLES
+
     v = np.asarray(values, dtype="float64")[np.argsort(ts_ns, kind="stable")]
     v = v[np.isfinite(v)]
-    if len(v) < 4:
+    if len(v) < MIN_MEMORY_SAMPLES:
         return None
     k = max(2, int(len(v) * edge))
     return float(np.median(v[-k:]) - np.median(v[:k]))

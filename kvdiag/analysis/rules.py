@@ -25,6 +25,28 @@ of its starting size and this many bytes ..."""
 GROWTH_FAIL = (0.10, 128 << 20)
 """... and fails at both of these."""
 
+# ---------------------------------------------------------------- enough samples
+# A rule judges a window only with enough of what it compares; with fewer it says
+# ``n/a (N of M needed)`` (:func:`too_few`), never a verdict on noise.
+
+MIN_MEMORY_SAMPLES = 4
+"""``leak.memory_growth``: memory samples per process/device in the serving window (its growth
+compares the median of the first and the last 10% of them, at least 2 each)."""
+
+MIN_POOL_GROWTH_SAMPLES = 3
+"""``leak.pool_growth``: KV pool samples at the window's lowest running-request count, none of
+them taken while a running request is still in its prefill."""
+
+MIN_SHARING_REQUESTS = 10
+"""``sharing.consistency``: finished requests in the window whose prompts both the shadow
+cache and the engine counted (a gap over a handful of requests is one prompt's luck)."""
+
+
+def too_few(have: int, need: int, what: str) -> str:
+    """The message of a rule that lacks samples: ``n/a (N of M needed)`` with what it counts."""
+    return f"n/a ({have} of {need} needed): {what}"
+
+
 FRAGMENTATION_LIMIT = 0.15
 """``fragmentation.*``: the share of empty token slots among the slots of held KV blocks (KV
 pool), or of reserved bytes not allocated (torch's allocator), at which a pool is fragmented."""

@@ -15,7 +15,10 @@ vLLM                                            kvdiag event
 ``Scheduler.add_request``                       ``RequestArrived`` with the prompt token ids
 ``KVCacheManager.allocate_slots``               ``RequestScheduled`` (its first slots)
 ``BlockPool.get_new_blocks``                    ``BlockAllocated`` (inside ``allocate_slots``)
-``BlockPool.touch``                             ``PrefixHit`` (a cached block reused)
+``BlockPool.touch``                             ``PrefixHit`` (a cached block reused: its
+                                                ``num_tokens`` is the block size, so a request's
+                                                hits sum to the prefix-cache hit tokens vLLM
+                                                counts for it at admission)
 ``BlockPool.cache_full_blocks``                 ``BlockStored`` with its token ids
 ``BlockPool._maybe_evict_cached_block``         ``BlockEvicted``
 ``KVCacheManager.free`` / ``pop_blocks_for_free``  ``BlockReleased`` (``cached``: the block keeps
@@ -31,7 +34,18 @@ vLLM                                            kvdiag event
                                                 interval, ``KVPoolSample``
 ``Scheduler.shutdown``                          the agent stops: last pool sample, final shadow
                                                 results, log and socket closed
+(idle engine)                                   ``KVPoolSample`` every sample interval from a
+                                                daemon thread while no step runs
 ==============================================  =============================================
+
+An idle engine core takes no steps (it waits for requests), so the pool would be sampled only
+with traffic and a client's pool view would go stale when traffic stops: a daemon thread
+(``kvdiag-vllm-idle-sampler``) takes the sample instead once no step ran for a sample interval.
+It reads the pool as the step's sample does (block reference counts, the running and waiting
+queues' lengths), takes no lock of vLLM's and runs only while the engine is idle; the step's
+own sample and the thread's exclude each other through a lock of kvdiag's, which the engine's
+thread only tries (it never waits on it). Its cost is bounded like the step's sample
+(:data:`SAMPLE_BUDGET`).
 
 Every hook runs vLLM's own method first and unchanged, then records; an exception in kvdiag's
 part is counted (``CollectorError``, once per hook with the running count at the end) and never
@@ -114,6 +128,11 @@ class _Hooks:
         self.scheduler: Any = None
         self.agent: Any = None
         self.lock = threading.Lock()
+        self.block_size_tokens = 0  # the pool's, for the tokens of a prefix hit
+        self.last_step_ns = 0  # when the engine last finished a step (0: none yet)
+        self.sample_lock = threading.Lock()  # the step's sample and the idle thread's, one at a time
+        self.idle_stop = threading.Event()
+        self.idle_thread: Optional[threading.Thread] = None
 
     def record(self, event) -> None:
         self.sink.record(event)
@@ -193,8 +212,55 @@ def _scheduler_init(h: _Hooks):
     def after(_note, _result, sched, *args, **kwargs) -> None:
         h.scheduler = sched
         _start_agent(h, sched)
-        h.record(_pool_info(sched))
+        info = _pool_info(sched)
+        h.block_size_tokens = info.block_size_tokens
+        h.record(info)
+        _start_idle_sampler(h)
     return after
+
+
+def _take_sample(h: _Hooks, sched, now: int) -> None:
+    """One pool sample; the next one is due a sample interval later, or later still on a
+    large pool, so that sampling costs at most :data:`SAMPLE_BUDGET` of the time. The cost is
+    the CPU time of the thread that sampled, not wall time: a thread that waited for the GIL
+    while the engine worked did not cost that wait (as wall time, a wait of 60 ms would hold the
+    next sample back 12 s). The caller holds ``h.sample_lock``."""
+    started_ns = time.thread_time_ns()
+    h.record(pool_sample(sched))
+    cost_ns = time.thread_time_ns() - started_ns
+    h.next_sample_ns = now + max(h.sample_interval_ns, int(cost_ns / SAMPLE_BUDGET))
+
+
+def _idle_sample(h: _Hooks) -> bool:
+    """The idle thread's turn: a pool sample when one is due and the engine took no step for a
+    sample interval (it waits for requests). True when it took one."""
+    sched = h.scheduler
+    now = _now()
+    if sched is None or now < h.next_sample_ns or now - h.last_step_ns < h.sample_interval_ns:
+        return False
+    if not h.sample_lock.acquire(blocking=False):
+        return False
+    try:
+        _take_sample(h, sched, now)
+    finally:
+        h.sample_lock.release()
+    return True
+
+
+def _start_idle_sampler(h: _Hooks) -> None:
+    """The daemon thread that samples the pool while the engine is idle (module doc)."""
+    if h.idle_thread is not None or h.sample_interval_ns <= 0:
+        return
+
+    def run() -> None:
+        while not h.idle_stop.wait(h.sample_interval_ns / 1e9):
+            try:
+                _idle_sample(h)
+            except Exception as exc:  # never into vLLM; counted like a hook's error
+                h.failed("idle_pool_sample", exc)
+
+    h.idle_thread = threading.Thread(target=run, name="kvdiag-vllm-idle-sampler", daemon=True)
+    h.idle_thread.start()
 
 
 def _pool_info(sched) -> KVPoolInfo:
@@ -263,8 +329,9 @@ def _touch(h: _Hooks):
             return
         for b in blocks:
             if not b.is_null:
+                # a touched block is a full cached block the request reuses instead of computing
                 h.record(PrefixHit(ts_ns=_now(), request_id=rid, block_id=int(b.block_id),
-                                   block_hash=fold_hash(b.block_hash), num_tokens=0))
+                                   block_hash=fold_hash(b.block_hash), num_tokens=h.block_size_tokens))
     return after
 
 
@@ -377,13 +444,14 @@ def _update_from_output(h: _Hooks):
                                 duration_ns=time.perf_counter_ns() - started,
                                 prefill_tokens=prefill, decode_tokens=decode))
         now = _now()
-        if now >= h.next_sample_ns:
-            started_ns = time.perf_counter_ns()
-            h.record(pool_sample(sched))
-            # the sample walks the pool's blocks: on a large pool, sample less often so that it
-            # costs the scheduler at most SAMPLE_BUDGET of its time
-            cost_ns = time.perf_counter_ns() - started_ns
-            h.next_sample_ns = now + max(h.sample_interval_ns, int(cost_ns / SAMPLE_BUDGET))
+        h.last_step_ns = now
+        # the sample walks the pool's blocks: on a large pool, sample less often so that it
+        # costs the scheduler at most SAMPLE_BUDGET of its time; never wait for the idle thread
+        if now >= h.next_sample_ns and h.sample_lock.acquire(blocking=False):
+            try:
+                _take_sample(h, sched, now)
+            finally:
+                h.sample_lock.release()
     return after
 
 
@@ -424,6 +492,7 @@ class VllmAdapter:
                 self.hooks.failed("pool_sample", exc)
 
     def uninstall(self) -> None:
+        self.hooks.idle_stop.set()
         for hook, count in self.hooks.errors.items():
             if count > 1:
                 self.hooks.sink.record(CollectorError(ts_ns=_now(), collector=f"{COLLECTOR}:{hook}",

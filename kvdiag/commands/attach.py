@@ -429,6 +429,18 @@ def _latency_lines(lat) -> list[str]:
     return out
 
 
+def _sharing_lines(sh: dict) -> list[str]:
+    """Shadow vs engine over the same requests, with the window they cover."""
+    if sh.get("requests") is None:
+        return []
+    start = sh.get("window_start_ns")
+    since = (f"since join at {time.strftime('%H:%M:%S', time.localtime(start / 1e9))}" if start
+             else "since the shadow started")
+    return [f"  prefix sharing     {since}, {sh['requests']} requests: engine {_pct(sh.get('engine_hit_rate'))},"
+            f" shadow {_pct(sh.get('shadow_hit_rate'))}"
+            + (f" (gap {sh['gap'] * 100:+.1f} pts)" if sh.get("gap") is not None else "")]
+
+
 def format_summary(s: dict) -> str:
     """The human-readable summary (what --json prints as data)."""
     m, kv, hr, ph = s["memory"], s["kv"], s["hit_rate"], s["phases"]
@@ -457,6 +469,7 @@ def format_summary(s: dict) -> str:
               f" {kv['output_tokens']} generated)",
               f"  prefix hit rate    {_pct(hr.get('token_hit_rate'))} of prompt tokens"
               + (f"; engine counters {_pct(hr.get('engine_hit_rate'))}" if "engine_hit_rate" in hr else ""),
+              *_sharing_lines(s.get("sharing") or {}),
               f"  fragmentation      {_pct(s['fragmentation']['kv_empty_slot_share'])} empty slots in used blocks;"
               f" allocator {_pct(s['fragmentation']['allocator'])}", "",
               f"phases (py-spy, {ph['samples']} samples)"]

@@ -93,8 +93,14 @@ class WhatIfPoint:
 @dataclass(frozen=True, slots=True)
 class SharingView:
     """Prefix sharing. Engine hit rate = cached prompt tokens / prompt tokens over finished
-    requests (or the engine's own prefix-cache counters, hits / queries). Shadow hit rate =
-    token hit rate of the shadow cache at the engine's configuration. Gap = shadow - engine."""
+    requests (or the engine's own prefix-cache counters, hits / queries, since the client
+    joined). Shadow hit rate = token hit rate of the shadow cache at the engine's
+    configuration. Gap = shadow - engine over the same requests, None when they cannot be
+    matched or are fewer than ``rules.MIN_SHARING_REQUESTS`` (``gap_status`` then says so).
+    With shadow results that carry the same-requests counters (schema 1.6), all three cover
+    the same window: the requests that finished normally since ``window_start_ns`` (the
+    client's first shadow result: its join, or the shadow's start), ``window_requests`` of
+    them."""
 
     engine_hit_rate: Optional[float]
     shadow_hit_rate: Optional[float]
@@ -105,6 +111,9 @@ class SharingView:
     what_if: tuple[WhatIfPoint, ...]  # every latest shadow configuration, sorted
     finished_requests: int
     reason: str  # why the shadow half is empty ("" when it is there)
+    window_start_ns: Optional[int] = None  # None: no same-requests window (older agent)
+    window_requests: Optional[int] = None
+    gap_status: str = ""  # rules.sharing_gap_status of the gap; "n/a (N of M needed)" with too few
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,9 @@ from kvdiag import schema as s
 from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
 from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config
-from kvdiag.analysis.rules import RELEASE_GRACE_NS, compression_verdict
+from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config, sharing_window
+from kvdiag.analysis.rules import (MIN_SHARING_REQUESTS, RELEASE_GRACE_NS, compression_verdict, sharing_gap_status,
+                                   too_few)
 from kvdiag.analysis.shadow_sampling import sampling_line
 from kvdiag.live.snapshot import (
     LOCALITY_METRICS,
@@ -168,10 +169,13 @@ class LiveState:
         self.engine_prompt_tokens = 0
         self.engine_cached_tokens = 0
         self.engine_metrics: Optional[s.EngineMetrics] = None
+        self.engine_metrics_first: Optional[s.EngineMetrics] = None  # the baseline of its counters
         self.saw_steps = False
         self.saw_scheduled = False
         # shadow
         self.shadow: dict[tuple, s.ShadowSharing] = {}
+        self.shadow_baseline: dict[tuple, s.ShadowSharing] = {}  # each configuration's first result
+        self.shadow_drained: dict[tuple, s.ShadowSharing] = {}  # its latest with no request in flight
         self.compression: dict[tuple, s.ShadowCompression] = {}
         self.shadow_budget: Optional[s.ShadowBudget] = None  # the latest
         self.locality_sum: dict[tuple[int, int], list[float]] = {}
@@ -409,14 +413,23 @@ class LiveState:
 
     def _on_metrics(self, ev: s.EngineMetrics, b: _Bin, idx: int) -> None:
         self.engine_metrics = ev
+        if self.engine_metrics_first is None:
+            self.engine_metrics_first = ev
 
     def _on_shadow_sharing(self, ev: s.ShadowSharing, b: _Bin, idx: int) -> None:
         key = (ev.policy, ev.block_size_tokens, ev.capacity_blocks)
         self.shadow[key] = ev
+        base = self.shadow_baseline.setdefault(key, ev)
+        if ev.requests and ev.requests == self.finished_count:  # every request it counted finished
+            self.shadow_drained[key] = ev
         series = self.shadow_series.get(key)
         if series is None:
             series = self.shadow_series[key] = _Series()
-        series.set(idx, ev.token_hit_rate)
+        window = sharing_window(base, ev)
+        if window is None:
+            series.set(idx, ev.token_hit_rate)
+        elif window.shadow_hit_rate is not None:
+            series.set(idx, window.shadow_hit_rate)
 
     def _on_shadow_budget(self, ev: s.ShadowBudget, b: _Bin, idx: int) -> None:
         self.shadow_budget = ev
@@ -625,10 +638,16 @@ class LiveState:
             block_anomalies=tuple((k, ledger.anomaly_counts[k]) for k in ANOMALY_KINDS) if seen else ())
 
     def _engine_hit_rate(self) -> Optional[float]:
-        m = self.engine_metrics
+        """Over the requests finished since this state began, else the increase of the
+        engine's counters since its first metrics scrape seen here (never their totals since
+        the engine started: the client may have joined late)."""
+        m, m0 = self.engine_metrics, self.engine_metrics_first
+
+        def delta(name: str) -> Optional[float]:
+            now, then = (getattr(x, name) if x is not None else None for x in (m, m0))
+            return now - then if now is not None and then is not None and m is not m0 else None
         return engine_token_hit_rate(self.engine_prompt_tokens, self.engine_cached_tokens,
-                                     m.prefix_cache_queries_tokens if m else None,
-                                     m.prefix_cache_hits_tokens if m else None)
+                                     delta("prefix_cache_queries_tokens"), delta("prefix_cache_hits_tokens"))
 
     def _headline_key(self) -> Optional[tuple]:
         """The shadow configuration closest to the engine's (the same choice as the
@@ -650,16 +669,33 @@ class LiveState:
         shadow_cfg = _point(head) if head else None
         if engine is None and head is not None and head.engine_hit_rate is not None:
             engine = head.engine_hit_rate
+        shadow = head.token_hit_rate if head else None
+        window = sharing_window(self.shadow_baseline[key], head) if head is not None else None
+        same: Optional[int] = None  # requests both sides cover (None: no such comparison)
+        if window is not None:  # both sides over the same requests, since the first result seen
+            engine, shadow, same = window.engine_hit_rate, window.shadow_hit_rate, window.requests
+        elif key in self.shadow_drained and self.shadow_drained[key].engine_hit_rate is not None:
+            # results without the same-requests counters (an older agent): the latest taken with
+            # no request in flight, when the shadow (at arrival) and the engine (at finish)
+            # counted the same requests (the doctor's sharing.consistency makes the same choice)
+            d = self.shadow_drained[key]
+            same, shadow, engine = d.requests, d.token_hit_rate, d.engine_hit_rate
+        gap = shadow - engine if shadow is not None and engine is not None and same is not None else None
+        if same is not None and same < MIN_SHARING_REQUESTS:
+            status, gap = too_few(same, MIN_SHARING_REQUESTS, "finished requests in the window"), None
+        else:
+            status = sharing_gap_status(gap) if gap is not None else ""
         what_if = tuple(sorted((_point(ev) for ev in self.shadow.values()), key=lambda p: (
             p.policy, p.block_size_tokens, p.capacity_blocks if p.capacity_blocks is not None else math.inf)))
         return SharingView(
-            engine_hit_rate=engine, shadow_hit_rate=head.token_hit_rate if head else None,
-            shadow_config=shadow_cfg,
-            gap=head.token_hit_rate - engine if head is not None and engine is not None else None,
+            engine_hit_rate=engine, shadow_hit_rate=shadow,
+            shadow_config=shadow_cfg, gap=gap,
             engine_history=tuple(engine_hist),
             shadow_history=self.shadow_series[key].history(first, last, 30) if key else (None,) * (last - first + 1),
             what_if=what_if, finished_requests=self.finished_count,
-            reason="" if head else NO_SHADOW)
+            reason="" if head else NO_SHADOW,
+            window_start_ns=window.start_ns if window is not None else None,
+            window_requests=window.requests if window is not None else None, gap_status=status)
 
     def _num_layers(self) -> int:
         layers = [k[0] for k in self.compression] + [k[0] for k in self.locality_sum]

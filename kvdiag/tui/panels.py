@@ -5,6 +5,7 @@ first; ``detail(snap)`` is the full view behind ``enter``."""
 from __future__ import annotations
 
 import textwrap
+import time
 from typing import Optional
 
 from rich.text import Text
@@ -169,12 +170,18 @@ class SharingPanel(Panel):
             rows += _reason(sh.reason, width)
             rows.append(line((f"finished requests {sh.finished_requests}", DIM)))
             return rows
-        gap_style = WARN if sh.gap is not None and abs(sh.gap) > 0.10 else GOOD
+        gap_style = WARN if sh.gap_status == "warn" else DIM if sh.gap_status.startswith("n/a") else GOOD
         cfg = sh.shadow_config
         rows.append(_spark(f"shadow hit {fmt_pct(sh.shadow_hit_rate):>6} ", sh.shadow_history, width, "magenta",
                            lo=0, hi=1))
         rows.append(line("gap        ", (f"{(sh.gap or 0) * 100:+5.1f} pts" if sh.gap is not None else NA, gap_style),
                          (f"  {cfg.policy} bs{cfg.block_size_tokens} cap {_cap(cfg.capacity_blocks)}", DIM)))
+        if sh.window_start_ns is not None and height >= 4:  # both rates over the same requests
+            since = time.strftime("%H:%M:%S", time.localtime(sh.window_start_ns / 1e9))
+            rows.append(line((f"since {since}: {sh.window_requests} finished requests"
+                              + (f", {sh.gap_status.split(':')[0]}" if sh.gap_status.startswith("n/a") else ""), DIM)))
+        elif sh.gap_status.startswith("n/a") and height >= 4:
+            rows.append(line((sh.gap_status, DIM)))
         if height < 5:
             return rows
         same = [p for p in sh.what_if if p.policy == cfg.policy]
