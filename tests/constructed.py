@@ -32,6 +32,7 @@ def events(n_requests=120, seed=0, leak_ids=(), long_from=None, t0=1_700_000_000
     free = NUM_BLOCKS
     used = 0
     next_block = 0
+    leaked: set[int] = set()
     step = 0
     for i in range(n_requests):
         rid = f"req-{i}"
@@ -45,6 +46,8 @@ def events(n_requests=120, seed=0, leak_ids=(), long_from=None, t0=1_700_000_000
         for _ in range(nb):
             free -= 1
             used += 1
+            while next_block % NUM_BLOCKS in leaked:  # a leaked block never returns to the free list
+                next_block += 1
             ids.append(next_block % NUM_BLOCKS)
             out.append(s.BlockAllocated(ts_ns=t + 1000, request_id=rid, block_id=ids[-1], num_blocks_free=free))
             next_block += 1
@@ -67,7 +70,9 @@ def events(n_requests=120, seed=0, leak_ids=(), long_from=None, t0=1_700_000_000
                                    name="server"))
         out.append(s.RequestFinished(ts_ns=t + e2e, request_id=rid, prompt_tokens=prompt, output_tokens=out_tok,
                                      cached_prompt_tokens=cached, e2e_ns=e2e, ttft_ns=ttft))
-        if i not in leak_ids:
+        if i in leak_ids:
+            leaked.update(ids)
+        else:
             for b in ids:
                 free += 1
                 used -= 1
