@@ -28,9 +28,9 @@ import numpy as np
 from kvdiag.analysis import bandwidth
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
-from kvdiag.analysis.rules import (EVICTION_RISE, FRAGMENTATION_RISE, HIT_RATE_DROP, HIT_RATE_FLUCTUATION,
-                                   LONG_SHARE, PRESSURE_HIGH, QUEUE_WAIT_RISE, RATE_RATIO, kv_bandwidth_rose,
-                                   queue_wait_rose)
+from kvdiag.analysis.rules import (EVICTION_RISE, QUEUE_WAIT_RISE, fragmentation_rose, hit_rate_moved,
+                                   kv_bandwidth_rose, long_sequences_rose, occupancy_crossed, queue_wait_rose,
+                                   rose)
 from kvdiag.schema import (BlockEvicted, EngineMetrics, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowCompression)
 
@@ -138,10 +138,6 @@ def _kv_bandwidth(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -
                   "baseline_window_ns": wb, "current_window_ns": wc})
 
 
-def _rose(before: float, after: float, ratio: float = RATE_RATIO) -> bool:
-    return after > 0 and (before <= 0 or after >= ratio * before)
-
-
 def _window(logs: Logs) -> list[int]:
     return list(logs.time_range_ns())
 
@@ -157,7 +153,7 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
     rc = len(comp) / _duration_s(current)
     busy_ns = float(comp[["encode_ns", "decode_ns"]].fillna(0).to_numpy().sum()) if len(comp) else 0.0
     out.append(Cause(
-        "compression", "compression/decompression path active", _rose(rb, rc),
+        "compression", "compression/decompression path active", rose(rb, rc),
         f"{len(comp)} compression runs in the regressed window ({rc:.2f}/s vs {rb:.2f}/s before)",
         score=rc / rb if rb > 0 else float(rc > 0) * 10,
         evidence={"events_per_s_baseline": rb, "events_per_s_current": rc,
@@ -169,10 +165,8 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
 
     hb, sb, nb = _hit_rates(baseline)
     hc, sc, nc = _hit_rates(current)
-    dropped = bool(np.isfinite(hb) and np.isfinite(hc) and hb - hc >= HIT_RATE_DROP)
-    fluct = bool(np.isfinite(sc) and sc >= max(HIT_RATE_FLUCTUATION, 2 * (sb if np.isfinite(sb) else 0)))
     out.append(Cause(
-        "prefix_hit_rate", "prefix hit rate dropped or fluctuated", dropped or fluct,
+        "prefix_hit_rate", "prefix hit rate dropped or fluctuated", hit_rate_moved(hb, hc, sb, sc),
         f"token hit rate {hb:.1%} -> {hc:.1%} (std over sub-windows {sb:.1%} -> {sc:.1%})",
         score=float(max(hb - hc, sc - (sb if np.isfinite(sb) else 0), 0) * 10) if np.isfinite(hc) else 0.0,
         evidence={"hit_rate_baseline": hb, "hit_rate_current": hc, "hit_rate_std_baseline": sb,
@@ -190,7 +184,7 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
         ids = arr["request_id"][arr["prompt_tokens"] > p90b].tolist()[:20] if len(arr) else []
         out.append(Cause(
             "long_sequences", "abnormally long sequences arrived",
-            share >= max(LONG_SHARE, 2 * share_b),
+            long_sequences_rose(share_b, share),
             f"{int(long_c.sum())} of {len(lc)} prompts ({share:.1%}) longer than the baseline's "
             f"P90 of {p90b:.0f} tokens, against {share_b:.1%} before (longest {lc.max():.0f})",
             score=share / max(share_b, 0.01),
@@ -204,11 +198,11 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
 
     pb, pc = _pressure(baseline), _pressure(current)
     reasons = []
-    if _rose(pb["preemptions_per_s"], pc["preemptions_per_s"]):
+    if rose(pb["preemptions_per_s"], pc["preemptions_per_s"]):
         reasons.append(f"preemptions {pb['preemptions']:.0f} -> {pc['preemptions']:.0f}")
-    if _rose(pb["evictions_per_s"], pc["evictions_per_s"], EVICTION_RISE):
+    if rose(pb["evictions_per_s"], pc["evictions_per_s"], EVICTION_RISE):
         reasons.append(f"evictions {pb['evictions_per_s']:.2f}/s -> {pc['evictions_per_s']:.2f}/s")
-    if pc["peak_block_occupancy"] >= PRESSURE_HIGH > pb["peak_block_occupancy"]:
+    if occupancy_crossed(pb["peak_block_occupancy"], pc["peak_block_occupancy"]):
         reasons.append(f"peak pool occupancy {pb['peak_block_occupancy']:.0%} -> "
                        f"{pc['peak_block_occupancy']:.0%}")
     if pc["alloc_retries"] > pb["alloc_retries"]:
@@ -225,7 +219,7 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
     rise = [x for x in (fc - fb, ac - ab) if np.isfinite(x)]
     up = max(rise) if rise else float("nan")
     out.append(Cause(
-        "fragmentation", "fragmentation rose", bool(rise) and up >= FRAGMENTATION_RISE,
+        "fragmentation", "fragmentation rose", bool(rise) and fragmentation_rose(up),
         f"pool fragmentation {fb:.1%} -> {fc:.1%}, allocator {ab:.1%} -> {ac:.1%}",
         score=float(up * 10) if rise else 0.0,
         evidence={"pool_baseline": fb, "pool_current": fc, "allocator_baseline": ab,

@@ -20,8 +20,8 @@ the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observat
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -195,13 +195,13 @@ def ooms(logs: Logs) -> Finding:
     if al.empty:
         msg = "no allocator samples (no CUDA allocator)"
         if len(failed):
-            return Finding("leak.oom", "warn", title, f"{msg}; {len(failed)} requests failed",
+            return Finding("leak.oom", rules.oom_status(0, 0, len(failed)), title, f"{msg}; {len(failed)} requests failed",
                            {"failed_requests": failed["request_id"].tolist()[:100]})
         return Finding("leak.oom", "n/a", title, msg)
     g = al.groupby(["node", "device"])
     n_oom = int((g["num_ooms"].max() - g["num_ooms"].min()).sum())
     n_retry = int((g["alloc_retries"].max() - g["alloc_retries"].min()).sum())
-    status = "fail" if n_oom else "warn" if n_retry or len(failed) else "pass"
+    status = rules.oom_status(n_oom, n_retry, len(failed))
     first = al[al["num_ooms"] > al.groupby(["node", "device"])["num_ooms"].transform("min")]
     return Finding("leak.oom", status, title,
                    f"{n_oom} OOMs, {n_retry} allocator retries, {len(failed)} failed requests",
@@ -228,7 +228,7 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
                   for name, _ in P99_CHECKLIST)], comps
     flagged = [c for c in comps if c.flagged]
     desc = "; ".join([c.describe() for c in comps] + ([gaps] if gaps else []))
-    out = [Finding("p99.regression", "fail" if flagged else "pass", title, desc,
+    out = [Finding("p99.regression", rules.p99_regression_status(len(flagged)), title, desc,
                    {"comparisons": [c.to_dict() for c in comps], "skipped": [s.to_dict() for s in skipped]})]
     supported: dict[str, list] = {}
     titles: dict[str, str] = {}
@@ -507,8 +507,9 @@ def preemptions(logs: Logs) -> Finding:
     if not logs.has(RequestFinished) and pre.empty:
         return Finding("pool.preemptions", "n/a", title, "no request events")
     if pre.empty:
-        return Finding("pool.preemptions", "pass", title, "0 preemptions recorded", {"preemptions": 0})
-    return Finding("pool.preemptions", "warn", title, f"{len(pre)} preemptions",
+        return Finding("pool.preemptions", rules.preemption_status(0), title, "0 preemptions recorded",
+                       {"preemptions": 0})
+    return Finding("pool.preemptions", rules.preemption_status(len(pre)), title, f"{len(pre)} preemptions",
                    {"preemptions": int(len(pre)), "requests": pre["request_id"].astype(str).unique().tolist()[:20]})
 
 
@@ -540,11 +541,57 @@ def kv_event_gaps(logs: Logs) -> Finding:
                    f"{received} batches, {n_events} events, no sequence gap", evidence)
 
 
+@dataclass
+class RuleContext:
+    """What every registered rule is evaluated on: the logs, the baseline (``--baseline``) and
+    where the P99 rules leave the latency comparisons behind them (for reports)."""
+
+    logs: Logs
+    baseline: Optional[Logs] = None
+    comparisons: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RegisteredRule:
+    """One entry of :data:`REGISTRY`: the rule ids an evaluator reports and the evaluator."""
+
+    rule_ids: tuple[str, ...]
+    evaluate: Callable[[RuleContext], list[Finding]]
+
+
+def _p99_rules(ctx: RuleContext) -> list[Finding]:
+    found, ctx.comparisons = p99(ctx.logs, ctx.baseline)
+    return found
+
+
+def _one(fn: Callable[[Logs], Finding]) -> Callable[[RuleContext], list[Finding]]:
+    return lambda ctx: [fn(ctx.logs)]
+
+
+def _many(fn: Callable[[Logs], list[Finding]]) -> Callable[[RuleContext], list[Finding]]:
+    return lambda ctx: fn(ctx.logs)
+
+
+REGISTRY: tuple[RegisteredRule, ...] = (
+    RegisteredRule(("leak.memory_growth",), _one(memory_growth)),
+    RegisteredRule(("leak.release_paths", "leak.double_release", "leak.pool_growth"), _many(release_paths)),
+    RegisteredRule(("fragmentation.kv_pool", "fragmentation.allocator"), _many(fragmentation)),
+    RegisteredRule(("leak.oom",), _one(ooms)),
+    RegisteredRule(("latency.queueing",), _one(user_latency.queueing)),
+    RegisteredRule(("p99.regression", *(f"p99.{name}" for name in _CAUSE_TITLES)), _p99_rules),
+    RegisteredRule(("forecast.memory_pressure",), _one(memory_pressure)),
+    RegisteredRule(("sharing.consistency",), _one(sharing_consistency)),
+    RegisteredRule(("pool.preemptions",), _one(preemptions)),
+    RegisteredRule(("kv_events.gaps",), _one(kv_event_gaps)),
+)
+"""Every rule the doctor evaluates, in the order it reports them: each evaluator with the ids
+of the findings it returns. Its ids are :data:`kvdiag.analysis.rules.RULE_IDS` (tested), and
+every verdict an evaluator gives comes from a function of :mod:`kvdiag.analysis.rules`."""
+
+
 def run_rules(logs: Logs, baseline: Optional[Logs] = None) -> tuple[list[Finding], list[latency.Comparison]]:
-    """All rules of both checklists, the forecast, sharing and the pool; also the latency
-    comparisons behind the P99 rules (for reports)."""
-    findings = [memory_growth(logs), *release_paths(logs), *fragmentation(logs), ooms(logs),
-                user_latency.queueing(logs)]
-    p, comps = p99(logs, baseline)
-    return findings + p + [memory_pressure(logs), sharing_consistency(logs), preemptions(logs),
-                           kv_event_gaps(logs)], comps
+    """Every rule of :data:`REGISTRY` over ``logs`` (a finding per rule and node where a rule
+    judges nodes apart); also the latency comparisons behind the P99 rules (for reports)."""
+    ctx = RuleContext(logs, baseline)
+    findings = [f for entry in REGISTRY for f in entry.evaluate(ctx)]
+    return findings, ctx.comparisons

@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.rules import MIN_POOL_GROWTH_SAMPLES, RELEASE_GRACE_NS, too_few
+from kvdiag.analysis import rules
+from kvdiag.analysis.rules import MIN_POOL_GROWTH_BLOCKS, MIN_POOL_GROWTH_SAMPLES, RELEASE_GRACE_NS, too_few
 from kvdiag.blockledger import BlockLedger
 from kvdiag.schema import Event
 
@@ -96,11 +97,11 @@ def finished_holding_finding(ledger: BlockLedger, grace_s: float = DEFAULT_GRACE
     if finished == 0:
         return Finding("leak.finished_holding", "n/a", title, "no finished request in the window")
     if not held:
-        return Finding("leak.finished_holding", "pass", title,
+        return Finding("leak.finished_holding", rules.finished_holding_status(0), title,
                        f"0 of {finished} finished requests still hold blocks", {"finished_requests": finished})
     blocks = sum(len(b) for b in held.values())
     named = dict(sorted(held.items(), key=lambda kv: -len(kv[1]))[:MAX_NAMED])
-    return Finding("leak.finished_holding", "fail", title,
+    return Finding("leak.finished_holding", rules.finished_holding_status(len(held)), title,
                    f"{len(held)} of {finished} finished requests still hold {blocks} blocks "
                    f"more than {grace_s:g} s after finishing",
                    {"requests": {str(k): [int(b) for b in v] for k, v in named.items()},
@@ -115,9 +116,9 @@ def double_release_finding(ledger: BlockLedger) -> Finding:
     if not ledger.block_events and not ledger.finished_requests:
         return Finding("leak.double_release", "n/a", title, "no block events")
     if not count:
-        return Finding("leak.double_release", "pass", title, "0 double releases")
+        return Finding("leak.double_release", rules.double_release_status(0), title, "0 double releases")
     doubles = [a for a in ledger.anomalies if a.kind == "double_release"][:MAX_NAMED]
-    return Finding("leak.double_release", "fail", title,
+    return Finding("leak.double_release", rules.double_release_status(count), title,
                    f"{count} double releases by {len(ledger.double_release_requests)} requests",
                    {"releases": [{"request_id": str(a.request_id), "block_id": int(a.block_id), "ts_ns": a.ts_ns}
                                  for a in doubles], "count": count})
@@ -157,7 +158,7 @@ def _mid_prefill(ts_ns: np.ndarray, spans: tuple[np.ndarray, np.ndarray]) -> np.
     return (np.searchsorted(start, t, side="right") - np.searchsorted(end, t, side="right")) > 0
 
 
-def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,
+def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = MIN_POOL_GROWTH_BLOCKS,
                         min_samples: int = MIN_POOL_GROWTH_SAMPLES,
                         prefill: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Finding:
     """Rule ``leak.pool_growth``: among ``KVPoolSample`` rows taken at the window's lowest
@@ -187,11 +188,10 @@ def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = 1,
     evidence = {"running_requests": floor, "blocks_used_first": int(first["blocks_used"]),
                 "blocks_used_last": int(last["blocks_used"]), "ts_first_ns": int(first["ts_ns"]),
                 "ts_last_ns": int(last["ts_ns"]), "samples": int(len(at_floor)), "growth_blocks": growth}
-    if growth >= min_growth_blocks:
-        return Finding("leak.pool_growth", "fail", title,
-                       f"blocks used grew by {growth} at a constant {floor} running requests", evidence)
-    return Finding("leak.pool_growth", "pass", title,
-                   f"blocks used changed by {growth} at a constant {floor} running requests", evidence)
+    status = rules.pool_growth_status(growth, min_growth_blocks)
+    verb = "grew" if status == "fail" else "changed"
+    return Finding("leak.pool_growth", status, title,
+                   f"blocks used {verb} by {growth} at a constant {floor} running requests", evidence)
 
 
 def leak_findings(events: Iterable[Event], pool_samples: Optional[pd.DataFrame] = None,

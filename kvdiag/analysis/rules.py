@@ -208,3 +208,107 @@ def pressure_status(need_ratio: float) -> Status:
 def sharing_gap_status(gap: float) -> Status:
     """Verdict of ``sharing.consistency`` on shadow minus engine hit rate."""
     return "warn" if abs(gap) > SHARING_GAP_LIMIT else "pass"
+
+
+# ---------------------------------------------------------------- leak, OOM and pool verdicts
+
+MIN_POOL_GROWTH_BLOCKS = 1
+"""``leak.pool_growth``: blocks held by live requests at the window's lowest load that grew by
+at least this many between its first and last such sample is growth, not noise."""
+
+
+def finished_holding_status(holding_requests: int) -> Status:
+    """Verdict of ``leak.release_paths`` (``leak.finished_holding``): fail when any request
+    that finished more than :data:`RELEASE_GRACE_NS` ago still holds a KV block."""
+    return "fail" if holding_requests else "pass"
+
+
+def double_release_status(double_releases: int) -> Status:
+    """Verdict of ``leak.double_release``: fail on any release of a block the same request had
+    already released (a release path that fires twice corrupts the free list)."""
+    return "fail" if double_releases else "pass"
+
+
+def pool_growth_status(growth_blocks: float, min_growth_blocks: int = MIN_POOL_GROWTH_BLOCKS) -> Status:
+    """Verdict of ``leak.pool_growth`` on the growth of blocks held by live requests at the
+    window's lowest load: fail at :data:`MIN_POOL_GROWTH_BLOCKS` or more."""
+    return "fail" if growth_blocks >= min_growth_blocks else "pass"
+
+
+def oom_status(ooms: int, alloc_retries: int, failed_requests: int) -> Status:
+    """Verdict of ``leak.oom``: fail on an out-of-memory error; warn on an allocator retry
+    (cudaMalloc failed and the cache was flushed: the next one may be an OOM) or a request
+    that failed."""
+    return "fail" if ooms else "warn" if alloc_retries or failed_requests else "pass"
+
+
+def preemption_status(preemptions: int) -> Status:
+    """Verdict of ``pool.preemptions``: warn on any request preempted for lack of KV blocks
+    (its KV is recomputed or swapped; its latency suffers, nothing is lost)."""
+    return "warn" if preemptions else "pass"
+
+
+def p99_regression_status(flagged: int) -> Status:
+    """Verdict of ``p99.regression``: fail when any latency's comparison was flagged (its
+    interval wholly above :data:`P99_THRESHOLD`, or for a fallback quantile above
+    :data:`GROSS_SHIFT_THRESHOLD`)."""
+    return "fail" if flagged else "pass"
+
+
+# ---------------------------------------------------------------- P99 cause verdicts
+# Each candidate cause of a P99 regression (kvdiag.analysis.causes) is "supported" by one of
+# these, comparing the window before the change point with the window after it.
+
+
+def rose(before: float, after: float, ratio: float = RATE_RATIO) -> bool:
+    """A rate rose: it is positive after and was zero before, or grew by at least ``ratio``."""
+    return bool(after > 0 and (before <= 0 or after >= ratio * before))
+
+
+def hit_rate_moved(before: float, after: float, std_before: float, std_after: float) -> bool:
+    """``prefix_hit_rate``: the token hit rate dropped by :data:`HIT_RATE_DROP` or more, or its
+    std over sub-windows reached :data:`HIT_RATE_FLUCTUATION` and twice the baseline's (NaN:
+    not measured, never supports)."""
+    import math
+    dropped = math.isfinite(before) and math.isfinite(after) and before - after >= HIT_RATE_DROP
+    base = std_before if math.isfinite(std_before) else 0.0
+    fluct = math.isfinite(std_after) and std_after >= max(HIT_RATE_FLUCTUATION, 2 * base)
+    return bool(dropped or fluct)
+
+
+def long_sequences_rose(share_before: float, share_after: float) -> bool:
+    """``long_sequences``: the share of prompts longer than the baseline's P90 reached
+    :data:`LONG_SHARE` and at least doubled."""
+    return bool(share_after >= max(LONG_SHARE, 2 * share_before))
+
+
+def occupancy_crossed(peak_before: float, peak_after: float) -> bool:
+    """``memory_pressure`` (one of its signs): the pool's peak occupancy reached
+    :data:`PRESSURE_HIGH` after, and had not before."""
+    return bool(peak_after >= PRESSURE_HIGH > peak_before)
+
+
+def fragmentation_rose(rise: float) -> bool:
+    """``fragmentation``: the pool's or the allocator's fragmentation rose by
+    :data:`FRAGMENTATION_RISE` or more (absolute share)."""
+    return bool(rise >= FRAGMENTATION_RISE)
+
+
+# ---------------------------------------------------------------- the catalogue
+
+CHECKLISTS: dict[str, tuple[str, ...]] = {
+    "memory leak": ("leak.memory_growth", "leak.release_paths", "leak.double_release", "leak.pool_growth",
+                    "fragmentation.kv_pool", "fragmentation.allocator", "leak.oom"),
+    "latency": ("latency.queueing", "p99.regression", "p99.compression", "p99.kv_bandwidth",
+                "p99.prefix_hit_rate", "p99.long_sequences", "p99.memory_pressure", "p99.fragmentation",
+                "p99.queueing"),
+    "forecast": ("forecast.memory_pressure",),
+    "sharing": ("sharing.consistency",),
+    "pool": ("pool.preemptions",),
+    "observation": ("kv_events.gaps",),
+}
+"""Every rule id the doctor reports, by checklist, in the order it reports them. The doctor's
+registry (:data:`kvdiag.analysis.doctor.REGISTRY`) evaluates exactly these; Prometheus alerts
+(:mod:`kvdiag.prom_rules`) and top's alerts name rules by these ids."""
+
+RULE_IDS: tuple[str, ...] = tuple(r for ids in CHECKLISTS.values() for r in ids)
