@@ -139,7 +139,6 @@ class Agent:
         sinks: list[Sink] = []
         if self.log_path is not None:
             from kvdiag.eventlog import LogWriter
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.writer = LogWriter(str(self.log_path), self.header)
             sinks.append(self.writer)
         if self._live or self.socket_path is not None:
@@ -193,7 +192,7 @@ class Agent:
                 self.socket_path = paths.agent_socket_path()
                 paths.remove_stale_sockets(self.socket_path.parent)
             else:
-                self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                paths.make_private_dirs(self.socket_path.parent)
             return LiveSocketSink(self.socket_path, self.header)
         except Exception as exc:
             logging.getLogger("kvdiag.agent").warning(

@@ -14,7 +14,6 @@ never inside the installed package.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import time
@@ -157,10 +156,8 @@ def probe(device: str = "cpu", use_cache: bool = True, **kwargs) -> MemoryBandwi
     result = measure(device, now_ns=now, **kwargs)
     try:
         import msgspec
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(result))
-        os.replace(tmp, path)
+        from kvdiag.paths import write_private_atomic
+        write_private_atomic(path, msgspec.json.encode(result))
     except OSError:
         pass
     return result

@@ -10,6 +10,9 @@ hold the event's fields only (``kvdiag.columnar``): type and node come from the 
 headers table holds each log's node, source path, header (``header_json``, plus its scalar
 fields as columns for SQL) and the lines the reader skipped, so that reading the dataset
 back gives what reading the logs gives.
+
+Every file is created 0600 and every folder the writer creates 0700 (``kvdiag.paths``),
+whatever the mode of the logs it was made from.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pyarrow.parquet as pq
 
 from kvdiag.columnar import from_table, to_table
 from kvdiag.eventlog import LogFormatError
+from kvdiag.paths import make_private_dirs, open_private
 from kvdiag.schema import TAGS, LogHeader
 
 HEADERS_FILE = "_headers.parquet"
@@ -47,7 +51,7 @@ class DatasetWriter:
         if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
             raise FileExistsError(f"{self.root}: exists and is not an empty folder; "
                                   f"expected a new folder for the dataset")
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.root)
         self._rows: list[dict] = []
 
     def add(self, node: str, header: LogHeader, frames: Mapping[str, pd.DataFrame],
@@ -59,8 +63,8 @@ class DatasetWriter:
             if not len(df):
                 continue
             folder = node_dir(self.root, tag, node)
-            folder.mkdir(parents=True, exist_ok=True)
-            pq.write_table(to_table(TAGS[tag], df), folder / "part-0.parquet", compression="zstd")
+            with open_private(folder / "part-0.parquet", "wb") as f:  # 0600, folders 0700
+                pq.write_table(to_table(TAGS[tag], df), f, compression="zstd")
             rows += len(df)
         row = {"node": node, "source": source, "events": rows,
                "header_json": msgspec.json.encode(header).decode(),
@@ -71,7 +75,8 @@ class DatasetWriter:
 
     def close(self) -> None:
         table = pa.Table.from_pylist(self._rows, schema=_headers_schema())
-        pq.write_table(table, self.root / HEADERS_FILE)
+        with open_private(self.root / HEADERS_FILE, "wb") as f:
+            pq.write_table(table, f)
 
 
 def _headers_schema() -> pa.Schema:

@@ -177,10 +177,13 @@ class LogWriter:
 
 
 def _open_for_append(path: Path) -> IO[bytes]:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """The log opened for appending; created 0600 (folders 0700) when new (kvdiag.paths)."""
+    from kvdiag.paths import create_private, open_private
+
     if path.suffix == ".gz":
+        create_private(path)  # gzip opens by name: the file exists, private, before it does
         return gzip.open(path, "ab", compresslevel=3)
-    return open(path, "ab")
+    return open_private(path, "ab")
 
 
 def flush_all_writers() -> None:

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvdiag.paths import cache_dir
+from kvdiag.paths import cache_dir, open_private
 
 Progress = Callable[[str, Optional[int], Optional[int]], None]
 """``progress(stage, done, total)``: a stage's description and, for the download, bytes done
@@ -168,7 +168,7 @@ def ensure_model(progress: Optional[Progress] = None) -> Path:
     if model_ready():
         return default_model_dir()
     lock_path = cache_dir() / "fetch-model.lock"
-    with open(lock_path, "w") as lock:
+    with open_private(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return fetch_model(progress)
 

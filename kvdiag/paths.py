@@ -7,6 +7,13 @@
   group or other permission bits; otherwise :class:`RuntimeDirError`.
 - log dir: ``<cache dir>/logs``: event logs recorded by ``kvdiag demo`` unless ``--log`` says.
 - numba dir: ``<cache dir>/numba``: numba's compiled code (never inside the installed package).
+
+Private files: everything kvdiag writes (logs, Parquet datasets, raw KV-event captures,
+allocator snapshots, reports, rules files, screenshots, server output) is created with mode
+0600 and every folder it creates with mode 0700, whatever the umask, through
+:func:`open_private`, :func:`write_private_atomic` and :func:`make_private_dirs`. The mode is
+given when the file is created (no chmod afterwards, which would leave a window); a file or
+folder that already exists keeps its mode (kvdiag does not chmod what the user made).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import socket
 import stat
 import tempfile
 from pathlib import Path
+from typing import IO
 
 
 class RuntimeDirError(PermissionError):
@@ -25,16 +33,82 @@ class RuntimeDirError(PermissionError):
     what to do (one line)."""
 
 
+PRIVATE_FILE_MODE = 0o600  # read and write for the owner only
+PRIVATE_DIR_MODE = 0o700  # the owner only may list, enter or create in it
+
+
+def private_opener(path: str | os.PathLike, flags: int) -> int:
+    """An ``opener`` for :func:`open` that creates a missing file with mode 0600."""
+    return os.open(path, flags | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+
+
+def open_private(path: str | os.PathLike, mode: str = "w", **kwargs) -> IO:
+    """:func:`open`, but a file it creates has mode 0600 from the start (an existing file
+    keeps its mode). Missing parent folders are created 0700 (:func:`make_private_dirs`)."""
+    make_private_dirs(Path(path).parent)
+    return open(path, mode, opener=private_opener, **kwargs)
+
+
+def create_private(path: str | os.PathLike) -> Path:
+    """Make sure ``path`` exists, creating it empty with mode 0600 when missing, so that a
+    library that opens it by name afterwards ("w" truncates but keeps the mode) writes a
+    private file."""
+    make_private_dirs(Path(path).parent)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE))
+    return Path(path)
+
+
+def write_private_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` through a 0600 temporary file in the same folder and a
+    rename: ``path`` is the old file or the whole new one, never half-written, and the new one
+    has mode 0600 whatever the old one had."""
+    path = Path(path)
+    make_private_dirs(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w",
+                       **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def make_private_dirs(path: str | os.PathLike) -> Path:
+    """Create ``path`` and its missing parents, each with mode 0700 whatever the umask; a
+    folder that already exists keeps its mode."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, PRIVATE_DIR_MODE)
+        except FileExistsError:  # made meanwhile by someone else: theirs, keep its mode
+            if not d.is_dir():
+                raise
+            continue
+        os.chmod(d, PRIVATE_DIR_MODE)  # ours, just made 0700 or less: give back what the umask took
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path}: exists and is not a folder")
+    return path
+
+
 def cache_dir() -> Path:
-    """The kvdiag cache folder (created on demand)."""
+    """The kvdiag cache folder (created on demand, 0700)."""
     home = os.environ.get("KVDIAG_HOME")
     if home:
         path = Path(home).expanduser()
     else:
         xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         path = Path(xdg).expanduser() / "kvdiag"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return make_private_dirs(path)
 
 
 def numba_cache_dir() -> str:
@@ -90,9 +164,7 @@ def check_private_dir(path: Path) -> None:
 
 def log_dir() -> Path:
     """Default folder for recorded event logs."""
-    path = cache_dir() / "logs"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return make_private_dirs(cache_dir() / "logs")
 
 
 def agent_socket_path(pid: int | None = None) -> Path:

@@ -102,12 +102,10 @@ def _jsonable(obj: Any, memo: dict[int, Any]) -> Any:
 
 
 def save_snapshot_json(snapshot: dict, path: str | os.PathLike) -> Path:
-    """Write ``snapshot`` as JSON (tuples become lists), atomically: no half-written file."""
+    """Write ``snapshot`` as JSON (tuples become lists), atomically: no half-written file;
+    mode 0600 (a snapshot holds the process's stack traces)."""
+    from kvdiag.paths import write_private_atomic
+
     path = Path(path)
     check_depth(snapshot, str(path))
-    plain = _jsonable(snapshot, {})
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(plain, f)
-    os.replace(tmp, path)
-    return path
+    return write_private_atomic(path, json.dumps(_jsonable(snapshot, {})))

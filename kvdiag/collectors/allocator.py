@@ -93,7 +93,8 @@ class AllocatorCollector:
         try:
             import torch
             from kvdiag.snapshot_io import save_snapshot_json
-            self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+            from kvdiag.paths import make_private_dirs
+            make_private_dirs(self.snapshot_dir)
             path = self.snapshot_dir / f"{self.snapshot_prefix}-{reason}-{time.time_ns()}.json"
             save_snapshot_json(torch.cuda.memory._snapshot(), path)
             self.snapshots.append(path)

@@ -173,7 +173,8 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         try:
             if self.raw_path is not None:
-                self._raw = open(self.raw_path, "a", encoding="utf-8", buffering=1)
+                from kvdiag.paths import open_private
+                self._raw = open_private(self.raw_path, "a", encoding="utf-8", buffering=1)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
             (sub.bind if self.bind else sub.connect)(self.endpoint)
         except Exception as exc:

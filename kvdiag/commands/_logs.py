@@ -12,7 +12,6 @@ import argparse
 import glob
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -90,17 +89,11 @@ def read_logs(paths: Iterable[str], quiet: bool = False, allow_truncated: bool =
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename,
-    so that ``path`` is either the old file or the whole new one, never half-written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    so that ``path`` is either the old file or the whole new one, never half-written; mode
+    0600 (:func:`kvdiag.paths.write_private_atomic`)."""
+    from kvdiag.paths import write_private_atomic
+
+    write_private_atomic(path, text)
 
 
 def fail(command: str, message: str) -> int:

@@ -10,6 +10,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
+from kvdiag.paths import open_private
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -37,8 +39,7 @@ class ServerProcess:
     def start(self, preexec_fn: Optional[Callable[[], None]] = None) -> None:
         from kvdiag.commands.demo import _die_with_parent
 
-        self.server_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.server_log, "wb") as out:
+        with open_private(self.server_log, "wb") as out:  # 0600: it echoes requests and paths
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          stdin=subprocess.DEVNULL, preexec_fn=preexec_fn or _die_with_parent,
                                          cwd=self.cwd)

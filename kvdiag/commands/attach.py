@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
                                                 process_label)
     from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
+    from kvdiag.paths import make_private_dirs
     from kvdiag.schema import CollectorStatus
     from kvdiag.sinks import FanoutSink
 
@@ -306,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists():
         _err(f"{out}: already exists; choose another --out")
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(out.parent)
     args.out_path = out
 
     agent = None

@@ -11,6 +11,7 @@ from kvdiag.analysis import rules
 from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S, NO_ENGINE_EXIT
 from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
                                    skipped_lines, tell_skipped)
+from kvdiag.paths import open_private
 
 DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts
 are these same rules over the events it has seen (kvdiag/analysis/rules.py defines them):
@@ -98,7 +99,7 @@ def _write_prometheus_rules(target: str) -> int:
         sys.stdout.write(text)
         return 0
     try:
-        with open(target, "w") as out:
+        with open_private(target, "w") as out:
             out.write(text)
     except OSError as exc:
         return fail("doctor", f"--prometheus-rules: {exc}")
@@ -251,7 +252,7 @@ def _live(args: argparse.Namespace) -> int:
                     f"and run `kvdiag doctor LOG`")
     with tempfile.TemporaryDirectory(prefix="kvdiag-doctor-") as d:
         log = Path(d) / f"pid{args.pid}.jsonl"
-        with conn, open(log, "wb") as f:
+        with conn, open_private(log, "wb") as f:
             try:
                 conn.read_header()
             except (AgentNotAnswering, AgentRefused) as exc:

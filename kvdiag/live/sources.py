@@ -25,6 +25,7 @@ from kvdiag import schema as s
 from kvdiag.child import kvdiag_module, reset_interrupt_signal
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection, AgentProtocolError
+from kvdiag.paths import open_private
 
 Clock = Callable[[], float]
 
@@ -385,9 +386,8 @@ class DemoSource:
         if command is None and importlib.util.find_spec("kvdiag.commands.demo") is None:
             raise SourceError("the embedded demo (`kvdiag demo`) is not in this build; "
                               "use --log FILE or --pid PID")
-        log_dir.mkdir(parents=True, exist_ok=True)
         self.output_path = log_dir / "kvdiag-top-demo.out"
-        self._out = open(self.output_path, "ab")
+        self._out = open_private(self.output_path, "ab")  # 0600, folders 0700
         self.child = subprocess.Popen([*(command or [*kvdiag_module("kvdiag"), "demo"]), *demo_args],
                                       stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT,
                                       start_new_session=True, preexec_fn=_interrupt_when_parent_dies)

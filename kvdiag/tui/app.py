@@ -24,6 +24,7 @@ from textual.widgets import Footer, Static
 from textual.worker import get_current_worker
 
 from kvdiag.live.rules import LiveRules
+from kvdiag.paths import open_private
 from kvdiag.live.state import LiveState
 from kvdiag.live.snapshot import Snapshot
 from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
@@ -273,8 +274,9 @@ class KvTopApp(App):
         self.push_screen(TextScreen(title, panel.detail(self.snapshot)))
 
     def action_screenshot(self) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        path = self.save_screenshot(filename=self._fresh_name("svg").name, path=str(self.output_dir))
+        path = self._fresh_name("svg")
+        with open_private(path, "w", encoding="utf-8") as f:  # 0600, folders 0700
+            f.write(self.export_screenshot())
         self.notify(f"screenshot saved: {path}")
 
     def action_toggle_record(self) -> None:
@@ -286,7 +288,6 @@ class KvTopApp(App):
                 self.notify(f"recording stopped: {self.record_path}")
                 self.recorder = None
             else:
-                self.output_dir.mkdir(parents=True, exist_ok=True)
                 self.record_path = self._fresh_name("jsonl")
                 header = self.source.header or make_header(engine="top-recording")
                 self.recorder = LogWriter(self.record_path, header)
