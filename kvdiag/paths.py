@@ -113,11 +113,20 @@ def cache_dir() -> Path:
 
 def numba_cache_dir() -> str:
     """Where numba caches compiled kernels: ``<cache dir>/numba``, or a private temporary
-    folder when there is no writable home (a service account)."""
+    folder when there is no writable home (a service account). numba loads what it finds
+    there (pickles): a shared-temp folder is used only when it passes
+    :func:`check_private_dir`, else a fresh one (no cache across runs)."""
     try:
         return str(cache_dir() / "numba")
     except OSError:
-        return os.path.join(tempfile.gettempdir(), f"kvdiag-numba-{os.getuid()}")
+        pass
+    shared = Path(tempfile.gettempdir()) / f"kvdiag-numba-{os.getuid()}"
+    try:
+        make_private_dirs(shared)
+        check_private_dir(shared)
+        return str(shared)
+    except OSError:  # another user's, a symlink, open to others: not ours to load code from
+        return tempfile.mkdtemp(prefix="kvdiag-numba-")
 
 
 def use_numba_cache_dir() -> None:

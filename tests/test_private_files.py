@@ -280,3 +280,17 @@ def test_one_short_demo_run(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     modes = assert_private_tree(tmp_path / "new")
     assert {"d.kvlog", "d.kvlog.server.txt"} <= set(modes)
+
+
+def test_numba_fallback_folder_is_private_and_a_foreign_one_is_not_used(tmp_path, monkeypatch):
+    """Without a writable cache folder, numba's code goes to a 0700 folder in the temp dir;
+    one there that is open to others is not loaded from."""
+    import tempfile
+
+    monkeypatch.setenv("KVDIAG_HOME", "/proc/no-such-home")  # not creatable: OSError
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"kvdiag-numba-{os.getuid()}"
+    assert paths.numba_cache_dir() == str(shared) and mode(shared) == 0o700
+    os.chmod(shared, 0o777)
+    other = Path(paths.numba_cache_dir())
+    assert other != shared and other.parent == tmp_path and mode(other) == 0o700
