@@ -33,6 +33,17 @@ def umask022():
         os.umask(old)
 
 
+@pytest.fixture(autouse=True)
+def home(request, tmp_path, monkeypatch):
+    """A kvdiag cache folder of the test's own (the bandwidth probe writes there), except for
+    the demo, which needs the fetched model."""
+    if request.node.get_closest_marker("model"):
+        return None
+    path = tmp_path / "home" / "kvdiag"
+    monkeypatch.setenv("KVDIAG_HOME", str(path))
+    return path
+
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
@@ -99,8 +110,7 @@ def test_an_existing_file_keeps_its_mode_when_appended_to(tmp_path):
     assert mode(log) == 0o640
 
 
-def test_cache_and_log_folders_are_0700(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVDIAG_HOME", str(tmp_path / "home" / "kvdiag"))
+def test_cache_and_log_folders_are_0700(tmp_path):
     paths.log_dir()
     assert_private_tree(tmp_path / "home")
 
@@ -198,8 +208,9 @@ def test_agent_log_and_socket(tmp_path, monkeypatch):
     assert mode(paths.runtime_dir()) == 0o700
 
 
-def test_kvdiag_run_log(tmp_path):
-    """``python -m kvdiag.run --log`` around a script that serves nothing."""
+def test_kvdiag_run_log(tmp_path, home):
+    """``python -m kvdiag.run --log`` around a script that serves nothing; and the cache
+    folder it made, with the bandwidth probe's cached result."""
     script = tmp_path / "serve.py"
     script.write_text("print('served')\n")
     r = subprocess.run([sys.executable, "-m", "kvdiag.run", "--log", str(tmp_path / "new" / "r.jsonl"),
@@ -207,6 +218,8 @@ def test_kvdiag_run_log(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert set(assert_private_tree(tmp_path / "new")) == {".", "r.jsonl"}
+    assert mode(tmp_path / "home") == 0o700 and mode(home) == 0o700
+    assert len(assert_private_tree(home / "bandwidth")) == 2  # the folder and one probe file
 
 
 def test_attach_out_and_its_folder(tmp_path):
