@@ -124,15 +124,16 @@ def test_run_accepts_prometheus_and_rejects_a_bad_address():
 
 
 def test_attach_serves_what_it_records_on_loopback(tmp_path):
-    """`kvdiag attach PID --prometheus 0` on a real Python process: while attached, the
-    endpoint (127.0.0.1 only) serves the target's RSS as the host view of the log records it."""
+    """`kvdiag attach PID --any-process --prometheus 0` on a real Python process that serves
+    no engine: while attached, the endpoint (127.0.0.1 only) serves the target's RSS as the
+    host view of the log records it."""
     import re
     import time
 
     target = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.1)"])
     log = tmp_path / "a.kvlog"
-    attach = subprocess.Popen([sys.executable, "-m", "kvdiag.cli", "attach", str(target.pid), "--no-pyspy",
-                               "--duration", "20", "--interval", "0.2", "--prometheus", "0", "--out", str(log)],
+    attach = subprocess.Popen([sys.executable, "-m", "kvdiag.cli", "attach", str(target.pid), "--any-process",
+                               "--no-pyspy", "--duration", "20", "--interval", "0.2", "--prometheus", "0", "--out", str(log)],
                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         line = attach.stderr.readline()
