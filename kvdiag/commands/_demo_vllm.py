@@ -114,6 +114,10 @@ class Recording:
         self.agent = AgentStream(server.socket_path, sink=None) if server.plugin else None
         ah = self.agent.header if self.agent else None
         header = make_header(engine="vllm", model=str(model_dir),
+                             # what the plugin records of prompts (hashes and its salt, or ids)
+                             content=ah.content if ah else None,
+                             content_salt=ah.content_salt if ah else None,
+                             content_chunk_tokens=ah.content_chunk_tokens if ah else None,
                              block_size_tokens=ah.block_size_tokens if ah else None,
                              bytes_per_token=ah.bytes_per_token if ah else None,
                              extra={**(ah.extra if ah else {}), "base_url": server.base_url,
