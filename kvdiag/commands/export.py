@@ -72,6 +72,7 @@ def _strip_tokens(args: argparse.Namespace) -> int:
 
     from kvdiag.eventlog import LogWriter, ReadOutcome, iter_events, read_header
     from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
+    from kvdiag.schema import SCHEMA_VERSION
 
     if not args.strip_tokens or args.out is None or args.parquet is not None or len(args.logs) != 1:
         return fail("export", "expected one LOG with --strip-tokens -o OUT (and no --parquet)")
@@ -88,7 +89,8 @@ def _strip_tokens(args: argparse.Namespace) -> int:
         return fail("export", f"{src}: holds hashes already, no token ids to strip")
     hasher = ContentHasher()
     writer = LogWriter(out, msgspec.structs.replace(
-        header, content="hashes", content_salt=hasher.salt, content_chunk_tokens=CONTENT_CHUNK_TOKENS))
+        header, schema_version=SCHEMA_VERSION, content="hashes", content_salt=hasher.salt,
+        content_chunk_tokens=CONTENT_CHUNK_TOKENS))
     outcome, n = ReadOutcome(), 0
     try:
         for n, ev in enumerate(iter_events(src, strict=args.strict, outcome=outcome), 1):
