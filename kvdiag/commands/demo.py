@@ -507,7 +507,7 @@ def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
             print(f"kvdiag demo: {exc}", file=sys.stderr)
             server.stop()
             return 1
-        recording = _demo_vllm.Recording(server, log_path, model_dir)
+        recording = _demo_vllm.Recording(server, log_path, model_dir, record_tokens=args.record_tokens)
         stats.follow(server.socket_path)
         if args.ask and not _ask(server, model_dir, args):
             raise RuntimeError("--ask failed")

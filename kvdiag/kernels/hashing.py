@@ -276,3 +276,16 @@ class ContentHasher:
             index, tokens = len(seq) // bs - 1, seq
             self._seq[event.request_id] = (prompt, seq)
         return block_chunk_hashes(tokens, index, bs, self.salt)
+
+
+class HashingSink:
+    """A sink that passes every event through a :class:`ContentHasher` into ``sink``."""
+
+    def __init__(self, sink, hasher: ContentHasher) -> None:
+        self.sink, self.hasher = sink, hasher
+
+    def record(self, event) -> None:
+        self.sink.record(self.hasher(event))
+
+    def flush(self) -> None:
+        self.sink.flush()
