@@ -163,3 +163,19 @@ def test_record_tokens_env(monkeypatch):
     assert not record_tokens_from_env()
     monkeypatch.setenv("KVDIAG_RECORD_TOKENS", "1")
     assert record_tokens_from_env()
+
+
+def test_plan_trace_from_hashes_equals_token_ids(tmp_path, capsys):
+    log = TOKEN_LOGS[1]
+    out = tmp_path / "s.kvlog"
+    _strip(log, out)
+
+    def plan(path):
+        capsys.readouterr()
+        assert main(["plan", "--model", "smollm2-135m", "--trace", str(path), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        return got["rows"], got["timeline"], got["pool"]
+
+    rows, *rest = plan(out)
+    assert any(r["variant"] == "prefix sharing" and "exact" in r["assumption"] for r in rows)
+    assert (rows, *rest) == plan(log)
