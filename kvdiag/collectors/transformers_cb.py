@@ -284,6 +284,10 @@ class TransformersCBAdapter:
                                          cached=old in ledger.block_to_hash,
                                          num_blocks_free=self._free_blocks_of(allocator)))
         parent = ledger.block_to_hash.get(table[hashed_before - 1]) if hashed_before else None
+        keys = None  # hashes mode: the salted chunk keys of the sequence's full blocks, hashed once
+        if self.content_salt is not None and hashed_before < len(table):
+            keys = salted_chunk_hashes([int(t) for t in token_ids[:len(table) * page]],
+                                       self.content_salt)
         for i in range(hashed_before, len(table)):
             block_id = table[i]
             block_hash = ledger.block_to_hash.get(block_id)
@@ -296,7 +300,7 @@ class TransformersCBAdapter:
                     token_ids=[int(t) for t in token_ids[i * page:(i + 1) * page]]
                     if self.record_token_ids else None,
                     chunk_hashes=None if self.content_salt is None else block_chunk_hashes(
-                        [int(t) for t in token_ids[:(i + 1) * page]], i, page, self.content_salt)))
+                        token_ids, i, page, self.content_salt, keys=keys)))
             parent = block_hash
 
     def _on_freed(self, allocator, request_id: str, held: list, no_cache: bool) -> None:

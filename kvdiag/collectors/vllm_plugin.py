@@ -351,6 +351,10 @@ def _cache_full_blocks(h: _Hooks):
         if num_cached_blocks >= num_full_blocks:
             return
         tokens = request.all_token_ids
+        keys = None  # hashes mode: the salted chunk keys of the full blocks, hashed once
+        if not h.record_token_ids and h.content_salt is not None:
+            keys = salted_chunk_hashes([int(t) for t in tokens[:num_full_blocks * block_size]],
+                                       h.content_salt)
         parent = fold_hash(blocks[num_cached_blocks - 1].block_hash) if num_cached_blocks else None
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
@@ -362,9 +366,8 @@ def _cache_full_blocks(h: _Hooks):
                                  request_id=str(request.request_id),
                                  token_ids=list(tokens[i * block_size:(i + 1) * block_size])
                                  if h.record_token_ids else None,
-                                 chunk_hashes=None if h.record_token_ids or h.content_salt is None
-                                 else block_chunk_hashes([int(t) for t in tokens[:(i + 1) * block_size]],
-                                                         i, int(block_size), h.content_salt)))
+                                 chunk_hashes=None if keys is None else block_chunk_hashes(
+                                     tokens, i, int(block_size), h.content_salt, keys=keys)))
             parent = key
     return after
 

@@ -163,13 +163,16 @@ def salted_chunk_hashes(token_ids: Iterable[int] | np.ndarray, salt: str) -> np.
     return chunk_hashes(token_ids, CONTENT_CHUNK_TOKENS, extra_keys=(_SALT_TAG, str(salt)))
 
 
-def block_chunk_hashes(token_ids, block_index: int, block_size_tokens: int, salt: str) -> list[BlockHash]:
+def block_chunk_hashes(token_ids, block_index: int, block_size_tokens: int, salt: str,
+                       keys: Optional[np.ndarray] = None) -> list[BlockHash]:
     """The salted chunk keys of a sequence's chunks that end inside its block ``block_index``
-    (of ``block_size_tokens``), chained from the start of ``token_ids``."""
+    (of ``block_size_tokens``), chained from the start of ``token_ids``. ``keys``: the
+    sequence's :func:`salted_chunk_hashes` when already computed (over at least the block)."""
     end = (block_index + 1) * block_size_tokens
     first = (block_index * block_size_tokens) // CONTENT_CHUNK_TOKENS
-    keys = salted_chunk_hashes(list(token_ids[:end]), salt)
-    return [BlockHash(int(h)) for h in keys[first:]]
+    if keys is None:
+        keys = salted_chunk_hashes(list(token_ids[:end]), salt)
+    return [BlockHash(int(h)) for h in keys[first:end // CONTENT_CHUNK_TOKENS]]
 
 
 def keys_from_chunks(chunk_keys: Sequence[int] | np.ndarray, block_size_tokens: int) -> np.ndarray:
