@@ -179,3 +179,30 @@ def test_plan_trace_from_hashes_equals_token_ids(tmp_path, capsys):
     rows, *rest = plan(out)
     assert any(r["variant"] == "prefix sharing" and "exact" in r["assumption"] for r in rows)
     assert (rows, *rest) == plan(log)
+
+
+def test_attach_keeps_the_agents_salt_and_hashes_an_id_recording(capsys):
+    """attach's log header: the agent's own hashes and salt; an agent that records ids has them
+    hashed on the way into the log unless --record-tokens keeps them (with the warning)."""
+    from kvdiag.commands.attach import _content_of
+    from kvdiag.eventlog import make_header
+    from kvdiag.schema import PrefixCacheStored
+
+    hashed = make_header(content="hashes", content_salt="ab" * 16, content_chunk_tokens=16)
+    hasher, content = _content_of(hashed, record_tokens=False)
+    assert content == dict(content="hashes", content_salt="ab" * 16, content_chunk_tokens=16)
+    engine_ev = PrefixCacheStored(ts_ns=1, seq=0, block_hashes=[7], token_ids=[1, 2],
+                                  block_size_tokens=2)
+    assert hasher(engine_ev).token_ids == []  # an engine's own KV events lose their ids too
+
+    ids = make_header(content="token_ids")
+    hasher, content = _content_of(ids, record_tokens=False)
+    assert content["content"] == "hashes" and content["content_salt"] == hasher.salt
+    arrived = RequestArrived(ts_ns=1, request_id="r", prompt_tokens=40, token_ids=list(range(40)))
+    out = hasher(arrived)
+    assert out.token_ids is None and out.partial_tokens == 8
+    assert out.chunk_hashes == salted_chunk_hashes(list(range(40)), hasher.salt).tolist()
+    capsys.readouterr()
+    hasher, content = _content_of(ids, record_tokens=True)
+    assert hasher is None and content == dict(content="token_ids")
+    assert capsys.readouterr().err.count("recording prompts' token ids") == 1
