@@ -15,7 +15,7 @@ from kvdiag.cli import main
 from kvdiag.eventlog import iter_events, read_header
 from kvdiag.kernels.hashing import (CONTENT_CHUNK_TOKENS, chunk_hashes, keys_from_chunks,
                                     salted_chunk_hashes)
-from kvdiag.schema import BlockStored, RequestArrived
+from kvdiag.schema import RequestArrived
 
 DATA = Path(__file__).parent / "data"
 TOKEN_LOGS = [DATA / "sharing_engine" / "two_waves.kvlog",
