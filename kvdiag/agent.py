@@ -22,6 +22,8 @@ logs one warning and records without it.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Protocol
 
@@ -94,13 +96,37 @@ def kv_shape_of(model: Optional[str]) -> Optional[KVShape]:
 WHAT_IF_BLOCK_SIZES_TOKENS = (16, 64, 256)
 
 
+RECORD_TOKENS_ENV = "KVDIAG_RECORD_TOKENS"
+RECORD_TOKENS_WARNING = ("kvdiag: recording prompts' token ids (--record-tokens): the log holds "
+                         "your users' prompts; `kvdiag export LOG --strip-tokens -o OUT` hashes them")
+
+
+def record_tokens_from_env() -> bool:
+    """``KVDIAG_RECORD_TOKENS=1`` (or true/yes): record token ids instead of hashes."""
+    return os.environ.get(RECORD_TOKENS_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def warn_recording_tokens() -> None:
+    """The one-line warning printed (stderr) when a recording keeps token ids."""
+    print(RECORD_TOKENS_WARNING, file=sys.stderr, flush=True)
+
+
+def content_header(record_token_ids: bool) -> dict:
+    """The header fields that say what a new log holds of prompts (a fresh salt when hashes)."""
+    from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, new_salt
+
+    if record_token_ids:
+        return dict(content="token_ids")
+    return dict(content="hashes", content_salt=new_salt(), content_chunk_tokens=CONTENT_CHUNK_TOKENS)
+
+
 class Agent:
     """One recording session: adapter + log writer + live socket. Use ``start()``/``stop()``."""
 
     def __init__(self, log_path: Optional[str] = None, socket_path: Optional[str] = None,
                  live: bool = True, model: str = "", block_size_tokens: Optional[int] = None,
                  inject_leak_every: int = 0, sample_interval_s: float = 0.5,
-                 record_token_ids: bool = True, extra: Optional[dict] = None,
+                 record_token_ids: Optional[bool] = None, extra: Optional[dict] = None,
                  shadow_sharing: bool = True, shadow: Optional[dict] = None,
                  host_memory: bool = True, engine: str = ENGINE,
                  adapter: Optional[Callable[..., Adapter]] = None,
@@ -111,13 +137,17 @@ class Agent:
         from kvdiag.eventlog import make_header
 
         self.kv_shape = kv_shape_of(model)  # None when the model's config cannot be read
+        if record_token_ids is None:
+            record_token_ids = record_tokens_from_env()
+        if record_token_ids:
+            warn_recording_tokens()
         self.header = make_header(engine=engine, model=str(model), block_size_tokens=block_size_tokens,
                                   bytes_per_token=None if self.kv_shape is None else self.kv_shape.fp32_bytes_per_token,
-                                  extra=dict(extra or {}))
+                                  extra=dict(extra or {}), **content_header(record_token_ids))
         self._inject_leak_every = inject_leak_every
         self._sample_interval_s = sample_interval_s
         self._record_token_ids = record_token_ids
-        self._shadow_sharing = shadow_sharing and record_token_ids  # it re-chunks token ids
+        self._shadow_sharing = shadow_sharing
         self.writer = None
         self.live: Optional[LiveSocketSink] = None
         self.shadow_sharing = None
@@ -160,7 +190,8 @@ class Agent:
             adapter_sink = FanoutSink([recorded, self.shadow_sharing])
         self.adapter = install(adapter_sink, sample_interval_s=self._sample_interval_s,
                                inject_leak_every=self._inject_leak_every,
-                               record_token_ids=self._record_token_ids)
+                               record_token_ids=self._record_token_ids,
+                               content_salt=self.header.content_salt)
         if self._shadow_kwargs is not None:
             from kvdiag.collectors.transformers_cb_shadow import install as install_shadow
             self.shadow = install_shadow(recorded, **self._shadow_kwargs)
@@ -238,9 +269,10 @@ def start(log_path: Optional[str] = None, socket: bool = True, socket_path: Opti
     ``log_path``: event log to write (``.gz`` for gzip; None = no log); ``socket``: serve live
     events on a Unix socket (``socket_path`` or the default per-pid path). Other keyword
     arguments go to :class:`Agent` (``model``, ``block_size_tokens``, ``inject_leak_every``,
-    ``sample_interval_s``, ``record_token_ids``, ``extra``, ``engine`` and ``adapter`` (the
+    ``sample_interval_s``, ``record_token_ids`` (record prompts' token ids instead of salted
+    chunk hashes; default: ``KVDIAG_RECORD_TOKENS=1`` in the environment), ``extra``, ``engine`` and ``adapter`` (the
     header's engine name and a callable ``adapter(sink, sample_interval_s=...,
-    inject_leak_every=..., record_token_ids=...)`` that installs the engine's hooks; default:
+    inject_leak_every=..., record_token_ids=..., content_salt=...)`` that installs the engine's hooks; default:
     transformers' continuous batching), ``shadow``: keyword arguments of
     :func:`kvdiag.collectors.transformers_cb_shadow.install` to run shadow compression,
     ``prometheus``: serve kvdiag's metrics for Prometheus on ``[HOST:]PORT`` (127.0.0.1

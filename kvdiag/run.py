@@ -37,6 +37,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="FAULT INJECTION for testing: skip the engine's release of every N-th "
                              "finished request's KV blocks (a real leak)")
     parser.add_argument("--sample-interval", type=float, default=0.5, help="seconds between pool samples")
+    parser.add_argument("--record-tokens", action="store_true",
+                        help="record prompts' token ids (the log then holds the prompts; default: "
+                             "salted chunk hashes, or KVDIAG_RECORD_TOKENS=1)")
     parser.add_argument("--shadow", action="store_true",
                         help="shadow compression and locality on sampled decode steps of the live KV")
     parser.add_argument("--shadow-methods", help="comma-separated compression methods (default: all)")
@@ -113,6 +116,7 @@ def agent_kwargs(args: argparse.Namespace, command: list[str]) -> dict:
                 model=args.model, block_size_tokens=args.page_size,
                 inject_leak_every=args.inject_leak, sample_interval_s=args.sample_interval,
                 extra={"command": command}, prometheus=args.prometheus,
+                record_token_ids=True if args.record_tokens else None,
                 shadow=shadow_options(args) if args.shadow else None)
 
 

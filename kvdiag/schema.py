@@ -25,12 +25,14 @@ from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.6"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+SCHEMA_VERSION = "1.7"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
 # PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: MemoryBandwidthProbe,
 # HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget; 1.4: ShadowBudget.clock (CPU-time
 # budget), sample_rate, sample_rate_max; 1.5: ShadowDelta; 1.6: ShadowSharing.finished_* (the
-# same finished requests counted on the shadow's and the engine's side)
+# same finished requests counted on the shadow's and the engine's side); 1.7: content as salted
+# hashes (LogHeader.content, content_salt, content_chunk_tokens; RequestArrived.chunk_hashes,
+# partial_tokens; BlockStored.chunk_hashes): a log without them holds token ids, if any
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -76,6 +78,11 @@ class LogHeader(msgspec.Struct, kw_only=True):
     start_ns: TimestampNs = 0
     node: str = ""  # a label for merging logs of several nodes; defaults to host
     extra: dict = {}
+    # what the log holds of prompts: "hashes" (salted chained hashes of content_chunk_tokens
+    # chunks, no token ids) or "token_ids"; None: a log from before 1.7 (token ids if any)
+    content: Optional[Literal["hashes", "token_ids"]] = None
+    content_salt: Optional[str] = None  # per-log random salt folded into every chunk hash
+    content_chunk_tokens: Optional[Positive] = None  # tokens per hashed chunk
 
 
 class Event(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -88,14 +95,19 @@ class Event(msgspec.Struct, kw_only=True, tag_field="type"):
 
 
 class RequestArrived(Event, tag="request_arrived"):
-    """A request entered the engine. ``token_ids`` (optional) lets shadow analyses re-chunk
-    the prompt at any block size; ``conversation_id`` groups the turns of one chat."""
+    """A request entered the engine. Its content, for shadow analyses to re-chunk at any block
+    size: ``token_ids`` (only when recorded with ``--record-tokens``) or ``chunk_hashes``, the
+    salted chained hashes of its full chunks of the header's ``content_chunk_tokens``
+    (``partial_tokens`` = the tokens of its trailing partial chunk). ``conversation_id`` groups
+    the turns of one chat."""
 
     request_id: RequestId
     prompt_tokens: Count
     max_new_tokens: Optional[Count] = None
     token_ids: Optional[list[Count]] = None
     conversation_id: Optional[str] = None
+    chunk_hashes: Optional[list[BlockHash]] = None
+    partial_tokens: Optional[Count] = None
 
 
 class RequestScheduled(Event, tag="request_scheduled"):
@@ -181,6 +193,8 @@ class BlockStored(Event, tag="block_stored"):
     num_tokens: Count = 0
     request_id: Optional[RequestId] = None
     token_ids: Optional[list[Count]] = None
+    # hashes-mode content: the request's salted chunk hashes of the chunks that end in this block
+    chunk_hashes: Optional[list[BlockHash]] = None
 
 
 class PrefixHit(Event, tag="prefix_hit"):

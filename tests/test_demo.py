@@ -31,7 +31,8 @@ def demo_run(model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("demo") / "demo.kvlog"
     cmd = [sys.executable, "-m", "kvdiag", "demo", "--requests", str(NUM_REQUESTS), "--seed", "1",
            "--rate", "2", "--max-tokens", str(MAX_TOKENS), "--log", str(log_path),
-           "--ask", "What is the capital of France?"]
+           "--ask", "What is the capital of France?",
+           "--record-tokens"]  # the consistency check recomputes the engine's keys from token ids
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     return proc, log_path
 
@@ -49,6 +50,9 @@ def test_demo_ends_by_itself_and_answers_with_real_text(demo_run):
     assert re.search(r"^kvdiag demo: server PID \d+ \(launcher PID \d+", proc.stdout, re.M)
     assert f"kvdiag demo: event log {log_path}\n" in proc.stdout
     assert f"kvdiag demo: server output {log_path}.server.txt\n" in proc.stdout
+    # --record-tokens: one warning line at start, and the header says so
+    assert proc.stderr.count("kvdiag: recording prompts' token ids") == 1, proc.stderr[-2000:]
+    assert read_log(log_path, strict=True).header.content == "token_ids"
 
 
 @pytest.mark.model

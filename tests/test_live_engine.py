@@ -46,7 +46,7 @@ def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path, model_dir):
     events = ListSink()
     whatif = ShadowConfig("lru", 16, None)
     shadow = ShadowSharingSink([whatif], ListSink(), interval_s=3600)
-    transformers_cb.install(FanoutSink([events, shadow]))
+    transformers_cb.install(FanoutSink([events, shadow]), record_token_ids=True)
     cfg = ContinuousBatchingConfig(page_size=32, num_blocks=64, allow_block_sharing=True)
     gen = GenerationConfig(max_new_tokens=2, do_sample=False)
     try:  # two waves on one persistent engine: the second finds the first's system prompts

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
@@ -26,23 +27,43 @@ def _wait_for(predicate, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _brute_force_hits(arrived: list[RequestArrived], stored: dict[str, list[list[int]]],
+def _prefix_keys(arrived: RequestArrived, block: int) -> list:
+    """Key ``k - 1`` names the prompt's first ``k`` full blocks: the tokens themselves (a
+    token-id recording) or the salted hash of the block's last 16-token chunk, which chains over
+    every token before it (a default recording)."""
+    if arrived.token_ids is not None:
+        tokens = list(arrived.token_ids)
+        return [tuple(tokens[:k * block]) for k in range(1, len(tokens) // block + 1)]
+    per = block // 16
+    return [arrived.chunk_hashes[k * per - 1] for k in range(1, len(arrived.chunk_hashes) // per + 1)]
+
+
+def _stored_key(ev: BlockStored, before: list):
+    """The key of the sequence up to the end of stored block ``ev`` (``before``: the keys of
+    the blocks before it)."""
+    if ev.token_ids is not None:
+        return tuple((before[-1] if before else ()) + tuple(ev.token_ids))
+    return ev.chunk_hashes[-1]
+
+
+def _brute_force_hits(arrived: list[RequestArrived], stored: dict[str, list[BlockStored]],
                       block: int) -> dict[str, int]:
     """Prefix hits of sequential requests in an unbounded cache with vLLM's rule: the leading
     full blocks of the prompt already cached, at most (prompt - 1) // block of them. Then the
     request's full blocks are cached: its hit blocks followed by the blocks it stored (prompt
     and generated tokens, in order, as its ``BlockStored`` events carry them)."""
-    cache: set[tuple[int, ...]] = set()
+    cache: set = set()
     hits = {}
     for ev in arrived:
-        tokens = list(ev.token_ids)
+        keys = _prefix_keys(ev, block)
         n = 0
-        while n < (len(tokens) - 1) // block and tuple(tokens[:(n + 1) * block]) in cache:
+        while n < (ev.prompt_tokens - 1) // block and keys[n] in cache:
             n += 1
         hits[ev.request_id] = n * block
-        sequence = tokens[:n * block] + [t for chunk in stored.get(ev.request_id, []) for t in chunk]
-        for k in range(1, len(sequence) // block + 1):
-            cache.add(tuple(sequence[:k * block]))
+        sequence = keys[:n]
+        for blk in stored.get(ev.request_id, []):
+            sequence.append(_stored_key(blk, sequence))
+        cache.update(sequence)
     return hits
 
 
@@ -73,10 +94,15 @@ def test_plugin_events_match_vllm_counters_and_brute_force(vllm_server):
 
     arrived = [e for e in events.events if isinstance(e, RequestArrived)]
     assert [e.request_id for e in arrived] == [e.request_id for e in fin]  # sequential traffic
-    stored: dict[str, list[list[int]]] = {}
+    # recorded by default: salted chunk hashes, no token id in any event
+    assert stream.header.content == "hashes" and stream.header.content_salt
+    for e in events.events:
+        assert not msgspec.to_builtins(e).get("token_ids"), e
+    assert all(e.chunk_hashes and e.partial_tokens == e.prompt_tokens % 16 for e in arrived)
+    stored: dict[str, list[BlockStored]] = {}
     for e in events.events:
         if isinstance(e, BlockStored):
-            stored.setdefault(e.request_id, []).append(e.token_ids)
+            stored.setdefault(e.request_id, []).append(e)
     expected = _brute_force_hits(arrived, stored, block)
     assert {e.request_id: e.cached_prompt_tokens for e in fin} == expected
 

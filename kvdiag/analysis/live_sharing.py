@@ -1,12 +1,13 @@
 """Live shadow prefix sharing: a Sink that replays arriving prompts through what-if caches.
 
-Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids`` at each
-configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
+Fed the engine adapter's events, it re-chunks every ``RequestArrived.token_ids`` (or, in a
+hashes-mode recording, every ``RequestArrived.chunk_hashes``: block sizes that are multiples of
+their chunk only) at each configured block size, replays the request through one shadow :class:`PrefixCacheSim` per
 (policy, block size, capacity) — exactly the offline simulator, one request at a time — and
 every ``interval_s`` in which requests arrived or finished (and whenever the last request in
 flight finished) records one ``ShadowSharing`` event per configuration into ``out``.
 When a request finishes, the full blocks of its prompt and generated tokens (from the
-adapter's ``BlockStored`` token ids) are touched or inserted, as engines cache both.
+adapter's ``BlockStored`` token ids or chunk hashes) are touched or inserted, as engines cache both.
 
 A request's hits are its leading full blocks found in the cache, as in the offline simulator.
 Engines always compute the last prompt token (its logits give the first output token): for a
@@ -42,7 +43,7 @@ import numpy as np
 
 from kvdiag.analysis.sharing import PrefixCacheSim
 from kvdiag.analysis.traces import full_sequence
-from kvdiag.kernels.hashing import chunk_hashes
+from kvdiag.kernels.hashing import Content, full_sequence_chunks
 from kvdiag.schema import (
     BlockStored,
     Event,
@@ -55,6 +56,15 @@ from kvdiag.sinks import NullSink, Sink
 
 
 _MAX_BEFORE_POOL = 1024
+
+
+def _content(event: RequestArrived) -> Optional[Content]:
+    """A request's prompt as recorded: token ids, else chunk hashes, else None."""
+    if event.token_ids is not None:
+        return Content(len(event.token_ids), token_ids=list(event.token_ids))
+    if event.chunk_hashes is not None:
+        return Content(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
+    return None
 
 
 def engine_token_hit_rate(prompt_tokens: float, cached_prompt_tokens: float,
@@ -179,7 +189,8 @@ class ShadowSharingSink:
         self._counts: dict[ShadowConfig, _Counts] = {}
         self._ids: dict[int, dict[int, int]] = {}  # block size -> chained key -> dense id
         # live request -> prompt, stored blocks, its hit tokens per cache (counted at arrival)
-        self._live: dict[str, tuple[list[int], list[list[int]], dict[ShadowConfig, int]]] = {}
+        # request -> (prompt, its stored blocks' token ids or (tokens, chunk hashes), hits)
+        self._live: dict[str, tuple[Content, list, dict[ShadowConfig, int]]] = {}
         self._engine_cached_tokens = 0
         self._engine_prompt_tokens = 0
         self._last_emit_ns = clock()
@@ -187,7 +198,7 @@ class ShadowSharingSink:
         self._changed = False  # counters moved since the last results (an idle engine: no repeats)
         # what arrived and finished before the engine's pool was announced, replayed into the
         # engine-settings cache when it is (the pool is created with the first request)
-        self._before_pool: Optional[list[tuple[bool, list[int], str]]] = [] if engine_settings else None
+        self._before_pool: Optional[list[tuple[bool, Content, str]]] = [] if engine_settings else None
         self.errors = 0
         self._lock = threading.Lock()
         for cfg in configs:
@@ -210,13 +221,17 @@ class ShadowSharingSink:
     def _record(self, event: Event) -> None:
         try:
             added = False
-            if isinstance(event, RequestArrived) and event.token_ids is not None:
-                hits = self._arrived(event.token_ids)
-                self._remember_before_pool(True, list(event.token_ids), event.request_id)
-                self._live[event.request_id] = (list(event.token_ids), [], hits)
+            prompt = _content(event) if isinstance(event, RequestArrived) else None
+            if prompt is not None:
+                hits = self._arrived(prompt)
+                self._remember_before_pool(True, prompt, event.request_id)
+                self._live[event.request_id] = (prompt, [], hits)
             elif isinstance(event, BlockStored):
-                if event.request_id in self._live and event.token_ids:
-                    self._live[event.request_id][1].append(event.token_ids)
+                live = self._live.get(event.request_id)
+                if live is not None and live[0].token_ids is not None and event.token_ids:
+                    live[1].append(event.token_ids)
+                elif live is not None and live[0].token_ids is None and event.chunk_hashes is not None:
+                    live[1].append((int(event.num_tokens), list(event.chunk_hashes)))
             elif isinstance(event, RequestFinished):
                 self._engine_cached_tokens += event.cached_prompt_tokens
                 self._engine_prompt_tokens += event.prompt_tokens
@@ -225,7 +240,12 @@ class ShadowSharingSink:
                     prompt, stored, hits = live
                     if event.status == "finished":
                         self._count_finished(event, hits)
-                    tokens = full_sequence(prompt, stored)
+                    if prompt.token_ids is not None:
+                        seq = full_sequence(prompt.token_ids, stored)
+                        tokens = Content(len(seq), token_ids=seq)
+                    else:
+                        keys, n = full_sequence_chunks(prompt.chunk_keys, prompt.num_tokens, stored)
+                        tokens = Content(n, chunk_keys=keys)
                     self._finished(tokens)
                     self._remember_before_pool(False, tokens, event.request_id)
             elif isinstance(event, KVPoolInfo):
@@ -274,7 +294,7 @@ class ShadowSharingSink:
             c.finished_hit_tokens += h
             c.finished_engine_cached_tokens += event.cached_prompt_tokens
 
-    def _remember_before_pool(self, arrived: bool, tokens: list[int], request_id: str) -> None:
+    def _remember_before_pool(self, arrived: bool, tokens: Content, request_id: str) -> None:
         if self._before_pool is not None:
             self._before_pool.append((arrived, tokens, request_id))
             if len(self._before_pool) > _MAX_BEFORE_POOL:  # no pool announced: stop waiting
@@ -283,14 +303,17 @@ class ShadowSharingSink:
     def _selected(self, only: Optional[ShadowConfig]):
         return self._sims.items() if only is None else [(only, self._sims[only])]
 
-    def _arrived(self, token_ids: list[int], only: Optional[ShadowConfig] = None) -> dict[ShadowConfig, int]:
-        """Look the prompt up in each cache (then insert it); returns its hit tokens per cache."""
-        prompt = len(token_ids)
+    def _arrived(self, content: Content, only: Optional[ShadowConfig] = None) -> dict[ShadowConfig, int]:
+        """Look the prompt up in each cache (then insert it); returns its hit tokens per cache.
+        Caches whose block size the content cannot be chunked at (hashes) are left out."""
+        prompt = content.num_tokens
         out: dict[ShadowConfig, int] = {}
-        by_size = {bs: self._dense(token_ids, bs) for bs in self._ids}
+        by_size = {bs: self._dense(content, bs) for bs in self._ids if content.can_key(bs)}
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
         for cfg, sim in self._selected(only):
+            if cfg.block_size_tokens not in by_size:
+                continue
             ids = by_size[cfg.block_size_tokens]
             offsets[1] = len(ids)
             sim.feed(ids, offsets, hits, 0, 1)
@@ -307,19 +330,21 @@ class ShadowSharingSink:
             out[cfg] = h * cfg.block_size_tokens
         return out
 
-    def _finished(self, tokens: list[int], only: Optional[ShadowConfig] = None) -> None:
+    def _finished(self, content: Content, only: Optional[ShadowConfig] = None) -> None:
         """Touch or insert the full blocks of a finished request's prompt and generated tokens
         (engines cache both); no lookup, nothing counted."""
         offsets = np.zeros(2, dtype=np.int64)
         hits = np.zeros(1, dtype=np.int64)
-        ids = {bs: self._dense(tokens, bs) for bs in self._ids}
+        ids = {bs: self._dense(content, bs) for bs in self._ids if content.can_key(bs)}
         for cfg, sim in self._selected(only):
+            if cfg.block_size_tokens not in ids:
+                continue
             offsets[1] = len(ids[cfg.block_size_tokens])
             sim.feed(ids[cfg.block_size_tokens], offsets, hits, 0, 1)
 
-    def _dense(self, tokens: list[int], bs: int) -> np.ndarray:
+    def _dense(self, content: Content, bs: int) -> np.ndarray:
         table = self._ids[bs]
-        keys = chunk_hashes(tokens, bs, algorithm=self.hash_algorithm).tolist()
+        keys = content.keys(bs, algorithm=self.hash_algorithm).tolist()
         return np.fromiter((table.setdefault(k, len(table)) for k in keys), dtype=np.int32,
                            count=len(keys))
 

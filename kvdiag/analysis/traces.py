@@ -42,7 +42,8 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from kvdiag.kernels.hashing import chunk_hashes
+from kvdiag.kernels.hashing import (CONTENT_CHUNK_TOKENS, chunk_hashes, full_sequence_chunks,
+                                    keys_from_chunks)
 from kvdiag.analysis.trace_lines import (BadLine, Millis, ReadOptions, Seconds,
                                          TraceFormatError, decode_json, decoded_lines, raw_lines)
 from kvdiag.prefix_cache import (VLLM_TAGS, PrefixCacheTally, SeqGap, SeqTracker, batch_ts_ns,
@@ -526,6 +527,7 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
     arrived: dict[str, RequestArrived] = {}
     blocks: dict[str, list[tuple[int, int]]] = {}  # (chained key, tokens in block)
     stored: dict[str, list[list[int]]] = {}
+    stored_chunks: dict[str, list[tuple[int, list[int]]]] = {}  # hashes mode
     finished: dict[str, RequestFinished] = {}
     wanted = (RequestArrived, RequestFinished)
     for ev in _log_events(path, read or ReadOptions(),
@@ -540,6 +542,9 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 (int(ev.block_hash), int(getattr(ev, "num_tokens", 0) or 0)))
             if event_tag(ev) == "block_stored" and ev.token_ids:
                 stored.setdefault(ev.request_id, []).append(ev.token_ids)
+            if event_tag(ev) == "block_stored" and ev.chunk_hashes is not None:
+                stored_chunks.setdefault(ev.request_id, []).append(
+                    (int(ev.num_tokens), list(ev.chunk_hashes)))
     if not arrived:
         raise TraceFormatError(f"{path}:1: expected request_arrived events in the log")
     engine_bs = header.block_size_tokens
@@ -558,6 +563,27 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 rows.append((f.ts_ns, len(rows), dict(
                     keys=chunk_hashes(seq, bs, algorithm=hash_algorithm), prompt_tokens=0,
                     counted=False)))
+    elif all(a.chunk_hashes is not None for a in arrived.values()):
+        # hashes mode: each request's salted chained chunk keys stand for its token ids
+        bs = block_size_tokens or engine_bs or DEFAULT_BLOCK_TOKENS
+        chunk = header.content_chunk_tokens or CONTENT_CHUNK_TOKENS
+        if chunk != CONTENT_CHUNK_TOKENS or bs % chunk:
+            raise TraceFormatError(
+                f"{path}:1: expected --block-size to be a multiple of {chunk}: this log holds "
+                f"hashes of {chunk}-token chunks, not token ids (record with --record-tokens "
+                "to replay any block size)")
+        for a in arrived.values():
+            f = finished.get(a.request_id)
+            rows.append((a.ts_ns, len(rows), dict(
+                keys=keys_from_chunks(a.chunk_hashes, bs),
+                prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
+                finish_ns=-1 if f is None else f.ts_ns,
+                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+            if f is not None:
+                seq_keys, _ = full_sequence_chunks(a.chunk_hashes, a.prompt_tokens,
+                                                   stored_chunks.get(a.request_id, []))
+                rows.append((f.ts_ns, len(rows), dict(
+                    keys=keys_from_chunks(seq_keys, bs), prompt_tokens=0, counted=False)))
     else:
         if block_size_tokens not in (None, engine_bs):
             raise TraceFormatError(f"{path}:1: expected --block-size {engine_bs}: this log has "
@@ -635,19 +661,25 @@ def prompt_token_ids(path: str | Path, format: Optional[str] = None,
                      read: Optional[ReadOptions] = None) -> list[list[int]]:
     """The prompts' token ids of a kvdiag log (``request_arrived.token_ids``) or a token-id
     trace, in arrival order; other formats carry no tokens. ``read`` as in :func:`load_trace`."""
+    from kvdiag.schema import RequestArrived
+
     path = Path(path)
     read = ReadOptions() if read is None else read
     fmt = format or detect_format(path)
     if fmt == "tokens":
         prompts = [req.token_ids for _, req in decoded_lines(path, _tokens_line, read)]
     elif fmt == "kvdiag":
-        from kvdiag.schema import RequestArrived
-
         prompts = [ev.token_ids for ev in _log_events(
             path, read, lambda ev: isinstance(ev, RequestArrived) and ev.token_ids is not None)]
     else:
         raise TraceFormatError(f"{path}:1: expected a kvdiag log or token-id trace with token ids "
                                f"(a {fmt} trace has none)")
+    if not prompts and fmt == "kvdiag" and _log_events(
+            path, ReadOptions(strict=False, partial=True),
+            lambda ev: isinstance(ev, RequestArrived) and ev.chunk_hashes is not None):
+        raise TraceFormatError(
+            f"{path}:1: expected token ids, found only hashes of the prompts: this analysis needs "
+            "a log recorded with --record-tokens (or KVDIAG_RECORD_TOKENS=1)")
     if not prompts:
         raise TraceFormatError(f"{path}:1: expected " + (
             "request_arrived events with token_ids" if fmt == "kvdiag" else "token-id requests")

@@ -251,9 +251,10 @@ def load_tokens(path: str | Path, block_size_tokens: int, output: Optional[str] 
 def from_logs(logs, block_size_tokens: int, source: str) -> Workload:
     """A kvdiag log's requests: arrival from ``request_arrived``, prompt and output lengths from
     ``request_finished``, first token at arrival + ``ttft_ns`` and finish at the finished event;
-    prompt keys from the arrival's ``token_ids`` when every request has them. Requests that
-    never finished are left out (counted in the notes)."""
-    from kvdiag.kernels.hashing import chunk_hashes
+    prompt keys from the arrival's ``token_ids`` (or, in a hashes-mode log, its salted
+    ``chunk_hashes``, at block sizes that are multiples of their chunk) when every request has
+    them. Requests that never finished are left out (counted in the notes)."""
+    from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, chunk_hashes, keys_from_chunks
 
     arrived = logs.frame("request_arrived")
     finished = logs.frame("request_finished")
@@ -276,9 +277,21 @@ def from_logs(logs, block_size_tokens: int, source: str) -> Workload:
     ttft = both["ttft_ns"].to_numpy(dtype=float, na_value=np.nan) / 1e9
     first = np.where(np.isnan(ttft), finish, np.minimum(arrival + ttft, finish))
     prompt_keys = None
-    token_ids = both.get("token_ids")
-    if token_ids is not None and token_ids.map(lambda t: isinstance(t, (list, np.ndarray))).all():
+    token_ids, hashed = both.get("token_ids"), both.get("chunk_hashes")
+    keys = None
+
+    def every(column) -> bool:
+        return column is not None and column.map(lambda t: isinstance(t, (list, np.ndarray))).all()
+
+    if every(token_ids):
         keys = [chunk_hashes(list(t), block_size_tokens) for t in token_ids]
+    elif every(hashed):
+        if block_size_tokens % CONTENT_CHUNK_TOKENS == 0:
+            keys = [keys_from_chunks(list(t), block_size_tokens) for t in hashed]
+        else:
+            notes.append(f"prompts are hashed in {CONTENT_CHUNK_TOKENS}-token chunks: no prefix "
+                         f"keys at {block_size_tokens}-token blocks (record with --record-tokens)")
+    if keys is not None:
         prompt_keys = _dense_keys(keys, [np.full(len(k), block_size_tokens, np.int64) for k in keys],
                                   block_size_tokens)
     return Workload(arrival, both["prompt_tokens"].to_numpy(np.int64),

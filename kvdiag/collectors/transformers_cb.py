@@ -43,9 +43,11 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
+from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
 from kvdiag.schema import (
     elapsed_ns,
     BlockAllocated,
+    BlockHash,
     BlockDeduplicated,
     BlockEvicted,
     BlockReleased,
@@ -116,11 +118,13 @@ class TransformersCBAdapter:
     """Turns the engine's cache and scheduling calls into schema events sent to ``sink``."""
 
     def __init__(self, sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
-                 record_token_ids: bool = True) -> None:
+                 record_token_ids: bool = False, content_salt: Optional[str] = None) -> None:
         self.sink = sink
         self.sample_interval_ns = int(sample_interval_s * 1e9)
         self.inject_leak_every = inject_leak_every
         self.record_token_ids = record_token_ids
+        # hashes mode (no token ids): content as chunk hashes under this salt (None: no content)
+        self.content_salt = None if record_token_ids else content_salt
         self.leaked_requests: list[str] = []
         self.error_count = 0
         self._lock = threading.Lock()
@@ -224,9 +228,13 @@ class TransformersCBAdapter:
         token_ids = [int(t) for t in input_ids]
         with self._lock:
             self._requests[request_id] = _Request(now, len(token_ids))
-        self._emit(RequestArrived(ts_ns=now, request_id=request_id, prompt_tokens=len(token_ids),
-                                  max_new_tokens=max_new_tokens,
-                                  token_ids=token_ids if self.record_token_ids else None))
+        salt = self.content_salt
+        self._emit(RequestArrived(
+            ts_ns=now, request_id=request_id, prompt_tokens=len(token_ids),
+            max_new_tokens=max_new_tokens, token_ids=token_ids if self.record_token_ids else None,
+            chunk_hashes=None if salt is None else [
+                BlockHash(int(h)) for h in salted_chunk_hashes(token_ids, salt)],
+            partial_tokens=None if salt is None else len(token_ids) % CONTENT_CHUNK_TOKENS))
 
     def _on_scheduled(self, request_id: str) -> None:
         now = time.time_ns()
@@ -276,6 +284,10 @@ class TransformersCBAdapter:
                                          cached=old in ledger.block_to_hash,
                                          num_blocks_free=self._free_blocks_of(allocator)))
         parent = ledger.block_to_hash.get(table[hashed_before - 1]) if hashed_before else None
+        keys = None  # hashes mode: the salted chunk keys of the sequence's full blocks, hashed once
+        if self.content_salt is not None and hashed_before < len(table):
+            keys = salted_chunk_hashes([int(t) for t in token_ids[:len(table) * page]],
+                                       self.content_salt)
         for i in range(hashed_before, len(table)):
             block_id = table[i]
             block_hash = ledger.block_to_hash.get(block_id)
@@ -286,7 +298,9 @@ class TransformersCBAdapter:
                     ts_ns=now, block_id=block_id, block_hash=fold_hash(block_hash),
                     parent_hash=fold_hash(parent), num_tokens=page, request_id=request_id,
                     token_ids=[int(t) for t in token_ids[i * page:(i + 1) * page]]
-                    if self.record_token_ids else None))
+                    if self.record_token_ids else None,
+                    chunk_hashes=None if self.content_salt is None else block_chunk_hashes(
+                        token_ids, i, page, self.content_salt, keys=keys)))
             parent = block_hash
 
     def _on_freed(self, allocator, request_id: str, held: list, no_cache: bool) -> None:
@@ -610,11 +624,14 @@ _ACTIVE: Optional[TransformersCBAdapter] = None
 
 
 def install(sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
-            record_token_ids: bool = True) -> TransformersCBAdapter:
-    """Install a new adapter that sends events to ``sink``; returns it (call ``.uninstall()``)."""
+            record_token_ids: bool = False, content_salt: Optional[str] = None) -> TransformersCBAdapter:
+    """Install a new adapter that sends events to ``sink``; returns it (call ``.uninstall()``).
+    Prompts are recorded as token ids with ``record_token_ids``, else as chunk hashes salted
+    with ``content_salt`` (None: not at all)."""
     return TransformersCBAdapter(sink, sample_interval_s=sample_interval_s,
                                  inject_leak_every=inject_leak_every,
-                                 record_token_ids=record_token_ids).install()
+                                 record_token_ids=record_token_ids,
+                                 content_salt=content_salt).install()
 
 
 def installed_adapter() -> Optional[TransformersCBAdapter]:

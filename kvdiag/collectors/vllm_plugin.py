@@ -76,8 +76,9 @@ import time
 from collections import Counter
 from typing import Any, Callable, Optional
 
+from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
 from kvdiag.prefix_cache import fold_block_hash
-from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, BlockStored, CollectorError,
+from kvdiag.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored, CollectorError,
                            CollectorStatus, EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
                            RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted,
                            RequestScheduled, elapsed_ns)
@@ -113,6 +114,9 @@ class _Hooks:
 
     def __init__(self) -> None:
         self.sink: Sink = NullSink()
+        # prompts as token ids (KVDIAG_RECORD_TOKENS=1) or chunk hashes under the log's salt
+        self.record_token_ids = False
+        self.content_salt: Optional[str] = None
         self.installed: list[tuple[type, str, Callable]] = []  # (class, name, original)
         self.skipped: dict[str, str] = {}  # hook -> why
         self.errors: Counter[str] = Counter()
@@ -289,9 +293,15 @@ def _add_request(h: _Hooks):
         if existed:
             return
         params = getattr(request, "sampling_params", None)
-        token_ids = list(request.prompt_token_ids or [])
+        token_ids = [int(t) for t in request.prompt_token_ids or []]
+        salt = None if h.record_token_ids else h.content_salt
         h.record(RequestArrived(ts_ns=_now(), request_id=str(request.request_id),
-                                prompt_tokens=int(request.num_prompt_tokens), token_ids=token_ids,
+                                prompt_tokens=int(request.num_prompt_tokens),
+                                token_ids=token_ids if h.record_token_ids else None,
+                                chunk_hashes=None if salt is None else [
+                                    BlockHash(int(k)) for k in salted_chunk_hashes(token_ids, salt)],
+                                partial_tokens=None if salt is None
+                                else len(token_ids) % CONTENT_CHUNK_TOKENS,
                                 max_new_tokens=getattr(params, "max_tokens", None)))
     return before, after
 
@@ -341,6 +351,10 @@ def _cache_full_blocks(h: _Hooks):
         if num_cached_blocks >= num_full_blocks:
             return
         tokens = request.all_token_ids
+        keys = None  # hashes mode: the salted chunk keys of the full blocks, hashed once
+        if not h.record_token_ids and h.content_salt is not None:
+            keys = salted_chunk_hashes([int(t) for t in tokens[:num_full_blocks * block_size]],
+                                       h.content_salt)
         parent = fold_hash(blocks[num_cached_blocks - 1].block_hash) if num_cached_blocks else None
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
@@ -350,7 +364,10 @@ def _cache_full_blocks(h: _Hooks):
             h.record(BlockStored(ts_ns=_now(), block_id=int(b.block_id), block_hash=key,
                                  parent_hash=parent, num_tokens=int(block_size),
                                  request_id=str(request.request_id),
-                                 token_ids=list(tokens[i * block_size:(i + 1) * block_size])))
+                                 token_ids=list(tokens[i * block_size:(i + 1) * block_size])
+                                 if h.record_token_ids else None,
+                                 chunk_hashes=None if keys is None else block_chunk_hashes(
+                                     tokens, i, int(block_size), h.content_salt, keys=keys)))
             parent = key
     return after
 
@@ -512,8 +529,10 @@ def _start_agent(h: _Hooks, sched) -> None:
     except Exception:
         pass
 
-    def install(sink: Sink, **_kw) -> VllmAdapter:
+    def install(sink: Sink, record_token_ids: bool = False, content_salt: Optional[str] = None,
+                **_kw) -> VllmAdapter:
         h.sink = sink
+        h.record_token_ids, h.content_salt = bool(record_token_ids), content_salt
         for hook, why in h.skipped.items():
             sink.record(CollectorStatus(ts_ns=_now(), collector=f"{COLLECTOR}:{hook}", available=False,
                                         hint=f"hook not installed: {why}"))

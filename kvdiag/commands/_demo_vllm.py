@@ -105,7 +105,8 @@ class MetricsPoller:
 class Recording:
     """The one log of a vLLM demo: the plugin's stream, ``/metrics`` and the KV events."""
 
-    def __init__(self, server: VllmServer, log_path: Path, model_dir: Path) -> None:
+    def __init__(self, server: VllmServer, log_path: Path, model_dir: Path,
+                 record_tokens: bool = False) -> None:
         from kvdiag.collectors.agent_client import AgentStream
         from kvdiag.collectors.vllm import subscriber_side
         from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
@@ -113,7 +114,12 @@ class Recording:
 
         self.agent = AgentStream(server.socket_path, sink=None) if server.plugin else None
         ah = self.agent.header if self.agent else None
-        header = make_header(engine="vllm", model=str(model_dir),
+        from kvdiag.agent import content_header
+        # what the plugin records of prompts (hashes and its salt, or ids); without it, ours
+        content = (dict(content=ah.content, content_salt=ah.content_salt,
+                        content_chunk_tokens=ah.content_chunk_tokens)
+                   if ah is not None and ah.content else content_header(record_tokens))
+        header = make_header(engine="vllm", model=str(model_dir), **content,
                              block_size_tokens=ah.block_size_tokens if ah else None,
                              bytes_per_token=ah.bytes_per_token if ah else None,
                              extra={**(ah.extra if ah else {}), "base_url": server.base_url,
@@ -126,7 +132,11 @@ class Recording:
             self.agent.start()
         self.metrics = MetricsPoller(f"{server.base_url}/metrics", self.writer).start()
         mode, address = subscriber_side(server.events_endpoint)
-        self.events = KVEventSubscriber(address, self.writer, topic="kv", bind=(mode == "bind"),
+        events_sink = self.writer
+        if header.content == "hashes":  # the engine's own KV events carry token ids: drop them
+            from kvdiag.kernels.hashing import ContentHasher, HashingSink
+            events_sink = HashingSink(self.writer, ContentHasher(header.content_salt))
+        self.events = KVEventSubscriber(address, events_sink, topic="kv", bind=(mode == "bind"),
                                         raw_path=self.raw_events_path).start()
 
     def finish_before_stop(self) -> None:

@@ -65,8 +65,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus", metavar="[HOST:]PORT", default=None,
                         help="also serve what is recorded as kvdiag's metrics for Prometheus while "
                              "attached (127.0.0.1 unless a host is given; docs/metrics.md)")
+    parser.add_argument("--record-tokens", action="store_true",
+                        help="keep prompts' token ids when the target's agent records them "
+                             "(KVDIAG_RECORD_TOKENS=1 there); default: hash them into the log")
     parser.add_argument("--grace", type=float, default=5.0, metavar="S",
                         help="seconds after which a finished request's held blocks count as leaked")
+
+
+def _content_of(agent_header, record_tokens: bool):
+    """(the hasher every recorded event goes through, or None; the log header's content
+    fields): the agent's own hashes and salt when it records hashes, token ids (the agent's,
+    an engine's KV events') hashed under a fresh salt unless ``--record-tokens`` keeps them."""
+    from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
+
+    if agent_header.content == "hashes":
+        if record_tokens:
+            _err("--record-tokens: the target's agent records hashes only (start it with "
+                 "KVDIAG_RECORD_TOKENS=1 to record token ids)")
+        # the hasher only drops the token ids of an engine's own KV events
+        return ContentHasher(agent_header.content_salt), dict(
+            content="hashes", content_salt=agent_header.content_salt,
+            content_chunk_tokens=agent_header.content_chunk_tokens)
+    if record_tokens:
+        from kvdiag.agent import warn_recording_tokens
+        warn_recording_tokens()
+        return None, dict(content="token_ids")
+    hasher = ContentHasher()
+    return hasher, dict(content="hashes", content_salt=hasher.salt,
+                        content_chunk_tokens=CONTENT_CHUNK_TOKENS)
 
 
 def _err(msg: str) -> None:
@@ -329,7 +355,9 @@ def run(args: argparse.Namespace) -> int:
     except Exception:
         cmdline = ""
     ah = agent.header if agent else make_header()
+    hasher, content = _content_of(ah, args.record_tokens)
     header = make_header(pid=args.pid, engine="attach", model=ah.model, block_size_tokens=ah.block_size_tokens,
+                         **content,
                          bytes_per_token=ah.bytes_per_token, node=socket.gethostname(),
                          extra={"target_cmdline": cmdline, "agent_engine": ah.engine,
                                 "agent_socket": str(agent.path) if agent else None})
@@ -346,6 +374,9 @@ def run(args: argparse.Namespace) -> int:
         _err(f"serving kvdiag metrics on http://{exporter.host}:{exporter.port}/metrics")
     log_writer = LogWriter(out, header, interval_s=0.5)
     writer = FanoutSink([log_writer, exporter.sink]) if exporter else log_writer
+    if hasher is not None:  # every event, the agent's and the KV events' alike
+        from kvdiag.kernels.hashing import HashingSink
+        writer = HashingSink(writer, hasher)
     session = None
     try:
         writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="agent", available=agent is not None,

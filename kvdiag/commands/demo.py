@@ -79,6 +79,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks in the pool")
     parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                         help="tokens per engine step; long prompts are prefilled in chunks of this size")
+    parser.add_argument("--record-tokens", action="store_true",
+                        help="record prompts' token ids in the log (default: salted chunk hashes; "
+                             "needed by replay --similarity)")
     parser.add_argument("--ask", metavar="TEXT", help="first ask this one question and print the answer")
     parser.add_argument("--inject-leak", type=int, default=0, metavar="N",
                         help="FAULT INJECTION for testing leak detection: the agent skips the engine's "
@@ -247,7 +250,8 @@ def run(args) -> int:
         return _run_vllm(args, plan, model_dir, log_path)
     server = DemoServer(model_dir, log_path, args.port or free_port(), args.page_size, args.num_blocks,
                         args.max_batch_tokens, args.inject_leak, args.threads,
-                        (*_demo_shadow.agent_args(args), *_prometheus_args(args)))
+                        (*_demo_shadow.agent_args(args), *_prometheus_args(args),
+                         *(["--record-tokens"] if args.record_tokens else [])))
     stats = LiveStats()
     traffic = _Traffic(server.base_url, model_dir, plan, args)
     print(f"kvdiag demo: starting {model_dir.name} on transformers' continuous-batching engine "
@@ -454,7 +458,11 @@ def prometheus_url(address: str) -> str:
 
 def _print_started(server, log_path: Path, args) -> None:
     """Where to find the run: the server's PID (what `doctor --pid`, `top --pid` and `attach`
-    take, as they take this launcher's), the event log, the server's output, the metrics URL."""
+    take, as they take this launcher's), the event log, the server's output, the metrics URL;
+    the warning when the log records token ids."""
+    if args.record_tokens:
+        from kvdiag.agent import warn_recording_tokens
+        warn_recording_tokens()
     print(f"kvdiag demo: server PID {server.proc.pid} (launcher PID {os.getpid()}: `kvdiag doctor --pid`, "
           f"`kvdiag top --pid` and `kvdiag attach` take either)", flush=True)
     print(f"kvdiag demo: event log {log_path}", flush=True)
@@ -480,8 +488,11 @@ def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
     if args.inject_leak or args.shadow or args.shadow_logits:
         print("kvdiag demo: --inject-leak and --shadow* run on the transformers engine only", file=sys.stderr)
         return 2
+    extra_env = {"KVDIAG_PROMETHEUS": args.prometheus} if args.prometheus else {}
+    if args.record_tokens:
+        extra_env["KVDIAG_RECORD_TOKENS"] = "1"
     server = _demo_vllm.VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads,
-                                   extra_env={"KVDIAG_PROMETHEUS": args.prometheus} if args.prometheus else None)
+                                   extra_env=extra_env or None)
     stats = LiveStats()
     traffic = _Traffic(server.base_url, model_dir, plan, args)
     print(f"kvdiag demo: starting {model_dir.name} on vLLM (prefix caching, KV events and kvdiag's "
@@ -496,7 +507,7 @@ def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
             print(f"kvdiag demo: {exc}", file=sys.stderr)
             server.stop()
             return 1
-        recording = _demo_vllm.Recording(server, log_path, model_dir)
+        recording = _demo_vllm.Recording(server, log_path, model_dir, record_tokens=args.record_tokens)
         stats.follow(server.socket_path)
         if args.ask and not _ask(server, model_dir, args):
             raise RuntimeError("--ask failed")

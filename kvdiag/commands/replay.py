@@ -31,7 +31,9 @@ lecar (regret-weighted LRU/LFU), prefix-lru (evicts chain tails first), lru-plug
 fifo-plugin, lfu-plugin (the classics in the plug-in API), and your own with --policy-file
 (docs/policies.md).
 Formats (auto-detected): kvdiag (event log), mooncake, tokens ({"timestamp", "token_ids"}
-JSONL), vllm (KV events JSONL).
+JSONL), vllm (KV events JSONL). A kvdiag log recorded by default holds salted hashes of
+16-token chunks instead of token ids: --block-size must then be a multiple of 16, and the
+rows are those the token ids would give.
 """
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -61,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV bytes per token over all layers, K and V (default: the log "
                              "header's); needed for capacities in bytes and bytes saved")
     parser.add_argument("--hash", choices=("fast", "blake2b", "sha256"), default="fast",
-                        help="chunk hash for token ids (default: fast)")
+                        help="chunk hash for token ids (default: fast; a hashed log keeps its own)")
     parser.add_argument("--concurrency", type=int, default=8, metavar="N",
                         help="for traces without finish times: a request holds its blocks "
                              "until N later requests arrived (memory reduction; default 8)")
@@ -69,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hit rate vs capacity (LRU in one pass; other policies per point)")
     parser.add_argument("--similarity", action="store_true",
                         help="cosine similarity of K/V at the first positions of requests "
-                             "with and without a shared prompt, on the real model (kvdiag logs)")
+                             "with and without a shared prompt, on the real model (kvdiag logs "
+                             "recorded with --record-tokens: it needs the token ids)")
     parser.add_argument("--positions", type=int, default=10, metavar="N",
                         help="positions compared by --similarity (default 10)")
     parser.add_argument("--offset", type=int, default=0, metavar="N",
