@@ -138,3 +138,24 @@ def test_baseline_comparison_flags_slower_steps(tmp_path, capsys):
     assert 0.2 < comps["step"]["change"] < 0.45
     assert main(["report", str(slow), "--baseline", normal, "-o", str(tmp_path / "r.md")]) == 0
     assert "against the baseline log" in (tmp_path / "r.md").read_text()
+
+
+def test_memory_pressure_without_a_known_need_is_na_not_an_error(monkeypatch):
+    """Pool samples whose need or free blocks are unknown (NaN: seen on a 2-second doctor --pid
+    window, where pandas raised ValueError from idxmax and doctor died with a traceback) judge
+    nothing: n/a; a known moment among them is still judged."""
+    import numpy as np
+    import pandas as pd
+    from kvdiag.analysis import doctor
+
+    def frame(ratios):
+        n = len(ratios)
+        return pd.DataFrame({"ts_ns": np.arange(n), "node": "n", "active_requests": 1.0,
+                             "needed_blocks": 10.0, "free_blocks": 5.0, "growth_blocks_per_s": 0.0,
+                             "need_ratio": ratios, "time_to_full_s": np.inf})
+
+    monkeypatch.setattr(doctor, "forecast_frame", lambda logs: frame([np.nan, np.nan]))
+    f = doctor.memory_pressure(None)
+    assert f.status == "n/a" and "of 2 samples" in f.message
+    monkeypatch.setattr(doctor, "forecast_frame", lambda logs: frame([np.nan, 2.0]))
+    assert doctor.memory_pressure(None).status == "fail"

@@ -181,3 +181,21 @@ def test_no_false_leak_on_the_recorded_demo_log():
             == req["blocks_released"]).all()
     assert req["blocks_deduplicated"].sum() == sum(e.__struct_config__.tag == "block_deduplicated" for e in events) > 0
     assert len(leaks.anomaly_frame(ledger)) == 0
+
+
+def test_leak_rules_judge_at_the_windows_end_not_at_the_last_block_event():
+    """A request that finished holding a block is a leak once the window (any event: a memory
+    sample, a metrics scrape) runs past the grace period, though no block event came after it
+    (seen: attach's window judged at its last block event missed leaks an e2e test counted)."""
+    from kvdiag import schema as s
+    from kvdiag.analysis.leaks import leak_findings
+    from kvdiag.analysis.rules import RELEASE_GRACE_NS
+
+    t = 10**18
+    evs = [s.RequestArrived(ts_ns=t, request_id="a", prompt_tokens=8),
+           s.BlockAllocated(ts_ns=t + 1, request_id="a", block_id=7),
+           s.RequestFinished(ts_ns=t + 2, request_id="a", prompt_tokens=8, output_tokens=1)]
+    late = s.ProcessSample(ts_ns=t + 2 + RELEASE_GRACE_NS, pid=1, rss_bytes=1)
+    assert leak_findings(evs)[0].status == "pass"  # the window ends at the finish: within grace
+    f = leak_findings([*evs, late])[0]
+    assert f.status == "fail" and f.evidence["requests"] == {"a": [7]}

@@ -392,6 +392,11 @@ def memory_pressure(logs: Logs) -> Finding:
     if fc.empty:
         return Finding("forecast.memory_pressure", "n/a", title,
                        "needs KV pool samples, request arrivals and the block size")
+    known = fc[fc["need_ratio"].notna()]  # a sample without free or expected blocks judges nothing
+    if known.empty:
+        return Finding("forecast.memory_pressure", "n/a", title,
+                       f"no KV pool sample with both free and needed blocks known (of {len(fc)} samples)")
+    fc = known
     worst = fc.loc[fc["need_ratio"].idxmax()]
     last = fc.iloc[-1]
     r = float(worst["need_ratio"])

@@ -197,8 +197,13 @@ def pool_growth_finding(pool_samples: pd.DataFrame, min_growth_blocks: int = MIN
 def leak_findings(events: Iterable[Event], pool_samples: Optional[pd.DataFrame] = None,
                   grace_s: float = DEFAULT_GRACE_S, now_ns: Optional[int] = None,
                   prefill: Optional[tuple[np.ndarray, np.ndarray]] = None) -> list[Finding]:
-    """All three leak rules over one event sequence (time order); ``prefill``: the requests'
-    prefill spans (:func:`prefill_spans`) for ``leak.pool_growth``."""
+    """All three leak rules over one event sequence (time order), judged at ``now_ns``
+    (default: the sequence's last event of any type, the end of the window it covers, not its
+    last block event); ``prefill``: the requests' prefill spans (:func:`prefill_spans`) for
+    ``leak.pool_growth``."""
+    events = list(events)
+    if now_ns is None and events:
+        now_ns = max(e.ts_ns for e in events)
     ledger = ledger_from_events(events, keep_history=False)
     return [finished_holding_finding(ledger, grace_s, now_ns), double_release_finding(ledger),
             pool_growth_finding(pool_samples, prefill=prefill)]
