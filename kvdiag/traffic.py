@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Callable, Iterator, Optional
 
+CHAT_ROUTE = "v1/chat/completions"
+"""The OpenAI-style chat route the traffic posts to, relative to the server's root URL."""
+
 LONG_PROMPT_MIN_CHARS = 1100  # with the ~1,500-character system prompts: > 512 tokens
 
 
@@ -154,12 +157,12 @@ def chat(base_url: str, model: str, messages: list[dict], max_tokens: int, reque
     if on_connection is not None:
         on_connection(conn)
     try:
-        conn.request("POST", "/v1/chat/completions", body=body,
+        conn.request("POST", "/" + CHAT_ROUTE, body=body,
                      headers={"Content-Type": "application/json", "X-Request-ID": request_id})
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:
-            raise urllib.error.HTTPError(f"{base_url}/v1/chat/completions", resp.status, resp.reason,
+            raise urllib.error.HTTPError(f"{base_url}/{CHAT_ROUTE}", resp.status, resp.reason,
                                          resp.headers, None)
         return json.loads(data)
     finally:
