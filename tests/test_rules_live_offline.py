@@ -37,7 +37,7 @@ def live_findings(path: Path) -> dict:
         state.feed_all(events)
         rules.record(events)
     assert rules.due(source.finished)
-    state.rule_findings = rules.run(state.header, rules.take())
+    state.rule_findings = rules.run(state.header, rules.take(state.facts))
     snap = state.snapshot(source.now_ns(), finished_source=True)
     return {f.rule: f for f in snap.alerts if not f.rule.startswith("collector.")}
 

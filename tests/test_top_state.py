@@ -156,7 +156,7 @@ def test_leak_rule_flags_requests_that_never_release(tmp_path):
     state, now, events = _replayed(path, 40)
     rules = LiveRules(clock=lambda: 0.0)
     rules.record(events)
-    state.rule_findings = rules.run(state.header, rules.take())
+    state.rule_findings = rules.run(state.header, rules.take(state.facts))
     leak = next(f for f in state.snapshot(now).alerts if f.rule == "leak.release_paths")
     last_ns = max(e.ts_ns for e in events)
     df = read_log(path).frame("request_finished")
@@ -179,7 +179,7 @@ def test_p99_verdict_on_the_ttft_spike_is_the_rules(tmp_path):
     state, now, events = _replayed(path, 10_000)
     rules = LiveRules(clock=lambda: 0.0)
     rules.record(events)
-    state.rule_findings = rules.run(state.header, rules.take())
+    state.rule_findings = rules.run(state.header, rules.take(state.facts))
     verdict = next(f for f in state.snapshot(now).alerts if f.rule == "p99.regression")
     assert verdict.status == "fail"
     ttft = next(c for c in verdict.evidence["comparisons"] if c["metric"] == "ttft")
@@ -245,11 +245,17 @@ def test_live_doctor_findings_reach_the_alerts(tmp_path):
     doctor = LiveRules(period_s=1.0, max_share=0.05, clock=lambda: t[0])
     doctor.record(events)
     assert doctor.due()  # the first verdict right away, then every period
-    state.rule_findings = doctor.run(state.header, doctor.take())
+    state.rule_findings = doctor.run(state.header, doctor.take(state.facts))
     snap = state.snapshot(now)
     leak = [f for f in snap.alerts if f.rule == "leak.release_paths"]
-    assert len(leak) == 1 and leak[0].status == "fail"
-    assert leak[0] in doctor.findings  # the rules' verdict is top's alert
+    assert len(leak) == 1 and leak[0].status == "fail"  # from top's own block ledger
+    # the rules keep no block event: their release-path verdict is left to the ledger, and
+    # every other rule's verdict is top's alert
+    ruled = {f.rule: f for f in doctor.findings}
+    assert ruled["leak.release_paths"].status == "n/a"
+    alerts = {f.rule: f for f in snap.alerts}
+    assert [r for r in ruled if r != "leak.release_paths" and alerts[r] != ruled[r]] == []
+    assert "leak.pool_growth" in ruled and "p99.regression" in ruled
     assert doctor.period_s >= doctor.last_run_s / 0.05
     doctor.record(events[-1:])  # new events: due again only after the period
     assert not doctor.due() and doctor.due(finished=True)

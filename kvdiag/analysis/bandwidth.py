@@ -4,7 +4,8 @@ Per engine step (``EngineStep``, ``ts_ns`` = the start of its forward pass):
 
 - ``blocks_held``: KV blocks held by requests when the step starts: the pool ledger's
   ``holdings`` (:class:`kvdiag.blockledger.BlockLedger`, the state ``kvdiag top`` and the
-  exporter read) after every block event with ``ts_ns`` <= the step's. A block shared by two
+  exporter read) after every block event with ``ts_ns`` <= the step's, as the block facts
+  (:mod:`kvdiag.blockfacts`) record it, live in top as offline here. A block shared by two
   requests counts twice: each request's attention reads it; a bad release (double, or of a
   block the request does not hold) changes nothing. Without block events, the last
   ``KVPoolSample.blocks_used`` at or before the step.
@@ -28,17 +29,13 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from kvdiag.analysis import block_facts
 from kvdiag.analysis.logs import Logs
-from kvdiag.blockledger import BlockLedger
-from kvdiag.schema import (BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased, EngineStep, KVPoolSample,
-                           MemoryBandwidthProbe, NvmlSample, PrefixHit)
+from kvdiag.blockfacts import FACTS_TAG
+from kvdiag.schema import EngineStep, KVPoolSample, MemoryBandwidthProbe, NvmlSample
 
 COLUMNS = ["ts_ns", "node", "step_id", "batch_size", "duration_ns", "blocks_held", "block_bytes",
            "kv_read_bytes", "kv_read_bytes_per_s", "peak_copy_bytes_per_s", "utilisation"]
-
-_BLOCK_EVENTS = (BlockAllocated, PrefixHit, BlockDeduplicated, BlockReleased, BlockEvicted)
-"""In this order at equal timestamps (an allocation before the release of the same instant)."""
-
 
 def peak_copy_bandwidth(logs: Logs, node: str) -> Optional[float]:
     """The copy bandwidth measured where ``node``'s log was recorded (its last probe), bytes
@@ -48,37 +45,21 @@ def peak_copy_bandwidth(logs: Logs, node: str) -> Optional[float]:
     return float(pr["copy_bandwidth_bytes_per_s"].iloc[-1]) if len(pr) else None
 
 
-def _block_events(logs: Logs, node: str) -> list:
-    """``node``'s block events rebuilt from the frames, in time order."""
-    out = []
-    for rank, cls in enumerate(_BLOCK_EVENTS):
-        df = logs.frame(cls)
-        df = df[df["node"] == node].drop(columns="node")
-        fields = list(df.columns)
-        out += [(row[0], rank, cls(**dict(zip(fields, row[1:])))) for row in
-                zip(df["ts_ns"].to_numpy().tolist(), *(df[c].tolist() for c in fields))]
-    out.sort(key=lambda p: (p[0], p[1]))
-    return [ev for _, _, ev in out]
-
-
 def _held_at(logs: Logs, node: str, t: np.ndarray) -> Optional[np.ndarray]:
-    """Blocks held by requests at each time of ``t`` (the ledger after the events at or before
-    it), None when the node has neither block events nor pool samples."""
-    events = _block_events(logs, node)
-    if events:
-        ledger = BlockLedger()
-        apply = ledger.apply
-        order = np.argsort(t, kind="stable")
-        held = np.zeros(len(t), dtype="float64")
-        i, n = 0, len(events)
-        for k in order:
-            tk = t[k]
-            while i < n and events[i].ts_ns <= tk:
-                apply(events[i])
-                i += 1
-            held[k] = ledger.holdings
-        return held
-    kp = logs.frame(KVPoolSample)
+    """Blocks held by requests at each time of ``t`` (a step's start): the block facts'
+    ``blocks_held`` (:mod:`kvdiag.blockfacts`, the ledger after the events at or before it);
+    without block events, the last pool sample's ``blocks_used``; None without either."""
+    facts = block_facts.frame(logs, FACTS_TAG)
+    facts = facts[(facts["node"] == node) & (facts["kind"] == "step")]
+    held = pd.to_numeric(facts["blocks_held"], errors="coerce")
+    if held.notna().any():
+        order = np.argsort(facts["ts_ns"].to_numpy(dtype="int64"), kind="stable")
+        ft = facts["ts_ns"].to_numpy(dtype="int64")[order]
+        fh = held.fillna(0.0).to_numpy(dtype="float64")[order]
+        idx = np.searchsorted(ft, t, side="right") - 1
+        return np.where(idx >= 0, fh[np.maximum(idx, 0)], 0.0)
+    source = logs.whole if logs.whole is not None else logs
+    kp = source.frame(KVPoolSample)
     kp = kp[kp["node"] == node]
     if kp.empty:
         return None
@@ -100,7 +81,7 @@ def kv_read_frame(logs: Logs) -> pd.DataFrame:
         if st.empty or not block_bytes:
             continue
         t = st["ts_ns"].to_numpy(dtype="int64")
-        held = _held_at(source, node, t)
+        held = _held_at(logs, node, t)
         if held is None:
             continue
         dur = st["duration_ns"].to_numpy(dtype="float64")

@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
-from kvdiag.analysis import bandwidth
+from kvdiag.analysis import bandwidth, block_facts
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
 from kvdiag.analysis.rules import (EVICTION_RISE, QUEUE_WAIT_RISE, fragmentation_rose, hit_rate_moved,
                                    kv_bandwidth_rose, long_sequences_rose, occupancy_crossed, queue_wait_rose,
                                    rose)
-from kvdiag.schema import (BlockEvicted, EngineMetrics, RequestArrived, RequestFinished,
+from kvdiag.blockfacts import FACTS_TAG
+from kvdiag.schema import (EngineMetrics, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowCompression)
 
 
@@ -92,10 +94,11 @@ def _pressure(logs: Logs) -> dict[str, float]:
     retries = float(sum(g["alloc_retries"].max() - g["alloc_retries"].min()
                         for _, g in al.groupby(["node", "device"]))) if len(al) else 0.0
     d = _duration_s(logs)
+    # evictions counted at the engine step or pool sample that follows them (the block facts)
+    evictions = float(pd.to_numeric(block_facts.frame(logs, FACTS_TAG)["evictions"]).sum())
     return {
         "preemptions": float(preempt), "preemptions_per_s": preempt / d,
-        "evictions": float(len(logs.frame(BlockEvicted))),
-        "evictions_per_s": len(logs.frame(BlockEvicted)) / d,
+        "evictions": evictions, "evictions_per_s": evictions / d,
         "peak_block_occupancy": float(occ["block_occupancy"].max()) if len(occ) else float("nan"),
         "mean_waiting_requests": float(occ["waiting_requests"].mean()) if len(occ) else float("nan"),
         "alloc_retries": retries,

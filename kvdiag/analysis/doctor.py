@@ -27,18 +27,18 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import fragmentation as _fragmentation
-from kvdiag.analysis import bandwidth, latency, pressure, user_latency
+from kvdiag.analysis import bandwidth, block_facts, latency, pressure, user_latency
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import headline_config, sharing_window
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
+from kvdiag.blockfacts import FACTS_TAG, KV_BATCHES_TAG
 from kvdiag.prefix_cache import VLLM_KV_EVENTS_COLLECTOR
 from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
                            BlockReleased, CollectorGap, EngineMetrics, EngineStep, KVPoolInfo,
-                           KVPoolSample, NvmlSample, PrefixCacheCleared, PrefixCacheRemoved,
-                           PrefixCacheStored, PrefixHit, ProcessSample, RequestArrived, RequestFirstToken,
+                           KVPoolSample, NvmlSample, PrefixHit, ProcessSample, RequestArrived, RequestFirstToken,
                            RequestFinished, RequestPreempted, RequestScheduled, ShadowSharing)
 
 _NEVER_NS = 2 ** 62  # a time after any log (exact as a float, unlike int64 max)
@@ -158,11 +158,15 @@ def _prefill_spans(logs: Logs, node: str):
 def release_paths(logs: Logs) -> list[Finding]:
     """Every finished request gave back every block it held, no block was released twice, and
     occupancy does not grow at constant load: :func:`kvdiag.analysis.leaks.leak_findings` per
-    node, judged at the node's last event (not at its last block event)."""
+    node, judged at the node's last event (not at its last block event). Without block events
+    (a log of an engine that reports none, or ``kvdiag top``, whose own ledger decides the
+    first two), only ``leak.pool_growth`` is judged."""
+    kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
     if not logs.has(BlockAllocated) and not logs.has(PrefixHit):
         return [Finding("leak.release_paths", "n/a", "release paths fire for finished requests",
-                        "no block events in the log")]
-    kp, last = logs.frame(KVPoolSample), logs.last_ts_ns()
+                        "no block events in the log"),
+                *(_leaks.pool_growth_finding(kp[kp["node"] == node], prefill=_prefill_spans(logs, node))
+                  for node in logs.nodes)]
     found = [f for node in logs.nodes for f in _leaks.leak_findings(
         _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node],
         prefill=_prefill_spans(logs, node))]
@@ -332,27 +336,18 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
         # expected blocks before any prefix hit; the hits are subtracted as they happen (a
         # forecast at t knows only the hits up to t, as the live exporter does)
         a = a.assign(expected=pressure.expected_blocks(a["prompt_tokens"], exp_out, 0, bs))
-        hits = logs.frame(PrefixHit)
-        hits = hits[(hits["node"] == node) & hits["request_id"].isin(a["request_id"])]
-        a["hits"] = a["request_id"].map(hits.groupby("request_id").size()).fillna(0)
         a = a.merge(f[["request_id", "ts_ns"]].rename(columns={"ts_ns": "fin_ns"}),
                     on="request_id", how="left")
         a["fin_ns"] = a["fin_ns"].fillna(_NEVER_NS).astype("int64")  # not finished in the log
-        alloc = logs.frame(BlockAllocated)
-        alloc = alloc[(alloc["node"] == node) & alloc["request_id"].isin(a["request_id"])]
-        per_req = alloc.groupby("request_id").size()
-        a["allocated"] = a["request_id"].map(per_req).fillna(0)
         t = s["ts_ns"].to_numpy(dtype="int64")
+        # blocks the active requests already hold: their allocations and prefix hits so far
+        # (the block facts, folded live by top as here)
+        hits_active, held = _active_blocks(logs, node, t)
         # expected blocks of active requests: + at arrival, - at finish
         ev_t = np.concatenate([a["start_ns"].to_numpy(dtype="int64"), a["fin_ns"].to_numpy(dtype="int64")])
         ev_v = np.concatenate([a["expected"].to_numpy(), -a["expected"].to_numpy()])
-        hits_active = (cum_at(hits["ts_ns"].to_numpy(dtype="int64"), np.ones(len(hits)), t)
-                       - cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["hits"].to_numpy(), t))
         expected = cum_at(ev_t, ev_v, t) - hits_active
         active = cum_at(ev_t, np.concatenate([np.ones(len(a)), -np.ones(len(a))]), t)
-        # blocks allocated to active requests: their allocations so far minus those of finished ones
-        fin_alloc = cum_at(a["fin_ns"].to_numpy(dtype="int64"), a["allocated"].to_numpy(), t)
-        held = cum_at(alloc["ts_ns"].to_numpy(dtype="int64"), np.ones(len(alloc)), t) - fin_alloc
         needed = pressure.needed_blocks(expected, held)
         free = (s["blocks_free"] + s["blocks_cached"]).to_numpy(dtype="float64")
         st = logs.frame(EngineStep)
@@ -371,6 +366,22 @@ def forecast_frame(logs: Logs, window_ns: int = 10_000_000_000) -> pd.DataFrame:
                                  "growth_blocks_per_s": rate, "need_ratio": ratio,
                                  "time_to_full_s": ttf}))
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
+
+
+def _active_blocks(logs: Logs, node: str, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix hits and allocations, at each pool sample time of ``t``, of the requests that
+    arrived and had not finished (:mod:`kvdiag.blockfacts`' ``active_hits`` and
+    ``active_allocated`` at the last pool-sample row at or before it)."""
+    facts = block_facts.frame(logs, FACTS_TAG)
+    facts = facts[(facts["node"] == node) & (facts["kind"] == "pool")]
+    order = np.argsort(facts["ts_ns"].to_numpy(dtype="int64"), kind="stable")
+    ft = facts["ts_ns"].to_numpy(dtype="int64")[order]
+    idx = np.searchsorted(ft, t, side="right") - 1
+
+    def at(col: str) -> np.ndarray:
+        v = facts[col].to_numpy(dtype="float64")[order]
+        return np.where(idx >= 0, v[np.maximum(idx, 0)] if len(v) else 0.0, 0.0)
+    return at("active_hits"), at("active_allocated")
 
 
 def _admitted(arrivals: pd.DataFrame, scheduled: pd.DataFrame, node: str) -> pd.DataFrame:
@@ -522,14 +533,13 @@ def kv_event_gaps(logs: Logs) -> Finding:
     """``kv_events.gaps``: batches of the engine's KV event stream that the subscriber lost
     and could not replay (its ``CollectorGap`` events; ``dropped_events`` counts batches),
     beside the batches received (distinct node, seq and timestamp of ``prefix_cache_*``
-    events). Verdict: :func:`kvdiag.analysis.rules.kv_event_gaps_status`."""
+    events: the block facts' batch rows, :mod:`kvdiag.blockfacts`). Verdict: :func:`kvdiag.analysis.rules.kv_event_gaps_status`."""
     title = "engine KV event stream complete (no lost batches)"
     gaps = logs.frame(CollectorGap)
     gaps = gaps[gaps["collector"] == VLLM_KV_EVENTS_COLLECTOR]
-    frames = [logs.frame(cls) for cls in (PrefixCacheStored, PrefixCacheRemoved, PrefixCacheCleared)]
-    n_events = sum(len(f) for f in frames)
-    received = len(pd.concat([f[["node", "seq", "ts_ns"]] for f in frames]).drop_duplicates()) \
-        if n_events else 0
+    batches = block_facts.frame(logs, KV_BATCHES_TAG)
+    n_events = int(batches["events"].sum()) if len(batches) else 0
+    received = len(batches[["node", "seq", "ts_ns"]].drop_duplicates()) if n_events else 0
     status = rules.kv_event_gaps_status(n_events, len(gaps))
     if status == "n/a":
         return Finding("kv_events.gaps", status, title, "no engine KV cache events in the log")

@@ -45,6 +45,9 @@ class Logs:
     whole: Optional["Logs"] = field(default=None, repr=False)
     """For a window, the logs it was cut from: state built up before the window (the blocks
     requests hold) is read there."""
+    derived: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
+    """Figures folded from the events rather than recorded (:mod:`kvdiag.analysis.block_facts`),
+    by tag, with ``ts_ns`` and ``node`` columns; cut with the frames by :meth:`window`."""
 
     @property
     def nodes(self) -> list[NodeName]:
@@ -128,8 +131,19 @@ class Logs:
             tag: df if tag == pool_tag else df[(df["ts_ns"] >= start_ns) & (df["ts_ns"] < end_ns)]
             for tag, df in self.frames.items()
         }
-        return Logs(self.headers, frames, self.paths, span_ns=(start_ns, end_ns),
-                    whole=self.whole or self)
+        whole = self.whole or self
+        derived = {tag: df[(df["ts_ns"] >= start_ns) & (df["ts_ns"] < end_ns)]
+                   for tag, df in _derived_of(whole).items()}
+        return Logs(self.headers, frames, self.paths, span_ns=(start_ns, end_ns), whole=whole,
+                    derived=derived)
+
+
+def _derived_of(logs: "Logs") -> dict[str, pd.DataFrame]:
+    """The derived frames of ``logs``, folded now if not yet (a window is cut from them)."""
+    from kvdiag.analysis import block_facts  # the fold reads these frames
+
+    block_facts.ensure(logs)
+    return logs.derived
 
 
 def node_names(headers: Iterable[LogHeader], paths: Iterable[str | Path]) -> list[NodeName]:

@@ -1,31 +1,154 @@
-"""The rules (``kvdiag.analysis.doctor.run_rules``) run live over the events seen so far, for
-the alerts of ``kvdiag top``: the first run as soon as events arrive, then every ``period_s``,
-and once more when a replayed log ends, so that top's final verdict is the doctor's. Its cost
-is measured on each run and the period grows so that it stays under ``max_share`` of one core.
+"""The doctor's rules (``kvdiag.analysis.doctor.run_rules``) live, for the alerts of ``kvdiag
+top``: the first run as soon as events arrive, then every ``period_s``, and once more when a
+replayed log ends, so that top's final verdict is the doctor's on that log. Its cost is
+measured on each run and the period grows so that it stays under ``max_share`` of one core.
 A failing run becomes a finding, never an exception. Pure: no UI library is imported here.
+
+No raw block event is kept: the block and KV-event streams (98% of a busy GPU engine's
+events) are folded as they pass into the block facts (:mod:`kvdiag.blockfacts`, kept by
+``LiveState`` over its ledger), which the rules read as the doctor reads them from a log; the
+other events (requests, steps, samples: what the rules judge one by one) are kept column by
+column in typed arrays, 4 or 8 bytes a number. Memory grows by about 1 byte per event of a
+vLLM-shaped stream (``benchmarks/bench_top.py --rss --with-rules``).
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from collections import deque
+import typing
+from array import array
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import msgspec
+import numpy as np
 
+from kvdiag import blockfacts
 from kvdiag import schema as s
 from kvdiag.analysis import doctor, logs
 from kvdiag.analysis.findings import Finding
 
+SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
+"""Event types the rules read only through the block facts."""
+
+
+def _column_kind(tp) -> str:
+    """How a schema field is stored: int, opt_int, float, bool, str or obj (a list)."""
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    tp = getattr(tp, "__supertype__", tp)  # NewType
+    args = typing.get_args(tp)
+    if args and type(None) in args and len(args) == 2:  # Optional[X]
+        inner = _column_kind(next(a for a in args if a is not type(None)))
+        return {"int": "opt_int", "float": "opt_float"}.get(inner, "obj")
+    return {int: "int", float: "float", bool: "bool", str: "str"}.get(tp, "obj")
+
+
+_DTYPES = {"i": "int32", "q": "int64", "d": "float64", "b": "int8"}
+
+
+class _Table:
+    """One event type's rows, column by column: numbers in typed arrays (ints 32-bit until a
+    value needs 64; ``opt_*``: values and a presence mask), strings interned in lists; a value that does not fit its column's type
+    (a malformed event) turns that column into a list."""
+
+    def __init__(self, cls: type) -> None:
+        self.fields = s.fields_of(cls)
+        types = {f.name: f.type for f in msgspec.structs.fields(cls)}
+        self.kinds = [_column_kind(types[f]) for f in self.fields]
+        self.cols: list = []
+        self.masks: list = []
+        for kind in self.kinds:
+            self.cols.append(array("i") if kind in ("int", "opt_int") else array("d") if kind in ("float", "opt_float")
+                             else array("b") if kind == "bool" else [])
+            self.masks.append(array("b") if kind.startswith("opt_") else None)
+
+    def append(self, ev) -> None:
+        for i, v in enumerate(msgspec.structs.astuple(ev)):
+            mask = self.masks[i]
+            col = self.cols[i]
+            if mask is not None and type(col) is array:
+                mask.append(v is not None)
+                v = 0 if v is None else v
+            elif type(v) is str:
+                v = sys.intern(v)
+            try:
+                col.append(v)
+            except OverflowError:  # int32 until a value needs 64 bits
+                if type(col) is array and col.typecode == "i":
+                    self.cols[i] = col = array("q", col)
+                    try:
+                        col.append(v)
+                        continue
+                    except (TypeError, OverflowError):
+                        pass
+                self._to_list(i).append(v)
+            except TypeError:
+                self._to_list(i).append(v)
+
+    def _to_list(self, i: int) -> list:
+        col, mask = self.cols[i], self.masks[i]
+        values = col.tolist()
+        if mask is not None:  # (zip stops before the failing value's mask entry)
+            values = [v if m else None for v, m in zip(values, mask)]
+        self.cols[i] = values
+        self.masks[i] = None
+        self.kinds[i] = "obj"
+        return values
+
+    def copy(self) -> "_Table":
+        out = _Table.__new__(_Table)
+        out.fields, out.kinds = self.fields, list(self.kinds)
+        out.cols = [array(c.typecode, c) if type(c) is array else list(c) for c in self.cols]
+        out.masks = [None if m is None else array("b", m) for m in self.masks]
+        return out
+
+    def frame(self, node: str):
+        """The rows as the doctor's frame (the dtypes pandas gives the same rows read from a
+        log: int64 without None, float64 with NaN for a None among numbers, object if all None)."""
+        import pandas as pd
+
+        data = {}
+        for name, kind, col, mask in zip(self.fields, self.kinds, self.cols, self.masks):
+            if type(col) is not array:
+                data[name] = pd.Series(col, dtype=None if col else "object")
+                continue
+            dtype = _DTYPES[col.typecode]
+            values = (np.frombuffer(col, dtype=dtype) if len(col) else np.array([], dtype=dtype)).astype(
+                "int64" if col.typecode in "iq" else dtype)
+            if kind == "bool":
+                values = values.astype(bool)
+            if mask is not None:
+                present = np.frombuffer(mask, dtype="int8").astype(bool) if len(mask) else np.zeros(0, bool)
+                if len(present) and not present.any():
+                    values = np.full(len(present), None, dtype=object)
+                elif not present.all():
+                    values = np.where(present, values.astype("float64"), np.nan)
+            data[name] = values
+        df = pd.DataFrame(data, columns=list(self.fields))
+        df["node"] = node
+        return df
+
+
+@dataclass
+class RuleInputs:
+    """What one run of the rules reads: the kept events' tables and the block facts' rows
+    (copies taken under the caller's lock)."""
+
+    tables: dict[str, _Table]
+    facts_rows: dict
+    facts_batches: dict
+    events: int
+
 
 class LiveRules:
-    """Runs :func:`kvdiag.analysis.doctor.run_rules` over every event seen so far (up to
-    ``max_events``; beyond, over the latest ones, and a ``collector.doctor_window`` finding
-    says so), so that at the end of a log top's alerts are the doctor's findings on that log."""
+    """Runs :func:`kvdiag.analysis.doctor.run_rules` over every event seen so far, so that at
+    the end of a log top's alerts are the doctor's findings on that log."""
 
-    def __init__(self, max_events: int = 2_000_000, period_s: float = 15.0, max_share: float = 0.05,
+    def __init__(self, period_s: float = 15.0, max_share: float = 0.05,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.buffer: deque[s.Event] = deque(maxlen=max_events)
+        self.tables: dict[type, _Table] = {}
         self.period_s = period_s
         self.max_share = max_share
         self.last_run_s: Optional[float] = None  # duration of the last run
@@ -33,34 +156,39 @@ class LiveRules:
         self._clock = clock
         self._next = clock()  # the first verdict as soon as there are events
         self._seen = 0
-        self._recorded = 0
+        self.events = 0
 
     def record(self, events: list[s.Event]) -> None:
-        self.buffer.extend(events)
+        """Keep the events the rules judge one by one (the caller folds every event, block
+        events included, into its ``LiveState`` and so its block facts)."""
+        tables = self.tables
+        for ev in events:
+            t = type(ev)
+            if t in SKIPPED:
+                continue
+            table = tables.get(t)
+            if table is None:
+                table = tables[t] = _Table(t)
+            table.append(ev)
         self._seen += len(events)
-        self._recorded += len(events)
+        self.events += len(events)
 
     def due(self, finished: bool = False) -> bool:
         """New events and the period is over, or the source has ended (the final verdict)."""
         return self._seen > 0 and (finished or self._clock() >= self._next)
 
-    def take(self) -> list[s.Event]:
-        """The buffered events to run on (copy them under the caller's lock, run outside it)."""
+    def take(self, facts: blockfacts.BlockFacts) -> RuleInputs:
+        """Copies of what the rules read (under the caller's lock; run outside it)."""
         self._seen = 0
-        return list(self.buffer)
+        rows, batches = facts.copy_rows()
+        return RuleInputs({s.event_tag(cls): t.copy() for cls, t in self.tables.items()}, rows, batches,
+                          self.events)
 
-    def run(self, header: Optional[s.LogHeader], events: list[s.Event]) -> tuple[Finding, ...]:
-        """Run every rule over ``events``; returns (and keeps) the findings."""
+    def run(self, header: Optional[s.LogHeader], inputs: RuleInputs) -> tuple[Finding, ...]:
+        """Run every rule over ``inputs``; returns (and keeps) the findings."""
         start = self._clock()
         try:
-            findings, _ = doctor.run_rules(self._frames(header, events))
-            dropped = self._recorded - len(events)
-            if dropped > 0:
-                findings.append(Finding("collector.doctor_window", "n/a", "rules judged recent events only",
-                                        f"the {len(events)} latest events; {dropped} earlier ones are not "
-                                        "kept live (kvdiag doctor LOG judges the whole log; top's release-path "
-                                        "and double-release verdicts come from its block ledger, over every event)",
-                                        {"events": len(events), "dropped": dropped}))
+            findings, _ = doctor.run_rules(self._logs(header, inputs))
             self.findings = tuple(findings)
         except Exception as exc:  # a rule that breaks on partial live data must not stop top
             self.findings = (Finding("doctor.error", "n/a", "doctor rules failed on live data",
@@ -70,18 +198,11 @@ class LiveRules:
         self._next = self._clock() + self.period_s
         return self.findings
 
-    def _frames(self, header: Optional[s.LogHeader], events: list[s.Event]):
-        import pandas as pd
-
+    @staticmethod
+    def _logs(header: Optional[s.LogHeader], inputs: RuleInputs) -> logs.Logs:
         node = (header.node or header.host) if header else ""
         node = node or "live"
-        by_tag: dict[str, list] = {}
-        for ev in events:
-            by_tag.setdefault(s.event_tag(ev), []).append(msgspec.structs.astuple(ev))
-        frames = {}
-        for tag, rows in by_tag.items():
-            df = pd.DataFrame.from_records(rows, columns=s.fields_of(s.TAGS[tag]))
-            df["node"] = node
-            frames[tag] = df
+        frames = {tag: table.frame(node) for tag, table in inputs.tables.items()}
+        derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node)
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
-        return logs.Logs(headers={node: hdr}, frames=frames)
+        return logs.Logs(headers={node: hdr}, frames=frames, derived=derived)

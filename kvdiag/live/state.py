@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 import msgspec
 
 from kvdiag import schema as s
+from kvdiag.blockfacts import BlockFacts
 from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
 from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
@@ -153,6 +154,7 @@ class LiveState:
         self.pool_info: Optional[s.KVPoolInfo] = None
         self.pool_sample: Optional[s.KVPoolSample] = None
         self.ledger = BlockLedger()  # the one owner of block state (held, cached, per request, leaks)
+        self.facts = BlockFacts(self.ledger)  # what the rules need from block events (LiveRules)
         self.preemptions = 0
         self.peak_copy_bytes_per_s: Optional[float] = None  # the log's bandwidth probe
         self.kv_read_bytes_total = 0.0  # demanded KV read of every step counted, and their time
@@ -215,8 +217,9 @@ class LiveState:
             self.feed(first)
         get = _HANDLERS.get
         bins, bin_ns = self.bins, self.bin_ns
-        ledger = self.ledger
+        ledger, facts = self.ledger, self.facts
         allocated, released, evicted = ledger.allocated, ledger.released, ledger.evicted
+        facts_block, facts_allocated, facts_evicted = facts.block, facts.allocated, facts.evicted
         live = self.live
         ALLOC, REL, EVICT = s.BlockAllocated, s.BlockReleased, s.BlockEvicted
         cur, b, run, n = None, None, 0, 0
@@ -235,14 +238,17 @@ class LiveState:
             try:  # free unless raised (Python 3.11+)
                 if t is REL:
                     released(ev)
+                    facts_block(ev.ts_ns)
                 elif t is ALLOC:
                     allocated(ev)
+                    facts_allocated(ev)
                     req = live.get(ev.request_id)
                     if req is None:
                         req = self._request(ev.request_id, ev.ts_ns)
                     req.allocated_blocks += 1
                 elif t is EVICT:
                     evicted(ev)
+                    facts_evicted(ev)
                     b.evictions += 1
                 else:
                     h = get(t)
@@ -289,6 +295,7 @@ class LiveState:
         req.prompt_tokens = ev.prompt_tokens
         req.arrival_seen = True
         req.max_new_tokens = ev.max_new_tokens
+        self.facts.arrived(ev)
 
     def _on_scheduled(self, ev: s.RequestScheduled, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
@@ -307,6 +314,7 @@ class LiveState:
 
     def _on_finished(self, ev: s.RequestFinished, b: _Bin, idx: int) -> None:
         self.ledger.finished(ev)
+        self.facts.finished(ev)
         req = self.live.pop(ev.request_id, None) or self.finished.get(ev.request_id)
         if req is None:
             req = _Request(ev.request_id, ev.ts_ns - (ev.e2e_ns or 0))
@@ -341,12 +349,14 @@ class LiveState:
             req.state = "waiting"
 
     def _on_step(self, ev: s.EngineStep, b: _Bin, idx: int) -> None:
-        """Also the step's demanded KV read (kvdiag.analysis.bandwidth): blocks held now x
-        block bytes, over its duration (a live feed sees the step after its own block events)."""
+        """Also the step's demanded KV read (kvdiag.analysis.bandwidth): blocks held when it
+        started (the block facts' row: a live feed sees the step after its own block events)
+        x block bytes, over its duration."""
         self.saw_steps = True
         b.generated_tokens += ev.decode_tokens
+        held = self.facts.step(ev)
         if self.pool_info is not None and self.ledger.block_events and ev.duration_ns > 0:
-            read = self.ledger.holdings * self.pool_info.block_bytes
+            read = held * self.pool_info.block_bytes
             b.kv_read_bytes += read
             b.step_ns += ev.duration_ns
             self.kv_read_bytes_total += read
@@ -364,10 +374,12 @@ class LiveState:
 
     def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
         self.ledger.allocated(ev)
+        self.facts.allocated(ev)
         self._request(ev.request_id, ev.ts_ns).allocated_blocks += 1
 
     def _on_hit(self, ev: s.PrefixHit, b: _Bin, idx: int) -> None:
         self.ledger.hit(ev)
+        self.facts.hit(ev)
         req = self._request(ev.request_id, ev.ts_ns)
         req.hit_tokens += ev.num_tokens
         req.hit_blocks += 1
@@ -376,17 +388,21 @@ class LiveState:
         """``BlockDeduplicated``: the request now holds the cached ``block_id`` (its duplicate
         is given back by the ``BlockReleased`` that follows)."""
         self.ledger.hit(ev)
+        self.facts.block(ev.ts_ns)
         self._request(ev.request_id, ev.ts_ns)
 
     def _on_released(self, ev: s.BlockReleased, b: _Bin, idx: int) -> None:
         self.ledger.released(ev)
+        self.facts.block(ev.ts_ns)
 
     def _on_evicted(self, ev: s.BlockEvicted, b: _Bin, idx: int) -> None:
         self.ledger.evicted(ev)
+        self.facts.evicted(ev)
         b.evictions += 1
 
     def _on_pool_sample(self, ev: s.KVPoolSample, b: _Bin, idx: int) -> None:
         self.pool_sample = ev
+        self.facts.pool_sample(ev)
         if ev.num_blocks:
             self.series["occupancy"].set(idx, ev.blocks_used / ev.num_blocks)
         if self.pool_info is not None:
@@ -824,7 +840,12 @@ class LiveState:
         out: list[Finding] = list(self.rule_findings)
         if self.ledger.block_events:  # the leak rules the ledger decides, judged on all events
             ledger_rules = {f.rule: f for f in leaks.ledger_findings(self.ledger, now_ns=snap.now_ns)}
-            out = [ledger_rules.pop(f.rule, f) for f in out] + list(ledger_rules.values())
+            merged = []
+            for f in out:  # in the doctor's order: the ledger's rules where release_paths stands
+                merged.append(ledger_rules.pop(f.rule, f))
+                if f.rule == "leak.release_paths":
+                    merged += [ledger_rules.pop(r) for r in list(ledger_rules)]
+            out = merged + list(ledger_rules.values())
         if snap.pool.inconsistency:
             out.append(Finding("collector.pool_samples", "warn", "KV pool samples inconsistent",
                                snap.pool.inconsistency, {}))
@@ -883,6 +904,9 @@ _HANDLERS = {
     s.CollectorError: LiveState._on_error,
     s.CollectorStatus: LiveState._on_status,
     s.MemoryBandwidthProbe: LiveState._on_probe,
+    s.PrefixCacheStored: lambda self, ev, b, idx: self.facts.kv_event(ev),
+    s.PrefixCacheRemoved: lambda self, ev, b, idx: self.facts.kv_event(ev),
+    s.PrefixCacheCleared: lambda self, ev, b, idx: self.facts.kv_event(ev),
 }
 if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter's work
     _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated

@@ -207,8 +207,8 @@ class KvTopApp(App):
         """The rules over the events so far, outside the lock (their findings show from the
         next snapshot on; at the end of a log, the doctor's verdict on that log)."""
         with self._lock:
-            events, header = self.doctor.take(), self.state.header
-        findings = self.doctor.run(header, events)
+            inputs, header = self.doctor.take(self.state.facts), self.state.header
+        findings = self.doctor.run(header, inputs)
         with self._lock:
             self.state.rule_findings = findings
             self.rule_runs += 1
