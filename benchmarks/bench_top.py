@@ -224,9 +224,12 @@ def rss_flat(n_events: int, with_rules: bool = False) -> None:
             if seen >= marks[0]:
                 sink.flush()
                 if rules is not None:  # top runs them every period: run them, then read
+                    gc.collect()
+                    before = proc.memory_info().rss
                     r0 = time.perf_counter()
                     found = rules.run(state.header, rules.take(state.facts))
-                    ran = (f"; rules ran in {time.perf_counter() - r0:.2f} s: {len(found)} findings, "
+                    ran = (f"; {before / 2**20:.1f} MiB before the rules ran in {time.perf_counter() - r0:.2f} s: "
+                           f"{len(found)} findings, "
                            f"{sum(f.status == 'fail' for f in found)} fail")
                 gc.collect()
                 rss = proc.memory_info().rss
