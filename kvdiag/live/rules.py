@@ -31,6 +31,9 @@ from kvdiag.analysis.findings import Finding
 
 SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
 """Event types the rules read only through the block facts."""
+NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes"))}
+"""Fields no rule reads, not kept (their columns hold None): a prompt's content (a few KB a
+request) is judged by the shadow, which runs in the agent, not by the rules."""
 
 
 def _column_kind(tp) -> str:
@@ -56,18 +59,23 @@ class _Table:
     def __init__(self, cls: type) -> None:
         self.fields = s.fields_of(cls)
         types = {f.name: f.type for f in msgspec.structs.fields(cls)}
-        self.kinds = [_column_kind(types[f]) for f in self.fields]
+        dropped = NOT_JUDGED.get(cls, ())
+        self.kinds = ["none" if f in dropped else _column_kind(types[f]) for f in self.fields]
+        self.rows = 0
         self.cols: list = []
         self.masks: list = []
         for kind in self.kinds:
-            self.cols.append(array("i") if kind in ("int", "opt_int") else array("d") if kind in ("float", "opt_float")
-                             else array("b") if kind == "bool" else [])
+            self.cols.append(None if kind == "none" else array("i") if kind in ("int", "opt_int")
+                             else array("d") if kind in ("float", "opt_float") else array("b") if kind == "bool" else [])
             self.masks.append(array("b") if kind.startswith("opt_") else None)
 
     def append(self, ev) -> None:
+        self.rows += 1
         for i, v in enumerate(msgspec.structs.astuple(ev)):
-            mask = self.masks[i]
             col = self.cols[i]
+            if col is None:  # a field not kept
+                continue
+            mask = self.masks[i]
             if mask is not None and type(col) is array:
                 mask.append(v is not None)
                 v = 0 if v is None else v
@@ -99,8 +107,8 @@ class _Table:
 
     def copy(self) -> "_Table":
         out = _Table.__new__(_Table)
-        out.fields, out.kinds = self.fields, list(self.kinds)
-        out.cols = [array(c.typecode, c) if type(c) is array else list(c) for c in self.cols]
+        out.fields, out.kinds, out.rows = self.fields, list(self.kinds), self.rows
+        out.cols = [array(c.typecode, c) if type(c) is array else None if c is None else list(c) for c in self.cols]
         out.masks = [None if m is None else array("b", m) for m in self.masks]
         return out
 
@@ -111,6 +119,9 @@ class _Table:
 
         data = {}
         for name, kind, col, mask in zip(self.fields, self.kinds, self.cols, self.masks):
+            if col is None:
+                data[name] = np.full(self.rows, None, dtype=object)
+                continue
             if type(col) is not array:
                 data[name] = pd.Series(col, dtype=None if col else "object")
                 continue
