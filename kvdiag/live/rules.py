@@ -14,7 +14,6 @@ vLLM-shaped stream (``benchmarks/bench_top.py --rss --with-rules``).
 
 from __future__ import annotations
 
-import sys
 import time
 import typing
 from array import array
@@ -51,10 +50,45 @@ def _column_kind(tp) -> str:
 _DTYPES = {"i": "int32", "q": "int64", "d": "float64", "b": "int8"}
 
 
+class _Strings:
+    """A column of strings as UTF-8 bytes end to end, with each one's end offset: no Python
+    object per row (a request id kept as a str costs ~60 bytes and pins the allocator's
+    arenas between rule runs). ``append`` raises TypeError for a non-str (the table then
+    keeps that column as a list)."""
+
+    __slots__ = ("data", "ends")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.ends = array("q")
+
+    def append(self, value: str) -> None:
+        if type(value) is not str:
+            raise TypeError("not a str")
+        self.data += value.encode()
+        self.ends.append(len(self.data))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def tolist(self) -> list[str]:
+        data, out, start = bytes(self.data), [], 0
+        for end in self.ends:
+            out.append(data[start:end].decode())
+            start = end
+        return out
+
+    def copy(self) -> "_Strings":
+        out = _Strings()
+        out.data, out.ends = bytearray(self.data), array("q", self.ends)
+        return out
+
+
 class _Table:
     """One event type's rows, column by column: numbers in typed arrays (ints 32-bit until a
-    value needs 64; ``opt_*``: values and a presence mask), strings interned in lists; a value that does not fit its column's type
-    (a malformed event) turns that column into a list."""
+    value needs 64; ``opt_*``: values and a presence mask), strings as bytes (:class:`_Strings`);
+    a value that does not fit its column's type (a malformed event) turns that column into a
+    list."""
 
     def __init__(self, cls: type) -> None:
         self.fields = s.fields_of(cls)
@@ -66,7 +100,8 @@ class _Table:
         self.masks: list = []
         for kind in self.kinds:
             self.cols.append(None if kind == "none" else array("i") if kind in ("int", "opt_int")
-                             else array("d") if kind in ("float", "opt_float") else array("b") if kind == "bool" else [])
+                             else array("d") if kind in ("float", "opt_float") else array("b") if kind == "bool"
+                             else _Strings() if kind == "str" else [])
             self.masks.append(array("b") if kind.startswith("opt_") else None)
 
     def append(self, ev) -> None:
@@ -79,8 +114,6 @@ class _Table:
             if mask is not None and type(col) is array:
                 mask.append(v is not None)
                 v = 0 if v is None else v
-            elif type(v) is str:
-                v = sys.intern(v)
             try:
                 col.append(v)
             except OverflowError:  # int32 until a value needs 64 bits
@@ -108,7 +141,8 @@ class _Table:
     def copy(self) -> "_Table":
         out = _Table.__new__(_Table)
         out.fields, out.kinds, out.rows = self.fields, list(self.kinds), self.rows
-        out.cols = [array(c.typecode, c) if type(c) is array else None if c is None else list(c) for c in self.cols]
+        out.cols = [array(c.typecode, c) if type(c) is array else None if c is None
+                    else c.copy() if type(c) is _Strings else list(c) for c in self.cols]
         out.masks = [None if m is None else array("b", m) for m in self.masks]
         return out
 
@@ -121,6 +155,9 @@ class _Table:
         for name, kind, col, mask in zip(self.fields, self.kinds, self.cols, self.masks):
             if col is None:
                 data[name] = np.full(self.rows, None, dtype=object)
+                continue
+            if type(col) is _Strings:
+                data[name] = np.array(col.tolist(), dtype=object)
                 continue
             if type(col) is not array:
                 data[name] = pd.Series(col, dtype=None if col else "object")
