@@ -71,10 +71,14 @@ class _Strings:
     def __len__(self) -> int:
         return len(self.ends)
 
-    def tolist(self) -> list[str]:
+    def tolist(self, shared: Optional[dict] = None) -> list[str]:
+        """The strings; ``shared``: one str object per distinct value across the columns
+        decoded with the same dict (a request id appears in four tables)."""
         data, out, start = bytes(self.data), [], 0
+        shared = {} if shared is None else shared
         for end in self.ends:
-            out.append(data[start:end].decode())
+            value = data[start:end].decode()
+            out.append(shared.setdefault(value, value))
             start = end
         return out
 
@@ -146,9 +150,10 @@ class _Table:
         out.masks = [None if m is None else array("b", m) for m in self.masks]
         return out
 
-    def frame(self, node: str):
+    def frame(self, node: str, shared: Optional[dict] = None):
         """The rows as the doctor's frame (the dtypes pandas gives the same rows read from a
-        log: int64 without None, float64 with NaN for a None among numbers, object if all None)."""
+        log: int64 without None, float64 with NaN for a None among numbers, object if all None);
+        ``shared``: see :meth:`_Strings.tolist`."""
         import pandas as pd
 
         data = {}
@@ -157,7 +162,7 @@ class _Table:
                 data[name] = np.full(self.rows, None, dtype=object)
                 continue
             if type(col) is _Strings:
-                data[name] = np.array(col.tolist(), dtype=object)
+                data[name] = np.array(col.tolist(shared), dtype=object)
                 continue
             if type(col) is not array:
                 data[name] = pd.Series(col, dtype=None if col else "object")
@@ -250,7 +255,8 @@ class LiveRules:
     def _logs(header: Optional[s.LogHeader], inputs: RuleInputs) -> logs.Logs:
         node = (header.node or header.host) if header else ""
         node = node or "live"
-        frames = {tag: table.frame(node) for tag, table in inputs.tables.items()}
+        shared: dict = {}
+        frames = {tag: table.frame(node, shared) for tag, table in inputs.tables.items()}
         derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node)
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
         return logs.Logs(headers={node: hdr}, frames=frames, derived=derived)
