@@ -135,7 +135,7 @@ def test_attach_outside_view_then_quit_leaves_target_running():
 
     ballast = 50_000_000
     target = subprocess.Popen([sys.executable, "-c", f"import time; x = b'x' * {ballast}; time.sleep(120)"])
-    tmux = _tmux_top(["--pid", str(target.pid)], "attach-outside")
+    tmux = _tmux_top(["--pid", str(target.pid), "--any-process"], "attach-outside")
     try:
         screen = tmux.wait_for(r"host RSS\s+\d", timeout_s=60)
         # the title and the alert say this is the outside view of *this* pid, without an agent
