@@ -212,11 +212,13 @@ class MooncakeLine(msgspec.Struct):
 
 class TokensLine(msgspec.Struct):
     """One token-id request: ``timestamp`` in seconds (optional), ``token_ids``, optional
-    ``extra_keys`` (any JSON, hashed into the first block's key)."""
+    ``extra_keys`` (any JSON, hashed into the first block's key) and ``output_tokens`` (the
+    planner's output length)."""
 
     token_ids: list[Count]
     timestamp: Optional[Seconds] = None
     extra_keys: Optional[list] = None
+    output_tokens: Optional[Count] = None
 
 
 _MOONCAKE = msgspec.json.Decoder(MooncakeLine)
@@ -301,11 +303,20 @@ def _mooncake_records(path: Path, opts: ReadOptions) -> Iterator[RequestRecord]:
                             int(req.timestamp * 1_000_000))
 
 
+def token_lines(path: Path, block_size_tokens: int, hash_algorithm: str = "fast",
+                read: Optional[ReadOptions] = None) -> Iterator[tuple[int, TokensLine, np.ndarray]]:
+    """The one reader of token-id traces: (line number, request, chained keys of its full
+    blocks, ``extra_keys`` hashed into the first) for each readable line. ``replay`` and
+    ``plan`` both key requests through it, so one trace is keyed the same by both."""
+    for lineno, req in decoded_lines(path, _tokens_line, read or ReadOptions()):
+        yield lineno, req, chunk_hashes(req.token_ids, block_size_tokens,
+                                        extra_keys=tuple(req.extra_keys or ()),
+                                        algorithm=hash_algorithm)
+
+
 def _token_records(path: Path, block_size_tokens: int, hash_algorithm: str,
                    opts: ReadOptions) -> Iterator[RequestRecord]:
-    for _, req in decoded_lines(path, _tokens_line, opts):
-        keys = chunk_hashes(req.token_ids, block_size_tokens,
-                            extra_keys=tuple(req.extra_keys or ()), algorithm=hash_algorithm)
+    for _, req, keys in token_lines(path, block_size_tokens, hash_algorithm, opts):
         ts = req.timestamp
         yield RequestRecord(keys, len(req.token_ids), -1 if ts is None else int(ts * 1e9))
 
