@@ -57,11 +57,10 @@ import pandas as pd
 from kvdiag.analysis import _simkernels as K
 from kvdiag.analysis.sharing import _request_chunks, simulate
 from kvdiag.analysis.traces import Trace
+from kvdiag.units import BYTE_UNITS
 
 WRITE_MODES = ("back", "through")
 _CHUNK_REFS = 1 << 16
-_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def _amount(text: str, what: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b|b)?", text.strip().lower())
     if not m:
         raise ValueError(f"expected {what}, got {text!r}")
-    return float(m.group(1)) * (_BYTES[m.group(2)] if m.group(2) else 1)
+    return float(m.group(1)) * (BYTE_UNITS[m.group(2)] if m.group(2) else 1)
 
 
 def parse_tiers(spec: str) -> list[Tier]:

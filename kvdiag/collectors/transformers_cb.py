@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 
 from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
 from kvdiag.schema import (
+    MASK63,
     elapsed_ns,
     BlockAllocated,
     BlockHash,
@@ -67,14 +68,13 @@ from kvdiag.schema import (
 from kvdiag.sinks import Sink
 
 COLLECTOR = "transformers-cb"
-_MASK63 = (1 << 63) - 1
 
 
 def fold_hash(block_hash: Optional[int]) -> Optional[int]:
     """The engine's 64-bit blake2b block hash folded to 63 bits (fits an int64 column)."""
     if block_hash is None:
         return None
-    return (block_hash ^ (block_hash >> 63)) & _MASK63
+    return (block_hash ^ (block_hash >> 63)) & MASK63
 
 
 def _engine_classes() -> dict[str, type]:
