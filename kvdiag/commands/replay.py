@@ -11,6 +11,7 @@ import sys
 from typing import Optional
 
 from kvdiag.commands._logs import add_input_arguments, skipped_lines, tell_skipped
+from kvdiag.hit_rate import engine_token_hit_rate
 from kvdiag.units import BYTE_UNITS, format_bytes
 
 DESCRIPTION = """\
@@ -296,7 +297,8 @@ def _replay_loaded(args, fmt, policies, caps, read):
     engine = None
     if trace.engine_cached_tokens is not None:
         known = trace.engine_cached_tokens >= 0
-        engine = trace.engine_cached_tokens[known].sum() / max(trace.prompt_tokens[known].sum(), 1)
+        engine = engine_token_hit_rate(int(trace.prompt_tokens[known].sum()),
+                                       int(trace.engine_cached_tokens[known].sum())) or 0.0
     info = {"source": trace.source, "format": trace.format, "requests": trace.requests,
             "block_refs": trace.block_refs, "distinct_blocks": trace.num_blocks,
             "block_size_tokens": trace.block_size_tokens,
