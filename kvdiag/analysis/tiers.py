@@ -292,8 +292,7 @@ class TieredResult:
 class TierSim:
     """A stack of LRU tiers fed request batches in order (block ids may grow between calls)."""
 
-    def __init__(self, tiers: Sequence[Tier], write: str = "back", num_blocks: int = 1,
-                 generic: bool = False) -> None:
+    def __init__(self, tiers: Sequence[Tier], write: str = "back", num_blocks: int = 1) -> None:
         if write not in WRITE_MODES:
             raise ValueError(f"unknown write mode {write!r}; expected back or through")
         if not tiers:
@@ -307,7 +306,6 @@ class TierSim:
                 raise ValueError(f"tier {t.name}: capacity must be >= 0 blocks")
         self.tiers = list(tiers)
         self.write = write
-        self.generic = generic  # the any-number-of-tiers kernel even for <= 3 tiers (tests)
         self.caps = np.array([-1 if t.capacity_blocks is None else t.capacity_blocks
                               for t in tiers], np.int64)
         self.state = K.new_tier_state(len(tiers), num_blocks)
@@ -333,8 +331,7 @@ class TierSim:
         if len(block_ids):
             self._grow(int(block_ids[offsets[r_begin]:offsets[r_end]].max(initial=0)) + 1)
         st = self.state
-        kernel = K.run_tiers3 if len(self.tiers) <= 3 and not self.generic else K.run_tiers
-        kernel(len(self.tiers), self.caps, self.write == "through", block_ids, offsets,
+        K.run_tiers(len(self.tiers), self.caps, self.write == "through", block_ids, offsets,
                     block_tokens, counted, r_begin, r_end, st["mask"], st["prev"], st["nxt"],
                     st["heads"], st["tails"], st["sizes"], st["counters"], hits_out, tier_hits,
                     tier_tokens)
@@ -354,15 +351,14 @@ def trace_span_s(trace: Trace) -> Optional[float]:
 def simulate_tiers(trace: Trace, tiers: Sequence[Tier], write: str = "back", *,
                    bytes_per_token: Optional[int] = None,
                    prefill_s_per_token: Optional[float] = None, prefill_source: str = "given",
-                   compare_top_alone: bool = True, generic: bool = False,
+                   compare_top_alone: bool = True,
                    progress: Optional[Callable[[int], None]] = None) -> TieredResult:
-    """Replay ``trace`` through the tier stack ``tiers`` (top first; module docstring).
-    Up to 3 tiers run in a kernel specialised for them; ``generic`` forces the kernel for any
-    number of tiers (the tests compare the two)."""
+    """Replay ``trace`` through the tier stack ``tiers`` (top first; module docstring), any
+    number of tiers up to ``MAX_TIERS`` in one kernel (:func:`_simkernels.run_tiers`)."""
     bpt = bytes_per_token or trace.bytes_per_token
     block_bytes = bpt * trace.block_size_tokens if bpt else None
     tiers = [t.resolved(block_bytes) for t in tiers]
-    sim = TierSim(tiers, write, trace.num_blocks, generic)
+    sim = TierSim(tiers, write, trace.num_blocks)
     rows = trace.rows
     hits = np.zeros(rows, np.int64)
     tier_hits = np.zeros((rows, len(tiers)), np.int64)
