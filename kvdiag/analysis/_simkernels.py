@@ -73,6 +73,20 @@ def grow_state(state: dict, num_blocks: int) -> dict:
 # head = most recently inserted, tail = oldest
 
 
+def leading_held(ids, s, e, held) -> int:
+    """The prefix scan: how many of ``ids[s:e]`` in a row, from ``s``, are held
+    (``held[id]`` true), stopping at the first miss. One definition for the compiled
+    kernels (:data:`leading_held_jit`) and the Python reference loop."""
+    h = 0
+    while s + h < e and held[ids[s + h]]:
+        h += 1
+    return h
+
+
+leading_held_jit = njit(cache=True, inline="always")(leading_held)
+""":func:`leading_held` compiled, for use inside kernels."""
+
+
 @njit(cache=True, inline="always")
 def _push_head(lst, x, prev, nxt, heads, tails, sizes):
     h = heads[lst]
@@ -610,9 +624,7 @@ def run_tiers(num_tiers, caps, write_through, ids, offsets, block_tokens, counte
     for r in range(r_begin, r_end):
         s = offsets[r]
         e = offsets[r + 1]
-        h = 0
-        while s + h < e and mask[ids[s + h]] != 0:
-            h += 1
+        h = leading_held_jit(ids, s, e, mask)
         hits_out[r] = h
         hit_end = s + h if counted[r] else s
         for i in range(s, e):
