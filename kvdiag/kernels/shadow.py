@@ -35,8 +35,11 @@ head's query heads, O = p V; ``encode_ns``/``decode_ns`` = the layer's encode/de
 divided by the number of kv heads. Locality of the exact probabilities (last query) is emitted
 as :class:`ShadowLocality` events when ``locality`` is on.
 
-Exceptions inside shadow work are caught per method and layer, counted in ``errors`` and
-emitted as :class:`CollectorError` (``collector="shadow:<method>"``); they never propagate.
+Exceptions inside shadow work are caught per method and layer and handled by the one error
+policy of :mod:`kvdiag.hooks`: every one counted in ``errors``, the first of each (place,
+exception type) emitted as :class:`~kvdiag.schema.CollectorError`
+(``collector="shadow:<method>"``), each place's total at :meth:`ShadowRunner.close`; they never
+propagate.
 Live tensors are only read (cloned) and never written.
 """
 
@@ -54,7 +57,8 @@ import torch
 
 from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
-from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression
+from kvdiag.hooks import HookErrors
+from kvdiag.schema import ShadowBudget, ShadowCompression
 from kvdiag.sinks import NullSink, Sink
 
 LayersKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -113,7 +117,8 @@ class ShadowRunner:
                  max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
                  cpu_clock: Optional[CpuClock] = None, background: bool = False,
                  layers_per_run: Optional[int] = None) -> None:
-        self.sink = sink
+        # the one error policy of code run inside an engine (kvdiag.hooks): errors per place
+        self.error_policy = HookErrors(sink)
         if isinstance(methods, str):
             self.methods = parse_methods(methods)
         else:
@@ -142,7 +147,6 @@ class ShadowRunner:
         self.skipped_budget = 0
         self.offered = 0  # should_sample calls: decode steps offered for sampling
         self.sampled = 0
-        self.errors: Counter[str] = Counter()
         self.dropped = 0  # sampled steps not measured because the worker was still busy
         self._lock = threading.Lock()
         self._queue: Optional[queue.Queue] = queue.Queue(maxsize=1) if background else None
@@ -150,6 +154,20 @@ class ShadowRunner:
         if background:
             self._thread = threading.Thread(target=self._work, name="kvdiag-shadow", daemon=True)
             self._thread.start()
+
+    @property
+    def sink(self) -> Sink:
+        return self.error_policy.sink
+
+    @sink.setter
+    def sink(self, sink: Sink) -> None:
+        self.error_policy.sink = sink
+
+    @property
+    def errors(self) -> Counter[str]:
+        """Errors per place (``shadow``, ``shadow:<method>``, ``shadow:warm-up``), every one
+        counted."""
+        return self.error_policy.errors
 
     # ------------------------------------------------------------ sampling
 
@@ -279,6 +297,7 @@ class ShadowRunner:
             self._thread = None
         if self.offered:
             self.report_budget()
+        self.error_policy.report_totals()
 
     # ------------------------------------------------------------ measurement
 
@@ -376,14 +395,9 @@ class ShadowRunner:
                 encode_ns=enc_ns, decode_ns=dec_ns))
 
     def _error(self, collector: str, exc: Exception) -> None:
-        with self._lock:
-            self.errors[collector] += 1
-            count = self.errors[collector]
-        try:
-            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=collector,
-                                            message=f"{type(exc).__name__}: {exc}"[:500], count=count))
-        except Exception:
-            pass
+        """:class:`kvdiag.hooks.HookErrors`: counted, the first of each (place, type) reported,
+        each place's total at :meth:`close`; never raised."""
+        self.error_policy.failed(collector, exc)
 
 
 def _rel_err(x: torch.Tensor, x_hat: torch.Tensor, dims) -> torch.Tensor:
