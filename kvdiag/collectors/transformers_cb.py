@@ -121,8 +121,10 @@ class TransformersCBAdapter:
     """Turns the engine's cache and scheduling calls into schema events sent to ``sink``."""
 
     def __init__(self, sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
-                 record_token_ids: bool = False, content_salt: Optional[str] = None) -> None:
+                 record_token_ids: bool = False, content_salt: Optional[str] = None,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.sink = sink
+        self.clock_ns = clock_ns  # wall-clock ns of every event (tests inject one)
         self.sample_interval_ns = int(sample_interval_s * 1e9)
         self.inject_leak_every = inject_leak_every
         self.record_token_ids = record_token_ids
@@ -130,7 +132,7 @@ class TransformersCBAdapter:
         self.content_salt = None if record_token_ids else content_salt
         self.leaked_requests: list[str] = []
         # the one error policy of engine adapters (kvdiag.hooks): errors per hook
-        self.error_policy = HookErrors(sink, COLLECTOR)
+        self.error_policy = HookErrors(sink, COLLECTOR, clock_ns=clock_ns)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._methods = MethodHooks(self.error_policy)
@@ -203,7 +205,7 @@ class TransformersCBAdapter:
         """Emit a ``KVPoolSample`` of the last engine seen (e.g. before the log closes)."""
         processor = self._processor_ref() if self._processor_ref is not None else None
         if processor is not None:
-            self._sample(processor, time.time_ns())
+            self._sample(processor, self.clock_ns())
 
     # ------------------------------------------------------------------ event builders
 
@@ -213,7 +215,7 @@ class TransformersCBAdapter:
         allocators = list(cache.cache_allocators.values())
         first = allocators[0]
         self._emit(KVPoolInfo(
-            ts_ns=time.time_ns(),
+            ts_ns=self.clock_ns(),
             num_blocks=int(cache.num_blocks),
             block_size_tokens=int(first.tokens_per_page),
             block_bytes=int(sum(a.bytes_per_block for a in allocators)),
@@ -237,13 +239,13 @@ class TransformersCBAdapter:
             partial_tokens=None if salt is None else len(token_ids) % CONTENT_CHUNK_TOKENS))
 
     def _on_scheduled(self, request_id: str) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         req = self._request(request_id)
         self._emit(RequestScheduled(ts_ns=now, request_id=request_id,
                                     queue_ns=None if req is None else elapsed_ns(req.arrived_ns, now)))
 
     def _on_first_token(self, request_id: str) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         req = self._request(request_id)
         if req is None or req.first_token_ns is not None:  # a preempted request starts over
             return
@@ -251,7 +253,7 @@ class TransformersCBAdapter:
         self._emit(RequestFirstToken(ts_ns=now, request_id=request_id, ttft_ns=elapsed_ns(req.arrived_ns, now)))
 
     def _on_finished(self, request_id: str, state, status: str) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         with self._lock:
             req = self._requests.pop(request_id, None)
         prompt = req.prompt_tokens if req is not None else len(getattr(state, "initial_tokens", ()) or ())
@@ -271,7 +273,7 @@ class TransformersCBAdapter:
         table = allocator.block_table.get(request_id)
         if table is None:
             return
-        now = time.time_ns()
+        now = self.clock_ns()
         ledger = allocator.ledger
         page = allocator.tokens_per_page
         for i in range(len(before)):
@@ -304,7 +306,7 @@ class TransformersCBAdapter:
             parent = block_hash
 
     def _on_freed(self, allocator, request_id: str, held: list, no_cache: bool) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         block_to_hash = allocator.ledger.block_to_hash
         free = self._free_blocks_of(allocator)
         if no_cache:
@@ -401,7 +403,7 @@ def _hook_acquire_prefix_blocks(adapter: TransformersCBAdapter, methods: MethodH
                                 name: str) -> None:
     """``CacheAllocator.acquire_prefix_blocks``: one ``PrefixHit`` per reused block."""
     def after(_note, _result, allocator, request_id, prefix_len, block_ids):
-        now = time.time_ns()
+        now = adapter.clock_ns()
         block_to_hash = allocator.ledger.block_to_hash
         page = allocator.tokens_per_page
         for block_id in allocator.block_table.get(request_id, ()):
@@ -454,7 +456,7 @@ def _hook_allocate(adapter: TransformersCBAdapter, methods: MethodHooks, cls: ty
     def after(start, _result, allocator, request_id, past_length, query_length):
         table = allocator.block_table.get(request_id)
         if table is not None and len(table) > start:
-            now = time.time_ns()
+            now = adapter.clock_ns()
             free = adapter._free_blocks_of(allocator)
             fresh = table[start:]
             for i, block_id in enumerate(fresh):
@@ -469,7 +471,7 @@ def _hook_evict(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
         return {block_id: ledger.block_to_hash.get(block_id) for block_id in ledger.cached_blocks}
 
     def after(hashes, evicted, _ledger):
-        now = time.time_ns()
+        now = adapter.clock_ns()
         for block_id in evicted:
             adapter._emit(BlockEvicted(ts_ns=now, block_id=block_id,
                                        block_hash=fold_hash(hashes.get(block_id))))
@@ -552,7 +554,7 @@ def _hook_generation_step(adapter: TransformersCBAdapter, methods: MethodHooks, 
     """``ContinuousBatchProcessor._generation_step``: ``EngineStep`` (wall time of forward and
     sampling, perf_counter ns) and a periodic ``KVPoolSample``."""
     def before(processor, model):
-        return time.time_ns(), time.perf_counter_ns()
+        return adapter.clock_ns(), time.perf_counter_ns()
 
     def after(note, _result, processor, model):
         duration_ns = time.perf_counter_ns() - note[1]
@@ -565,7 +567,7 @@ def _hook_add_request(adapter: TransformersCBAdapter, methods: MethodHooks, cls:
     """``ContinuousBatchingManager.add_request``: ``RequestArrived`` (before the engine sees it
     when the caller names the request), or ``RequestFinished(status="failed")`` if refused."""
     def before(manager, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
-        now = time.time_ns()
+        now = adapter.clock_ns()
         if request_id is not None:
             adapter._on_arrived(request_id, input_ids, max_new_tokens, now)
         return now
@@ -602,14 +604,15 @@ _ACTIVE: Optional[TransformersCBAdapter] = None
 
 
 def install(sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
-            record_token_ids: bool = False, content_salt: Optional[str] = None) -> TransformersCBAdapter:
+            record_token_ids: bool = False, content_salt: Optional[str] = None,
+            clock_ns: Callable[[], int] = time.time_ns) -> TransformersCBAdapter:
     """Install a new adapter that sends events to ``sink``; returns it (call ``.uninstall()``).
     Prompts are recorded as token ids with ``record_token_ids``, else as chunk hashes salted
-    with ``content_salt`` (None: not at all)."""
+    with ``content_salt`` (None: not at all). ``clock_ns``: the events' wall clock."""
     return TransformersCBAdapter(sink, sample_interval_s=sample_interval_s,
                                  inject_leak_every=inject_leak_every,
                                  record_token_ids=record_token_ids,
-                                 content_salt=content_salt).install()
+                                 content_salt=content_salt, clock_ns=clock_ns).install()
 
 
 def installed_adapter() -> Optional[TransformersCBAdapter]:
