@@ -119,6 +119,26 @@ class HookErrors:
                 self.errors["sink"] += 1
 
 
+class UsesHookErrors:
+    """Mixin for an adapter that keeps its errors in ``self.error_policy`` (a
+    :class:`HookErrors`): its ``sink`` is the policy's (set it to redirect both) and
+    ``errors`` counts every error per place."""
+
+    error_policy: HookErrors
+
+    @property
+    def sink(self) -> Sink:
+        return self.error_policy.sink
+
+    @sink.setter
+    def sink(self, sink: Sink) -> None:
+        self.error_policy.sink = sink
+
+    @property
+    def errors(self) -> Counter[str]:
+        return self.error_policy.errors
+
+
 def missing_parameters(method: Any, params: tuple[str, ...]) -> Optional[list[str]]:
     """The names in ``params`` that ``method``'s signature lacks (None: no signature to read,
     e.g. a builtin, which then counts as lacking them all)."""

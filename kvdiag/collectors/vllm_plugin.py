@@ -72,10 +72,9 @@ import atexit
 import os
 import threading
 import time
-from collections import Counter
 from typing import Any, Callable, Optional
 
-from kvdiag.hooks import HookErrors, MethodHooks, step_phase
+from kvdiag.hooks import HookErrors, MethodHooks, UsesHookErrors, step_phase
 from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
 from kvdiag.prefix_cache import fold_block_hash
 from kvdiag.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored,
@@ -109,7 +108,7 @@ def fold_hash(key: Any) -> Optional[int]:
 # ------------------------------------------------------------------------------ hook plumbing
 
 
-class _Hooks:
+class _Hooks(UsesHookErrors):
     """The wrapped methods, the sink they record into, and their error counts."""
 
     def __init__(self) -> None:
@@ -135,19 +134,6 @@ class _Hooks:
         self.sample_lock = threading.Lock()  # the step's sample and the idle thread's, one at a time
         self.idle_stop = threading.Event()
         self.idle_thread: Optional[threading.Thread] = None
-
-    @property
-    def sink(self) -> Sink:
-        return self.error_policy.sink
-
-    @sink.setter
-    def sink(self, sink: Sink) -> None:
-        self.error_policy.sink = sink
-
-    @property
-    def errors(self) -> Counter[str]:
-        """Errors per hook (every one counted)."""
-        return self.error_policy.errors
 
     @property
     def skipped(self) -> dict[str, str]:

@@ -49,12 +49,11 @@ import queue
 from collections.abc import Sequence as SequenceABC
 import threading
 import time
-from collections import Counter
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from kvdiag.hooks import HookErrors
+from kvdiag.hooks import HookErrors, UsesHookErrors
 from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
 from kvdiag.kernels.shadow_budget import Budget
@@ -108,7 +107,7 @@ def _budget_attr(name: str, doc: str) -> property:
                     lambda self, value: setattr(self.budget, name, value), doc=doc)
 
 
-class ShadowRunner:
+class ShadowRunner(UsesHookErrors):
     """See the module docstring. ``scaling``: softmax scale (head_dim ** -0.5 when None)."""
 
     def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
@@ -149,20 +148,6 @@ class ShadowRunner:
     engine_step_ns = _budget_attr("engine_step_ns", "Moving average of the engine CPU per offered step, ns.")
     offered = _budget_attr("offered", "Steps offered for sampling (should_sample calls).")
     skipped_budget = _budget_attr("skipped_budget", "Steps drawn but skipped by the budget guard.")
-
-    @property
-    def sink(self) -> Sink:
-        return self.error_policy.sink
-
-    @sink.setter
-    def sink(self, sink: Sink) -> None:
-        self.error_policy.sink = sink
-
-    @property
-    def errors(self) -> Counter[str]:
-        """Errors per place (``shadow``, ``shadow:<method>``, ``shadow:warm-up``), every one
-        counted."""
-        return self.error_policy.errors
 
     # ------------------------------------------------------------ sampling
 
