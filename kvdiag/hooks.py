@@ -7,8 +7,9 @@ shadow runner's measurements) follows one error policy, :class:`HookErrors`:
 - the first error of each (where, exception type) is reported at once, as one
   ``CollectorError`` (``collector = "<adapter>:<where>"``, ``count`` 1); later ones of the same
   pair only count (a hook that fails on every step must not flood the log);
-- :meth:`HookErrors.report_totals` (at uninstall or close) reports each place that failed
-  more than once with its total (``count``);
+- :meth:`HookErrors.report_totals` (at uninstall or close) reports, for each place that
+  failed more than once, the errors not reported yet (``count``): the ``count`` of a place's
+  ``CollectorError`` events add up to its errors, as the live view and the exporter sum them;
 - nothing is ever raised into the engine: neither the hook's error nor a failing sink's.
 
 :class:`MethodHooks` wraps methods (``before`` may take a note, the engine's method runs
@@ -57,6 +58,7 @@ class HookErrors:
         self.clock_ns = clock_ns
         self.errors: Counter[str] = Counter()
         self._reported: set[tuple[str, str]] = set()
+        self._told: Counter[str] = Counter()  # errors per place that reports counted already
         self._lock = threading.Lock()
 
     @property
@@ -74,6 +76,8 @@ class HookErrors:
             self.errors[where] += 1
             first = (where, kind) not in self._reported
             self._reported.add((where, kind))
+            if first:
+                self._told[where] += 1
         if not first:
             return
         message = f"{kind}: {exc}"[:MESSAGE_CHARS]
@@ -104,12 +108,16 @@ class HookErrors:
             return False
 
     def report_totals(self) -> None:
-        """One ``CollectorError`` per place that failed more than once, with its total."""
+        """One ``CollectorError`` per place with errors not reported yet, ``count`` = those
+        (so a place's events sum to its errors); the message gives the total."""
         with self._lock:
-            totals = [(where, n) for where, n in self.errors.items() if n > 1 and where != "sink"]
-        for where, n in totals:
+            rest = [(where, n, n - self._told[where]) for where, n in self.errors.items()
+                    if where != "sink" and n > self._told[where]]
+            for where, n, _ in rest:
+                self._told[where] = n
+        for where, n, more in rest:
             self._record(CollectorError(ts_ns=self.clock_ns(), collector=self.collector_of(where),
-                                        message=f"{n} errors in all", count=n))
+                                        message=f"{n} errors in all", count=more))
 
     def _record(self, event: Any) -> None:
         try:
