@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple, Optional, Protocol
 import msgspec
 
 from kvdiag.agent_socket import LiveSocketSink
+from kvdiag.kv_shape import kv_bytes_per_token
 from kvdiag.sinks import FanoutSink, Sink
 
 __all__ = ["Agent", "LiveSocketSink", "current", "start", "stop"]
@@ -57,7 +58,7 @@ class KVShape(NamedTuple):
     @property
     def fp32_bytes_per_token(self) -> int:
         """KV bytes of one token over all layers, K and V, in fp32 (as the model runs on the CPU)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * 4
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, "fp32")
 
 
 def _config_path(model: str) -> Optional[Path]:

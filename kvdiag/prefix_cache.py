@@ -17,10 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Literal, Optional
 
-from kvdiag.schema import (INT64_MAX, BlockHash, Event, PrefixCacheCleared, PrefixCacheRemoved,
-                           PrefixCacheStored)
-
-MASK63 = (1 << 63) - 1
+from kvdiag.schema import (INT64_MAX, MASK63, BlockHash, Event, PrefixCacheCleared,
+                           PrefixCacheRemoved, PrefixCacheStored)
 
 VLLM_KV_EVENTS_COLLECTOR = "vllm-kv-events"
 """``collector`` of the subscriber's health events; its ``CollectorGap.dropped_events`` counts

@@ -36,6 +36,8 @@ SCHEMA_VERSION = "1.7"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineM
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
+MASK63 = INT64_MAX
+"""The fold mask: a 64-bit hash's low 63 bits, so that every key fits a non-negative int64."""
 Int64 = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
 """An integer that fits an int64 column (device indices, temperatures)."""
 Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]

@@ -42,6 +42,7 @@ def _leak_run() -> tuple[str, tuple[str, ...]]:
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
+    from kvdiag.analysis.rules import RELEASE_GRACE_NS
     from kvdiag.collectors import transformers_cb as tcb
     from kvdiag.eventlog import LogWriter, make_header
     from kvdiag.model import ensure_model
@@ -53,8 +54,13 @@ def _leak_run() -> tuple[str, tuple[str, ...]]:
     path = _dir() / "leak.jsonl"
     header = make_header(engine="transformers-cb", model=str(model_dir), block_size_tokens=page,
                          bytes_per_token=46080, node="leak-run")
+    skew_ns = [0]  # the events' clock runs this far ahead of the wall clock
+
+    def clock_ns() -> int:
+        return time.time_ns() + skew_ns[0]
+
     with LogWriter(path, header) as sink:
-        adapter = tcb.install(sink, sample_interval_s=0.05, inject_leak_every=2)
+        adapter = tcb.install(sink, sample_interval_s=0.05, inject_leak_every=2, clock_ns=clock_ns)
         try:
             manager = model.init_continuous_batching(
                 generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
@@ -65,8 +71,9 @@ def _leak_run() -> tuple[str, tuple[str, ...]]:
             for i in range(6):  # one at a time: every 2nd finished request leaks
                 manager.add_request(list(range(100 + i, 150 + i)), request_id=f"q{i}")
                 assert manager.get_result(f"q{i}", timeout=300) is not None
-            # the doctor judges requests finished more than its grace period before the end
-            time.sleep(6.0)
+            # the doctor judges requests finished more than its grace period before the end:
+            # the last sample is stamped a second past it, as if the engine had idled that long
+            skew_ns[0] = RELEASE_GRACE_NS + 1_000_000_000
             adapter.sample_now()
             manager.stop(block=True)
         finally:

@@ -157,8 +157,10 @@ def test_shadow_never_changes_the_generated_tokens(real):
     assert broken == off
     errors = [e for e in sink.events if isinstance(e, CollectorError) and e.collector.startswith("shadow:")]
     expected = len(shadow.samples) * model.config.num_hidden_layers
-    assert expected > 0 and sum(shadow.runner.errors.values()) == expected
-    assert len(errors) == expected and all("compressor exploded" in e.message for e in errors)
+    assert expected > 1 and sum(shadow.runner.errors.values()) == expected
+    # kvdiag.hooks' policy: the first error at once, the rest when the shadow is uninstalled
+    assert [(e.collector, e.count) for e in errors] == [("shadow:raising", 1), ("shadow:raising", expected - 1)]
+    assert "compressor exploded" in errors[0].message
 
 
 def test_shadow_flags_reach_the_agent_and_bad_ones_fail_in_one_line():

@@ -48,13 +48,14 @@ def test_agent_records_its_own_rss_and_growth(tmp_path):
     agent = Agent(log_path=str(log_path), live=False, sample_interval_s=0.05,
                   shadow_sharing=False).start()
     try:
-        time.sleep(0.4)
+        sampler = agent.host_sampler
+        assert sampler.wait_attempts(4, timeout_s=30)  # the start's sample and 3 more
         before_ns = time.time_ns()
         rss_before = _proc_kib("/proc/self/status", "VmRSS")
         leak = _touched(256 * MIB)
         rss_after = _proc_kib("/proc/self/status", "VmRSS")
         after_ns = time.time_ns()
-        time.sleep(0.4)
+        assert sampler.wait_attempts(4, timeout_s=30)  # one may have begun before after_ns
         rss_end = _proc_kib("/proc/self/status", "VmRSS")
         end_ns = time.time_ns()
     finally:
@@ -106,9 +107,9 @@ class _RaisingSink(ListSink):
 def test_sampler_never_raises_and_reports_errors_once():
     sink = ListSink()
     sampler = ProcessSampler(_Broken(), sink, interval_s=0.01).start()
-    time.sleep(0.1)
+    assert sampler.wait_attempts(3, timeout_s=30)
     sampler.stop()
-    assert sampler.error_count >= 3
+    assert sampler.error_count == sampler.attempts >= 4  # every sampling failed, none raised
     errors = [e for e in sink.events if isinstance(e, s.CollectorError)]
     assert len(errors) == 1 and errors[0].collector == "procfs" and "procfs went away" in errors[0].message
     # a sink that raises on a sample is counted too, and the sampler goes on
@@ -162,11 +163,11 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     try:
         model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cfg,
                              persistent_manager=True)
-        time.sleep(0.5)
+        assert agent.host_sampler.wait_attempts(3, timeout_s=60)  # samples before the leak
         leak = _touched(400 * MIB)  # a host leak while serving, after the first engine step
         model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cfg,
                              persistent_manager=True)
-        time.sleep(0.5)
+        assert agent.host_sampler.wait_attempts(3, timeout_s=60)  # and after it
     finally:
         agent.stop()
     del leak

@@ -361,3 +361,41 @@ def test_cli_pool_what_if_on_demo(capsys):
         assert got["headroom_blocks"] == headroom
         assert (got["requests_affected"] > 0) == (headroom > 0)
         assert got["pool_bytes"] == pool * 32 * 46080
+
+
+def _first_seen_labels(ids) -> list[int]:
+    """Each id replaced by the index of its first occurrence: equal labels = equal keys."""
+    first: dict = {}
+    return [first.setdefault(i, len(first)) for i in ids]
+
+
+def test_plan_and_replay_key_a_token_trace_with_extra_keys_identically(tmp_path):
+    """`plan` (workload.load_tokens) and `replay` (traces.load_tokens) read one token-id trace
+    through one reader: the same blocks get equal keys in both, and exactly the blocks whose
+    (extra_keys, token prefix) is equal, counted by brute force."""
+    from kvdiag.analysis import traces
+    from kvdiag.analysis import workload
+
+    block = 4
+    shared = list(range(1, 13))  # three full blocks
+    rows = [(shared, ["lora-a"]), (shared, ["lora-b"]), (shared, ["lora-a"]), (shared, None),
+            (shared[:8] + [99, 98, 97, 96, 5], None), (shared, ["lora-b"])]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": float(i), "token_ids": t, "output_tokens": 3,
+                                        **({"extra_keys": e} if e is not None else {})}) + "\n"
+                            for i, (t, e) in enumerate(rows)))
+
+    def brute(use_extra: bool) -> list:
+        return [(json.dumps(e) if use_extra else None, tuple(t[:(j + 1) * block]))
+                for t, e in rows for j in range(len(t) // block)]
+
+    want = _first_seen_labels(brute(True))
+    repeats = len(want) - len(set(want))
+    assert repeats == 8  # rows 2 and 5 repeat 0 and 1 (3 blocks each), row 4 two of row 3
+    assert repeats != len(brute(False)) - len(set(brute(False)))  # extra_keys matter here
+
+    planned = workload.load_tokens(path, block)
+    replayed = traces.load_tokens(path, block)
+    assert list(planned.prompt_keys.offsets) == list(replayed.offsets)
+    assert _first_seen_labels(planned.prompt_keys.key_ids.tolist()) == want
+    assert _first_seen_labels(replayed.block_ids.tolist()) == want

@@ -78,12 +78,37 @@ def test_tokens_per_joule_is_na_with_the_reason_without_energy(tmp_path):
     assert list(tbl["node"][2:]) == ["article: A100", "article: H100"]  # the reference rows
 
 
-def test_rapl_reader_on_this_machine_says_why_when_it_cannot_read():
-    status = RaplCollector().start()
+def test_rapl_reader_on_this_machine_reads_or_says_why():
+    """This machine's powercap: energy readings when it has readable zones, else the status
+    names the reason that holds here."""
+    collector = RaplCollector()
+    status = collector.start()
+    zones = sorted(collector.root.glob("*rapl:*")) if collector.root.is_dir() else []
     if status.available:
-        assert all(e.energy_uj >= 0 for e in RaplCollector().sample())
+        assert all(e.energy_uj >= 0 for e in collector.sample())
+    elif not collector.root.is_dir():
+        assert status.hint.startswith(f"no {collector.root} (no RAPL powercap here")
+    elif not zones:
+        assert status.hint == f"no RAPL zone under {collector.root}: host energy is N/A"
     else:
-        assert "N/A" in status.hint and ("powercap" in status.hint or "root" in status.hint)
+        assert status.hint.endswith(": host energy and CPU tokens per joule are N/A")
+
+
+@pytest.mark.parametrize("layout, hint", [
+    ("missing", "no {root} (no RAPL powercap here, e.g. a virtual machine): host energy and "
+                "CPU tokens per joule are N/A"),
+    ("empty", "no RAPL zone under {root}: host energy is N/A"),
+    ("unreadable", "no readable energy_uj under {root}: host energy and CPU tokens per joule "
+                   "are N/A")])
+def test_rapl_reader_says_why_it_cannot_read(tmp_path, layout, hint):
+    root = tmp_path / "powercap"
+    if layout != "missing":
+        root.mkdir()
+    if layout == "unreadable":
+        (root / "intel-rapl:0").mkdir()
+        (root / "intel-rapl:0" / "energy_uj").write_text("not a number\n")
+    status = RaplCollector(root).start()
+    assert not status.available and status.hint == hint.format(root=root)
 
 
 def test_rapl_reader_reads_top_level_zones(tmp_path):

@@ -30,8 +30,10 @@ def assert_same_as_reference(x: torch.Tensor, spec: QuantSpec) -> None:
         assert (a is None) == (b is None), name
         if a is not None:
             assert a.shape == b.shape, name
-            # integers (and fp8 codes) exactly; -0.0 vs 0.0 zeros compare equal as values
-            assert torch.equal(_bits(a), _bits(b)) or (name == "zero" and torch.equal(a, b)), name
+            if name == "zero":  # -0.0 vs 0.0 zero points compare equal as values
+                assert torch.equal(a, b), name
+            else:  # integers (and fp8 codes) bit for bit
+                assert torch.equal(_bits(a), _bits(b)), name
     assert fused.nbytes() == ref.nbytes()
     x_ref, x_fused = dequantize(ref, "torch"), dequantize(fused, "numba")
     assert x_fused.dtype == x_ref.dtype and torch.equal(x_fused, x_ref)

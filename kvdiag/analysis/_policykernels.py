@@ -26,7 +26,8 @@ import math
 import numpy as np
 from numba import njit
 
-from kvdiag.analysis._simkernels import _bin, _heap_pop, _heap_push, _heap_update, _sift_down, _sift_up
+from kvdiag.analysis._simkernels import (_bin, _heap_pop, _heap_push, _heap_update, _sift_down,
+                                        _sift_up, leading_held_jit)
 from kvdiag.paths import use_numba_cache_dir
 
 use_numba_cache_dir()
@@ -64,9 +65,7 @@ def run_prefix_lru(capacity, ids, offsets, num_blocks, hits_out, age_hist):
     clock = 0
     for r in range(len(offsets) - 1):
         s, e = offsets[r], offsets[r + 1]
-        h = 0
-        while s + h < e and cached[ids[s + h]]:
-            h += 1
+        h = leading_held_jit(ids, s, e, cached)
         hits_out[r] = h
         before = -1
         for i in range(s, e):
@@ -148,9 +147,7 @@ def run_lecar(capacity, ids, offsets, num_blocks, draws, learning_rate, discount
     draw = 0
     for r in range(len(offsets) - 1):
         s, e = offsets[r], offsets[r + 1]
-        h = 0
-        while s + h < e and cached[ids[s + h]]:
-            h += 1
+        h = leading_held_jit(ids, s, e, cached)
         hits_out[r] = h
         for i in range(s, e):
             x = ids[i]

@@ -73,6 +73,20 @@ def grow_state(state: dict, num_blocks: int) -> dict:
 # head = most recently inserted, tail = oldest
 
 
+def leading_held(ids, s, e, held) -> int:
+    """The prefix scan: how many of ``ids[s:e]`` in a row, from ``s``, are held
+    (``held[id]`` true), stopping at the first miss. One definition for the compiled
+    kernels (:data:`leading_held_jit`) and the Python reference loop."""
+    h = 0
+    while s + h < e and held[ids[s + h]]:
+        h += 1
+    return h
+
+
+leading_held_jit = njit(cache=True, inline="always")(leading_held)
+""":func:`leading_held` compiled, for use inside kernels."""
+
+
 @njit(cache=True, inline="always")
 def _push_head(lst, x, prev, nxt, heads, tails, sizes):
     h = heads[lst]
@@ -545,136 +559,18 @@ def new_tier_state(num_tiers: int, num_blocks: int) -> dict:
     }
 
 
-@njit(cache=True, inline="always")
-def _t_push(t, x, prev, nxt, heads, tails, sizes):
-    h = heads[t]
-    prev[t, x] = -1
-    nxt[t, x] = h
-    if h >= 0:
-        prev[t, h] = x
-    else:
-        tails[t] = x
-    heads[t] = x
-    sizes[t] += 1
-
-
-@njit(cache=True, inline="always")
-def _t_unlink(t, x, prev, nxt, heads, tails, sizes):
-    p = prev[t, x]
-    n = nxt[t, x]
-    if p >= 0:
-        nxt[t, p] = n
-    else:
-        heads[t] = n
-    if n >= 0:
-        prev[t, n] = p
-    else:
-        tails[t] = p
-    prev[t, x] = -1
-    nxt[t, x] = -1
-    sizes[t] -= 1
-
-
-@njit(cache=True, inline="always")
-def _t_place(t, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr):
-    """Put block ``x`` (not in tier ``t``) at the most recent end of tier ``t``; a full tier's
-    least recent block is evicted and demoted to the tier below unless that tier already holds
-    it, and so on down; the last tier's victim is dropped. A tier of capacity 0 evicts what it
-    gets at once."""
-    while True:
-        cap = caps[t]
-        victim = x
-        if cap != 0:
-            _t_push(t, x, prev, nxt, heads, tails, sizes)
-            mask[x] |= np.uint8(1 << t)
-            if cap < 0 or sizes[t] <= cap:
-                if sizes[t] > ctr[t, T_PEAK]:
-                    ctr[t, T_PEAK] = sizes[t]
-                return
-            victim = tails[t]
-            _t_unlink(t, victim, prev, nxt, heads, tails, sizes)
-            mask[victim] &= np.uint8(~(1 << t) & 0xFF)
-        ctr[t, T_EVICTED] += 1
-        if t == num_tiers - 1:
-            ctr[t, T_DROPPED] += 1
-            return
-        if mask[victim] & (1 << (t + 1)):
-            ctr[t, T_ALREADY] += 1
-            return
-        ctr[t, T_DEMOTED] += 1
-        x = victim
-        t += 1
-
-
-@njit(cache=True)
-def run_tiers(num_tiers, caps, write_through, ids, offsets, block_tokens, counted, r_begin, r_end,
-              mask, prev, nxt, heads, tails, sizes, ctr, hits_out, req_hit_blocks,
-              req_hit_tokens):
-    """Replay requests ``r_begin..r_end-1`` through LRU tiers (kvdiag.analysis.tiers has the
-    rules). ``hits_out[r]`` = leading blocks found in any tier (prefix match, stops at the first
-    miss); ``req_hit_blocks[r, t]`` / ``req_hit_tokens[r, t]`` = those served by tier ``t`` (the
-    highest tier holding the block); rows with ``counted[r] == 0`` only move blocks."""
-    for r in range(r_begin, r_end):
-        s = offsets[r]
-        e = offsets[r + 1]
-        h = 0
-        while s + h < e and mask[ids[s + h]] != 0:
-            h += 1
-        hits_out[r] = h
-        hit_end = s + h if counted[r] else s
-        for i in range(s, e):
-            x = ids[i]
-            m = mask[x]
-            if m & 1:  # in the top tier: touch
-                if heads[0] != x:
-                    _t_unlink(0, x, prev, nxt, heads, tails, sizes)
-                    _t_push(0, x, prev, nxt, heads, tails, sizes)
-                if i < hit_end:
-                    ctr[0, T_HIT_BLOCKS] += 1
-                    ctr[0, T_HIT_TOKENS] += block_tokens[i]
-                    req_hit_blocks[r, 0] += 1
-                    req_hit_tokens[r, 0] += block_tokens[i]
-                continue
-            if m != 0:  # in a lower tier: up to the top
-                t = 1
-                while not (m & (1 << t)):
-                    t += 1
-                if i < hit_end:  # a prefix hit: read from tier t
-                    ctr[t, T_HIT_BLOCKS] += 1
-                    ctr[t, T_HIT_TOKENS] += block_tokens[i]
-                    ctr[t, T_PROMOTED] += 1
-                    req_hit_blocks[r, t] += 1
-                    req_hit_tokens[r, t] += block_tokens[i]
-                else:  # past the first miss: recomputed, the copy below is not read
-                    ctr[t, T_RAISED] += 1
-                if write_through:  # the copy stays; a read warms it
-                    if i < hit_end and heads[t] != x:
-                        _t_unlink(t, x, prev, nxt, heads, tails, sizes)
-                        _t_push(t, x, prev, nxt, heads, tails, sizes)
-                else:  # exclusive: it leaves tier t
-                    _t_unlink(t, x, prev, nxt, heads, tails, sizes)
-                    mask[x] &= np.uint8(~(1 << t) & 0xFF)
-                    ctr[t, T_REMOVED] += 1
-                _t_place(0, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr)
-                continue
-            ctr[0, T_INSERTED] += 1
-            _t_place(0, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr)
-            if write_through:
-                for t in range(1, num_tiers):
-                    if not (mask[x] & (1 << t)):
-                        ctr[t, T_WRITTEN] += 1
-                        _t_place(t, x, num_tiers, caps, mask, prev, nxt, heads, tails, sizes, ctr)
-
-
-# The same rules for at most 3 tiers with each tier's list ends and size in local variables
-# (as run_lru_fifo does for one list): with them in arrays every list operation reloads them
-# from memory after each store to prev/nxt, about 10x slower.
+# Each list operation takes a tier's head, tail and size as values and returns them: the top
+# tier's stay in local variables for the whole run, a lower tier's are loaded once before a
+# group of operations on it and stored once after. With them read from and written to the
+# heads/tails/sizes arrays inside every operation, each store to prev/nxt forces a reload
+# (the arrays may alias), about 5x slower.
 
 _UNBOUNDED = np.int64(1) << 62
 
 
 @njit(cache=True, inline="always")
 def _l_push(x, head, tail, size, prev, nxt):
+    """Block ``x`` to the most recent end of the list (head, tail, size) over ``prev``/``nxt``."""
     prev[x] = -1
     nxt[x] = head
     if head >= 0:
@@ -686,6 +582,7 @@ def _l_push(x, head, tail, size, prev, nxt):
 
 @njit(cache=True, inline="always")
 def _l_unlink(x, head, tail, size, prev, nxt):
+    """Block ``x`` out of the list (head, tail, size) over ``prev``/``nxt``."""
     p = prev[x]
     n = nxt[x]
     if p >= 0:
@@ -701,40 +598,39 @@ def _l_unlink(x, head, tail, size, prev, nxt):
     return head, tail, size - 1
 
 
+@njit(cache=True, inline="always")
+def _cap(caps, t):
+    """Tier ``t``'s capacity in blocks (negative: unbounded)."""
+    return caps[t] if caps[t] >= 0 else _UNBOUNDED
+
+
 @njit(cache=True)
-def run_tiers3(num_tiers, caps, write_through, ids, offsets, block_tokens, counted, r_begin, r_end,
-               mask, prev, nxt, heads, tails, sizes, ctr, hits_out, req_hit_blocks,
-               req_hit_tokens):
-    """:func:`run_tiers` for 1 to 3 tiers: the same arguments, state and results."""
+def run_tiers(num_tiers, caps, write_through, ids, offsets, block_tokens, counted, r_begin, r_end,
+              mask, prev, nxt, heads, tails, sizes, ctr, hits_out, req_hit_blocks,
+              req_hit_tokens):
+    """Replay requests ``r_begin..r_end-1`` through ``num_tiers`` LRU tiers
+    (kvdiag.analysis.tiers has the rules). ``hits_out[r]`` = leading blocks found in any tier
+    (prefix match, stops at the first miss); ``req_hit_blocks[r, t]`` / ``req_hit_tokens[r, t]``
+    = those served by tier ``t`` (the highest tier holding the block); rows with
+    ``counted[r] == 0`` only move blocks. A block that enters a full tier evicts its least
+    recent block, demoted to the tier below unless that tier holds it already, and so on down;
+    the last tier's victim is dropped. Its ~80 lines are one loop over a request's blocks:
+    split, the tier-0 locals would have to travel through every call."""
     T = num_tiers
-    c0 = caps[0] if caps[0] >= 0 else _UNBOUNDED
-    c1 = _UNBOUNDED
-    c2 = _UNBOUNDED
-    if T > 1 and caps[1] >= 0:
-        c1 = caps[1]
-    if T > 2 and caps[2] >= 0:
-        c2 = caps[2]
+    c0 = _cap(caps, 0)
     p0 = prev[0]
     n0 = nxt[0]
-    p1 = prev[min(1, T - 1)]
-    n1 = nxt[min(1, T - 1)]
-    p2 = prev[min(2, T - 1)]
-    n2 = nxt[min(2, T - 1)]
     h0, t0, s0 = heads[0], tails[0], sizes[0]
-    h1, t1, s1 = heads[min(1, T - 1)], tails[min(1, T - 1)], sizes[min(1, T - 1)]
-    h2, t2, s2 = heads[min(2, T - 1)], tails[min(2, T - 1)], sizes[min(2, T - 1)]
     for r in range(r_begin, r_end):
         s = offsets[r]
         e = offsets[r + 1]
-        h = 0
-        while s + h < e and mask[ids[s + h]] != 0:
-            h += 1
+        h = leading_held_jit(ids, s, e, mask)
         hits_out[r] = h
         hit_end = s + h if counted[r] else s
         for i in range(s, e):
             x = np.int64(ids[i])
             m = mask[x]
-            if m & 1:
+            if m & 1:  # in the top tier: touch
                 if h0 != x:
                     h0, t0, s0 = _l_unlink(x, h0, t0, s0, p0, n0)
                     h0, t0, s0 = _l_push(x, h0, t0, s0, p0, n0)
@@ -745,75 +641,65 @@ def run_tiers3(num_tiers, caps, write_through, ids, offsets, block_tokens, count
                     req_hit_tokens[r, 0] += block_tokens[i]
                 continue
             fresh = m == 0
-            if not fresh:
-                t = 1 if m & 2 else 2
-                if i < hit_end:
+            if not fresh:  # in a lower tier (the highest holding it): up to the top
+                t = 1
+                while not (m & (1 << t)):
+                    t += 1
+                if i < hit_end:  # a prefix hit: read from tier t
                     ctr[t, T_HIT_BLOCKS] += 1
                     ctr[t, T_HIT_TOKENS] += block_tokens[i]
                     ctr[t, T_PROMOTED] += 1
                     req_hit_blocks[r, t] += 1
                     req_hit_tokens[r, t] += block_tokens[i]
-                else:
+                else:  # past the first miss: recomputed, the copy below is not read
                     ctr[t, T_RAISED] += 1
-                if write_through:
-                    if i < hit_end:
-                        if t == 1:
-                            if h1 != x:
-                                h1, t1, s1 = _l_unlink(x, h1, t1, s1, p1, n1)
-                                h1, t1, s1 = _l_push(x, h1, t1, s1, p1, n1)
-                        elif h2 != x:
-                            h2, t2, s2 = _l_unlink(x, h2, t2, s2, p2, n2)
-                            h2, t2, s2 = _l_push(x, h2, t2, s2, p2, n2)
-                else:
-                    if t == 1:
-                        h1, t1, s1 = _l_unlink(x, h1, t1, s1, p1, n1)
-                    else:
-                        h2, t2, s2 = _l_unlink(x, h2, t2, s2, p2, n2)
-                    mask[x] &= np.uint8(~(1 << t) & 0xFF)
-                    ctr[t, T_REMOVED] += 1
+                if not write_through or (i < hit_end and heads[t] != x):
+                    pt = prev[t]
+                    nt = nxt[t]
+                    ht, tt, st = _l_unlink(x, heads[t], tails[t], sizes[t], pt, nt)
+                    if write_through:  # the copy stays; a read warms it
+                        ht, tt, st = _l_push(x, ht, tt, st, pt, nt)
+                    else:  # exclusive: it leaves tier t
+                        mask[x] &= np.uint8(~(1 << t) & 0xFF)
+                        ctr[t, T_REMOVED] += 1
+                    heads[t], tails[t], sizes[t] = ht, tt, st
             else:
                 ctr[0, T_INSERTED] += 1
-            # x goes to the top tier; each level: push, evict the tail if over, pass it down
-            first = 0
+            # x goes to the top tier (write-through: a new block to every tier); at each
+            # level: push, and if over capacity evict the tail and pass it down
             last = T if (fresh and write_through) else 1
-            for start in range(first, last):
-                if start > 0 and (mask[x] & (1 << start)):
-                    continue
+            for start in range(last):
                 if start > 0:
+                    if mask[x] & (1 << start):
+                        continue
                     ctr[start, T_WRITTEN] += 1
                 y = x
                 lvl = start
                 while True:
+                    bit = np.uint8(1 << lvl)
                     if lvl == 0:
                         h0, t0, s0 = _l_push(y, h0, t0, s0, p0, n0)
-                        mask[y] |= np.uint8(1)
+                        mask[y] |= bit
                         if s0 <= c0:
                             if s0 > ctr[0, T_PEAK]:
                                 ctr[0, T_PEAK] = s0
                             break
                         v = t0
                         h0, t0, s0 = _l_unlink(v, h0, t0, s0, p0, n0)
-                        mask[v] &= np.uint8(0xFE)
-                    elif lvl == 1:
-                        h1, t1, s1 = _l_push(y, h1, t1, s1, p1, n1)
-                        mask[y] |= np.uint8(2)
-                        if s1 <= c1:
-                            if s1 > ctr[1, T_PEAK]:
-                                ctr[1, T_PEAK] = s1
-                            break
-                        v = t1
-                        h1, t1, s1 = _l_unlink(v, h1, t1, s1, p1, n1)
-                        mask[v] &= np.uint8(0xFD)
                     else:
-                        h2, t2, s2 = _l_push(y, h2, t2, s2, p2, n2)
-                        mask[y] |= np.uint8(4)
-                        if s2 <= c2:
-                            if s2 > ctr[2, T_PEAK]:
-                                ctr[2, T_PEAK] = s2
+                        pt = prev[lvl]
+                        nt = nxt[lvl]
+                        ht, tt, st = _l_push(y, heads[lvl], tails[lvl], sizes[lvl], pt, nt)
+                        mask[y] |= bit
+                        if st <= _cap(caps, lvl):
+                            heads[lvl], tails[lvl], sizes[lvl] = ht, tt, st
+                            if st > ctr[lvl, T_PEAK]:
+                                ctr[lvl, T_PEAK] = st
                             break
-                        v = t2
-                        h2, t2, s2 = _l_unlink(v, h2, t2, s2, p2, n2)
-                        mask[v] &= np.uint8(0xFB)
+                        v = tt
+                        ht, tt, st = _l_unlink(v, ht, tt, st, pt, nt)
+                        heads[lvl], tails[lvl], sizes[lvl] = ht, tt, st
+                    mask[v] &= ~bit
                     ctr[lvl, T_EVICTED] += 1
                     if lvl == T - 1:
                         ctr[lvl, T_DROPPED] += 1
@@ -825,7 +711,3 @@ def run_tiers3(num_tiers, caps, write_through, ids, offsets, block_tokens, count
                     y = v
                     lvl += 1
     heads[0], tails[0], sizes[0] = h0, t0, s0
-    if T > 1:
-        heads[1], tails[1], sizes[1] = h1, t1, s1
-    if T > 2:
-        heads[2], tails[2], sizes[2] = h2, t2, s2

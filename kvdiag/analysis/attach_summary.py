@@ -21,6 +21,7 @@ from kvdiag.analysis import fragmentation, leaks, user_latency
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.logs import merge
 from kvdiag.eventlog import events_to_frames
+from kvdiag.hit_rate import frame_hit_rate
 from kvdiag.schema import SCHEMA_VERSION, Event, LogHeader
 
 
@@ -108,9 +109,10 @@ def _kv(frames: dict, block_size: Optional[int], bytes_per_token: Optional[int])
     return out, pool
 
 
-def _hit_rate(kv: dict, frames: dict) -> dict:
-    out: dict[str, Any] = {"token_hit_rate": (kv["cached_prompt_tokens"] / kv["prompt_tokens"])
-                           if kv["prompt_tokens"] else None}
+def _hit_rate(frames: dict) -> dict:
+    """The engine's token hit rate (:mod:`kvdiag.hit_rate`) and, from its metric counters over
+    the window, its own hit / query tokens."""
+    out: dict[str, Any] = {"token_hit_rate": frame_hit_rate(_f(frames, "request_finished"))}
     em = _f(frames, "engine_metrics")
     if len(em) >= 2:
         dq = em["prefix_cache_queries_tokens"].iloc[-1] - em["prefix_cache_queries_tokens"].iloc[0]
@@ -205,7 +207,7 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
         "latency": lat.to_dict(),  # first in the printed summary: what users of the server felt
         "memory": _memory(frames, block_bytes),
         "kv": kv,
-        "hit_rate": _hit_rate(kv, frames),
+        "hit_rate": _hit_rate(frames),
         "sharing": sharing,
         "efficiency": _efficiency(kv, frames),
         "fragmentation": {"kv_empty_slot_share": kv_frag.evidence.get("value"),

@@ -28,6 +28,7 @@ import pandas as pd
 
 from kvdiag.analysis import bandwidth, block_facts
 from kvdiag.analysis.logs import Logs
+from kvdiag.hit_rate import counted, frame_hit_rate
 from kvdiag.analysis.memory import allocator_fragmentation, pool_occupancy
 from kvdiag.analysis.rules import (EVICTION_RISE, QUEUE_WAIT_RISE, fragmentation_rose, hit_rate_moved,
                                    kv_bandwidth_rose, long_sequences_rose, occupancy_crossed, queue_wait_rose,
@@ -61,15 +62,15 @@ def _duration_s(logs: Logs) -> float:
 
 
 def _hit_rates(logs: Logs, n_sub: int = 8) -> tuple[float, float, int]:
-    """Token hit rate of finished requests, its std over ``n_sub`` sub-windows (by finish
-    time, at least 3 requests each), and the number of requests."""
-    fin = logs.frame(RequestFinished)
-    if fin.empty or fin["prompt_tokens"].sum() == 0:
+    """Engine token hit rate (:mod:`kvdiag.hit_rate`: requests that finished normally), its
+    std over ``n_sub`` sub-windows (by finish time, at least 3 requests each; a window without
+    prompt tokens counts 0), and the number of those requests."""
+    fin = counted(logs.frame(RequestFinished))
+    rate = frame_hit_rate(fin)
+    if rate is None:
         return float("nan"), float("nan"), len(fin)
-    rate = fin["cached_prompt_tokens"].sum() / fin["prompt_tokens"].sum()
     parts = np.array_split(np.arange(len(fin)), min(n_sub, max(len(fin) // 3, 1)))
-    sub = [fin["cached_prompt_tokens"].iloc[p].sum() / max(fin["prompt_tokens"].iloc[p].sum(), 1)
-           for p in parts if len(p)]
+    sub = [frame_hit_rate(fin.iloc[p]) or 0.0 for p in parts if len(p)]
     return float(rate), float(np.std(sub)) if len(sub) > 1 else 0.0, len(fin)
 
 

@@ -29,6 +29,8 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
+from kvdiag.hit_rate import COUNTED_STATUS
+
 COLUMNS = ["node", "events", "kv_pressure_pct", "kv_fragmentation_pct", "engine_hit_rate_pct",
            "ttft_p50_ms", "ttft_p99_ms"]
 FLEET = "(fleet)"
@@ -129,7 +131,7 @@ def _query(src: FleetSource) -> str:
             f"FROM headers h LEFT JOIN {info} i USING (node)) b USING (node) "
             f"WHERE b.bs > 0 AND s.blocks_used > 0 AND s.tokens_held <= {slots} {per}")
     if "request_finished" in src.tables:
-        fin = "FROM request_finished WHERE status = 'finished'"
+        fin = f"FROM request_finished WHERE status = '{COUNTED_STATUS}'"  # kvdiag.hit_rate's filter
         parts.append(f"SELECT node, 'engine_hit_rate_pct', 100 * sum(cached_prompt_tokens)::DOUBLE "
                      f"/ nullif(sum(prompt_tokens), 0) {fin} {per}")
         for q in (50, 99):

@@ -14,8 +14,8 @@ Engines always compute the last prompt token (its logits give the first output t
 fully cached prompt whose length is a multiple of the block size they recompute its last
 block, one block fewer than the shadow counts.
 
-Each event also carries ``engine_hit_rate``: the engine's own token hit rate, sum of
-``RequestFinished.cached_prompt_tokens`` / sum of their ``prompt_tokens``. Compared with the
+Each event also carries ``engine_hit_rate``: the engine's own token hit rate
+(:mod:`kvdiag.hit_rate`: cached / prompt tokens of requests that finished normally). Compared with the
 shadow token hit rate at the engine's own settings (LRU, its page size, its pool's block
 count; added automatically when ``KVPoolInfo`` arrives), a gap shows prefix sharing that the
 content allows but the engine did not deliver (a silent prefix-cache failure), or the other
@@ -43,6 +43,7 @@ import numpy as np
 
 from kvdiag.analysis.sharing import PrefixCacheSim
 from kvdiag.analysis.traces import full_sequence
+from kvdiag.hit_rate import counts_toward_hit_rate, engine_token_hit_rate
 from kvdiag.kernels.hashing import Content, full_sequence_chunks
 from kvdiag.schema import (
     BlockStored,
@@ -64,18 +65,6 @@ def _content(event: RequestArrived) -> Optional[Content]:
         return Content(len(event.token_ids), token_ids=list(event.token_ids))
     if event.chunk_hashes is not None:
         return Content(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
-    return None
-
-
-def engine_token_hit_rate(prompt_tokens: float, cached_prompt_tokens: float,
-                          metrics_queries_tokens: Optional[float] = None,
-                          metrics_hits_tokens: Optional[float] = None) -> Optional[float]:
-    """The engine's own prefix hit rate: cached prompt tokens / prompt tokens of requests that
-    finished normally; without them, its metrics' hit / query token counters; else None."""
-    if prompt_tokens:
-        return cached_prompt_tokens / prompt_tokens
-    if metrics_queries_tokens:
-        return (metrics_hits_tokens or 0.0) / metrics_queries_tokens
     return None
 
 
@@ -110,7 +99,7 @@ class SharingWindow:
 
     @property
     def engine_hit_rate(self) -> Optional[float]:
-        return self.engine_cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        return engine_token_hit_rate(self.prompt_tokens, self.engine_cached_tokens)
 
     @property
     def gap(self) -> Optional[float]:
@@ -233,12 +222,13 @@ class ShadowSharingSink:
                 elif live is not None and live[0].token_ids is None and event.chunk_hashes is not None:
                     live[1].append((int(event.num_tokens), list(event.chunk_hashes)))
             elif isinstance(event, RequestFinished):
-                self._engine_cached_tokens += event.cached_prompt_tokens
-                self._engine_prompt_tokens += event.prompt_tokens
+                if counts_toward_hit_rate(event.status):
+                    self._engine_cached_tokens += event.cached_prompt_tokens
+                    self._engine_prompt_tokens += event.prompt_tokens
                 live = self._live.pop(event.request_id, None)
                 if live is not None:
                     prompt, stored, hits = live
-                    if event.status == "finished":
+                    if counts_toward_hit_rate(event.status):
                         self._count_finished(event, hits)
                     if prompt.token_ids is not None:
                         seq = full_sequence(prompt.token_ids, stored)

@@ -1,9 +1,7 @@
 """The shape of a model's KV cache: layers, KV heads, head size, and the bytes one token costs.
 
-``kv_bytes_per_token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element``: the
-bytes one token's keys and values occupy over all layers. Grouped-query (GQA) and multi-query
-(MQA) attention store ``num_key_value_heads`` heads, fewer than the query heads; multi-head
-attention (MHA) stores as many as it has query heads.
+KV bytes per token are :func:`kvdiag.kv_shape.kv_bytes_per_token` (2 x layers x kv_heads x
+head_dim x bytes per element).
 
 Built-in shapes, with where their numbers come from:
 
@@ -24,13 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
-               "fp8": 1, "float8": 1, "int8": 1}
-"""Bytes per stored element of each KV dtype name."""
+from kvdiag import kv_shape
+from kvdiag.kv_shape import DTYPE_BYTES, ModelConfigError, element_bytes
 
-
-class ModelConfigError(ValueError):
-    """A model name or config.json that does not describe a KV cache; the message names it."""
+__all__ = ["DTYPE_BYTES", "ModelConfigError", "element_bytes", "ModelShape", "BUILTIN_MODELS",
+           "kv_bytes_per_token", "from_hf_config", "resolve_model", "shape_from_pool"]
 
 
 @dataclass(frozen=True)
@@ -69,19 +65,9 @@ BUILTIN_MODELS: dict[str, ModelShape] = {
 }
 
 
-def element_bytes(dtype: str) -> int:
-    """Bytes per KV element of ``dtype`` (fp32, fp16, bf16, fp8, int8)."""
-    try:
-        return DTYPE_BYTES[dtype.lower()]
-    except KeyError:
-        raise ModelConfigError(f"dtype {dtype!r}: expected one of "
-                               f"{', '.join(sorted(DTYPE_BYTES))}") from None
-
-
 def kv_bytes_per_token(model: ModelShape, dtype: str) -> int:
-    """KV bytes of one token over all layers, K and V:
-    2 x num_layers x num_kv_heads x head_dim x bytes per element."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element_bytes(dtype)
+    """KV bytes of one token of ``model`` in ``dtype`` (:func:`kvdiag.kv_shape.kv_bytes_per_token`)."""
+    return kv_shape.kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
 
 
 def _positive_int(config: dict, key: str, where: str) -> int:

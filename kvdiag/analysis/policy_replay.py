@@ -184,9 +184,7 @@ def _replay(trace: Trace, policy: Policy, cap: Optional[int], stats: BlockStats,
     held = evictions = peak = clock = 0
     for r in range(len(offsets) - 1):
         s, e = offsets[r], offsets[r + 1]
-        h = 0
-        while s + h < e and cached[ids[s + h]]:
-            h += 1
+        h = K.leading_held(ids, s, e, cached)
         hits_out[r] = h
         ref.request = r
         ref.lookup = bool(lookup[r])

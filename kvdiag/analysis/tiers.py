@@ -57,11 +57,10 @@ import pandas as pd
 from kvdiag.analysis import _simkernels as K
 from kvdiag.analysis.sharing import _request_chunks, simulate
 from kvdiag.analysis.traces import Trace
+from kvdiag.units import BYTE_UNITS
 
 WRITE_MODES = ("back", "through")
 _CHUNK_REFS = 1 << 16
-_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def _amount(text: str, what: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b|b)?", text.strip().lower())
     if not m:
         raise ValueError(f"expected {what}, got {text!r}")
-    return float(m.group(1)) * (_BYTES[m.group(2)] if m.group(2) else 1)
+    return float(m.group(1)) * (BYTE_UNITS[m.group(2)] if m.group(2) else 1)
 
 
 def parse_tiers(spec: str) -> list[Tier]:
@@ -293,8 +292,7 @@ class TieredResult:
 class TierSim:
     """A stack of LRU tiers fed request batches in order (block ids may grow between calls)."""
 
-    def __init__(self, tiers: Sequence[Tier], write: str = "back", num_blocks: int = 1,
-                 generic: bool = False) -> None:
+    def __init__(self, tiers: Sequence[Tier], write: str = "back", num_blocks: int = 1) -> None:
         if write not in WRITE_MODES:
             raise ValueError(f"unknown write mode {write!r}; expected back or through")
         if not tiers:
@@ -308,7 +306,6 @@ class TierSim:
                 raise ValueError(f"tier {t.name}: capacity must be >= 0 blocks")
         self.tiers = list(tiers)
         self.write = write
-        self.generic = generic  # the any-number-of-tiers kernel even for <= 3 tiers (tests)
         self.caps = np.array([-1 if t.capacity_blocks is None else t.capacity_blocks
                               for t in tiers], np.int64)
         self.state = K.new_tier_state(len(tiers), num_blocks)
@@ -334,8 +331,7 @@ class TierSim:
         if len(block_ids):
             self._grow(int(block_ids[offsets[r_begin]:offsets[r_end]].max(initial=0)) + 1)
         st = self.state
-        kernel = K.run_tiers3 if len(self.tiers) <= 3 and not self.generic else K.run_tiers
-        kernel(len(self.tiers), self.caps, self.write == "through", block_ids, offsets,
+        K.run_tiers(len(self.tiers), self.caps, self.write == "through", block_ids, offsets,
                     block_tokens, counted, r_begin, r_end, st["mask"], st["prev"], st["nxt"],
                     st["heads"], st["tails"], st["sizes"], st["counters"], hits_out, tier_hits,
                     tier_tokens)
@@ -355,15 +351,14 @@ def trace_span_s(trace: Trace) -> Optional[float]:
 def simulate_tiers(trace: Trace, tiers: Sequence[Tier], write: str = "back", *,
                    bytes_per_token: Optional[int] = None,
                    prefill_s_per_token: Optional[float] = None, prefill_source: str = "given",
-                   compare_top_alone: bool = True, generic: bool = False,
+                   compare_top_alone: bool = True,
                    progress: Optional[Callable[[int], None]] = None) -> TieredResult:
-    """Replay ``trace`` through the tier stack ``tiers`` (top first; module docstring).
-    Up to 3 tiers run in a kernel specialised for them; ``generic`` forces the kernel for any
-    number of tiers (the tests compare the two)."""
+    """Replay ``trace`` through the tier stack ``tiers`` (top first; module docstring), any
+    number of tiers up to ``MAX_TIERS`` in one kernel (:func:`_simkernels.run_tiers`)."""
     bpt = bytes_per_token or trace.bytes_per_token
     block_bytes = bpt * trace.block_size_tokens if bpt else None
     tiers = [t.resolved(block_bytes) for t in tiers]
-    sim = TierSim(tiers, write, trace.num_blocks, generic)
+    sim = TierSim(tiers, write, trace.num_blocks)
     rows = trace.rows
     hits = np.zeros(rows, np.int64)
     tier_hits = np.zeros((rows, len(tiers)), np.int64)

@@ -46,6 +46,7 @@ from kvdiag.kernels.hashing import (CONTENT_CHUNK_TOKENS, chunk_hashes, full_seq
                                     keys_from_chunks)
 from kvdiag.analysis.trace_lines import (BadLine, Millis, ReadOptions, Seconds,
                                          TraceFormatError, decode_json, decoded_lines, raw_lines)
+from kvdiag.hit_rate import counts_toward_hit_rate
 from kvdiag.prefix_cache import (VLLM_TAGS, PrefixCacheTally, SeqGap, SeqTracker, batch_ts_ns,
                                  check_seq, event_batches, find_seq_gaps, schema_event,
                                  vllm_event_dict)
@@ -76,7 +77,7 @@ class Trace:
     source: str = ""
     arrival_ns: Optional[np.ndarray] = None  # int64 [requests]
     finish_ns: Optional[np.ndarray] = None  # int64 [requests], -1 unknown
-    engine_cached_tokens: Optional[np.ndarray] = None  # int64 [requests], -1 unknown
+    engine_cached_tokens: Optional[np.ndarray] = None  # int64 [requests], -1 unknown or not counted
     bytes_per_token: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     # rows that are requests (1) or the blocks a request adds when it finishes (0: prompt and
@@ -212,11 +213,13 @@ class MooncakeLine(msgspec.Struct):
 
 class TokensLine(msgspec.Struct):
     """One token-id request: ``timestamp`` in seconds (optional), ``token_ids``, optional
-    ``extra_keys`` (any JSON, hashed into the first block's key)."""
+    ``extra_keys`` (any JSON, hashed into the first block's key) and ``output_tokens`` (the
+    planner's output length)."""
 
     token_ids: list[Count]
     timestamp: Optional[Seconds] = None
     extra_keys: Optional[list] = None
+    output_tokens: Optional[Count] = None
 
 
 _MOONCAKE = msgspec.json.Decoder(MooncakeLine)
@@ -301,11 +304,20 @@ def _mooncake_records(path: Path, opts: ReadOptions) -> Iterator[RequestRecord]:
                             int(req.timestamp * 1_000_000))
 
 
+def token_lines(path: Path, block_size_tokens: int, hash_algorithm: str = "fast",
+                read: Optional[ReadOptions] = None) -> Iterator[tuple[int, TokensLine, np.ndarray]]:
+    """The one reader of token-id traces: (line number, request, chained keys of its full
+    blocks, ``extra_keys`` hashed into the first) for each readable line. ``replay`` and
+    ``plan`` both key requests through it, so one trace is keyed the same by both."""
+    for lineno, req in decoded_lines(path, _tokens_line, read or ReadOptions()):
+        yield lineno, req, chunk_hashes(req.token_ids, block_size_tokens,
+                                        extra_keys=tuple(req.extra_keys or ()),
+                                        algorithm=hash_algorithm)
+
+
 def _token_records(path: Path, block_size_tokens: int, hash_algorithm: str,
                    opts: ReadOptions) -> Iterator[RequestRecord]:
-    for _, req in decoded_lines(path, _tokens_line, opts):
-        keys = chunk_hashes(req.token_ids, block_size_tokens,
-                            extra_keys=tuple(req.extra_keys or ()), algorithm=hash_algorithm)
+    for _, req, keys in token_lines(path, block_size_tokens, hash_algorithm, opts):
         ts = req.timestamp
         yield RequestRecord(keys, len(req.token_ids), -1 if ts is None else int(ts * 1e9))
 
@@ -512,6 +524,14 @@ def _log_events(path: Path, read: ReadOptions, keep: Callable[[object], bool]) -
     return events
 
 
+def _engine_cached(finished) -> int:
+    """A request's ``cached_prompt_tokens`` where the engine's hit rate counts it
+    (:mod:`kvdiag.hit_rate`: finished normally), else -1 (not finished, aborted, failed)."""
+    if finished is None or not counts_toward_hit_rate(finished.status):
+        return -1
+    return finished.cached_prompt_tokens
+
+
 def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 hash_algorithm: str = "fast", read: Optional[ReadOptions] = None) -> Trace:
     """Each request is a row at its arrival; when it finishes, a second, uncounted row touches
@@ -557,7 +577,7 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 keys=chunk_hashes(a.token_ids, bs, algorithm=hash_algorithm),
                 prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
                 finish_ns=-1 if f is None else f.ts_ns,
-                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+                engine_cached_tokens=_engine_cached(f))))
             if f is not None:
                 seq = full_sequence(a.token_ids, stored.get(a.request_id, []))
                 rows.append((f.ts_ns, len(rows), dict(
@@ -578,7 +598,7 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
                 keys=keys_from_chunks(a.chunk_hashes, bs),
                 prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
                 finish_ns=-1 if f is None else f.ts_ns,
-                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+                engine_cached_tokens=_engine_cached(f))))
             if f is not None:
                 seq_keys, _ = full_sequence_chunks(a.chunk_hashes, a.prompt_tokens,
                                                    stored_chunks.get(a.request_id, []))
@@ -602,7 +622,7 @@ def load_kvdiag(path: Path, block_size_tokens: Optional[int] = None,
             rows.append((a.ts_ns, len(rows), dict(
                 keys=keys[:n_prompt], prompt_tokens=a.prompt_tokens, arrival_ns=a.ts_ns,
                 finish_ns=-1 if f is None else f.ts_ns,
-                engine_cached_tokens=-1 if f is None else f.cached_prompt_tokens)))
+                engine_cached_tokens=_engine_cached(f))))
             if f is not None:
                 rows.append((f.ts_ns, len(rows), dict(keys=keys, prompt_tokens=0,
                                                        counted=False)))

@@ -23,13 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import msgspec
 import numpy as np
 
-from kvdiag.analysis.trace_lines import (BadLine, ReadOptions, Seconds, TraceFormatError,
-                                         decode_json, decoded_lines)
+from kvdiag.analysis.trace_lines import BadLine, ReadOptions, TraceFormatError, decoded_lines
 from kvdiag.analysis import traces
-from kvdiag.schema import Count
 
 
 @dataclass
@@ -131,13 +128,6 @@ def resampled(workload: Workload, qps: float, requests: int, seed: int = 0) -> W
 # ---------------------------------------------------------------- traces
 
 
-class _TokensRequest(msgspec.Struct):
-    token_ids: list[Count]
-    timestamp: Optional[Seconds] = None
-    output_tokens: Optional[Count] = None
-
-
-_TOKENS = msgspec.json.Decoder(_TokensRequest)
 MOONCAKE_KEY_TOKENS = traces.MOONCAKE_BLOCK_TOKENS
 
 
@@ -217,12 +207,12 @@ def load_mooncake(path: str | Path, block_size_tokens: int,
 def load_tokens(path: str | Path, block_size_tokens: int, output: Optional[str] = None,
                 seed: int = 0, read: Optional[ReadOptions] = None) -> Workload:
     """A token-id trace (``{"timestamp": s, "token_ids": [...]}`` a line, optional
-    ``output_tokens``): prompts and their full blocks' keys; outputs from the line, else drawn
-    from ``output`` (a length distribution)."""
-    from kvdiag.kernels.hashing import chunk_hashes
-
+    ``output_tokens`` and ``extra_keys``), read by :func:`kvdiag.analysis.traces.token_lines`
+    as ``replay`` reads it: prompts and their full blocks' keys; outputs from the line, else
+    drawn from ``output`` (a length distribution)."""
     path, read = Path(path), read or ReadOptions()
-    rows = [(lineno, req) for lineno, req in decoded_lines(path, lambda b: decode_json(b, _TOKENS), read)]
+    keyed = list(traces.token_lines(path, block_size_tokens, read=read))
+    rows = [(lineno, req) for lineno, req, _ in keyed]
     _need_requests(path, len(rows), read)
     missing = [lineno for lineno, req in rows if req.timestamp is None]
     if missing:
@@ -239,7 +229,7 @@ def load_tokens(path: str | Path, block_size_tokens: int, output: Optional[str] 
         drawn = sample(np.random.default_rng(seed), len(rows))
         outputs = np.where(outputs < 0, drawn, outputs)
         notes.append(f"output lengths not in the trace: {text}")
-    keys = [chunk_hashes(r.token_ids, block_size_tokens) for _, r in rows]
+    keys = [k for _, _, k in keyed]
     key_tokens = [np.full(len(k), block_size_tokens, np.int64) for k in keys]
     return _ordered(Workload(np.asarray([r.timestamp for _, r in rows], float),
                              np.asarray([len(r.token_ids) for _, r in rows], np.int64), outputs,

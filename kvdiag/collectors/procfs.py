@@ -194,8 +194,10 @@ class ProcessSampler:
         self.interval_s = interval_s
         self.error_count = 0
         self.samples = 0
+        self.attempts = 0  # samplings begun and ended, taken or failed
         self._reported: set[str] = set()
         self._lock = threading.Lock()
+        self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -208,6 +210,14 @@ class ProcessSampler:
 
     def sample_now(self) -> None:
         """Take one sampling and send it; failures are counted and reported, never raised."""
+        try:
+            self._sample()
+        finally:
+            with self._progress:
+                self.attempts += 1
+                self._progress.notify_all()
+
+    def _sample(self) -> None:
         with self._lock:
             try:
                 events = self.collector.sample()
@@ -220,6 +230,13 @@ class ProcessSampler:
                 except Exception as exc:
                     self._failed(exc)
             self.samples += 1
+
+    def wait_attempts(self, n: int, timeout_s: float) -> bool:
+        """Block until ``n`` more samplings than now have ended (taken or failed); False if
+        ``timeout_s`` passed first. For callers that need samples on both sides of a moment."""
+        with self._progress:
+            target = self.attempts + n
+            return self._progress.wait_for(lambda: self.attempts >= target, timeout_s)
 
     def _failed(self, exc: BaseException) -> None:
         self.error_count += 1

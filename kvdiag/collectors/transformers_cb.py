@@ -27,8 +27,11 @@ What is observed, and where:
   composition) and a ``KVPoolSample`` at most every ``sample_interval_s``.
 
 The hooks do no per-token work beyond one wrapper call in ``update_and_check_completion``;
-block-level work happens only when blocks change hands. A hook that fails is counted and
-reported as a ``CollectorError``; it never propagates into the engine.
+block-level work happens only when blocks change hands. Hooks are installed through
+:class:`kvdiag.hooks.MethodHooks`: a method whose signature changed is skipped and said
+(``CollectorStatus``); a hook that fails is counted, the first of each (hook, error type) is
+reported as a ``CollectorError`` and each hook's total at uninstall; nothing propagates into
+the engine.
 
 Fault injection (testing only): with ``inject_leak_every=N`` the adapter really skips the
 engine's release of every N-th finished request's blocks (``Scheduler.finish_request`` drops
@@ -41,10 +44,12 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
+from kvdiag.hooks import HookErrors, MethodHooks, step_phase
 from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
 from kvdiag.schema import (
+    MASK63,
     elapsed_ns,
     BlockAllocated,
     BlockHash,
@@ -52,7 +57,6 @@ from kvdiag.schema import (
     BlockEvicted,
     BlockReleased,
     BlockStored,
-    CollectorError,
     EngineStep,
     Event,
     KVPoolInfo,
@@ -67,14 +71,13 @@ from kvdiag.schema import (
 from kvdiag.sinks import Sink
 
 COLLECTOR = "transformers-cb"
-_MASK63 = (1 << 63) - 1
 
 
 def fold_hash(block_hash: Optional[int]) -> Optional[int]:
     """The engine's 64-bit blake2b block hash folded to 63 bits (fits an int64 column)."""
     if block_hash is None:
         return None
-    return (block_hash ^ (block_hash >> 63)) & _MASK63
+    return (block_hash ^ (block_hash >> 63)) & MASK63
 
 
 def _engine_classes() -> dict[str, type]:
@@ -118,18 +121,21 @@ class TransformersCBAdapter:
     """Turns the engine's cache and scheduling calls into schema events sent to ``sink``."""
 
     def __init__(self, sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
-                 record_token_ids: bool = False, content_salt: Optional[str] = None) -> None:
+                 record_token_ids: bool = False, content_salt: Optional[str] = None,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.sink = sink
+        self.clock_ns = clock_ns  # wall-clock ns of every event (tests inject one)
         self.sample_interval_ns = int(sample_interval_s * 1e9)
         self.inject_leak_every = inject_leak_every
         self.record_token_ids = record_token_ids
         # hashes mode (no token ids): content as chunk hashes under this salt (None: no content)
         self.content_salt = None if record_token_ids else content_salt
         self.leaked_requests: list[str] = []
-        self.error_count = 0
+        # the one error policy of engine adapters (kvdiag.hooks): errors per hook
+        self.error_policy = HookErrors(sink, COLLECTOR, clock_ns=clock_ns)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
-        self._originals: list[tuple[type, str, Any, bool]] = []
+        self._methods = MethodHooks(self.error_policy)
         self._step_id = 0
         self._finished_count = 0
         # requests whose KV was just freed by a preemption (free_blocks(no_cache=True)): the
@@ -138,27 +144,28 @@ class TransformersCBAdapter:
         self._preempted: set[str] = set()
         self._last_sample_ns = 0
         self._processor_ref: Optional[weakref.ref] = None
-        self._reported_errors: set[str] = set()
 
     # ------------------------------------------------------------------ plumbing
 
     @property
     def installed(self) -> bool:
-        return bool(self._originals)
+        return bool(self._methods.installed)
+
+    @property
+    def error_count(self) -> int:
+        """Errors in the hooks and the sink, all counted (:class:`kvdiag.hooks.HookErrors`)."""
+        return self.error_policy.total
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Hooks not installed (method missing or signature changed) -> why."""
+        return self._methods.skipped
 
     def _emit(self, event: Event) -> None:
-        try:
-            self.sink.record(event)
-        except Exception:  # a sink must never break the engine
-            self.error_count += 1
+        self.error_policy.record(event)  # a sink must never break the engine
 
     def _failed(self, where: str, exc: BaseException) -> None:
-        self.error_count += 1
-        key = f"{where}: {type(exc).__name__}"
-        if key not in self._reported_errors:
-            self._reported_errors.add(key)
-            self._emit(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
-                                      message=f"{key}: {exc}"))
+        self.error_policy.failed(where, exc)
 
     def _request(self, request_id: str) -> Optional[_Request]:
         return self._requests.get(request_id)
@@ -178,24 +185,19 @@ class TransformersCBAdapter:
         if _ACTIVE is not None and _ACTIVE is not self:
             raise RuntimeError("another transformers-cb adapter is installed; uninstall it first")
         c = _engine_classes()
-        for class_key, name, patch in _PATCHES:
-            cls = c[class_key]
-            own = name in cls.__dict__
-            original = cls.__dict__[name] if own else getattr(cls, name)
-            self._originals.append((cls, name, original, own))
-            setattr(cls, name, patch(self, original))
+        for class_key, name, hook in _PATCHES:
+            hook(self, self._methods, c[class_key], name)
+        for status in self._methods.statuses():  # hooks whose engine method changed
+            self._emit(status)
         _ACTIVE = self
         return self
 
     def uninstall(self) -> None:
-        """Put back the original class attributes, exactly as they were."""
+        """Put back the original class attributes, exactly as they were; report the total of
+        each hook that failed more than once."""
         global _ACTIVE
-        for cls, name, original, own in reversed(self._originals):
-            if own:
-                setattr(cls, name, original)
-            else:
-                delattr(cls, name)
-        self._originals.clear()
+        self._methods.restore()
+        self.error_policy.report_totals()
         if _ACTIVE is self:
             _ACTIVE = None
 
@@ -203,7 +205,7 @@ class TransformersCBAdapter:
         """Emit a ``KVPoolSample`` of the last engine seen (e.g. before the log closes)."""
         processor = self._processor_ref() if self._processor_ref is not None else None
         if processor is not None:
-            self._sample(processor, time.time_ns())
+            self._sample(processor, self.clock_ns())
 
     # ------------------------------------------------------------------ event builders
 
@@ -213,7 +215,7 @@ class TransformersCBAdapter:
         allocators = list(cache.cache_allocators.values())
         first = allocators[0]
         self._emit(KVPoolInfo(
-            ts_ns=time.time_ns(),
+            ts_ns=self.clock_ns(),
             num_blocks=int(cache.num_blocks),
             block_size_tokens=int(first.tokens_per_page),
             block_bytes=int(sum(a.bytes_per_block for a in allocators)),
@@ -237,13 +239,13 @@ class TransformersCBAdapter:
             partial_tokens=None if salt is None else len(token_ids) % CONTENT_CHUNK_TOKENS))
 
     def _on_scheduled(self, request_id: str) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         req = self._request(request_id)
         self._emit(RequestScheduled(ts_ns=now, request_id=request_id,
                                     queue_ns=None if req is None else elapsed_ns(req.arrived_ns, now)))
 
     def _on_first_token(self, request_id: str) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         req = self._request(request_id)
         if req is None or req.first_token_ns is not None:  # a preempted request starts over
             return
@@ -251,7 +253,7 @@ class TransformersCBAdapter:
         self._emit(RequestFirstToken(ts_ns=now, request_id=request_id, ttft_ns=elapsed_ns(req.arrived_ns, now)))
 
     def _on_finished(self, request_id: str, state, status: str) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         with self._lock:
             req = self._requests.pop(request_id, None)
         prompt = req.prompt_tokens if req is not None else len(getattr(state, "initial_tokens", ()) or ())
@@ -271,7 +273,7 @@ class TransformersCBAdapter:
         table = allocator.block_table.get(request_id)
         if table is None:
             return
-        now = time.time_ns()
+        now = self.clock_ns()
         ledger = allocator.ledger
         page = allocator.tokens_per_page
         for i in range(len(before)):
@@ -304,7 +306,7 @@ class TransformersCBAdapter:
             parent = block_hash
 
     def _on_freed(self, allocator, request_id: str, held: list, no_cache: bool) -> None:
-        now = time.time_ns()
+        now = self.clock_ns()
         block_to_hash = allocator.ledger.block_to_hash
         free = self._free_blocks_of(allocator)
         if no_cache:
@@ -324,8 +326,8 @@ class TransformersCBAdapter:
                 decode += 1
             else:
                 prefill += q
-        phase = "mixed" if prefill and decode else ("decode" if decode else "prefill")
-        self._emit(EngineStep(ts_ns=start_ns, step_id=self._step_id, phase=phase, batch_size=len(batch),
+        self._emit(EngineStep(ts_ns=start_ns, step_id=self._step_id, phase=step_phase(prefill, decode),
+                              batch_size=len(batch),
                               num_tokens=prefill + decode, duration_ns=duration_ns,
                               prefill_tokens=prefill, decode_tokens=decode))
         self._step_id += 1
@@ -367,12 +369,13 @@ def _distinct_tokens_held(allocator, active_requests: dict) -> int:
     return sum(fill.values())
 
 
-# ---------------------------------------------------------------------- patches
+# ---------------------------------------------------------------------- hooks
 #
-# One function per patched engine method: ``patch(adapter, original)`` returns what replaces
-# ``original`` on the class while the adapter is installed. Each calls the original exactly as
-# the engine would and hands what changed to one of the adapter's event builders; a builder
-# that fails is reported through ``adapter._failed`` and never reaches the engine.
+# One function per hooked engine method: ``hook(adapter, methods, cls, name)`` installs it
+# through :class:`kvdiag.hooks.MethodHooks` (signature checked, errors counted and reported by
+# the one policy, never raised into the engine). Most are ``before``/``after`` pairs around the
+# engine's own call; the two whose control flow differs (finish_request's fault injection, the
+# status property) replace the method and guard their own part.
 
 
 def _request_status() -> type:
@@ -381,242 +384,219 @@ def _request_status() -> type:
     return RequestStatus
 
 
-def _patch_cache_init(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_cache_init(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type, name: str) -> None:
     """``PagedAttentionCache.__init__``: the pool's geometry (``KVPoolInfo``)."""
-    def __init__(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        try:
-            adapter._on_cache_created(self)
-        except Exception as exc:
-            adapter._failed("PagedAttentionCache.__init__", exc)
-    return __init__
+    methods.wrap(cls, name, lambda _note, _result, cache, *a, **kw: adapter._on_cache_created(cache))
 
 
-def _patch_search_prefix_match(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_search_prefix_match(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                              name: str) -> None:
     """``PagedAttentionCache.search_prefix_match``: the request's cached prompt tokens."""
-    def search_prefix_match(self, request_id, prompt_ids):
-        matched = orig(self, request_id, prompt_ids)
-        if matched:
-            req = adapter._request(request_id)
-            if req is not None:
-                req.cached_tokens = matched
-        return matched
-    return search_prefix_match
+    def after(_note, matched, _cache, request_id, prompt_ids):
+        req = adapter._request(request_id) if matched else None
+        if req is not None:
+            req.cached_tokens = matched
+    methods.wrap(cls, name, after, params=("request_id", "prompt_ids"))
 
 
-def _patch_acquire_prefix_blocks(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_acquire_prefix_blocks(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                                name: str) -> None:
     """``CacheAllocator.acquire_prefix_blocks``: one ``PrefixHit`` per reused block."""
-    def acquire_prefix_blocks(self, request_id, prefix_len, block_ids):
-        orig(self, request_id, prefix_len, block_ids)
-        try:
-            now = time.time_ns()
-            block_to_hash = self.ledger.block_to_hash
-            page = self.tokens_per_page
-            for block_id in self.block_table.get(request_id, ()):
-                adapter._emit(PrefixHit(ts_ns=now, request_id=request_id, block_id=block_id,
-                                        block_hash=fold_hash(block_to_hash.get(block_id)),
-                                        num_tokens=page))
-        except Exception as exc:
-            adapter._failed("acquire_prefix_blocks", exc)
-    return acquire_prefix_blocks
+    def after(_note, _result, allocator, request_id, prefix_len, block_ids):
+        now = adapter.clock_ns()
+        block_to_hash = allocator.ledger.block_to_hash
+        page = allocator.tokens_per_page
+        for block_id in allocator.block_table.get(request_id, ()):
+            adapter._emit(PrefixHit(ts_ns=now, request_id=request_id, block_id=block_id,
+                                    block_hash=fold_hash(block_to_hash.get(block_id)),
+                                    num_tokens=page))
+    methods.wrap(cls, name, after, params=("request_id", "prefix_len", "block_ids"))
 
 
-def _patch_mark_complete_blocks(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_mark_complete_blocks(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                               name: str) -> None:
     """``CacheAllocator.mark_complete_blocks``: newly hashed blocks (``BlockStored``) and
     blocks swapped for an identical hashed one (``BlockDeduplicated`` + ``BlockReleased``)."""
-    def mark_complete_blocks(self, request_id, token_ids, new_new_blocks):
-        table = self.block_table.get(request_id)
-        before = list(table) if table is not None else []
-        block_to_hash = self.ledger.block_to_hash
+    def before(allocator, request_id, token_ids, new_new_blocks):
+        table = allocator.block_table.get(request_id)
+        held = list(table) if table is not None else []
+        block_to_hash = allocator.ledger.block_to_hash
         hashed_before = 0
-        for block_id in before:
+        for block_id in held:
             if block_id not in block_to_hash:
                 break
             hashed_before += 1
-        orig(self, request_id, token_ids, new_new_blocks)
-        try:
-            adapter._on_marked(self, request_id, token_ids, before, hashed_before)
-        except Exception as exc:
-            adapter._failed("mark_complete_blocks", exc)
-    return mark_complete_blocks
+        return held, hashed_before
+
+    def after(note, _result, allocator, request_id, token_ids, new_new_blocks):
+        held, hashed_before = note
+        adapter._on_marked(allocator, request_id, token_ids, held, hashed_before)
+    methods.wrap(cls, name, after, before, params=("request_id", "token_ids", "new_new_blocks"))
 
 
-def _patch_free_blocks(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_free_blocks(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type, name: str) -> None:
     """``CacheAllocator.free_blocks``: ``BlockReleased`` per held block (``RequestPreempted``
     first when ``no_cache``)."""
-    def free_blocks(self, request_id, no_cache=False):
-        held = list(self.block_table.get(request_id, ()))
-        orig(self, request_id, no_cache)
+    def before(allocator, request_id, no_cache=False):
+        return list(allocator.block_table.get(request_id, ()))
+
+    def after(held, _result, allocator, request_id, no_cache=False):
         if held:
-            try:
-                adapter._on_freed(self, request_id, held, no_cache)
-            except Exception as exc:
-                adapter._failed("free_blocks", exc)
-    return free_blocks
+            adapter._on_freed(allocator, request_id, held, no_cache)
+    methods.wrap(cls, name, after, before, params=("request_id", "no_cache"))
 
 
-def _patch_allocate(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_allocate(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type, name: str) -> None:
     """``*CacheAllocator.allocate_cache_to_request``: one ``BlockAllocated`` per fresh block,
     with the free-block count as it stood right after that block was taken."""
-    def allocate_cache_to_request(self, request_id, past_length, query_length):
-        table = self.block_table.get(request_id)
-        start = len(table) if table is not None else 0
-        orig(self, request_id, past_length, query_length)
-        table = self.block_table.get(request_id)
+    def before(allocator, request_id, past_length, query_length):
+        table = allocator.block_table.get(request_id)
+        return len(table) if table is not None else 0
+
+    def after(start, _result, allocator, request_id, past_length, query_length):
+        table = allocator.block_table.get(request_id)
         if table is not None and len(table) > start:
-            try:
-                now = time.time_ns()
-                free = adapter._free_blocks_of(self)
-                fresh = table[start:]
-                for i, block_id in enumerate(fresh):
-                    adapter._emit(BlockAllocated(ts_ns=now, request_id=request_id, block_id=block_id,
-                                                 num_blocks_free=free + len(fresh) - 1 - i))
-            except Exception as exc:
-                adapter._failed("allocate_cache_to_request", exc)
-    return allocate_cache_to_request
+            now = adapter.clock_ns()
+            free = adapter._free_blocks_of(allocator)
+            fresh = table[start:]
+            for i, block_id in enumerate(fresh):
+                adapter._emit(BlockAllocated(ts_ns=now, request_id=request_id, block_id=block_id,
+                                             num_blocks_free=free + len(fresh) - 1 - i))
+    methods.wrap(cls, name, after, before, params=("request_id", "past_length", "query_length"))
 
 
-def _patch_evict(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_evict(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type, name: str) -> None:
     """``BlockLedger.evict_cached_blocks``: one ``BlockEvicted`` per evicted cached block."""
-    def evict_cached_blocks(self):
-        hashes = {block_id: self.block_to_hash.get(block_id) for block_id in self.cached_blocks}
-        evicted = orig(self)
-        try:
-            now = time.time_ns()
-            for block_id in evicted:
-                adapter._emit(BlockEvicted(ts_ns=now, block_id=block_id,
-                                           block_hash=fold_hash(hashes.get(block_id))))
-        except Exception as exc:
-            adapter._failed("evict_cached_blocks", exc)
-        return evicted
-    return evict_cached_blocks
+    def before(ledger):
+        return {block_id: ledger.block_to_hash.get(block_id) for block_id in ledger.cached_blocks}
+
+    def after(hashes, evicted, _ledger):
+        now = adapter.clock_ns()
+        for block_id in evicted:
+            adapter._emit(BlockEvicted(ts_ns=now, block_id=block_id,
+                                       block_hash=fold_hash(hashes.get(block_id))))
+    methods.wrap(cls, name, after, before)
 
 
-def _patch_finish_request(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_finish_request(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                         name: str) -> None:
     """``Scheduler.finish_request``: ``RequestFinished``; with ``inject_leak_every=N`` every
     N-th request is dropped without the engine's release of its blocks (fault injection)."""
     failed = _request_status().FAILED
+    where = f"{cls.__name__}.{name}"
 
-    def finish_request(self, request_id):
-        with adapter._lock:
-            preempted = request_id in adapter._preempted
-            adapter._preempted.discard(request_id)
-        if preempted:  # the engine's preemption drops the request to requeue it: no finish
-            return orig(self, request_id)
-        state = self.active_requests.get(request_id)
-        leak = False
-        if adapter.inject_leak_every > 0:
-            adapter._finished_count += 1
-            leak = adapter._finished_count % adapter.inject_leak_every == 0
-        if leak:  # fault injection: really skip the engine's release path
-            self.active_requests.pop(request_id, None)
-            adapter.leaked_requests.append(request_id)
-        else:
-            orig(self, request_id)
-        try:
-            adapter._on_finished(request_id, state, "failed" if state is not None
-                                 and state.status == failed else "finished")
-        except Exception as exc:
-            adapter._failed("finish_request", exc)
-    return finish_request
+    def make(orig: Callable) -> Callable:
+        def finish_request(self, request_id):
+            with adapter._lock:
+                preempted = request_id in adapter._preempted
+                adapter._preempted.discard(request_id)
+            if preempted:  # the engine's preemption drops the request to requeue it: no finish
+                return orig(self, request_id)
+            state = self.active_requests.get(request_id)
+            leak = False
+            if adapter.inject_leak_every > 0:
+                adapter._finished_count += 1
+                leak = adapter._finished_count % adapter.inject_leak_every == 0
+            if leak:  # fault injection: really skip the engine's release path
+                self.active_requests.pop(request_id, None)
+                adapter.leaked_requests.append(request_id)
+            else:
+                orig(self, request_id)
+            with methods.errors.guard(where):
+                adapter._on_finished(request_id, state, "failed" if state is not None
+                                     and state.status == failed else "finished")
+        return finish_request
+    methods.replace(cls, name, make, params=("request_id",))
 
 
-def _patch_clear_cancelled(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_clear_cancelled(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                          name: str) -> None:
     """``Scheduler.clear_cancelled_requests``: ``RequestFinished(status="aborted")`` each."""
-    def clear_cancelled_requests(self):
-        states = orig(self)
-        try:
-            for state in states:
-                adapter._on_finished(state.request_id, state, "aborted")
-        except Exception as exc:
-            adapter._failed("clear_cancelled_requests", exc)
-        return states
-    return clear_cancelled_requests
+    def after(_note, states, _scheduler):
+        for state in states:
+            adapter._on_finished(state.request_id, state, "aborted")
+    methods.wrap(cls, name, after)
 
 
-def _patch_status(adapter: TransformersCBAdapter, orig_property: property) -> property:
+def _hook_status(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type, name: str) -> None:
     """The ``RequestState.status`` property: ``RequestScheduled`` when a request leaves
     PENDING for a state before FINISHED."""
     status_enum = _request_status()
     pending, finished_min = status_enum.PENDING, status_enum.FINISHED
-    fget, fset = orig_property.fget, orig_property.fset
+    where = f"{cls.__name__}.{name}"
 
-    def set_status(self, value):
-        old = self._status
-        fset(self, value)
-        if old == pending and value != pending and value < finished_min:
-            try:
-                adapter._on_scheduled(self.request_id)
-            except Exception as exc:
-                adapter._failed("RequestState.status", exc)
-    return property(fget, set_status, orig_property.fdel, orig_property.__doc__)
+    def make(orig_property: property) -> property:
+        fget, fset = orig_property.fget, orig_property.fset
+
+        def set_status(self, value):
+            old = self._status
+            fset(self, value)
+            if old == pending and value != pending and value < finished_min:
+                with methods.errors.guard(where):
+                    adapter._on_scheduled(self.request_id)
+        return property(fget, set_status, orig_property.fdel, orig_property.__doc__)
+    methods.replace(cls, name, make)
 
 
-def _patch_update(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_update(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type, name: str) -> None:
     """``RequestState.update_and_check_completion``: ``RequestFirstToken`` on the first token."""
-    def update_and_check_completion(self, token_id, logprob):
-        first = not self.generated_tokens
-        done = orig(self, token_id, logprob)
-        if first and self.generated_tokens:
-            try:
-                adapter._on_first_token(self.request_id)
-            except Exception as exc:
-                adapter._failed("update_and_check_completion", exc)
-        return done
-    return update_and_check_completion
+    def before(state, token_id, logprob):
+        return not state.generated_tokens
+
+    def after(first, _done, state, token_id, logprob):
+        if first and state.generated_tokens:
+            adapter._on_first_token(state.request_id)
+    methods.wrap(cls, name, after, before, params=("token_id", "logprob"))
 
 
-def _patch_generation_step(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_generation_step(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                          name: str) -> None:
     """``ContinuousBatchProcessor._generation_step``: ``EngineStep`` (wall time of forward and
     sampling, perf_counter ns) and a periodic ``KVPoolSample``."""
-    def _generation_step(self, model):
-        start_ns = time.time_ns()
-        t0 = time.perf_counter_ns()
-        orig(self, model)
-        duration_ns = time.perf_counter_ns() - t0
-        try:
-            adapter._on_step(self, start_ns, duration_ns)
-        except Exception as exc:
-            adapter._failed("_generation_step", exc)
-    return _generation_step
+    def before(processor, model):
+        return adapter.clock_ns(), time.perf_counter_ns()
+
+    def after(note, _result, processor, model):
+        duration_ns = time.perf_counter_ns() - note[1]
+        adapter._on_step(processor, note[0], duration_ns)
+    methods.wrap(cls, name, after, before, params=("model",))
 
 
-def _patch_add_request(adapter: TransformersCBAdapter, orig: Callable) -> Callable:
+def _hook_add_request(adapter: TransformersCBAdapter, methods: MethodHooks, cls: type,
+                      name: str) -> None:
     """``ContinuousBatchingManager.add_request``: ``RequestArrived`` (before the engine sees it
     when the caller names the request), or ``RequestFinished(status="failed")`` if refused."""
-    def add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
-        now = time.time_ns()
+    def before(manager, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+        now = adapter.clock_ns()
         if request_id is not None:
             adapter._on_arrived(request_id, input_ids, max_new_tokens, now)
-        rid = orig(self, input_ids, request_id, max_new_tokens, *args, **kwargs)
-        try:
-            if request_id is None and rid is not None:
-                adapter._on_arrived(rid, input_ids, max_new_tokens, now)
-            elif rid is None and request_id is not None:  # the engine refused it
-                adapter._on_finished(request_id, None, "failed")
-        except Exception as exc:
-            adapter._failed("add_request", exc)
-        return rid
-    return add_request
+        return now
+
+    def after(now, rid, manager, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+        if request_id is None and rid is not None:
+            adapter._on_arrived(rid, input_ids, max_new_tokens, now)
+        elif rid is None and request_id is not None:  # the engine refused it
+            adapter._on_finished(request_id, None, "failed")
+    methods.wrap(cls, name, after, before, params=("input_ids", "request_id", "max_new_tokens"))
 
 
-# (engine class, attribute, patch): what ``install`` replaces, in this order, and
-# ``uninstall`` puts back in reverse.
-_PATCHES: list[tuple[str, str, Callable[[TransformersCBAdapter, Any], Any]]] = [
-    ("PagedAttentionCache", "__init__", _patch_cache_init),
-    ("PagedAttentionCache", "search_prefix_match", _patch_search_prefix_match),
-    ("CacheAllocator", "acquire_prefix_blocks", _patch_acquire_prefix_blocks),
-    ("CacheAllocator", "mark_complete_blocks", _patch_mark_complete_blocks),
-    ("CacheAllocator", "free_blocks", _patch_free_blocks),
-    ("FullAttentionCacheAllocator", "allocate_cache_to_request", _patch_allocate),
-    ("SlidingAttentionCacheAllocator", "allocate_cache_to_request", _patch_allocate),
-    ("BlockLedger", "evict_cached_blocks", _patch_evict),
-    ("Scheduler", "finish_request", _patch_finish_request),
-    ("Scheduler", "clear_cancelled_requests", _patch_clear_cancelled),
-    ("RequestState", "status", _patch_status),
-    ("RequestState", "update_and_check_completion", _patch_update),
-    ("ContinuousBatchProcessor", "_generation_step", _patch_generation_step),
-    ("ContinuousBatchingManager", "add_request", _patch_add_request),
+# (engine class, attribute, hook): what ``install`` hooks, in this order, and ``uninstall``
+# puts back in reverse.
+_PATCHES: list[tuple[str, str, Callable[[TransformersCBAdapter, MethodHooks, type, str], None]]] = [
+    ("PagedAttentionCache", "__init__", _hook_cache_init),
+    ("PagedAttentionCache", "search_prefix_match", _hook_search_prefix_match),
+    ("CacheAllocator", "acquire_prefix_blocks", _hook_acquire_prefix_blocks),
+    ("CacheAllocator", "mark_complete_blocks", _hook_mark_complete_blocks),
+    ("CacheAllocator", "free_blocks", _hook_free_blocks),
+    ("FullAttentionCacheAllocator", "allocate_cache_to_request", _hook_allocate),
+    ("SlidingAttentionCacheAllocator", "allocate_cache_to_request", _hook_allocate),
+    ("BlockLedger", "evict_cached_blocks", _hook_evict),
+    ("Scheduler", "finish_request", _hook_finish_request),
+    ("Scheduler", "clear_cancelled_requests", _hook_clear_cancelled),
+    ("RequestState", "status", _hook_status),
+    ("RequestState", "update_and_check_completion", _hook_update),
+    ("ContinuousBatchProcessor", "_generation_step", _hook_generation_step),
+    ("ContinuousBatchingManager", "add_request", _hook_add_request),
 ]
 
 
@@ -624,14 +604,15 @@ _ACTIVE: Optional[TransformersCBAdapter] = None
 
 
 def install(sink: Sink, sample_interval_s: float = 0.5, inject_leak_every: int = 0,
-            record_token_ids: bool = False, content_salt: Optional[str] = None) -> TransformersCBAdapter:
+            record_token_ids: bool = False, content_salt: Optional[str] = None,
+            clock_ns: Callable[[], int] = time.time_ns) -> TransformersCBAdapter:
     """Install a new adapter that sends events to ``sink``; returns it (call ``.uninstall()``).
     Prompts are recorded as token ids with ``record_token_ids``, else as chunk hashes salted
-    with ``content_salt`` (None: not at all)."""
+    with ``content_salt`` (None: not at all). ``clock_ns``: the events' wall clock."""
     return TransformersCBAdapter(sink, sample_interval_s=sample_interval_s,
                                  inject_leak_every=inject_leak_every,
                                  record_token_ids=record_token_ids,
-                                 content_salt=content_salt).install()
+                                 content_salt=content_salt, clock_ns=clock_ns).install()
 
 
 def installed_adapter() -> Optional[TransformersCBAdapter]:

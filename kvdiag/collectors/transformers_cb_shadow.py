@@ -24,7 +24,6 @@ Install after the engine adapter (:mod:`kvdiag.collectors.transformers_cb`), uni
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -33,7 +32,7 @@ import torch
 
 from kvdiag.kernels.attention import QueryCapture
 from kvdiag.kernels.shadow import PerLayer, ShadowRunner
-from kvdiag.schema import CollectorError
+from kvdiag.hooks import HookErrors, MethodHooks
 from kvdiag.sinks import Sink
 
 COLLECTOR = "shadow:cb"
@@ -98,47 +97,54 @@ class CBShadow:
 
     def __init__(self, runner: ShadowRunner, sink: Optional[Sink] = None, record_steps: bool = False) -> None:
         self.runner = runner
-        self.sink = sink if sink is not None else runner.sink
+        # the one error policy of code run inside an engine (kvdiag.hooks)
+        self.error_policy = HookErrors(sink if sink is not None else runner.sink)
+        self._methods = MethodHooks(self.error_policy)
         self.record_steps = record_steps
         self.samples: list[ShadowSample] = []
         self.step_ns: list[int] = []
         self.step_decode: list[bool] = []
-        self.errors = 0
         self._step_id = 0
         self._captures: dict[int, QueryCapture] = {}
-        self._lock = threading.Lock()
-        self._original = None
-        self._cls = None
+
+    @property
+    def sink(self) -> Sink:
+        return self.error_policy.sink
+
+    @property
+    def errors(self) -> int:
+        """Errors in the wrapped step (outside the runner's own), every one counted."""
+        return self.error_policy.total
 
     @property
     def installed(self) -> bool:
-        return self._original is not None
+        return bool(self._methods.installed)
 
     def install(self) -> "CBShadow":
         if self.installed:
             return self
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-        cls = ContinuousBatchingManager
-        self._cls = cls
-        self._original = cls.__dict__["_generation_step"]
-        shadow, original = self, self._original
+        shadow = self
 
-        def _generation_step(manager) -> None:
-            shadow._step(manager, original)
+        def make(original):
+            def _generation_step(manager) -> None:
+                shadow._step(manager, original)
+            return _generation_step
 
-        cls._generation_step = _generation_step
+        if not self._methods.replace(ContinuousBatchingManager, "_generation_step", make):
+            for status in self._methods.statuses():
+                self.error_policy.record(status)
         return self
 
     def uninstall(self) -> None:
         """Put the engine's method back, remove the query hooks, stop the runner's worker."""
-        if self._original is not None:
-            self._cls._generation_step = self._original
-            self._original = None
+        self._methods.restore()
         for capture in self._captures.values():
             capture.close()
         self._captures.clear()
         self.runner.close()
+        self.error_policy.report_totals()
 
     # ------------------------------------------------------------------ the wrapped step
 
@@ -199,14 +205,7 @@ class CBShadow:
         return capture
 
     def _failed(self, exc: BaseException) -> None:
-        with self._lock:
-            self.errors += 1
-            count = self.errors
-        try:
-            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
-                                            message=f"{type(exc).__name__}: {exc}"[:500], count=count))
-        except Exception:
-            pass
+        self.error_policy.failed(COLLECTOR, exc)
 
 
 DEFAULT_BUDGET_FRAC = 0.01

@@ -69,17 +69,16 @@ raise (fault injection, to check that vLLM keeps serving).
 from __future__ import annotations
 
 import atexit
-import inspect
 import os
 import threading
 import time
-from collections import Counter
 from typing import Any, Callable, Optional
 
+from kvdiag.hooks import HookErrors, MethodHooks, UsesHookErrors, step_phase
 from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
 from kvdiag.prefix_cache import fold_block_hash
-from kvdiag.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored, CollectorError,
-                           CollectorStatus, EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
+from kvdiag.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored,
+                           EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
                            RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted,
                            RequestScheduled, elapsed_ns)
 from kvdiag.sinks import NullSink, Sink
@@ -109,18 +108,16 @@ def fold_hash(key: Any) -> Optional[int]:
 # ------------------------------------------------------------------------------ hook plumbing
 
 
-class _Hooks:
+class _Hooks(UsesHookErrors):
     """The wrapped methods, the sink they record into, and their error counts."""
 
     def __init__(self) -> None:
-        self.sink: Sink = NullSink()
+        # the one error policy and method wrapping of engine adapters (kvdiag.hooks)
+        self.error_policy = HookErrors(NullSink(), COLLECTOR, clock_ns=_now)
+        self.methods = MethodHooks(self.error_policy, os.environ.get("KVDIAG_FAIL_HOOK", ""))
         # prompts as token ids (KVDIAG_RECORD_TOKENS=1) or chunk hashes under the log's salt
         self.record_token_ids = False
         self.content_salt: Optional[str] = None
-        self.installed: list[tuple[type, str, Callable]] = []  # (class, name, original)
-        self.skipped: dict[str, str] = {}  # hook -> why
-        self.errors: Counter[str] = Counter()
-        self.fail_hook = os.environ.get("KVDIAG_FAIL_HOOK", "")
         self.current_request: Optional[str] = None  # inside allocate_slots
         self.cached_tokens: dict[str, int] = {}  # request -> prefix hits at first admission
         self.scheduled: set[str] = set()  # requests given their first slots
@@ -138,64 +135,28 @@ class _Hooks:
         self.idle_stop = threading.Event()
         self.idle_thread: Optional[threading.Thread] = None
 
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Hooks not installed -> why."""
+        return self.methods.skipped
+
     def record(self, event) -> None:
         self.sink.record(event)
 
     def failed(self, hook: str, exc: BaseException) -> None:
-        self.errors[hook] += 1
-        if self.errors[hook] == 1 and isinstance(self.sink, NullSink):  # no agent to tell
-            import sys
-            print(f"kvdiag: vLLM plugin: {hook}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        if self.errors[hook] == 1:  # the first of a kind is told at once; the count at the end
-            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=f"{COLLECTOR}:{hook}",
-                                            message=f"{type(exc).__name__}: {exc}"))
+        """The error policy of :class:`kvdiag.hooks.HookErrors`: counted, the first of each
+        (hook, type) reported at once, never raised into vLLM."""
+        self.error_policy.failed(hook, exc)
 
     def wrap(self, cls: type, name: str, params: tuple[str, ...],
              after: Callable[..., None], before: Optional[Callable[..., Any]] = None) -> None:
-        """Wrap ``cls.name``: vLLM's method runs unchanged; ``before(self, *a, **kw)`` may take a
-        note first, ``after(note, result, self, *a, **kw)`` records. Skipped (and said) when the
-        method or one of ``params`` is missing."""
-        hook = f"{cls.__name__}.{name}"
-        original = cls.__dict__.get(name)
-        if original is None or not callable(original):
-            self.skipped[hook] = "no such method in this vLLM"
-            return
-        try:
-            have = set(inspect.signature(original).parameters)
-        except (TypeError, ValueError):
-            have = set()
-        missing = [p for p in params if p not in have]
-        if missing:
-            self.skipped[hook] = f"parameters {missing} not in this vLLM's signature"
-            return
-        hooks = self
-
-        def wrapper(obj, *args, **kwargs):
-            note = None
-            if before is not None:
-                try:
-                    note = before(obj, *args, **kwargs)
-                except Exception as exc:  # never into vLLM
-                    hooks.failed(hook, exc)
-            result = original(obj, *args, **kwargs)
-            try:
-                if hooks.fail_hook == name:
-                    raise RuntimeError(f"fault injected into {hook} (KVDIAG_FAIL_HOOK)")
-                after(note, result, obj, *args, **kwargs)
-            except Exception as exc:  # never into vLLM
-                hooks.failed(hook, exc)
-            return result
-
-        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-        wrapper.__name__ = getattr(original, "__name__", name)
-        wrapper.__doc__ = original.__doc__
-        setattr(cls, name, wrapper)
-        self.installed.append((cls, name, original))
+        """Wrap ``cls.name`` (:meth:`kvdiag.hooks.MethodHooks.wrap`): vLLM's method runs
+        unchanged; ``before(self, *a, **kw)`` may take a note first, ``after(note, result, self,
+        *a, **kw)`` records. Skipped (and said) when the method or one of ``params`` is missing."""
+        self.methods.wrap(cls, name, after, before, params)
 
     def unwrap(self) -> None:
-        for cls, name, original in reversed(self.installed):
-            setattr(cls, name, original)
-        self.installed.clear()
+        self.methods.restore()
 
 
 _HOOKS: Optional[_Hooks] = None
@@ -454,9 +415,8 @@ def _update_from_output(h: _Hooks):
             decode = sum(1 for n in per_request.values() if n == 1)
             total = int(sum(per_request.values()))
             prefill = total - decode
-            phase = "decode" if prefill == 0 else ("prefill" if decode == 0 else "mixed")
             h.step_id += 1
-            h.record(EngineStep(ts_ns=_now(), step_id=h.step_id, phase=phase,
+            h.record(EngineStep(ts_ns=_now(), step_id=h.step_id, phase=step_phase(prefill, decode),
                                 batch_size=len(per_request), num_tokens=total,
                                 duration_ns=time.perf_counter_ns() - started,
                                 prefill_tokens=prefill, decode_tokens=decode))
@@ -510,10 +470,7 @@ class VllmAdapter:
 
     def uninstall(self) -> None:
         self.hooks.idle_stop.set()
-        for hook, count in self.hooks.errors.items():
-            if count > 1:
-                self.hooks.sink.record(CollectorError(ts_ns=_now(), collector=f"{COLLECTOR}:{hook}",
-                                                      message=f"{count} errors in all", count=count))
+        self.hooks.error_policy.report_totals()
         self.hooks.sink = NullSink()
 
 
@@ -533,9 +490,8 @@ def _start_agent(h: _Hooks, sched) -> None:
                 **_kw) -> VllmAdapter:
         h.sink = sink
         h.record_token_ids, h.content_salt = bool(record_token_ids), content_salt
-        for hook, why in h.skipped.items():
-            sink.record(CollectorStatus(ts_ns=_now(), collector=f"{COLLECTOR}:{hook}", available=False,
-                                        hint=f"hook not installed: {why}"))
+        for status in h.methods.statuses(_now()):
+            sink.record(status)
         return VllmAdapter(h)
 
     try:

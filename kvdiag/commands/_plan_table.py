@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 from kvdiag.analysis.plan import Plan, formula
+from kvdiag.units import format_bytes
 
 
 def human_bytes(n: float) -> str:
     """Binary units (KiB, MiB, GiB, TiB) and, above a GB, the decimal figure too."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            text = f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-            break
-        value /= 1024
-    if n >= 1e12:
-        text += f" ({n / 1e12:.2f} TB)"
-    elif n >= 1e9:
-        text += f" ({n / 1e9:.1f} GB)"
-    return text
+    return format_bytes(n, 2, decimal_too=True)
 
 
 def print_plan(plan: Plan) -> None:

@@ -35,6 +35,7 @@ from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.commands import _demo_shadow
 from kvdiag.commands._server_process import ServerProcess, free_port
 from kvdiag.commands.fetch_model import resolve_with_progress
+from kvdiag.hit_rate import counts_toward_hit_rate, engine_token_hit_rate
 from kvdiag.model import ModelFetchError
 from kvdiag.paths import log_dir, runtime_dir
 from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished
@@ -129,8 +130,8 @@ class LiveStats:
 
     @property
     def prefix_hit_rate(self) -> Optional[float]:
-        """Prompt tokens served from the prefix cache / prompt tokens, over finished requests."""
-        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else None
+        """The engine's token hit rate (:mod:`kvdiag.hit_rate`) over the requests seen so far."""
+        return engine_token_hit_rate(self.prompt_tokens, self.cached_prompt_tokens)
 
     def follow(self, path: Path) -> None:
         """Read the agent's stream in a daemon thread until it closes."""
@@ -156,8 +157,9 @@ class LiveStats:
                 with self._idle:
                     self.arrived += 1
             elif isinstance(ev, RequestFinished):
-                self.prompt_tokens += ev.prompt_tokens
-                self.cached_prompt_tokens += ev.cached_prompt_tokens
+                if counts_toward_hit_rate(ev.status):
+                    self.prompt_tokens += ev.prompt_tokens
+                    self.cached_prompt_tokens += ev.cached_prompt_tokens
                 with self._idle:
                     self.finished += 1
                     self._idle.notify_all()

@@ -11,6 +11,8 @@ import sys
 from typing import Optional
 
 from kvdiag.commands._logs import add_input_arguments, skipped_lines, tell_skipped
+from kvdiag.hit_rate import engine_token_hit_rate
+from kvdiag.units import BYTE_UNITS, format_bytes
 
 DESCRIPTION = """\
 Replay a trace through shadow prefix caches and print hit rates per policy and capacity.
@@ -36,8 +38,6 @@ JSONL), vllm (KV events JSONL). A kvdiag log recorded by default holds salted ha
 rows are those the token ids would give.
 """
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def parse_capacity(text: str) -> tuple[Optional[int], Optional[int]]:
     if not m:
         raise ValueError(f"expected a capacity like 1000 (blocks), 4GiB, 500MB or unbounded, "
                          f"got {text!r}")
-    return None, int(float(m.group(1)) * _UNITS[m.group(2)])
+    return None, int(float(m.group(1)) * BYTE_UNITS[m.group(2)])
 
 
 def _grid(distinct: int, points: int = 24) -> list[int]:
@@ -297,7 +297,8 @@ def _replay_loaded(args, fmt, policies, caps, read):
     engine = None
     if trace.engine_cached_tokens is not None:
         known = trace.engine_cached_tokens >= 0
-        engine = trace.engine_cached_tokens[known].sum() / max(trace.prompt_tokens[known].sum(), 1)
+        engine = engine_token_hit_rate(int(trace.prompt_tokens[known].sum()),
+                                       int(trace.engine_cached_tokens[known].sum())) or 0.0
     info = {"source": trace.source, "format": trace.format, "requests": trace.requests,
             "block_refs": trace.block_refs, "distinct_blocks": trace.num_blocks,
             "block_size_tokens": trace.block_size_tokens,
@@ -394,15 +395,6 @@ def _pct(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:5.1f}%"
 
 
-def _bytes(n) -> str:
-    if n is None:
-        return "N/A"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def _print_table(info: dict, rows, curve: bool) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -419,7 +411,7 @@ def _print_table(info: dict, rows, curve: bool) -> None:
         for r in rows:
             cap = "unbounded" if r["capacity_blocks"] is None else str(r["capacity_blocks"])
             table.add_row(r["policy"], cap, _pct(r["block_hit_rate"]), _pct(r["token_hit_rate"]),
-                          _pct(r["request_hit_rate"]), _bytes(r["bytes_saved"]))
+                          _pct(r["request_hit_rate"]), format_bytes(r["bytes_saved"]))
         console.print(table)
     else:
         for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -505,7 +497,7 @@ def _run_tiers(args: argparse.Namespace, read) -> int:
 def _rate(x) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "N/A"
-    return _bytes(x) + "/s"
+    return format_bytes(x) + "/s"
 
 
 def _ms(x) -> str:
@@ -539,7 +531,7 @@ def _print_tiers(trace, res) -> None:
     console.print(f"all tiers: block hit {_pct(res.block_hit_rate)}, token hit "
                   f"{_pct(res.token_hit_rate)}; rates per second over the trace's span "
                   f"({'N/A' if res.span_s is None else f'{res.span_s:.1f} s'}); block "
-                  f"{_bytes(res.block_bytes)}")
+                  f"{format_bytes(res.block_bytes)}")
     if res.prefill_s_per_token is None:
         console.print("prefill cost: N/A (give --prefill-s-per-token, or a kvdiag log with "
                       "engine steps)")

@@ -111,9 +111,13 @@ def run(args) -> int:
     if args.log:
         from kvdiag.eventlog import LogWriter, make_header
 
+        from kvdiag.kv_shape import kv_bytes_per_token
+
         cfg = model.config
+        bytes_per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                             cfg.head_dim, "fp32")  # the model runs in fp32 on the CPU
         writer = LogWriter(args.log, make_header(engine="transformers-inprocess", model=path,
-                                                 bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4))
+                                                 bytes_per_token=bytes_per_token))
     sink = FanoutSink([memory] + ([writer] if writer else []))
     if args.delta:
         return _run_delta(args, model, tokenizer, sink, memory, writer)

@@ -30,10 +30,9 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvdiag.schema import BlockHash
+from kvdiag.schema import MASK63, BlockHash
 
 ALGORITHMS = ("fast", "blake2b", "sha256")
-MASK63 = (1 << 63) - 1
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -35,8 +35,11 @@ head's query heads, O = p V; ``encode_ns``/``decode_ns`` = the layer's encode/de
 divided by the number of kv heads. Locality of the exact probabilities (last query) is emitted
 as :class:`ShadowLocality` events when ``locality`` is on.
 
-Exceptions inside shadow work are caught per method and layer, counted in ``errors`` and
-emitted as :class:`CollectorError` (``collector="shadow:<method>"``); they never propagate.
+Exceptions inside shadow work are caught per method and layer and handled by the one error
+policy of :mod:`kvdiag.hooks`: every one counted in ``errors``, the first of each (place,
+exception type) emitted as :class:`~kvdiag.schema.CollectorError`
+(``collector="shadow:<method>"``), each place's total at :meth:`ShadowRunner.close`; they never
+propagate.
 Live tensors are only read (cloned) and never written.
 """
 
@@ -44,17 +47,17 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Sequence as SequenceABC
-import random
 import threading
 import time
-from collections import Counter
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from kvdiag.hooks import HookErrors, UsesHookErrors
 from kvdiag.kernels.attention import attention_probs, locality_events
 from kvdiag.kernels.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
-from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression
+from kvdiag.kernels.shadow_budget import Budget
+from kvdiag.schema import ShadowBudget, ShadowCompression
 from kvdiag.sinks import NullSink, Sink
 
 LayersKV = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -98,14 +101,13 @@ BUDGET_REPORT_S = 5.0  # most seconds between two ShadowBudget events while step
 # tokens of the warm-up's random KV beyond the methods' full-precision windows: whole groups (of
 # up to 256 tokens) and a partial one, so that every kernel a live step calls is compiled
 WARM_UP_TOKENS = 300
-_EWMA_WEIGHT = 0.1  # weight of the newest value in the per-step and per-run cost averages
+def _budget_attr(name: str, doc: str) -> property:
+    """A :class:`ShadowRunner` attribute kept in its :class:`Budget`."""
+    return property(lambda self: getattr(self.budget, name),
+                    lambda self, value: setattr(self.budget, name, value), doc=doc)
 
 
-def _ewma(avg: Optional[float], x: float) -> float:
-    return x if avg is None else avg + _EWMA_WEIGHT * (x - avg)
-
-
-class ShadowRunner:
+class ShadowRunner(UsesHookErrors):
     """See the module docstring. ``scaling``: softmax scale (head_dim ** -0.5 when None)."""
 
     def __init__(self, sink: Sink, methods: Union[str, Sequence[str], Sequence[Method]] = DEFAULT_METHODS,
@@ -113,13 +115,13 @@ class ShadowRunner:
                  max_batch: int = 1, scaling: Optional[float] = None, seed: int = 0,
                  cpu_clock: Optional[CpuClock] = None, background: bool = False,
                  layers_per_run: Optional[int] = None) -> None:
-        self.sink = sink
+        # the one error policy of code run inside an engine (kvdiag.hooks): errors per place
+        self.error_policy = HookErrors(sink)
         if isinstance(methods, str):
             self.methods = parse_methods(methods)
         else:
             self.methods = [m if isinstance(m, Method) else parse_method(m) for m in methods]
-        self.sample_rate = sample_rate  # the ceiling
-        self.budget_frac = budget_frac
+        self.budget = Budget(sample_rate, budget_frac, seed)  # which steps are measured
         self.locality = locality
         self.max_batch = max_batch
         if layers_per_run is not None and layers_per_run < 1:
@@ -127,22 +129,9 @@ class ShadowRunner:
         self.layers_per_run = layers_per_run
         self.scaling = scaling
         self.cpu = cpu_clock or CpuClock()
-        self._rng = random.Random(seed)
-        self._t0_ns: Optional[int] = None  # process CPU at the first offered step
-        self._last_offer_ns = 0
-        self._spent_at_last_offer_ns = 0
-        self.engine_step_ns: Optional[float] = None  # moving average: engine CPU per offered step
-        self.run_ns: Optional[float] = None  # moving average: shadow CPU per sampled step
-        self.rate = sample_rate  # the rate in force
-        self.spent_ns = 0
-        self._pending_ns = 0  # shadow CPU of the run in progress (the copy, before the worker's part)
-        self._runs_costed = 0
         self._last_report_ns = time.monotonic_ns()
         self.runs = 0
-        self.skipped_budget = 0
-        self.offered = 0  # should_sample calls: decode steps offered for sampling
         self.sampled = 0
-        self.errors: Counter[str] = Counter()
         self.dropped = 0  # sampled steps not measured because the worker was still busy
         self._lock = threading.Lock()
         self._queue: Optional[queue.Queue] = queue.Queue(maxsize=1) if background else None
@@ -151,42 +140,34 @@ class ShadowRunner:
             self._thread = threading.Thread(target=self._work, name="kvdiag-shadow", daemon=True)
             self._thread.start()
 
+    sample_rate = _budget_attr("sample_rate", "The sampling rate's ceiling.")
+    budget_frac = _budget_attr("budget_frac", "Shadow CPU allowed per engine CPU (None: no budget).")
+    rate = _budget_attr("rate", "The sampling rate in force.")
+    spent_ns = _budget_attr("spent_ns", "Shadow CPU so far, ns.")
+    run_ns = _budget_attr("run_ns", "Moving average of the shadow CPU per run, ns.")
+    engine_step_ns = _budget_attr("engine_step_ns", "Moving average of the engine CPU per offered step, ns.")
+    offered = _budget_attr("offered", "Steps offered for sampling (should_sample calls).")
+    skipped_budget = _budget_attr("skipped_budget", "Steps drawn but skipped by the budget guard.")
+
     # ------------------------------------------------------------ sampling
 
     def engine_ns(self, now_ns: Optional[int] = None) -> int:
         """CPU the process spent outside shadow work since the first offered step."""
-        if self._t0_ns is None:
-            return 0
-        now = self.cpu.process_ns() if now_ns is None else now_ns
-        return max(now - self._t0_ns - self.spent_ns, 0)
+        return self.budget.engine_ns(self.cpu.process_ns() if now_ns is None else now_ns)
 
     def target_rate(self) -> float:
         """The sampling rate the budget allows now, at most ``sample_rate``."""
-        if self.budget_frac is None or not self.run_ns or self.engine_step_ns is None:
-            return self.sample_rate
-        return min(self.sample_rate, self.budget_frac * self.engine_step_ns / self.run_ns)
+        return self.budget.target_rate()
 
     def should_sample(self) -> bool:
-        """Decide whether the coming step is sampled (adapted rate, then the budget guard)."""
+        """Decide whether the coming step is sampled (:meth:`Budget.offer` at the process CPU
+        now); the budget is reported at least every :data:`BUDGET_REPORT_S` seconds."""
         now = self.cpu.process_ns()
         with self._lock:
-            spent = self.spent_ns
-        if self._t0_ns is None:
-            self._t0_ns = self._last_offer_ns = now
-        else:
-            step = now - self._last_offer_ns - (spent - self._spent_at_last_offer_ns)
-            self.engine_step_ns = _ewma(self.engine_step_ns, max(step, 0))
-        self._last_offer_ns, self._spent_at_last_offer_ns = now, spent
-        self.offered += 1
-        self.rate = self.target_rate()
+            sampled = self.budget.offer(now)
         if time.monotonic_ns() - self._last_report_ns >= BUDGET_REPORT_S * 1e9:
             self.report_budget()
-        if self._rng.random() >= self.rate:
-            return False
-        if self.budget_frac is not None and spent + (self.run_ns or 0) > self.budget_frac * self.engine_ns(now):
-            self.skipped_budget += 1
-            return False
-        return True
+        return sampled
 
     def maybe_run(self, step_id: int, layers_kv: Union[LayersKV, Callable[[], LayersKV]],
                   queries: Union[Queries, Callable[[], Queries]], sampled: Optional[bool] = None) -> bool:
@@ -235,19 +216,9 @@ class ShadowRunner:
             self._error("shadow", exc)
 
     def _account(self, ns: int, run_done: bool) -> None:
-        """Add ``ns`` of shadow CPU; a finished run (inline, or the worker's measurement plus
-        the caller's copy before it) updates the per-run average."""
+        """Add ``ns`` of shadow CPU (:meth:`Budget.account`; the worker thread calls too)."""
         with self._lock:
-            ns = max(ns, 0)
-            self.spent_ns += ns
-            self._pending_ns += ns
-            if run_done:
-                self._runs_costed += 1
-                # the first run pays one-time costs (lazy imports, kernels compiled or loaded):
-                # it counts as spent, but the estimate starts with the second
-                if self._runs_costed > 1:
-                    self.run_ns = _ewma(self.run_ns, self._pending_ns)
-                self._pending_ns = 0
+            self.budget.account(ns, run_done)
 
     # ------------------------------------------------------------ background worker
 
@@ -279,6 +250,7 @@ class ShadowRunner:
             self._thread = None
         if self.offered:
             self.report_budget()
+        self.error_policy.report_totals()
 
     # ------------------------------------------------------------ measurement
 
@@ -376,14 +348,9 @@ class ShadowRunner:
                 encode_ns=enc_ns, decode_ns=dec_ns))
 
     def _error(self, collector: str, exc: Exception) -> None:
-        with self._lock:
-            self.errors[collector] += 1
-            count = self.errors[collector]
-        try:
-            self.sink.record(CollectorError(ts_ns=time.time_ns(), collector=collector,
-                                            message=f"{type(exc).__name__}: {exc}"[:500], count=count))
-        except Exception:
-            pass
+        """:class:`kvdiag.hooks.HookErrors`: counted, the first of each (place, type) reported,
+        each place's total at :meth:`close`; never raised."""
+        self.error_policy.failed(collector, exc)
 
 
 def _rel_err(x: torch.Tensor, x_hat: torch.Tensor, dims) -> torch.Tensor:

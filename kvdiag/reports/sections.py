@@ -24,6 +24,7 @@ from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
 from kvdiag.analysis.requests import request_table
+from kvdiag.hit_rate import counted, frame_hit_rate
 from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
                            ShadowBudget, ShadowCompression, ShadowDelta, ShadowLocality, ShadowLogits,
                            ShadowSharing)
@@ -85,7 +86,7 @@ def per_node(logs: Logs, lat: pd.DataFrame) -> pd.DataFrame:
         r = lat[(lat["node"] == node) & (lat["status"] == "finished")]
         o = occ[occ["node"] == node]
         row = {"node": node, "requests": len(r),
-               "hit_rate_pct": round(100 * r["cached_prompt_tokens"].sum() / max(r["prompt_tokens"].sum(), 1), 1)}
+               "hit_rate_pct": round(100 * (frame_hit_rate(r) or 0.0), 1)}
         for col, name in (("ttft_ns", "ttft"), ("per_token_ns", "per_token")):
             v = r[col].dropna().to_numpy()
             for q in (0.5, 0.99):
@@ -213,14 +214,14 @@ def sharing(logs: Logs, t0: int, req: pd.DataFrame) -> Section:
     sec = Section("sharing", "Prefix sharing",
                   "How much does prefix sharing save on our traffic, and what would other sizes, "
                   "capacities and policies save?")
-    done = req[req["prompt_tokens"] > 0]
+    done = counted(req[req["prompt_tokens"] > 0])
     if len(done):
         w = latency.quantiles_over_time(pd.DataFrame({"ts_ns": done["finished_ns"], "value_ns": 0.0}), 20)
         edges = np.r_[w["window_start_ns"].to_numpy(), w["window_end_ns"].to_numpy()[-1:]] if len(w) else []
         if len(edges):
             which = np.clip(np.searchsorted(edges, done["finished_ns"].to_numpy(), side="right") - 1, 0, len(w) - 1)
             g = done.assign(win=which).groupby("win")
-            hr = (g["cached_prompt_tokens"].sum() / g["prompt_tokens"].sum() * 100).rename("hit_rate_pct")
+            hr = pd.Series({win: 100 * frame_hit_rate(part) for win, part in g}, name="hit_rate_pct")
             hr = pd.DataFrame({"time_s": _secs(w["window_end_ns"].to_numpy()[hr.index], t0),
                                "hit_rate_pct": hr.to_numpy().round(1), "requests": g.size().to_numpy()})
             sec.blocks.append(Chart("Engine token hit rate over time (cached prompt tokens / prompt tokens)",

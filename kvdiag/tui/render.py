@@ -8,20 +8,16 @@ from typing import Optional, Sequence
 from rich.style import Style
 from rich.text import Text
 
+from kvdiag.units import format_bytes
+
 NA = "N/A"
 SPARKS = "▁▂▃▄▅▆▇█"
 SHADES = " ░▒▓█"
 
 
 def fmt_bytes(n: Optional[float]) -> str:
-    """Binary units, 3 significant digits: 1.23G, 456M, 12.0K."""
-    if n is None:
-        return NA
-    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if abs(n) >= scale:
-            v = n / scale
-            return f"{v:.3g}{unit}" if v < 100 else f"{v:.0f}{unit}"
-    return f"{int(n)}B"
+    """Binary units, 3 significant digits: 1.23G, 456M, 12.0K (:func:`kvdiag.units.format_bytes`)."""
+    return format_bytes(n, compact=True)
 
 
 def fmt_pct(x: Optional[float], digits: int = 1) -> str:

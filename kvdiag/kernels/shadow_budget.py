@@ -1,0 +1,93 @@
+"""The shadow's CPU budget: which offered engine steps get measured. Pure: no threads, no
+tensors, no clock of its own; the caller passes CPU times in, so tests drive it exactly.
+
+Rules (``kvdiag.kernels.shadow`` runs the measurements they allow):
+
+- every offered step updates the engine's CPU per step, an EWMA of (process CPU since the
+  last offer - shadow CPU spent in between);
+- the rate in force is ``min(sample_rate, budget_frac x engine CPU per step / shadow CPU per
+  run)`` once both are known (``sample_rate`` before, and always without a budget);
+- a step is drawn with that rate, then skipped (``skipped_budget``) when the shadow CPU spent
+  plus one more run would exceed ``budget_frac`` x the engine's CPU since the first offer;
+- a run's cost (the copy and the measurement, in one or two parts) enters the per-run EWMA
+  when it is done; the first run's does not (one-time costs: imports, compiled kernels), though
+  it counts as spent.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+EWMA_WEIGHT = 0.1
+"""Weight of the newest value in the per-step and per-run cost averages."""
+
+
+def ewma(avg: Optional[float], x: float) -> float:
+    """The moving average after ``x`` (``x`` itself first)."""
+    return x if avg is None else avg + EWMA_WEIGHT * (x - avg)
+
+
+class Budget:
+    """The sampling decision and the CPU accounting (module docstring). CPU times in ns of
+    process CPU; not thread-safe: the runner calls it under its lock."""
+
+    def __init__(self, sample_rate: float = 0.05, budget_frac: Optional[float] = 0.02,
+                 seed: int = 0) -> None:
+        self.sample_rate = sample_rate  # the ceiling
+        self.budget_frac = budget_frac  # None: no budget, the ceiling alone
+        self._rng = random.Random(seed)
+        self._t0_ns: Optional[int] = None  # process CPU at the first offered step
+        self._last_offer_ns = 0
+        self._spent_at_last_offer_ns = 0
+        self.engine_step_ns: Optional[float] = None  # moving average: engine CPU per offered step
+        self.run_ns: Optional[float] = None  # moving average: shadow CPU per sampled step
+        self.rate = sample_rate  # the rate in force
+        self.spent_ns = 0  # shadow CPU so far
+        self._pending_ns = 0  # shadow CPU of the run in progress (the copy, before the worker's part)
+        self._runs_costed = 0
+        self.offered = 0  # steps offered for sampling
+        self.skipped_budget = 0  # drawn, but skipped by the budget guard
+
+    def engine_ns(self, now_ns: int) -> int:
+        """Process CPU outside shadow work from the first offered step to ``now_ns``."""
+        if self._t0_ns is None:
+            return 0
+        return max(now_ns - self._t0_ns - self.spent_ns, 0)
+
+    def target_rate(self) -> float:
+        """The sampling rate the budget allows now, at most ``sample_rate``."""
+        if self.budget_frac is None or not self.run_ns or self.engine_step_ns is None:
+            return self.sample_rate
+        return min(self.sample_rate, self.budget_frac * self.engine_step_ns / self.run_ns)
+
+    def offer(self, now_ns: int) -> bool:
+        """A step offered at process CPU ``now_ns``: update the estimates and the rate, draw,
+        apply the guard; True when the step is to be measured."""
+        spent = self.spent_ns
+        if self._t0_ns is None:
+            self._t0_ns = self._last_offer_ns = now_ns
+        else:
+            step = now_ns - self._last_offer_ns - (spent - self._spent_at_last_offer_ns)
+            self.engine_step_ns = ewma(self.engine_step_ns, max(step, 0))
+        self._last_offer_ns, self._spent_at_last_offer_ns = now_ns, spent
+        self.offered += 1
+        self.rate = self.target_rate()
+        if self._rng.random() >= self.rate:
+            return False
+        if self.budget_frac is not None and spent + (self.run_ns or 0) > self.budget_frac * self.engine_ns(now_ns):
+            self.skipped_budget += 1
+            return False
+        return True
+
+    def account(self, ns: int, run_done: bool) -> None:
+        """Add ``ns`` of shadow CPU; a finished run (all its parts) updates the per-run
+        average, from the second run on."""
+        ns = max(ns, 0)
+        self.spent_ns += ns
+        self._pending_ns += ns
+        if run_done:
+            self._runs_costed += 1
+            if self._runs_costed > 1:
+                self.run_ns = ewma(self.run_ns, self._pending_ns)
+            self._pending_ns = 0
