@@ -20,7 +20,10 @@ per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
 
 And one row per batch of the engine's KV-event stream (frame :data:`KV_BATCHES_TAG`: the
 ``seq`` and ``ts_ns`` of consecutive ``prefix_cache_*`` events, with their count), from which
-:func:`kvdiag.analysis.doctor.kv_event_gaps` counts batches received.
+:func:`kvdiag.analysis.doctor.kv_event_gaps` counts batches received; and the stream's health
+(frame :data:`KV_HEALTH_TAG`, one row: :class:`kvdiag.kv_stream_health.StreamHealthCounts`,
+the pool size from ``KVPoolInfo`` or the engine's ``EngineMetrics.num_blocks``) for
+:func:`kvdiag.analysis.doctor.kv_stream_health`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ import pandas as pd
 
 from kvdiag import schema as s
 from kvdiag.blockledger import BlockLedger
+from kvdiag.kv_stream_health import StreamHealth, StreamHealthCounts
 
 FACTS_TAG = "block_facts"
 KV_BATCHES_TAG = "kv_event_batches"
+KV_HEALTH_TAG = "kv_stream_health"
+KV_HEALTH_COLUMNS = list(StreamHealthCounts.__dataclass_fields__)
+"""Columns of the health row (one per node with KV events; ``ts_ns``: its ``last_ts_ns``)."""
 FACTS_COLUMNS = ["ts_ns", "kind", "blocks_held", "active_allocated", "active_hits", "evictions"]
 KV_BATCHES_COLUMNS = ["ts_ns", "seq", "events"]
 RING_BLOCK_EVENTS = 65_536
@@ -73,6 +80,7 @@ class BlockFacts:
         self.rows: dict[str, array] = {c: array(code) for c, code in zip(FACTS_COLUMNS, "qbdiii")}
         self.batches: dict[str, array] = {c: array("q") for c in KV_BATCHES_COLUMNS}
         self._batch: Optional[tuple[int, int]] = None
+        self.health = StreamHealth()
 
     # ---------------------------------------------------------------- per event
 
@@ -135,7 +143,13 @@ class BlockFacts:
         self._row(ev.ts_ns, _POOL)
 
     def kv_event(self, ev) -> None:
-        """A ``prefix_cache_*`` event: counted in its batch's row."""
+        """A ``prefix_cache_*`` event: counted in its batch's row and folded into
+        :attr:`health` (a duplicate batch's events count in neither)."""
+        if self.health.counts_pool is None and self.ledger.num_blocks:
+            self.health.set_pool_blocks(self.ledger.num_blocks)
+        if (ev.seq, ev.ts_ns) != self._batch and not self.health.batch(ev.seq, ev.ts_ns):
+            return
+        self.health.event(ev)
         key = (ev.seq, ev.ts_ns)
         if key != self._batch:
             self._batch = key
@@ -194,11 +208,13 @@ class BlockFacts:
 
     def frames(self, node: str) -> dict[str, pd.DataFrame]:
         """The rows so far as frames (with ``node``), keyed by their tags."""
-        return frames(*self.copy_rows(), node)
+        return frames(*self.copy_rows(), node, health=self.health.counts)
 
 
-def frames(rows: dict[str, array], batches: dict[str, array], node: str) -> dict[str, pd.DataFrame]:
-    """Frames of rows copied by :meth:`BlockFacts.copy_rows`."""
+def frames(rows: dict[str, array], batches: dict[str, array], node: str,
+           health: Optional[StreamHealthCounts] = None) -> dict[str, pd.DataFrame]:
+    """Frames of rows copied by :meth:`BlockFacts.copy_rows` (and the stream health, when
+    given and the stream had events)."""
     facts = pd.DataFrame({c: (np.frombuffer(v, dtype=_DTYPES[v.typecode]) if len(v) else
                               np.array([], dtype=_DTYPES[v.typecode])).astype(
                                   "float64" if v.typecode == "d" else "int64")
@@ -207,20 +223,24 @@ def frames(rows: dict[str, array], batches: dict[str, array], node: str) -> dict
     out = pd.DataFrame({c: np.frombuffer(v, dtype="int64") if len(v) else np.array([], dtype="int64")
                         for c, v in batches.items()}, columns=KV_BATCHES_COLUMNS)
     facts["node"], out["node"] = node, node
-    return {FACTS_TAG: facts, KV_BATCHES_TAG: out}
+    rows_h = [health.as_dict()] if health is not None and health.events else []
+    h = pd.DataFrame(rows_h, columns=KV_HEALTH_COLUMNS)
+    h["ts_ns"], h["node"] = h["last_ts_ns"].astype("int64"), node  # windows cut rows by ts_ns
+    return {FACTS_TAG: facts, KV_BATCHES_TAG: out, KV_HEALTH_TAG: h}
 
 
 _RANK = {cls: 0 for cls in (s.RequestArrived, s.KVPoolInfo, *BLOCK_EVENTS, s.RequestFinished)}
 _RANK.update({s.EngineStep: 1, s.KVPoolSample: 1})
 
 
-def fold(events: Iterable[s.Event]) -> BlockFacts:
+def fold(events: Iterable[s.Event], pool_blocks: Optional[int] = None) -> BlockFacts:
     """A fresh ledger and :class:`BlockFacts` over ``events`` of one node, taken in time order
     with a step or pool sample after the block and request events of its instant (the offline
-    path: the doctor's)."""
-    ordered = sorted(events, key=lambda ev: (ev.ts_ns, _RANK.get(type(ev), 0)))
+    path: the doctor's); ``pool_blocks``: the pool size when no ``KVPoolInfo`` gives it."""
+    ordered = sorted(events, key=lambda ev: (ev.ts_ns, _RANK.get(type(ev), 0), getattr(ev, "seq", 0)))
     ledger = BlockLedger()
     facts = BlockFacts(ledger)
+    facts.health.set_pool_blocks(pool_blocks)  # an engine seen from outside: its cache config
     for ev in ordered:
         t = type(ev)
         if t in KV_EVENTS:

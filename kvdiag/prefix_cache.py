@@ -26,6 +26,10 @@ VLLM_KV_EVENTS_COLLECTOR = "vllm-kv-events"
 """``collector`` of the subscriber's health events; its ``CollectorGap.dropped_events`` counts
 lost *batches* (one per engine step with cache changes), not events."""
 
+DUPLICATE_BATCH_MESSAGE = "duplicate KV event batches dropped"
+"""Start of the subscriber's ``CollectorError`` message counting the duplicate batches it
+dropped (``count``); the doctor's ``kv_events.health`` adds them."""
+
 VLLM_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _ARRAY_FIELDS = {  # field order of the array form (older vLLM: array_like tagged structs)
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -65,6 +69,34 @@ def vllm_event_dict(ev: object) -> dict:
     if isinstance(ev, dict) and ev.get("type") in VLLM_TAGS:
         return ev
     raise ValueError("expected a vLLM KV event (BlockStored, BlockRemoved or AllBlocksCleared)")
+
+
+MEDIUM_TIERS: dict[str, int] = {"GPU": 0, "CPU": 1, "CPU_PINNED": 1, "CPU_TIER1": 1,
+                                "CPU_TIER2": 2, "DISK": 2, "LOCAL_DISK": 2, "EXTERNAL": 3}
+"""Tier of a ``medium`` as publishers name it: 0 device memory (vLLM and SGLang ``GPU``), 1 host
+memory (vLLM ``CPU``, SGLang ``CPU_PINNED``, older SGLang ``CPU_TIER1``), 2 disk (SGLang
+``DISK``, older ``CPU_TIER2``), 3 a shared or remote pool (SGLang ``EXTERNAL``: Mooncake,
+LMCache). Unlisted names: :func:`medium_tier` returns None."""
+
+
+def medium_tier(medium: Optional[str]) -> Optional[int]:
+    """The tier of a published ``medium`` (:data:`MEDIUM_TIERS`; no medium: 0, the engine's
+    own device pool, which is what publishers that omit it mean)."""
+    if medium is None:
+        return 0
+    return MEDIUM_TIERS.get(medium.upper())
+
+
+def plain_token_ids(tokens: object) -> list:
+    """Token ids of a ``BlockStored`` as a list of ints, or ``[]`` where the publisher sent none
+    (absent, null) or not plain ids (SGLang's bigram pages are pairs): the keys still count, the
+    content is not kept. Raises ValueError for an int out of range."""
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in tokens):
+        return []
+    for i, t in enumerate(tokens):
+        checked_int(t, f"BlockStored.token_ids[{i}]", optional=False)
+    return tokens
 
 
 UINT64_MAX = 2**64 - 1
@@ -119,6 +151,10 @@ def schema_event(ev: dict, ts_ns: int, seq: int) -> Event:
     """A :func:`vllm_event_dict` as the schema's ``PrefixCache*`` event (hashes folded by
     :func:`fold_block_hash`), every field checked: ints within their ranges (token ids,
     block size, group and LoRA ids non-negative, within int64), hashes as vLLM defines them.
+    Every publisher of this wire format is read (vLLM, SGLang, and LMCache or Mooncake through
+    them): fields kvdiag does not keep (``lora_name``, ``extra_keys``, SGLang's ``cache_salt``
+    and ``session_id``, vLLM's ``locality``) are accepted and dropped; token ids absent, null
+    or not plain ids (SGLang's bigram pages) leave ``token_ids`` empty, the keys still count.
     Raises ValueError ``Kind.field: expected ...``."""
     kind = ev["type"]
     if kind == "AllBlocksCleared":
@@ -136,13 +172,12 @@ def schema_event(ev: dict, ts_ns: int, seq: int) -> Event:
                                   group_idx=group)
     parent = ev.get("parent_block_hash")
     parent_key = None if parent is None else _hash(parent, "BlockStored.parent_block_hash")
-    tokens = ev.get("token_ids")
-    if not isinstance(tokens, list):
-        raise ValueError(f"BlockStored.token_ids: expected a list, found {_show(tokens)}")
-    for i, t in enumerate(tokens):
-        checked_int(t, f"BlockStored.token_ids[{i}]", optional=False)
-    block_size = checked_int(ev.get("block_size"), "BlockStored.block_size", lo=1, optional=False)
-    checked_int(ev.get("lora_id"), "BlockStored.lora_id")
+    tokens = plain_token_ids(ev.get("token_ids"))
+    block_size = checked_int(ev.get("block_size"), "BlockStored.block_size", lo=1,
+                             optional=not tokens) or 0
+    lora = ev.get("lora_id")
+    if not isinstance(lora, str):  # vLLM: an int; SGLang's adapter ids are uuid strings
+        checked_int(lora, "BlockStored.lora_id")
     return PrefixCacheStored(ts_ns=ts_ns, seq=seq, block_hashes=keys, parent_hash=parent_key,
                              token_ids=tokens, block_size_tokens=block_size, medium=medium,
                              group_idx=group)

@@ -58,6 +58,9 @@ def decode_batch(payload: bytes, seq: int) -> tuple[float, list, list[Event], Op
         obj = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise MalformedBatch(f"seq {seq}: not msgpack ({exc})") from None
+    if isinstance(obj, dict):  # a batch encoded as a map (not array_like): same fields
+        rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
+        obj = [obj.get("ts"), obj.get("events")] + ([rank] if rank is not None else [])
     if not isinstance(obj, list) or len(obj) not in (2, 3) or not isinstance(obj[1], list):
         raise MalformedBatch(f"seq {seq}: expected a batch [ts, [events], dp_rank?]")
     try:
