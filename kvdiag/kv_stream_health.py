@@ -117,6 +117,11 @@ class StreamHealth:
         """The pool size in blocks the balance check uses (None: unknown)."""
         return self._n["pool_blocks"]
 
+    def seen(self, seq: int) -> bool:
+        """Whether ``seq`` was received since the last restart (among the latest
+        :data:`RECENT_SEQS`): a seq that goes back to one of them is a duplicate."""
+        return seq in self._recent_set
+
     # ---------------------------------------------------------------- batches
 
     def batch(self, seq: int, ts_ns: int) -> bool:

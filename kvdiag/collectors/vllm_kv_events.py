@@ -36,7 +36,9 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag.prefix_cache import (INT64_MAX, VLLM_KV_EVENTS_COLLECTOR, PrefixCacheTally,
+from kvdiag.kv_stream_health import StreamHealth
+from kvdiag.prefix_cache import (DUPLICATE_BATCH_MESSAGE, INT64_MAX, VLLM_KV_EVENTS_COLLECTOR,
+                                 PrefixCacheTally,
                                  SeqTracker, batch_ts_ns, checked_int, schema_event,
                                  vllm_event_dict)
 from kvdiag.schema import CollectorError, CollectorGap, CollectorStatus, Event
@@ -96,14 +98,24 @@ class KVEventSubscriber:
     (malformed messages plus sink or file failures). ``tally`` counts stored, duplicate,
     removed and cleared blocks (:class:`kvdiag.prefix_cache.PrefixCacheTally`).
     ``replay_history``: on the first batch, also ask the replay endpoint for everything
-    before it (a subscriber that joined a running engine learns what its cache holds)."""
+    before it (a subscriber that joined a running engine learns what its cache holds).
+
+    Any publisher of the wire format (vLLM, SGLang; LMCache and Mooncake publish through
+    them): ``publisher`` names it (``kvdiag attach`` writes it in its ``CollectorStatus``). ``health`` folds the
+    stream (:class:`kvdiag.kv_stream_health.StreamHealth`); a batch whose seq was already
+    received (a duplicate) is dropped, not recorded, and counted in ``duplicate_batches``
+    (one ``CollectorError`` at stop)."""
 
     def __init__(self, endpoint: str, sink: Sink, topic: str = "",
                  replay_endpoint: Optional[str] = None,
                  raw_path: Optional[str | os.PathLike] = None, *, bind: bool = False,
                  replay_history: bool = False,
-                 replay_timeout_s: float = 1.0, poll_interval_s: float = 0.1) -> None:
+                 replay_timeout_s: float = 1.0, poll_interval_s: float = 0.1,
+                 publisher: str = "vllm", pool_blocks: Optional[int] = None) -> None:
         self.endpoint = endpoint
+        self.publisher = publisher
+        self.health = StreamHealth(pool_blocks)
+        self.duplicate_batches = 0
         self.bind = bind  # listen on endpoint (vLLM connects to a non-wildcard address)
         self.sink = sink
         self.topic = topic
@@ -149,6 +161,10 @@ class KVEventSubscriber:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.duplicate_batches:
+            self._record(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
+                                        message=f"{DUPLICATE_BATCH_MESSAGE}: seqs received twice",
+                                        count=self.duplicate_batches))
         if self.malformed > 1:
             self._record(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
                                         message=f"{self.malformed} undecodable KV event batches "
@@ -223,6 +239,10 @@ class KVEventSubscriber:
             self._malformed(f"seq {seq}: expected a sequence number 0..{INT64_MAX}")
             return
         expected = self._seq.expected
+        if expected is not None and seq < expected and self.health.seen(seq):
+            self.duplicate_batches += 1  # already received: not a restart, not recorded again
+            self.health.batch(seq, 0)
+            return
         step, _ = self._seq.observe(seq)
         if step == "first" and self.replay_history and self.replay_endpoint and seq > 0:
             self._fill(0, seq, report=False)
@@ -293,6 +313,9 @@ class KVEventSubscriber:
             return
         ts_ns = int(ts * 1e9)
         self._flush_gap(ts_ns)
+        if not self.health.batch(seq, ts_ns):
+            self.duplicate_batches += 1
+            return
         self.batches += 1
         line = {"seq": seq, "ts": ts, "events": _jsonable(raw)}
         if rank is not None:
@@ -300,6 +323,7 @@ class KVEventSubscriber:
         self._write_raw(line)
         for ev in events:
             self.tally.feed(ev)
+            self.health.event(ev)
             if self._record(ev):
                 self.events += 1
         self._last_ts_ns = ts_ns
