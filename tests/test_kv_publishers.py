@@ -280,3 +280,65 @@ trtllm_prompt_cached_tokens_total{model_name="m",engine_type="trtllm"} 300
     m = engine_metrics(parse_prometheus(trt))
     assert (m.num_requests_running, m.kv_cache_usage, m.num_blocks, m.block_size_tokens) == (4, 0.5, 1024, 32)
     assert (m.prefix_cache_queries_tokens, m.prefix_cache_hits_tokens) == (900, 300)
+
+
+# ---------------------------------------------------------------- attach --kv-events
+
+
+def test_attach_kv_events_reads_sglangs_stream_and_names_the_publisher(tmp_path):
+    """``kvdiag attach PID --kv-events tcp://*:PORT`` on a process that is no recognised
+    engine: it connects to the endpoint (a wildcard: the publisher binds), and the SGLang
+    publisher's recorded bytes, sent once the subscription is seen (XPUB), arrive whole."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import zmq
+
+    from kvdiag.eventlog import iter_events
+    from kvdiag.schema import CollectorStatus
+
+    ctx = zmq.Context()
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.LINGER, 0)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    target = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    out = tmp_path / "attach.kvlog"
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(target.pid), "--duration", "120",
+                             "--no-pyspy", "--json", "--out", str(out), "--kv-events", f"tcp://*:{port}",
+                             "--kv-events-publisher", "sglang"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert xpub.poll(60_000), "attach never subscribed"
+        assert xpub.recv()[:1] == b"\x01"  # the subscription message
+        msgs = recorded("sglang")
+        for frames in msgs:
+            xpub.send_multipart(frames)
+        raw = out.with_name(out.name + ".kvevents.jsonl")
+        deadline = time.monotonic() + 60
+        while not (raw.exists() and len(raw.read_text().splitlines()) == len(msgs)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        target.stdin.close()
+        target.wait(10)
+        ctx.destroy(0)
+    assert proc.returncode == 0, stderr
+    events = list(iter_events(out))
+    status = [e for e in events if isinstance(e, CollectorStatus) and e.collector == "vllm-kv-events"]
+    assert status and status[0].available and status[0].hint.startswith("publisher sglang: connect")
+    kv = [e for e in events if isinstance(e, KV_TYPES)]
+    assert len(kv) == 8 and {e.medium for e in kv if not isinstance(e, PrefixCacheCleared)} == {"GPU", "CPU_PINNED"}
+    summary = json.loads(stdout)  # the collectors' lines name the publisher
+    assert any(c["hint"].startswith("publisher sglang") for c in summary["collectors"])
+    from kvdiag.analysis import doctor
+    from kvdiag.analysis.logs import load
+    findings = {f.rule: f for f in doctor.run_rules(load([str(out)])[0])[0]}
+    assert findings["kv_events.health"].status == "pass"
+    assert findings["kv_events.health"].evidence["first_seq"] == int.from_bytes(msgs[0][1], "big")
+    assert findings["kv_events.gaps"].status == "pass"
