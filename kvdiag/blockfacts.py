@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
@@ -81,6 +81,7 @@ class BlockFacts:
         self.batches: dict[str, array] = {c: array("q") for c in KV_BATCHES_COLUMNS}
         self._batch: Optional[tuple[int, int]] = None
         self.health = StreamHealth()
+        self._engine_pool: Optional[int] = None
 
     # ---------------------------------------------------------------- per event
 
@@ -145,8 +146,9 @@ class BlockFacts:
     def kv_event(self, ev) -> None:
         """A ``prefix_cache_*`` event: counted in its batch's row and folded into
         :attr:`health` (a duplicate batch's events count in neither)."""
-        if self.health.counts_pool is None and self.ledger.num_blocks:
-            self.health.set_pool_blocks(self.ledger.num_blocks)
+        pool = self.ledger.num_blocks or self._engine_pool
+        if pool and pool != self.health.counts_pool:
+            self.health.set_pool_blocks(pool)
         if (ev.seq, ev.ts_ns) != self._batch and not self.health.batch(ev.seq, ev.ts_ns):
             return
         self.health.event(ev)
@@ -156,6 +158,12 @@ class BlockFacts:
             for col, v in zip(KV_BATCHES_COLUMNS, (ev.ts_ns, ev.seq, 0)):
                 self.batches[col].append(v)
         self.batches["events"][-1] += 1
+
+    def engine_metrics(self, ev: s.EngineMetrics) -> None:
+        """The engine's own pool size (``num_blocks`` of its cache config): the KV-event
+        stream's balance check uses it where no ``KVPoolInfo`` gives one."""
+        if ev.num_blocks:
+            self._engine_pool = ev.num_blocks
 
     def _row(self, ts_ns: int, kind: int) -> float:
         rows = self.rows
@@ -233,18 +241,27 @@ _RANK = {cls: 0 for cls in (s.RequestArrived, s.KVPoolInfo, *BLOCK_EVENTS, s.Req
 _RANK.update({s.EngineStep: 1, s.KVPoolSample: 1})
 
 
-def fold(events: Iterable[s.Event], pool_blocks: Optional[int] = None) -> BlockFacts:
+class _EnginePool(NamedTuple):
+    ts_ns: int
+    num_blocks: int
+
+
+def fold(events: Iterable[s.Event], engine_pool: Iterable[tuple[int, int]] = ()) -> BlockFacts:
     """A fresh ledger and :class:`BlockFacts` over ``events`` of one node, taken in time order
     with a step or pool sample after the block and request events of its instant (the offline
-    path: the doctor's); ``pool_blocks``: the pool size when no ``KVPoolInfo`` gives it."""
+    path: the doctor's); ``engine_pool``: ``(ts_ns, num_blocks)`` of the node's ``EngineMetrics``
+    (what :meth:`BlockFacts.engine_metrics` reads live), in the same time order."""
+    events = [*events, *(_EnginePool(int(t), int(n)) for t, n in engine_pool)]
     ordered = sorted(events, key=lambda ev: (ev.ts_ns, _RANK.get(type(ev), 0), getattr(ev, "seq", 0)))
     ledger = BlockLedger()
     facts = BlockFacts(ledger)
-    facts.health.set_pool_blocks(pool_blocks)  # an engine seen from outside: its cache config
     for ev in ordered:
         t = type(ev)
         if t in KV_EVENTS:
             facts.kv_event(ev)
+            continue
+        if t is _EnginePool:
+            facts.engine_metrics(ev)
             continue
         ledger.apply(ev)
         handler = _FOLD.get(t)
