@@ -342,3 +342,23 @@ def test_attach_kv_events_reads_sglangs_stream_and_names_the_publisher(tmp_path)
     assert findings["kv_events.health"].status == "pass"
     assert findings["kv_events.health"].evidence["first_seq"] == int.from_bytes(msgs[0][1], "big")
     assert findings["kv_events.gaps"].status == "pass"
+
+
+def test_exporter_serves_the_stream_health_the_doctor_judges():
+    """The exporter's counters are the live fold's: a lost batch, a duplicate batch (dropped by
+    the fold) and a key removed before any store on a complete stream."""
+    from kvdiag.eventlog import make_header
+    from kvdiag.exporter import PrometheusSink
+
+    sink = PrometheusSink(make_header(engine="e", model="m", node="n"))
+    for ev in (PrefixCacheStored(ts_ns=1, seq=0, block_hashes=[1]),
+               PrefixCacheRemoved(ts_ns=2, seq=1, block_hashes=[9]),  # never stored
+               PrefixCacheStored(ts_ns=1, seq=0, block_hashes=[1]),  # batch 0 again
+               PrefixCacheStored(ts_ns=4, seq=3, block_hashes=[2])):  # batch 2 lost
+        sink.record(ev)
+    fams = {f.name: f for f in sink.collect()}
+    problems = {s.labels["check"]: s.value for s in fams["kvdiag_kv_event_stream_problems"].samples
+                if s.name.endswith("_total")}
+    assert problems == {"lost_batches": 1, "duplicate_batches": 1, "removed_before_stored": 1,
+                        "clear_storms": 0, "over_pool_batches": 0}
+    assert [s.value for s in fams["kvdiag_kv_event_batches"].samples if s.name.endswith("_total")] == [3]
