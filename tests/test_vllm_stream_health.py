@@ -57,6 +57,7 @@ def test_late_join_lost_and_duplicated_batch_on_a_real_vllm_stream(vllm_server, 
     mode, address = vllm.subscriber_side(vllm_server.events_endpoint)
     sub = Mangling(address, writer, topic="kv", bind=(mode == "bind"), publisher="vllm").start()
     try:
+        assert metrics.scrape_into(f"{vllm_server.base_url}/metrics", writer)  # the pool's size
         # traffic before the join: until the publisher has reached the subscriber's socket
         deadline = time.monotonic() + 60
         i = 0
@@ -69,7 +70,6 @@ def test_late_join_lost_and_duplicated_batch_on_a_real_vllm_stream(vllm_server, 
             seen = sub.received
             chat(vllm_server, "Hello?", system=f"After join {k}. " * 60, max_tokens=2)
             sub.wait_received(seen)
-        assert metrics.scrape_into(f"{vllm_server.base_url}/metrics", writer)  # the pool's size
     finally:
         sub.stop()
         writer.close()
@@ -101,3 +101,53 @@ def gpu_blocks(text: str) -> int:
 
     return sum(int(s.labels["num_gpu_blocks"]) for fam in text_string_to_metric_families(text)
                for s in fam.samples if s.name == "vllm:cache_config_info")
+
+
+def chat_full(server, system: str) -> dict:
+    """A chat whose request asks vLLM to re-announce the blocks it reuses
+    (``kv_cache_report_mode="full"``, through vLLM's ``vllm_xargs``)."""
+    import json
+    import urllib.request
+
+    body = {"model": server.model, "temperature": 0, "max_tokens": 2,
+            "vllm_xargs": {"kv_cache_report_mode": "full"},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hello?"}]}
+    req = urllib.request.Request(f"{server.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_full_report_mode_covers_every_reused_block(vllm_server, tmp_path):
+    """Each prompt sent twice in ``full`` mode: the second's reused blocks come back as stores
+    of held keys, as many as vLLM's own hit counter moved (coverage 1.0 in the doctor)."""
+    log = tmp_path / "full.kvlog"
+    writer = LogWriter(log, make_header(engine="attach"))
+    mode, address = vllm.subscriber_side(vllm_server.events_endpoint)
+    sub = Mangling(address, writer, topic="kv", bind=(mode == "bind"), publisher="vllm")
+    sub.open = True
+    sub.processed = 10  # mangle nothing
+    sub.start()
+    try:
+        deadline = time.monotonic() + 60
+        i = 0
+        while sub.received == 0:  # until vLLM's publisher has reached the subscriber's socket
+            assert time.monotonic() < deadline, "vLLM's KV events never reached the subscriber"
+            chat(vllm_server, "Hello?", system=f"Handshake {i}. " * 60, max_tokens=2)
+            i += 1
+        assert metrics.scrape_into(f"{vllm_server.base_url}/metrics", writer)
+        for k in range(3):
+            system = f"Full mode prompt {k}. " * 60
+            for _ in range(2):
+                seen = sub.received
+                chat_full(vllm_server, system)
+                sub.wait_received(seen)
+        assert metrics.scrape_into(f"{vllm_server.base_url}/metrics", writer)
+    finally:
+        sub.stop()
+        writer.close()
+    health = {f.rule: f for f in doctor.run_rules(load([str(log)])[0])[0]}["kv_events.health"]
+    assert health.status == "pass", health.message
+    assert health.evidence["engine_hit_blocks"] >= 3  # each repeat hit its prompt's full blocks
+    assert health.evidence["duplicate_stores"] == health.evidence["engine_hit_blocks"]
+    assert health.evidence["reuse_coverage"] == 1.0

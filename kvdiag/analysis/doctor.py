@@ -591,8 +591,30 @@ def kv_stream_health(logs: Logs) -> list[Finding]:
                        f"{ev['removed_blocks']} removed, {ev['duplicate_stores']} duplicate stores, "
                        f"peak {ev['max_device_held_blocks']} held in the device tier"))
         ev["node"] = str(row["node"])
+        ev.update(_reuse_coverage(logs, row["node"], ev["duplicate_stores"]))
         out.append(Finding("kv_events.health", status, title, msg, ev))
     return out
+
+
+def _reuse_coverage(logs: Logs, node, duplicate_stores: int) -> dict:
+    """Coverage of reused blocks, where the log allows: a publisher that re-announces the
+    blocks a request reused as stores (vLLM with ``kv_cache_report_mode="full"``) makes each
+    hit block a duplicate store, so ``reuse_coverage`` = duplicate stores / the blocks the
+    engine's own counter says were hit (``prefix_cache_hits_tokens`` from its first to its last
+    scrape, over ``block_size_tokens``). Evidence only, no verdict: requests in the default
+    incremental mode announce nothing, concurrent computes of one content add duplicates, and
+    stores outside the scrapes' span count too. Empty without two scrapes and a block size."""
+    em = logs.frame(EngineMetrics)
+    if em.empty or "prefix_cache_hits_tokens" not in em:
+        return {}
+    em = em[(em["node"] == node) & em["prefix_cache_hits_tokens"].notna()].sort_values("ts_ns", kind="stable")
+    sizes = em["block_size_tokens"].dropna() if "block_size_tokens" in em else em.iloc[0:0]
+    bs = int(sizes.iloc[-1]) if len(sizes) else logs.block_size_tokens(node)
+    if len(em) < 2 or not bs:
+        return {}
+    hit_blocks = int(em["prefix_cache_hits_tokens"].iloc[-1] - em["prefix_cache_hits_tokens"].iloc[0]) // bs
+    return {"engine_hit_blocks": hit_blocks,
+            "reuse_coverage": duplicate_stores / hit_blocks if hit_blocks > 0 else None}
 
 
 @dataclass
