@@ -10,10 +10,11 @@ The checks, each a count of :class:`StreamHealthCounts`:
 - **late join**: the first batch seen has a seq above 0: the batches before it (what the cache
   already held) were never seen. Not a fault; it explains removals of unknown keys.
 - **sequence gaps**: a seq above the expected one; ``lost_batches`` counts the batches between.
-- **duplicate batches**: a seq equal to one already received since the last restart (a
-  replayed batch delivered twice, a proxy resending): dropped by the subscriber, counted.
-- **restarts**: a seq below the expected one that is not a duplicate: the publisher counts
-  anew; the keys held are forgotten.
+- **duplicate batches**: a seq already received with the same timestamp (a replayed batch
+  delivered twice, a proxy resending; among the latest :data:`RECENT_SEQS`): dropped by the
+  subscriber, counted.
+- **restarts**: a seq below the expected one that is not a duplicate (a new timestamp): the
+  publisher counts anew; the keys held are forgotten.
 - **removed before stored**: keys removed that the stream never stored, while the stream is
   *complete* (seen from seq 0, no gap, since the last restart or clear): the publisher lost or
   misordered a store. The same on an incomplete stream is ``removed_unknown_explained``.
@@ -29,8 +30,8 @@ The checks, each a count of :class:`StreamHealthCounts`:
   ``max_device_held_blocks`` the peak.
 
 Memory: the held keys are at most ``max_keys`` (4 x the pool's blocks, at least 65,536; 2^20
-without a pool size); beyond it the oldest stored key is forgotten (``forgotten_keys``), so a
-stream that never removes still folds in flat memory.
+without a pool size); beyond it the oldest eighth of them is forgotten (``forgotten_keys``),
+so a stream that never removes still folds in flat memory.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ STORM_CLEARS = 3
 """``AllBlocksCleared`` events within :data:`STORM_WINDOW_S` that make a storm."""
 STORM_WINDOW_S = 60.0
 RECENT_SEQS = 4096
-"""Received seqs remembered to tell a duplicate batch from a restart."""
+"""Received (seq, timestamp) pairs remembered to tell a duplicate batch from a restart."""
 MIN_MAX_KEYS = 65_536
 NO_POOL_MAX_KEYS = 1 << 20
 
@@ -96,8 +97,9 @@ class StreamHealth:
         self._held: dict[Hashable, int] = {}  # (medium, group, key) -> times held; insertion order
         self._device_held = 0
         self._expected: Optional[int] = None
-        self._recent: deque[int] = deque(maxlen=RECENT_SEQS)
-        self._recent_set: set[int] = set()
+        self._recent: dict[int, int] = {}  # seq -> ts_ns of the latest batches
+        self._recent_order: deque[int] = deque()
+        self._tiers: dict = {}  # medium -> is the device tier
         self._complete = False  # seen from seq 0 without a gap since the last restart or clear
         self._clear_ts: deque[int] = deque(maxlen=STORM_CLEARS)
         self._in_storm = False
@@ -118,10 +120,10 @@ class StreamHealth:
         """The pool size in blocks the balance check uses (None: unknown)."""
         return self._n["pool_blocks"]
 
-    def seen(self, seq: int) -> bool:
-        """Whether ``seq`` was received since the last restart (among the latest
-        :data:`RECENT_SEQS`): a seq that goes back to one of them is a duplicate."""
-        return seq in self._recent_set
+    def seen(self, seq: int, ts_ns: int) -> bool:
+        """Whether batch ``seq`` with timestamp ``ts_ns`` was already received (among the
+        latest :data:`RECENT_SEQS`): a duplicate, not a restart."""
+        return self._recent.get(seq) == ts_ns
 
     # ---------------------------------------------------------------- batches
 
@@ -140,19 +142,20 @@ class StreamHealth:
             n["lost_batches"] += seq - expected
             self._complete = False
         elif seq < expected:
-            if seq in self._recent_set:
+            if self._recent.get(seq) == ts_ns:
                 n["duplicate_batches"] += 1
                 self._batch_key = None
                 return False
             n["restarts"] += 1
             self._forget()
             self._recent.clear()
-            self._recent_set.clear()
+            self._recent_order.clear()
             self._complete = seq == 0
-        if len(self._recent) == self._recent.maxlen:
-            self._recent_set.discard(self._recent[0])
-        self._recent.append(seq)
-        self._recent_set.add(seq)
+        self._recent[seq] = ts_ns
+        order = self._recent_order
+        order.append(seq)
+        if len(order) > RECENT_SEQS:
+            self._recent.pop(order.popleft(), None)
         self._expected = seq + 1
         n["batches"] += 1
         return True
@@ -183,8 +186,10 @@ class StreamHealth:
                 return
         n = self._n
         n["events"] += 1
+        device = self._tiers.get(ev.medium) if not isinstance(ev, PrefixCacheCleared) else None
+        if device is None and not isinstance(ev, PrefixCacheCleared):
+            device = self._tiers[ev.medium] = medium_tier(ev.medium) == 0
         if isinstance(ev, PrefixCacheStored):
-            device = medium_tier(ev.medium) == 0
             for k in ev.block_hashes:
                 key = (ev.medium, ev.group_idx, int(k))
                 times = self._held.get(key, 0)
@@ -192,13 +197,9 @@ class StreamHealth:
                 self._held[key] = times + 1
                 self._device_held += device
                 n["stored_blocks"] += 1
-            while len(self._held) > self.max_keys:
-                old = next(iter(self._held))
-                times = self._held.pop(old)
-                self._device_held -= times if medium_tier(old[0]) == 0 else 0
-                n["forgotten_keys"] += 1
+            if len(self._held) > self.max_keys:
+                self._forget_oldest()
         elif isinstance(ev, PrefixCacheRemoved):
-            device = medium_tier(ev.medium) == 0
             for k in ev.block_hashes:
                 key = (ev.medium, ev.group_idx, int(k))
                 n["removed_blocks"] += 1
@@ -222,6 +223,17 @@ class StreamHealth:
             if storm and not self._in_storm:
                 n["clear_storms"] += 1
             self._in_storm = storm
+
+    def _forget_oldest(self) -> None:
+        """Drop the oldest eighth of the held keys (at least those above ``max_keys``): one
+        rebuild per many stores, where dropping one key at a time from a dict's front is slow."""
+        items = list(self._held.items())
+        drop = max(len(items) - self.max_keys, len(items) // 8)
+        for (medium, _, _), times in items[:drop]:
+            if medium_tier(medium) == 0:
+                self._device_held -= times
+        self._n["forgotten_keys"] += drop
+        self._held = dict(items[drop:])
 
     def _forget(self) -> None:
         self._held.clear()

@@ -239,9 +239,8 @@ class KVEventSubscriber:
             self._malformed(f"seq {seq}: expected a sequence number 0..{INT64_MAX}")
             return
         expected = self._seq.expected
-        if expected is not None and seq < expected and self.health.seen(seq):
+        if expected is not None and seq < expected and self._duplicate(seq, frames[2]):
             self.duplicate_batches += 1  # already received: not a restart, not recorded again
-            self.health.batch(seq, 0)
             return
         step, _ = self._seq.observe(seq)
         if step == "first" and self.replay_history and self.replay_endpoint and seq > 0:
@@ -256,6 +255,15 @@ class KVEventSubscriber:
                 message=f"sequence went back from {expected - 1} to {seq}: the publisher "
                         "restarted; following its new sequence"))
         self._batch(seq, frames[2])
+
+    def _duplicate(self, seq: int, payload: bytes) -> bool:
+        """A batch already received (same seq, same timestamp): counted by :attr:`health`."""
+        try:
+            ts, _, _, _ = decode_batch(payload, seq)
+        except MalformedBatch:
+            return False
+        ts_ns = int(ts * 1e9)
+        return self.health.seen(seq, ts_ns) and not self.health.batch(seq, ts_ns)
 
     def _fill(self, start: int, stop: int, report: bool) -> None:
         """Batches ``start..stop-1`` were not received: replay what the publisher still has,
