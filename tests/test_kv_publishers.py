@@ -363,3 +363,35 @@ def test_exporter_serves_the_stream_health_the_doctor_judges():
     assert problems == {"lost_batches": 1, "duplicate_batches": 1, "removed_before_stored": 1,
                         "clear_storms": 0, "over_pool_batches": 0}
     assert [s.value for s in fams["kvdiag_kv_event_batches"].samples if s.name.endswith("_total")] == [3]
+
+
+def test_tensorrt_llm_serialized_events_map_into_the_schema_by_cache_level():
+    """TensorRT-LLM's events in the shape its ``KVCacheEventSerializer`` writes (written out here
+    from that serializer's fields: TensorRT-LLM needs CUDA and publishes no ZMQ stream of its
+    own, so no recording of it exists), inside a batch as a relay would forward them."""
+    from kvdiag.collectors.vllm_kv_events import decode_batch
+
+    def block(h, toks, level):
+        return {"type": "stored_block", "block_hash": h, "cache_level": level, "priority": 35,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in toks]}
+
+    events = [
+        {"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [64, 128]}, "window_size": 32},
+        {"event_id": 1, "window_size": 32, "data": {"type": "stored", "parent_hash": None, "blocks": [
+            block(10, [1, 2, 3, 4], 0), block(11, [5, 6, 7, 8], 0), block(12, [9, 10, 11, 12], 1)]}},
+        {"event_id": 2, "window_size": 32, "data": {
+            "type": "updated", "block_hash": 10, "cache_level": {"type": "event_diff", "new_value": 1, "old_value": 0},
+            "priority": {"type": "event_diff", "new_value": 35, "old_value": 35}}},
+        {"event_id": 3, "window_size": 32, "attention_dp_rank": 0,
+         "data": {"type": "removed", "block_hashes": [11]}},
+    ]
+    _, _, evs, _ = decode_batch(msgspec.msgpack.encode([1.5, events]), 7)
+    assert [type(e).__name__ for e in evs] == ["PrefixCacheStored", "PrefixCacheStored", "PrefixCacheRemoved"]
+    gpu, cpu, removed = evs
+    assert (gpu.block_hashes, gpu.parent_hash, gpu.token_ids, gpu.medium) == ([10, 11], None, list(range(1, 9)), "GPU")
+    assert (cpu.block_hashes, cpu.parent_hash, cpu.medium, cpu.block_size_tokens) == ([12], 11, "CPU", 4)
+    assert removed.block_hashes == [11] and removed.medium == "GPU"
+    h = StreamHealth()
+    for ev in evs:
+        h.event(ev)
+    assert (h.counts.device_held_blocks, h.counts.removed_before_stored) == (1, 0)

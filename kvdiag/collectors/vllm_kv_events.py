@@ -39,8 +39,8 @@ import msgspec
 from kvdiag.kv_stream_health import StreamHealth
 from kvdiag.prefix_cache import (DUPLICATE_BATCH_MESSAGE, INT64_MAX, VLLM_KV_EVENTS_COLLECTOR,
                                  PrefixCacheTally,
-                                 SeqTracker, batch_ts_ns, checked_int, schema_event,
-                                 vllm_event_dict)
+                                 SeqTracker, batch_ts_ns, checked_int, event_dicts,
+                                 schema_event)
 from kvdiag.schema import CollectorError, CollectorGap, CollectorStatus, Event
 from kvdiag.sinks import Sink
 
@@ -68,7 +68,7 @@ def decode_batch(payload: bytes, seq: int) -> tuple[float, list, list[Event], Op
     try:
         ts_ns = batch_ts_ns(obj[0])
         rank = checked_int(obj[2], "dp_rank") if len(obj) == 3 else None
-        events = [schema_event(vllm_event_dict(ev), ts_ns, seq) for ev in obj[1]]
+        events = [schema_event(d, ts_ns, seq) for ev in obj[1] for d in event_dicts(ev)]
     except (ValueError, KeyError, TypeError) as exc:
         raise MalformedBatch(f"seq {seq}: {exc}") from None
     return float(obj[0]), obj[1], events, rank
