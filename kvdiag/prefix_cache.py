@@ -141,10 +141,13 @@ def medium_tier(medium: Optional[str]) -> Optional[int]:
 
 def plain_token_ids(tokens: object) -> list:
     """Token ids of a ``BlockStored`` as a list of ints, or ``[]`` where the publisher sent none
-    (absent, null) or not plain ids (SGLang's bigram pages are pairs): the keys still count, the
-    content is not kept. Raises ValueError for an int out of range."""
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                               for t in tokens):
+    (absent, null) or pages of id pairs (SGLang's bigram pages): the keys still count, the
+    content is not kept. Raises ValueError for anything else (an int out of range, a string)."""
+    if tokens is None:
+        return []
+    if not isinstance(tokens, list):
+        raise ValueError(f"BlockStored.token_ids: expected a list, found {_show(tokens)}")
+    if tokens and all(isinstance(t, list) for t in tokens):  # bigram pages: [[a, b], ...]
         return []
     for i, t in enumerate(tokens):
         checked_int(t, f"BlockStored.token_ids[{i}]", optional=False)
@@ -227,9 +230,7 @@ def schema_event(ev: dict, ts_ns: int, seq: int) -> Event:
     tokens = plain_token_ids(ev.get("token_ids"))
     block_size = checked_int(ev.get("block_size"), "BlockStored.block_size", lo=1,
                              optional=not tokens) or 0
-    lora = ev.get("lora_id")
-    if not isinstance(lora, str):  # vLLM: an int; SGLang's adapter ids are uuid strings
-        checked_int(lora, "BlockStored.lora_id")
+    checked_int(ev.get("lora_id"), "BlockStored.lora_id")  # SGLang names adapters in lora_name
     return PrefixCacheStored(ts_ns=ts_ns, seq=seq, block_hashes=keys, parent_hash=parent_key,
                              token_ids=tokens, block_size_tokens=block_size, medium=medium,
                              group_idx=group)

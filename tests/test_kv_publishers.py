@@ -100,10 +100,11 @@ def test_a_lost_and_a_duplicated_batch_are_found_in_each_publishers_stream(engin
     assert h.removed_unknown_explained == 1 and h.removed_before_stored == 0
 
 
-def test_sglang_bigram_pages_and_uuid_lora_ids_decode_without_token_ids():
+def test_sglang_bigram_pages_decode_without_token_ids_and_a_map_batch():
     from kvdiag.collectors.vllm_kv_events import decode_batch
     ev = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
-          "token_ids": [[1, 2], [2, 3]], "block_size": 2, "lora_id": "9f" * 16, "medium": "DISK"}
+          "token_ids": [[1, 2], [2, 3]], "block_size": 2, "lora_id": None, "medium": "DISK",
+          "lora_name": "adapter-a", "cache_salt": "s"}
     payload = msgspec.msgpack.encode({"ts": 1.0, "events": [ev], "attn_dp_rank": 3})
     _, _, events, rank = decode_batch(payload, 0)
     assert rank == 3 and events[0].token_ids == [] and events[0].block_hashes == [1, 2]

@@ -38,9 +38,8 @@ import msgspec
 
 from kvdiag.kv_stream_health import StreamHealth
 from kvdiag.prefix_cache import (DUPLICATE_BATCH_MESSAGE, INT64_MAX, VLLM_KV_EVENTS_COLLECTOR,
-                                 PrefixCacheTally,
-                                 SeqTracker, batch_ts_ns, checked_int, event_dicts,
-                                 schema_event)
+                                 PrefixCacheTally, SeqTracker, batch_ts_ns, checked_int,
+                                 event_dicts, schema_event)
 from kvdiag.schema import CollectorError, CollectorGap, CollectorStatus, Event
 from kvdiag.sinks import Sink
 
@@ -101,10 +100,11 @@ class KVEventSubscriber:
     before it (a subscriber that joined a running engine learns what its cache holds).
 
     Any publisher of the wire format (vLLM, SGLang; LMCache and Mooncake publish through
-    them): ``publisher`` names it (``kvdiag attach`` writes it in its ``CollectorStatus``). ``health`` folds the
-    stream (:class:`kvdiag.kv_stream_health.StreamHealth`); a batch whose seq was already
-    received (a duplicate) is dropped, not recorded, and counted in ``duplicate_batches``
-    (one ``CollectorError`` at stop)."""
+    them; TensorRT-LLM's serialized events through a relay): ``publisher`` names it (``kvdiag
+    attach`` writes it in its ``CollectorStatus``). ``health`` folds the stream
+    (:class:`kvdiag.kv_stream_health.StreamHealth`, ``pool_blocks`` its balance check's pool
+    size); a batch received again (same seq and timestamp) is dropped, not recorded, and
+    counted in ``duplicate_batches`` (one ``CollectorError`` at stop)."""
 
     def __init__(self, endpoint: str, sink: Sink, topic: str = "",
                  replay_endpoint: Optional[str] = None,
