@@ -396,3 +396,47 @@ def test_tensorrt_llm_serialized_events_map_into_the_schema_by_cache_level():
     for ev in evs:
         h.event(ev)
     assert (h.counts.device_held_blocks, h.counts.removed_before_stored) == (1, 0)
+
+
+def test_attach_recognises_an_engine_by_its_metric_names(tmp_path):
+    """A process whose command line names no engine, serving SGLang's metric names: attach
+    records it as SGLang and maps those metrics."""
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from kvdiag.eventlog import iter_events
+    from kvdiag.schema import CollectorStatus, EngineMetrics
+
+    body = (b"sglang:num_running_reqs{model_name=\"m\"} 2\nsglang:page_size{model_name=\"m\"} 16\n"
+            b"sglang:max_total_num_tokens{model_name=\"m\"} 1024\n")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    target = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    out = tmp_path / "a.kvlog"
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvdiag", "attach", str(target.pid), "--duration", "1.5",
+                            "--interval", "0.5", "--no-pyspy", "--json", "--out", str(out),
+                            "--metrics-url", f"http://127.0.0.1:{httpd.server_port}/metrics"],
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        httpd.shutdown()
+        target.stdin.close()
+        target.wait(10)
+    assert r.returncode == 0, r.stderr
+    events = list(iter_events(out))
+    sg = [e for e in events if isinstance(e, CollectorStatus) and e.collector == "sglang"]
+    assert len(sg) == 1 and "metric names" in sg[0].hint
+    m = [e for e in events if isinstance(e, EngineMetrics)][-1]
+    assert (m.num_requests_running, m.block_size_tokens, m.num_blocks) == (2, 16, 64)

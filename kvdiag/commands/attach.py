@@ -182,6 +182,7 @@ class _Session:
         from kvdiag.collectors import servers
         self.other = servers.identify(procs.root) if self.vllm is None else None  # SGLang, TRT-LLM
         self.engine = "vllm" if self.vllm is not None else self.other.engine if self.other else None
+        self.engine_probed = False
         self.kv_events = None  # the ZMQ subscriber, once a vLLM server's stream is found
         self.kv_events_tried = False
         from kvdiag.schema import CollectorStatus
@@ -234,6 +235,22 @@ class _Session:
             self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="metrics", available=True,
                                                hint=self.metrics_url))
 
+    def _engine_from_metrics(self) -> None:
+        """SGLang (``sglang:*``), TensorRT-LLM (``trtllm_*``) or vLLM (``vllm:*``) by the names
+        its /metrics serves; recorded as that engine's ``CollectorStatus``."""
+        from kvdiag.collectors import servers
+        from kvdiag.schema import CollectorStatus
+        try:
+            names = [m.name for m in self.metrics_mod.parse_prometheus(
+                self.metrics_mod.fetch_metrics_text(self.metrics_url, 1.0))]
+        except (OSError, ValueError):
+            return
+        engine = servers.engine_of_metrics(names)
+        if engine is not None:
+            self.engine = engine
+            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=engine, available=True,
+                                               hint=f"recognised by its metric names at {self.metrics_url}"))
+
     def subscribe_kv_events(self) -> None:
         """A vLLM server's KV-event stream: from ``/kv_event_sources``, else its command line."""
         from kvdiag.collectors import vllm
@@ -261,6 +278,9 @@ class _Session:
             self.writer.record(ev)
         self.hardware.sample()
         self.probe_metrics()
+        if self.metrics_url and self.engine is None and not self.engine_probed:
+            self.engine_probed = True  # not recognised from its command line: its metric names
+            self._engine_from_metrics()
         if self.metrics_url and self.vllm is not None and not self.kv_events_tried:
             self.subscribe_kv_events()
         if self.other is not None and self.other.engine == "sglang" and not self.kv_events_tried:
