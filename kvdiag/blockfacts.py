@@ -20,23 +20,30 @@ per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
 
 And one row per batch of the engine's KV-event stream (frame :data:`KV_BATCHES_TAG`: the
 ``seq`` and ``ts_ns`` of consecutive ``prefix_cache_*`` events, with their count), from which
-:func:`kvdiag.analysis.doctor.kv_event_gaps` counts batches received.
+:func:`kvdiag.analysis.doctor.kv_event_gaps` counts batches received; and the stream's health
+(frame :data:`KV_HEALTH_TAG`, one row: :class:`kvdiag.kv_stream_health.StreamHealthCounts`,
+the pool size from ``KVPoolInfo`` or the engine's ``EngineMetrics.num_blocks``) for
+:func:`kvdiag.analysis.doctor.kv_stream_health`.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import deque
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
 
 from kvdiag import schema as s
 from kvdiag.blockledger import BlockLedger
+from kvdiag.kv_stream_health import StreamHealth, StreamHealthCounts
 
 FACTS_TAG = "block_facts"
 KV_BATCHES_TAG = "kv_event_batches"
+KV_HEALTH_TAG = "kv_stream_health"
+KV_HEALTH_COLUMNS = list(StreamHealthCounts.__dataclass_fields__)
+"""Columns of the health row (one per node with KV events; ``ts_ns``: its ``last_ts_ns``)."""
 FACTS_COLUMNS = ["ts_ns", "kind", "blocks_held", "active_allocated", "active_hits", "evictions"]
 KV_BATCHES_COLUMNS = ["ts_ns", "seq", "events"]
 RING_BLOCK_EVENTS = 65_536
@@ -73,6 +80,8 @@ class BlockFacts:
         self.rows: dict[str, array] = {c: array(code) for c, code in zip(FACTS_COLUMNS, "qbdiii")}
         self.batches: dict[str, array] = {c: array("q") for c in KV_BATCHES_COLUMNS}
         self._batch: Optional[tuple[int, int]] = None
+        self.health = StreamHealth()
+        self._engine_pool: Optional[int] = None
 
     # ---------------------------------------------------------------- per event
 
@@ -135,13 +144,26 @@ class BlockFacts:
         self._row(ev.ts_ns, _POOL)
 
     def kv_event(self, ev) -> None:
-        """A ``prefix_cache_*`` event: counted in its batch's row."""
+        """A ``prefix_cache_*`` event: counted in its batch's row and folded into
+        :attr:`health` (a duplicate batch's events count in neither)."""
+        pool = self.ledger.num_blocks or self._engine_pool
+        if pool and pool != self.health.counts_pool:
+            self.health.set_pool_blocks(pool)
+        if (ev.seq, ev.ts_ns) != self._batch and not self.health.batch(ev.seq, ev.ts_ns):
+            return
+        self.health.event(ev)
         key = (ev.seq, ev.ts_ns)
         if key != self._batch:
             self._batch = key
             for col, v in zip(KV_BATCHES_COLUMNS, (ev.ts_ns, ev.seq, 0)):
                 self.batches[col].append(v)
         self.batches["events"][-1] += 1
+
+    def engine_metrics(self, ev: s.EngineMetrics) -> None:
+        """The engine's own pool size (``num_blocks`` of its cache config): the KV-event
+        stream's balance check uses it where no ``KVPoolInfo`` gives one."""
+        if ev.num_blocks:
+            self._engine_pool = ev.num_blocks
 
     def _row(self, ts_ns: int, kind: int) -> float:
         rows = self.rows
@@ -194,11 +216,13 @@ class BlockFacts:
 
     def frames(self, node: str) -> dict[str, pd.DataFrame]:
         """The rows so far as frames (with ``node``), keyed by their tags."""
-        return frames(*self.copy_rows(), node)
+        return frames(*self.copy_rows(), node, health=self.health.counts)
 
 
-def frames(rows: dict[str, array], batches: dict[str, array], node: str) -> dict[str, pd.DataFrame]:
-    """Frames of rows copied by :meth:`BlockFacts.copy_rows`."""
+def frames(rows: dict[str, array], batches: dict[str, array], node: str,
+           health: Optional[StreamHealthCounts] = None) -> dict[str, pd.DataFrame]:
+    """Frames of rows copied by :meth:`BlockFacts.copy_rows` (and the stream health, when
+    given and the stream had events)."""
     facts = pd.DataFrame({c: (np.frombuffer(v, dtype=_DTYPES[v.typecode]) if len(v) else
                               np.array([], dtype=_DTYPES[v.typecode])).astype(
                                   "float64" if v.typecode == "d" else "int64")
@@ -207,24 +231,37 @@ def frames(rows: dict[str, array], batches: dict[str, array], node: str) -> dict
     out = pd.DataFrame({c: np.frombuffer(v, dtype="int64") if len(v) else np.array([], dtype="int64")
                         for c, v in batches.items()}, columns=KV_BATCHES_COLUMNS)
     facts["node"], out["node"] = node, node
-    return {FACTS_TAG: facts, KV_BATCHES_TAG: out}
+    rows_h = [health.as_dict()] if health is not None and health.events else []
+    h = pd.DataFrame(rows_h, columns=KV_HEALTH_COLUMNS)
+    h["ts_ns"], h["node"] = h["last_ts_ns"].astype("int64"), node  # windows cut rows by ts_ns
+    return {FACTS_TAG: facts, KV_BATCHES_TAG: out, KV_HEALTH_TAG: h}
 
 
 _RANK = {cls: 0 for cls in (s.RequestArrived, s.KVPoolInfo, *BLOCK_EVENTS, s.RequestFinished)}
 _RANK.update({s.EngineStep: 1, s.KVPoolSample: 1})
 
 
-def fold(events: Iterable[s.Event]) -> BlockFacts:
+class _EnginePool(NamedTuple):
+    ts_ns: int
+    num_blocks: int
+
+
+def fold(events: Iterable[s.Event], engine_pool: Iterable[tuple[int, int]] = ()) -> BlockFacts:
     """A fresh ledger and :class:`BlockFacts` over ``events`` of one node, taken in time order
     with a step or pool sample after the block and request events of its instant (the offline
-    path: the doctor's)."""
-    ordered = sorted(events, key=lambda ev: (ev.ts_ns, _RANK.get(type(ev), 0)))
+    path: the doctor's); ``engine_pool``: ``(ts_ns, num_blocks)`` of the node's ``EngineMetrics``
+    (what :meth:`BlockFacts.engine_metrics` reads live), in the same time order."""
+    events = [*events, *(_EnginePool(int(t), int(n)) for t, n in engine_pool)]
+    ordered = sorted(events, key=lambda ev: (ev.ts_ns, _RANK.get(type(ev), 0), getattr(ev, "seq", 0)))
     ledger = BlockLedger()
     facts = BlockFacts(ledger)
     for ev in ordered:
         t = type(ev)
         if t in KV_EVENTS:
             facts.kv_event(ev)
+            continue
+        if t is _EnginePool:
+            facts.engine_metrics(ev)
             continue
         ledger.apply(ev)
         handler = _FOLD.get(t)

@@ -135,6 +135,9 @@ ROWS: tuple = (
             (_rate("kvdiag_shadow_steps_sampled_total"), N + " sampled"),
             (_rate("kvdiag_shadow_steps_skipped_budget_total"), N + " skipped (budget)"),
             (_rate("kvdiag_shadow_seconds_total"), N + " shadow s/s")]),
+        ("Engine KV-event stream /s", "short", [
+            (_rate("kvdiag_kv_event_batches_total"), N + " batches"),
+            (_rate("kvdiag_kv_event_stream_problems_total", "check"), N + " {{check}}")]),
     ]),
 )
 

@@ -291,6 +291,12 @@ def _health(f: _Families, state: LiveState, snap) -> None:
             f.add("kvdiag_shadow_budget_used_ratio", budget.spent_ns / (budget.budget_frac * budget.elapsed_ns))
     for collector, count, _message in snap.health.errors:
         f.add("kvdiag_collector_errors_total", count, collector)
+    kv = state.facts.health.counts  # the KV-event stream's health, as the doctor folds it
+    if kv.events:
+        f.add("kvdiag_kv_event_batches_total", kv.batches)
+        for check in ("lost_batches", "duplicate_batches", "removed_before_stored", "clear_storms",
+                      "over_pool_batches"):
+            f.add("kvdiag_kv_event_stream_problems_total", getattr(kv, check), check)
 
 
 # ---------------------------------------------------------------------- serving

@@ -24,6 +24,10 @@ VLLM_KV_EVENTS_COLLECTOR = "vllm-kv-events"
 """``collector`` of the subscriber's health events; its ``CollectorGap.dropped_events`` counts
 lost *batches* (one per engine step with cache changes), not events."""
 
+DUPLICATE_BATCH_MESSAGE = "duplicate KV event batches dropped"
+"""Start of the subscriber's ``CollectorError`` message counting the duplicate batches it
+dropped (``count``); the doctor's ``kv_events.health`` adds them."""
+
 VLLM_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _ARRAY_FIELDS = {  # field order of the array form (older vLLM: array_like tagged structs)
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -63,6 +67,89 @@ def vllm_event_dict(ev: object) -> dict:
     if isinstance(ev, dict) and ev.get("type") in VLLM_TAGS:
         return ev
     raise ValueError("expected a vLLM KV event (BlockStored, BlockRemoved or AllBlocksCleared)")
+
+
+TRTLLM_CACHE_LEVELS = {0: "GPU", 1: "CPU"}
+"""TensorRT-LLM's ``cache_level`` (0 the primary pool on the device, 1 the secondary, host
+memory) as a ``medium``."""
+
+
+def trtllm_event_dicts(ev: dict) -> list[dict]:
+    """One KV-cache event as TensorRT-LLM serializes it (its ``KVCacheEventSerializer``: what
+    ``LLM.get_kv_cache_events()`` and trtllm-serve's ``/kv_cache_events`` return,
+    ``{"event_id", "data": {"type": ...}, "window_size", "attention_dp_rank"?}``) as vLLM-shaped
+    dicts for :func:`schema_event`: ``stored`` (``parent_hash``, ``blocks`` of ``block_hash``,
+    ``tokens`` of ``{"token_id"}``, ``cache_level``) as one ``BlockStored`` per run of blocks on
+    one level (:data:`TRTLLM_CACHE_LEVELS`), each block's parent the one before it;
+    ``removed`` (``block_hashes``, no level given) as a ``BlockRemoved`` of the device tier;
+    ``created`` and ``updated`` (a block's level or priority changed) as nothing. Raises
+    ValueError for anything else."""
+    data = ev.get("data") if isinstance(ev, dict) else None
+    kind = data.get("type") if isinstance(data, dict) else None
+    if kind in ("created", "updated"):
+        return []
+    if kind == "removed":
+        return [{"type": "BlockRemoved", "block_hashes": data.get("block_hashes"), "medium": "GPU"}]
+    if kind != "stored" or not isinstance(data.get("blocks"), list):
+        raise ValueError("expected a TensorRT-LLM KV cache event (data.type stored, removed, "
+                         "created or updated)")
+    out: list[dict] = []
+    parent = data.get("parent_hash")
+    for block in data["blocks"]:
+        if not isinstance(block, dict):
+            raise ValueError("stored.blocks: expected maps")
+        tokens = [t.get("token_id") if isinstance(t, dict) else None for t in block.get("tokens") or []]
+        level = block.get("cache_level")
+        medium = TRTLLM_CACHE_LEVELS.get(level, f"LEVEL_{level}")
+        last = out[-1] if out else None
+        if last is not None and last["medium"] == medium and last["block_size"] == len(tokens):
+            last["block_hashes"].append(block.get("block_hash"))
+            last["token_ids"] += tokens
+        else:
+            out.append({"type": "BlockStored", "block_hashes": [block.get("block_hash")],
+                        "parent_block_hash": parent, "token_ids": tokens,
+                        "block_size": len(tokens) or None, "lora_id": None, "medium": medium})
+        parent = block.get("block_hash")
+    return out
+
+
+def event_dicts(ev: object) -> list[dict]:
+    """The vLLM-shaped dicts of one published event: vLLM's and SGLang's (tagged map or array,
+    :func:`vllm_event_dict`) or TensorRT-LLM's serialized form (:func:`trtllm_event_dicts`)."""
+    if isinstance(ev, dict) and "data" in ev and "event_id" in ev:
+        return trtllm_event_dicts(ev)
+    return [vllm_event_dict(ev)]
+
+
+MEDIUM_TIERS: dict[str, int] = {"GPU": 0, "CPU": 1, "CPU_PINNED": 1, "CPU_TIER1": 1,
+                                "CPU_TIER2": 2, "DISK": 2, "LOCAL_DISK": 2, "EXTERNAL": 3}
+"""Tier of a ``medium`` as publishers name it: 0 device memory (vLLM and SGLang ``GPU``), 1 host
+memory (vLLM ``CPU``, SGLang ``CPU_PINNED``, older SGLang ``CPU_TIER1``), 2 disk (SGLang
+``DISK``, older ``CPU_TIER2``), 3 a shared or remote pool (SGLang ``EXTERNAL``: Mooncake,
+LMCache). Unlisted names: :func:`medium_tier` returns None."""
+
+
+def medium_tier(medium: Optional[str]) -> Optional[int]:
+    """The tier of a published ``medium`` (:data:`MEDIUM_TIERS`; no medium: 0, the engine's
+    own device pool, which is what publishers that omit it mean)."""
+    if medium is None:
+        return 0
+    return MEDIUM_TIERS.get(medium.upper())
+
+
+def plain_token_ids(tokens: object) -> list:
+    """Token ids of a ``BlockStored`` as a list of ints, or ``[]`` where the publisher sent none
+    (absent, null) or pages of id pairs (SGLang's bigram pages): the keys still count, the
+    content is not kept. Raises ValueError for anything else (an int out of range, a string)."""
+    if tokens is None:
+        return []
+    if not isinstance(tokens, list):
+        raise ValueError(f"BlockStored.token_ids: expected a list, found {_show(tokens)}")
+    if tokens and all(isinstance(t, list) for t in tokens):  # bigram pages: [[a, b], ...]
+        return []
+    for i, t in enumerate(tokens):
+        checked_int(t, f"BlockStored.token_ids[{i}]", optional=False)
+    return tokens
 
 
 UINT64_MAX = 2**64 - 1
@@ -117,6 +204,10 @@ def schema_event(ev: dict, ts_ns: int, seq: int) -> Event:
     """A :func:`vllm_event_dict` as the schema's ``PrefixCache*`` event (hashes folded by
     :func:`fold_block_hash`), every field checked: ints within their ranges (token ids,
     block size, group and LoRA ids non-negative, within int64), hashes as vLLM defines them.
+    Every publisher of this wire format is read (vLLM, SGLang, and LMCache or Mooncake through
+    them): fields kvdiag does not keep (``lora_name``, ``extra_keys``, SGLang's ``cache_salt``
+    and ``session_id``, vLLM's ``locality``) are accepted and dropped; token ids absent, null
+    or not plain ids (SGLang's bigram pages) leave ``token_ids`` empty, the keys still count.
     Raises ValueError ``Kind.field: expected ...``."""
     kind = ev["type"]
     if kind == "AllBlocksCleared":
@@ -134,13 +225,10 @@ def schema_event(ev: dict, ts_ns: int, seq: int) -> Event:
                                   group_idx=group)
     parent = ev.get("parent_block_hash")
     parent_key = None if parent is None else _hash(parent, "BlockStored.parent_block_hash")
-    tokens = ev.get("token_ids")
-    if not isinstance(tokens, list):
-        raise ValueError(f"BlockStored.token_ids: expected a list, found {_show(tokens)}")
-    for i, t in enumerate(tokens):
-        checked_int(t, f"BlockStored.token_ids[{i}]", optional=False)
-    block_size = checked_int(ev.get("block_size"), "BlockStored.block_size", lo=1, optional=False)
-    checked_int(ev.get("lora_id"), "BlockStored.lora_id")
+    tokens = plain_token_ids(ev.get("token_ids"))
+    block_size = checked_int(ev.get("block_size"), "BlockStored.block_size", lo=1,
+                             optional=not tokens) or 0
+    checked_int(ev.get("lora_id"), "BlockStored.lora_id")  # SGLang names adapters in lora_name
     return PrefixCacheStored(ts_ns=ts_ns, seq=seq, block_hashes=keys, parent_hash=parent_key,
                              token_ids=tokens, block_size_tokens=block_size, medium=medium,
                              group_idx=group)

@@ -150,6 +150,14 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_collector_errors_total", "counter", "errors",
               "Errors reported by a collector (CollectorError); absent for collectors without errors.",
               ("collector",)),
+    MetricDef("kvdiag_kv_event_batches_total", "counter", "events",
+              "Batches of the engine's KV-event stream received (duplicates not counted); absent "
+              "without KV events."),
+    MetricDef("kvdiag_kv_event_stream_problems_total", "counter", "events",
+              "The KV-event stream's health checks (kvdiag.kv_stream_health; the doctor's "
+              "kv_events.health): check = lost_batches, duplicate_batches, removed_before_stored "
+              "(keys), clear_storms, over_pool_batches (batches after which the device tier "
+              "held more keys than the pool has blocks); absent without KV events.", ("check",)),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

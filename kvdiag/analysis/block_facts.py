@@ -27,7 +27,7 @@ def ensure(logs: Logs) -> None:
         return
     per_tag: dict[str, list] = {}
     for node in logs.nodes:
-        facts = blockfacts.fold(_events(logs, node))
+        facts = blockfacts.fold(_events(logs, node), engine_pool=_engine_pool(logs, node))
         for tag, df in facts.frames(node).items():
             per_tag.setdefault(tag, []).append(df)
     logs.derived.update({tag: pd.concat(dfs, ignore_index=True) for tag, dfs in per_tag.items()}
@@ -42,7 +42,18 @@ def frame(logs: Logs, tag: str) -> pd.DataFrame:
 
 def _empty() -> dict[str, pd.DataFrame]:
     return {blockfacts.FACTS_TAG: pd.DataFrame(columns=[*blockfacts.FACTS_COLUMNS, "node"]),
-            blockfacts.KV_BATCHES_TAG: pd.DataFrame(columns=[*blockfacts.KV_BATCHES_COLUMNS, "node"])}
+            blockfacts.KV_BATCHES_TAG: pd.DataFrame(columns=[*blockfacts.KV_BATCHES_COLUMNS, "node"]),
+            blockfacts.KV_HEALTH_TAG: pd.DataFrame(columns=[*blockfacts.KV_HEALTH_COLUMNS, "ts_ns", "node"])}
+
+
+def _engine_pool(logs: Logs, node: str) -> list[tuple[int, int]]:
+    """``(ts_ns, num_blocks)`` of the node's ``EngineMetrics`` that carry the engine's pool size
+    (its cache config), for the KV-event stream's balance check where no ``KVPoolInfo`` gives it."""
+    df = logs.frame(s.EngineMetrics)
+    if df.empty or "num_blocks" not in df:
+        return []
+    df = df[(df["node"] == node) & df["num_blocks"].notna()]
+    return list(zip(df["ts_ns"].astype("int64").tolist(), df["num_blocks"].astype("int64").tolist()))
 
 
 def _events(logs: Logs, node: str) -> list:

@@ -15,7 +15,8 @@ Latency as users see it: ``latency.queueing`` (queue wait dominating TTFT, arriv
 outpacing completions: :mod:`kvdiag.analysis.user_latency`).
 Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's, measured by
 the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observation:
-``kv_events.gaps`` (batches of the engine's KV event stream lost by the subscriber).
+``kv_events.gaps`` (batches of the engine's KV event stream lost by the subscriber),
+``kv_events.health`` (the stream's consistency: :mod:`kvdiag.kv_stream_health`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import headline_config, sharing_window
 from kvdiag.analysis.logs import Logs
 from kvdiag.analysis.memory import allocator_fragmentation, cum_at, growth, kv_pool_bytes
-from kvdiag.blockfacts import FACTS_TAG, KV_BATCHES_TAG
-from kvdiag.prefix_cache import VLLM_KV_EVENTS_COLLECTOR
-from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted,
+from kvdiag.blockfacts import FACTS_TAG, KV_BATCHES_TAG, KV_HEALTH_COLUMNS, KV_HEALTH_TAG
+from kvdiag.prefix_cache import DUPLICATE_BATCH_MESSAGE, VLLM_KV_EVENTS_COLLECTOR
+from kvdiag.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted, CollectorError,
                            BlockReleased, CollectorGap, EngineMetrics, EngineStep, KVPoolInfo,
                            KVPoolSample, NvmlSample, PrefixHit, ProcessSample, RequestArrived, RequestFirstToken,
                            RequestFinished, RequestPreempted, RequestScheduled, ShadowSharing)
@@ -556,6 +557,66 @@ def kv_event_gaps(logs: Logs) -> Finding:
                    f"{received} batches, {n_events} events, no sequence gap", evidence)
 
 
+def kv_stream_health(logs: Logs) -> list[Finding]:
+    """``kv_events.health``, per node: the KV-event stream's health as
+    :class:`kvdiag.kv_stream_health.StreamHealth` folds it (the block facts' health row,
+    :mod:`kvdiag.blockfacts`), duplicate batches the subscriber dropped (its ``CollectorError``
+    events) added. Verdict: :func:`kvdiag.analysis.rules.kv_stream_health_status`."""
+    title = "engine KV event stream consistent (stores before removals, balance within the pool)"
+    health = block_facts.frame(logs, KV_HEALTH_TAG)
+    errors = logs.frame(CollectorError)
+    dropped_dups = errors[(errors["collector"] == VLLM_KV_EVENTS_COLLECTOR)
+                          & errors["message"].astype(str).str.startswith(DUPLICATE_BATCH_MESSAGE)] \
+        if len(errors) else errors
+    if health.empty:
+        status = rules.kv_stream_health_status(0, 0, 0, 0, 0)
+        return [Finding("kv_events.health", status, title, "no engine KV cache events in the log")]
+    out = []
+    for _, row in health.iterrows():
+        ev = {k: (None if pd.isna(row[k]) else int(row[k])) for k in KV_HEALTH_COLUMNS}
+        node_dups = dropped_dups[dropped_dups["node"] == row["node"]] if len(dropped_dups) else dropped_dups
+        ev["duplicate_batches"] += int(node_dups["count"].sum()) if len(node_dups) else 0
+        status = rules.kv_stream_health_status(ev["events"], ev["removed_before_stored"],
+                                               ev["duplicate_batches"], ev["clear_storms"],
+                                               ev["over_pool_batches"])
+        problems = [f"{ev[k]} {label}" for k, label in (
+            ("removed_before_stored", "keys removed before any store on a complete stream"),
+            ("duplicate_batches", "duplicate batches"),
+            ("clear_storms", "AllBlocksCleared storms"),
+            ("over_pool_batches", f"batches holding more keys than the pool's {ev['pool_blocks']} blocks"))
+            if ev[k]]
+        join = f"joined at seq {ev['first_seq']}; " if ev["first_seq"] else ""
+        msg = (join + ("; ".join(problems) if problems else
+                       f"{ev['batches']} batches: {ev['stored_blocks']} keys stored, "
+                       f"{ev['removed_blocks']} removed, {ev['duplicate_stores']} duplicate stores, "
+                       f"peak {ev['max_device_held_blocks']} held in the device tier"))
+        ev["node"] = str(row["node"])
+        ev.update(_reuse_coverage(logs, row["node"], ev["duplicate_stores"]))
+        out.append(Finding("kv_events.health", status, title, msg, ev))
+    return out
+
+
+def _reuse_coverage(logs: Logs, node, duplicate_stores: int) -> dict:
+    """Coverage of reused blocks, where the log allows: a publisher that re-announces the
+    blocks a request reused as stores (vLLM with ``kv_cache_report_mode="full"``) makes each
+    hit block a duplicate store, so ``reuse_coverage`` = duplicate stores / the blocks the
+    engine's own counter says were hit (``prefix_cache_hits_tokens`` from its first to its last
+    scrape, over ``block_size_tokens``). Evidence only, no verdict: requests in the default
+    incremental mode announce nothing, concurrent computes of one content add duplicates, and
+    stores outside the scrapes' span count too. Empty without two scrapes and a block size."""
+    em = logs.frame(EngineMetrics)
+    if em.empty or "prefix_cache_hits_tokens" not in em:
+        return {}
+    em = em[(em["node"] == node) & em["prefix_cache_hits_tokens"].notna()].sort_values("ts_ns", kind="stable")
+    sizes = em["block_size_tokens"].dropna() if "block_size_tokens" in em else em.iloc[0:0]
+    bs = int(sizes.iloc[-1]) if len(sizes) else logs.block_size_tokens(node)
+    if len(em) < 2 or not bs:
+        return {}
+    hit_blocks = int(em["prefix_cache_hits_tokens"].iloc[-1] - em["prefix_cache_hits_tokens"].iloc[0]) // bs
+    return {"engine_hit_blocks": hit_blocks,
+            "reuse_coverage": duplicate_stores / hit_blocks if hit_blocks > 0 else None}
+
+
 @dataclass
 class RuleContext:
     """What every registered rule is evaluated on: the logs, the baseline (``--baseline``) and
@@ -598,6 +659,7 @@ REGISTRY: tuple[RegisteredRule, ...] = (
     RegisteredRule(("sharing.consistency",), _one(sharing_consistency)),
     RegisteredRule(("pool.preemptions",), _one(preemptions)),
     RegisteredRule(("kv_events.gaps",), _one(kv_event_gaps)),
+    RegisteredRule(("kv_events.health",), _many(kv_stream_health)),
 )
 """Every rule the doctor evaluates, in the order it reports them: each evaluator with the ids
 of the findings it returns. Its ids are :data:`kvdiag.analysis.rules.RULE_IDS` (tested), and

@@ -160,6 +160,21 @@ def kv_event_gaps_status(kv_events: int, gaps: int) -> Status:
     return "warn" if gaps else "pass"
 
 
+def kv_stream_health_status(events: int, removed_before_stored: int, duplicate_batches: int,
+                            clear_storms: int, over_pool_batches: int) -> Status:
+    """Verdict of ``kv_events.health`` (:mod:`kvdiag.kv_stream_health` defines each count): n/a
+    without KV-event stream events; warn on any key removed before it was stored on a complete
+    stream, any duplicate batch, any ``AllBlocksCleared`` storm, or any batch after which more
+    keys are held in the device tier than the pool has blocks; pass otherwise. Warn, not fail:
+    each says the stream (what a router or kvdiag builds from it) disagrees with the engine's
+    cache, not that a request was served worse. Gaps are ``kv_events.gaps``; duplicate stores
+    are counted, not judged (vLLM legitimately stores one content twice)."""
+    if not events:
+        return "n/a"
+    bad = removed_before_stored or duplicate_batches or clear_storms or over_pool_batches
+    return "warn" if bad else "pass"
+
+
 # ---------------------------------------------------------------- compression
 
 COMPRESSION_USE_MAX = 0.01
@@ -305,7 +320,7 @@ CHECKLISTS: dict[str, tuple[str, ...]] = {
     "forecast": ("forecast.memory_pressure",),
     "sharing": ("sharing.consistency",),
     "pool": ("pool.preemptions",),
-    "observation": ("kv_events.gaps",),
+    "observation": ("kv_events.gaps", "kv_events.health"),
 }
 """Every rule id the doctor reports, by checklist, in the order it reports them. The doctor's
 registry (:data:`kvdiag.analysis.doctor.REGISTRY`) evaluates exactly these; Prometheus alerts

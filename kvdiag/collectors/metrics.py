@@ -1,6 +1,6 @@
 """Prometheus text exposition (``/metrics``): parsed by prometheus_client's parser, and a
-scraper mapping the engine's metrics onto ``EngineMetrics`` (vLLM and SGLang names; every other
-sample stays in ``raw``)."""
+scraper mapping the engine's metrics onto ``EngineMetrics`` (vLLM, SGLang and TensorRT-LLM
+names; every other sample stays in ``raw``)."""
 
 from __future__ import annotations
 
@@ -60,26 +60,37 @@ def parse_prometheus(text: str) -> list[MetricSample]:
         raise PrometheusParseError(_locate(text, exc)) from None
 
 
-# first matching name wins; sums over label sets (e.g. several model names or engines)
+# first matching name wins; sums over label sets (e.g. several model names or engines). vLLM
+# (vllm:*), SGLang (sglang:*, its scheduler's collector) and TensorRT-LLM (trtllm_*, its
+# MetricsCollector) names; SGLang and TensorRT-LLM count prefix-cache queries as prompt tokens
 _FIELDS: dict[str, tuple[str, ...]] = {
-    "prefix_cache_queries_tokens": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
-    "prefix_cache_hits_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
-    "num_preemptions": ("vllm:num_preemptions_total", "sglang:num_retracted_reqs"),
-    "num_requests_running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
-    "num_requests_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
-    "prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
-    "generation_tokens": ("vllm:generation_tokens_total", "sglang:generation_tokens_total"),
+    "prefix_cache_queries_tokens": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
+                                    "sglang:prompt_tokens_total", "trtllm_prompt_tokens_total"),
+    "prefix_cache_hits_tokens": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
+                                 "sglang:cached_tokens_total", "trtllm_prompt_cached_tokens_total"),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+                       "trtllm_kv_cache_utilization"),
+    "num_preemptions": ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total",
+                        "sglang:num_retracted_reqs"),
+    "num_requests_running": ("vllm:num_requests_running", "sglang:num_running_reqs",
+                             "trtllm_num_requests_running"),
+    "num_requests_waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "trtllm_num_requests_waiting"),
+    "prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total", "trtllm_prompt_tokens_total"),
+    "generation_tokens": ("vllm:generation_tokens_total", "sglang:generation_tokens_total",
+                          "trtllm_generation_tokens_total"),
 }
 
 # EngineMetrics.histograms keys -> histogram names, first present wins. vLLM before 0.11 called
 # its inter-token histogram time_per_output_token (SGLang's of that name is per request: not used)
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
-    "ttft_s": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"),
+    "ttft_s": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds",
+               "trtllm_time_to_first_token_seconds"),
     "inter_token_s": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
                       "sglang:inter_token_latency_seconds"),
-    "e2e_s": ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds"),
-    "queue_s": ("vllm:request_queue_time_seconds",),
+    "e2e_s": ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds",
+              "trtllm_e2e_request_latency_seconds"),
+    "queue_s": ("vllm:request_queue_time_seconds", "sglang:queue_time_seconds",
+                "trtllm_request_queue_time_seconds"),
 }
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
@@ -126,12 +137,30 @@ def _cache_config(samples: list[MetricSample]) -> dict:
     (one label set per engine: blocks are summed, the block size and flag taken from the first)."""
     infos = [dict(s.labels) for s in samples if s.name == CACHE_CONFIG_INFO]
     if not infos:
-        return {}
+        return _gauge_cache_config(samples)
     blocks = [_int(i.get("num_gpu_blocks")) for i in infos]
     total = sum(blocks) if None not in blocks else None
     return {"block_size_tokens": _int(infos[0].get("block_size")),
             "num_blocks": total if total is None or total <= INT64_MAX else None,
             "prefix_caching": _bool(infos[0].get("enable_prefix_caching"))}
+
+
+def _gauge_cache_config(samples: list[MetricSample]) -> dict:
+    """block_size_tokens and num_blocks from gauges: TensorRT-LLM's
+    ``trtllm_kv_cache_tokens_per_block`` and ``trtllm_kv_cache_max_blocks``; SGLang's
+    ``sglang:page_size`` and ``sglang:max_total_num_tokens`` (blocks: tokens // page size)."""
+    first = {}
+    for smp in samples:
+        if math.isfinite(smp.value) and smp.value >= 0:
+            first.setdefault(smp.name, int(smp.value))
+    if "trtllm_kv_cache_tokens_per_block" in first or "trtllm_kv_cache_max_blocks" in first:
+        return {"block_size_tokens": first.get("trtllm_kv_cache_tokens_per_block") or None,
+                "num_blocks": first.get("trtllm_kv_cache_max_blocks")}
+    page = first.get("sglang:page_size")
+    if page:
+        tokens = first.get("sglang:max_total_num_tokens")
+        return {"block_size_tokens": page, "num_blocks": None if tokens is None else tokens // page}
+    return {}
 
 
 def engine_metrics(samples: Iterable[MetricSample], ts_ns: Optional[int] = None) -> EngineMetrics:

@@ -36,9 +36,10 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag.prefix_cache import (INT64_MAX, VLLM_KV_EVENTS_COLLECTOR, PrefixCacheTally,
-                                 SeqTracker, batch_ts_ns, checked_int, schema_event,
-                                 vllm_event_dict)
+from kvdiag.kv_stream_health import StreamHealth
+from kvdiag.prefix_cache import (DUPLICATE_BATCH_MESSAGE, INT64_MAX, VLLM_KV_EVENTS_COLLECTOR,
+                                 PrefixCacheTally, SeqTracker, batch_ts_ns, checked_int,
+                                 event_dicts, schema_event)
 from kvdiag.schema import CollectorError, CollectorGap, CollectorStatus, Event
 from kvdiag.sinks import Sink
 
@@ -58,12 +59,15 @@ def decode_batch(payload: bytes, seq: int) -> tuple[float, list, list[Event], Op
         obj = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise MalformedBatch(f"seq {seq}: not msgpack ({exc})") from None
+    if isinstance(obj, dict):  # a batch encoded as a map (not array_like): same fields
+        rank = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
+        obj = [obj.get("ts"), obj.get("events")] + ([rank] if rank is not None else [])
     if not isinstance(obj, list) or len(obj) not in (2, 3) or not isinstance(obj[1], list):
         raise MalformedBatch(f"seq {seq}: expected a batch [ts, [events], dp_rank?]")
     try:
         ts_ns = batch_ts_ns(obj[0])
         rank = checked_int(obj[2], "dp_rank") if len(obj) == 3 else None
-        events = [schema_event(vllm_event_dict(ev), ts_ns, seq) for ev in obj[1]]
+        events = [schema_event(d, ts_ns, seq) for ev in obj[1] for d in event_dicts(ev)]
     except (ValueError, KeyError, TypeError) as exc:
         raise MalformedBatch(f"seq {seq}: {exc}") from None
     return float(obj[0]), obj[1], events, rank
@@ -93,14 +97,25 @@ class KVEventSubscriber:
     (malformed messages plus sink or file failures). ``tally`` counts stored, duplicate,
     removed and cleared blocks (:class:`kvdiag.prefix_cache.PrefixCacheTally`).
     ``replay_history``: on the first batch, also ask the replay endpoint for everything
-    before it (a subscriber that joined a running engine learns what its cache holds)."""
+    before it (a subscriber that joined a running engine learns what its cache holds).
+
+    Any publisher of the wire format (vLLM, SGLang; LMCache and Mooncake publish through
+    them; TensorRT-LLM's serialized events through a relay): ``publisher`` names it (``kvdiag
+    attach`` writes it in its ``CollectorStatus``). ``health`` folds the stream
+    (:class:`kvdiag.kv_stream_health.StreamHealth`, ``pool_blocks`` its balance check's pool
+    size); a batch received again (same seq and timestamp) is dropped, not recorded, and
+    counted in ``duplicate_batches`` (one ``CollectorError`` at stop)."""
 
     def __init__(self, endpoint: str, sink: Sink, topic: str = "",
                  replay_endpoint: Optional[str] = None,
                  raw_path: Optional[str | os.PathLike] = None, *, bind: bool = False,
                  replay_history: bool = False,
-                 replay_timeout_s: float = 1.0, poll_interval_s: float = 0.1) -> None:
+                 replay_timeout_s: float = 1.0, poll_interval_s: float = 0.1,
+                 publisher: str = "vllm", pool_blocks: Optional[int] = None) -> None:
         self.endpoint = endpoint
+        self.publisher = publisher
+        self.health = StreamHealth(pool_blocks)
+        self.duplicate_batches = 0
         self.bind = bind  # listen on endpoint (vLLM connects to a non-wildcard address)
         self.sink = sink
         self.topic = topic
@@ -146,6 +161,10 @@ class KVEventSubscriber:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.duplicate_batches:
+            self._record(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
+                                        message=f"{DUPLICATE_BATCH_MESSAGE}: seqs received twice",
+                                        count=self.duplicate_batches))
         if self.malformed > 1:
             self._record(CollectorError(ts_ns=time.time_ns(), collector=COLLECTOR,
                                         message=f"{self.malformed} undecodable KV event batches "
@@ -220,6 +239,9 @@ class KVEventSubscriber:
             self._malformed(f"seq {seq}: expected a sequence number 0..{INT64_MAX}")
             return
         expected = self._seq.expected
+        if expected is not None and seq < expected and self._duplicate(seq, frames[2]):
+            self.duplicate_batches += 1  # already received: not a restart, not recorded again
+            return
         step, _ = self._seq.observe(seq)
         if step == "first" and self.replay_history and self.replay_endpoint and seq > 0:
             self._fill(0, seq, report=False)
@@ -233,6 +255,15 @@ class KVEventSubscriber:
                 message=f"sequence went back from {expected - 1} to {seq}: the publisher "
                         "restarted; following its new sequence"))
         self._batch(seq, frames[2])
+
+    def _duplicate(self, seq: int, payload: bytes) -> bool:
+        """A batch already received (same seq, same timestamp): counted by :attr:`health`."""
+        try:
+            ts, _, _, _ = decode_batch(payload, seq)
+        except MalformedBatch:
+            return False
+        ts_ns = int(ts * 1e9)
+        return self.health.seen(seq, ts_ns) and not self.health.batch(seq, ts_ns)
 
     def _fill(self, start: int, stop: int, report: bool) -> None:
         """Batches ``start..stop-1`` were not received: replay what the publisher still has,
@@ -290,6 +321,9 @@ class KVEventSubscriber:
             return
         ts_ns = int(ts * 1e9)
         self._flush_gap(ts_ns)
+        if not self.health.batch(seq, ts_ns):
+            self.duplicate_batches += 1
+            return
         self.batches += 1
         line = {"seq": seq, "ts": ts, "events": _jsonable(raw)}
         if rank is not None:
@@ -297,6 +331,7 @@ class KVEventSubscriber:
         self._write_raw(line)
         for ev in events:
             self.tally.feed(ev)
+            self.health.event(ev)
             if self._record(ev):
                 self.events += 1
         self._last_ts_ns = ts_ns

@@ -30,6 +30,11 @@ ZMQ, sequence gaps included, and kept raw beside the log for `kvdiag replay`. No
 to the server but GETs. Everything goes into one kvdiag log; a summary is printed at the end
 (--json for machine-readable output).
 
+SGLang and TensorRT-LLM servers are recognised too (their command line; their sglang:* and
+trtllm_* metrics are mapped like vLLM's); an SGLang server's --kv-events-config stream is
+subscribed to. --kv-events ENDPOINT subscribes to any engine's KV events (vLLM's wire format:
+vLLM, SGLang, a TensorRT-LLM or LMCache relay), the publisher named in the log.
+
 Never signals, stops or writes to the target. Attached to an ancestor of kvdiag (a
 container's PID 1, its shell), kvdiag's own processes are left out of the target's tree.
 
@@ -68,6 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-tokens", action="store_true",
                         help="keep prompts' token ids when the target's agent records them "
                              "(KVDIAG_RECORD_TOKENS=1 there); default: hash them into the log")
+    parser.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                        help="subscribe to this ZMQ endpoint's KV events (BlockStored/BlockRemoved/"
+                             "AllBlocksCleared, msgpack: vLLM, SGLang, a TensorRT-LLM or LMCache relay); "
+                             "a wildcard or ipc endpoint is connected to, any other bound, as the "
+                             "publisher would expect")
+    parser.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                        help="ZMQ topic of --kv-events (default: every topic)")
+    parser.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
+                        help="the publisher's ROUTER replay endpoint, to fill lost batches")
+    parser.add_argument("--kv-events-publisher", metavar="NAME", default=None,
+                        help="who publishes --kv-events, named in the log (default: the engine "
+                             "recognised from the command line, else 'unknown')")
     parser.add_argument("--grace", type=float, default=5.0, metavar="S",
                         help="seconds after which a finished request's held blocks count as leaked")
 
@@ -146,12 +163,49 @@ class _Session:
         self.pyspy_failed: Optional[str] = None
         from kvdiag.collectors import vllm
         self.vllm = vllm.identify(procs.root)
+        from kvdiag.collectors import servers
+        self.other = servers.identify(procs.root) if self.vllm is None else None  # SGLang, TRT-LLM
+        self.engine = "vllm" if self.vllm is not None else self.other.engine if self.other else None
+        self.engine_probed = False
         self.kv_events = None  # the ZMQ subscriber, once a vLLM server's stream is found
         self.kv_events_tried = False
+        from kvdiag.schema import CollectorStatus
         if self.vllm is not None:
-            from kvdiag.schema import CollectorStatus
             writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm", available=True,
                                           hint=self.vllm.describe()))
+        if self.other is not None:
+            writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=self.other.engine,
+                                          available=True, hint=self.other.describe()))
+        if args.kv_events:
+            self.kv_events_tried = True
+            self._subscribe({"endpoint": args.kv_events, "topic": args.kv_events_topic,
+                             "replay_endpoint": args.kv_events_replay})
+
+    def publisher(self) -> str:
+        """Who publishes the KV events: ``--kv-events-publisher``, else the recognised engine,
+        else ``unknown``."""
+        return self.args.kv_events_publisher or self.engine or "unknown"
+
+    def _subscribe(self, cfg: dict) -> None:
+        """Subscribe to one KV-event endpoint (the subscriber side decided by
+        :func:`kvdiag.collectors.vllm.subscriber_side`); the publisher named in the status."""
+        from kvdiag.collectors import vllm
+        from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
+        from kvdiag.schema import CollectorStatus
+        mode, address = vllm.subscriber_side(cfg["endpoint"])
+        raw = Path(str(self.args.out_path) + ".kvevents.jsonl")
+        publisher = self.publisher()
+        try:
+            self.kv_events = KVEventSubscriber(address, self.writer, topic=cfg.get("topic") or "",
+                                               replay_endpoint=cfg.get("replay_endpoint"),
+                                               bind=(mode == "bind"), raw_path=raw,
+                                               publisher=publisher).start()
+        except Exception as exc:  # e.g. the address is taken by another subscriber
+            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events",
+                                               available=False, hint=f"{mode} {address}: {exc}"))
+            return
+        self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events", available=True,
+                                           hint=f"publisher {publisher}: {mode} {address}; raw stream {raw}"))
 
     def probe_metrics(self) -> None:
         from kvdiag.collectors.procfs import connect_host
@@ -164,6 +218,22 @@ class _Session:
             from kvdiag.schema import CollectorStatus
             self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="metrics", available=True,
                                                hint=self.metrics_url))
+
+    def _engine_from_metrics(self) -> None:
+        """SGLang (``sglang:*``), TensorRT-LLM (``trtllm_*``) or vLLM (``vllm:*``) by the names
+        its /metrics serves; recorded as that engine's ``CollectorStatus``."""
+        from kvdiag.collectors import servers
+        from kvdiag.schema import CollectorStatus
+        try:
+            names = [m.name for m in self.metrics_mod.parse_prometheus(
+                self.metrics_mod.fetch_metrics_text(self.metrics_url, 1.0))]
+        except (OSError, ValueError):
+            return
+        engine = servers.engine_of_metrics(names)
+        if engine is not None:
+            self.engine = engine
+            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=engine, available=True,
+                                               hint=f"recognised by its metric names at {self.metrics_url}"))
 
     def subscribe_kv_events(self) -> None:
         """A vLLM server's KV-event stream: from ``/kv_event_sources``, else its command line."""
@@ -183,19 +253,7 @@ class _Session:
                 hint="the server publishes no KV events (start it with --kv-events-config "
                      "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}')"))
             return
-        from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-        cfg = configs[0]
-        mode, address = vllm.subscriber_side(cfg["endpoint"])
-        raw = Path(str(self.args.out_path) + ".kvevents.jsonl")
-        try:
-            self.kv_events = KVEventSubscriber(address, self.writer, topic=cfg.get("topic", ""),
-                                               bind=(mode == "bind"), raw_path=raw).start()
-        except Exception as exc:  # e.g. the address is taken by another subscriber
-            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events",
-                                               available=False, hint=f"{mode} {address}: {exc}"))
-            return
-        self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events", available=True,
-                                           hint=f"{mode} {address}; raw stream {raw}"))
+        self._subscribe({"endpoint": configs[0]["endpoint"], "topic": configs[0].get("topic", "")})
 
     def sample(self) -> None:
         for ev in self.procs.sample():  # raises TargetGone
@@ -204,8 +262,19 @@ class _Session:
             self.writer.record(ev)
         self.hardware.sample()
         self.probe_metrics()
+        if self.metrics_url and self.engine is None and not self.engine_probed:
+            self.engine_probed = True  # not recognised from its command line: its metric names
+            self._engine_from_metrics()
         if self.metrics_url and self.vllm is not None and not self.kv_events_tried:
             self.subscribe_kv_events()
+        if self.other is not None and self.other.engine == "sglang" and not self.kv_events_tried:
+            self.kv_events_tried = True  # SGLang takes vLLM's flag: --kv-events-config JSON
+            from kvdiag.collectors import vllm
+            cfg = vllm.kv_events_from_cmdline(self.procs.root.cmdline())
+            if cfg and cfg.get("publisher", "zmq") == "zmq":
+                self._subscribe({"endpoint": cfg.get("endpoint", "tcp://*:5557"),
+                                 "topic": cfg.get("topic", ""),
+                                 "replay_endpoint": cfg.get("replay_endpoint")})
         if self.metrics_url:
             self.metrics_mod.scrape_into(self.metrics_url, self.writer)
 
@@ -303,6 +372,15 @@ def run(args: argparse.Namespace) -> int:
         _err(f"PID {pid} is kvdiag itself")
         return 2
     root = vllm_root(pid) if not args.socket else None
+    other = None
+    if root is None and not args.socket:  # SGLang, TensorRT-LLM: the process itself
+        import psutil
+
+        from kvdiag.collectors import servers
+        try:
+            other = servers.identify(psutil.Process(pid))
+        except psutil.Error:
+            other = None
     if root is not None and root != pid:  # an engine child: its server's /metrics and KV events too
         _err(f"PID {pid} is part of vLLM server {root}'s process tree: attaching to {root}")
         pid = args.pid = root
@@ -324,7 +402,8 @@ def run(args: argparse.Namespace) -> int:
     agent = None
     found = find_agent_socket(pid) if not args.socket else None
     socks = [Path(args.socket)] if args.socket else [found] if found else []
-    if not (socks or args.metrics_url or args.any_process or root is not None):
+    if not (socks or args.metrics_url or args.any_process or root is not None or other is not None
+            or args.kv_events):
         _err(f"process {process_label(pid)} serves no recognised engine: no kvdiag agent in its process "
              f"tree and not a vLLM server (--any-process attaches to it anyway: process tree, NVML, py-spy)")
         return NO_ENGINE_EXIT

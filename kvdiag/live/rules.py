@@ -193,6 +193,7 @@ class RuleInputs:
     facts_rows: dict
     facts_batches: dict
     events: int
+    kv_health: Optional[object] = None  # the KV-event stream's StreamHealthCounts (kvdiag.kv_stream_health)
 
 
 class LiveRules:
@@ -235,7 +236,7 @@ class LiveRules:
         self._seen = 0
         rows, batches = facts.copy_rows()
         return RuleInputs({s.event_tag(cls): t.copy() for cls, t in self.tables.items()}, rows, batches,
-                          self.events)
+                          self.events, facts.health.counts)
 
     def run(self, header: Optional[s.LogHeader], inputs: RuleInputs) -> tuple[Finding, ...]:
         """Run every rule over ``inputs``; returns (and keeps) the findings."""
@@ -257,6 +258,6 @@ class LiveRules:
         node = node or "live"
         shared: dict = {}
         frames = {tag: table.frame(node, shared) for tag, table in inputs.tables.items()}
-        derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node)
+        derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node, health=inputs.kv_health)
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
         return logs.Logs(headers={node: hdr}, frames=frames, derived=derived)

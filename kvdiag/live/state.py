@@ -118,6 +118,13 @@ class LiveState:
         self._handlers = {t: h.__get__(self) for t, h in _HANDLERS.items()}
         for fold in (self.memory, self.shadow, self.health, self.sharing):
             self._handlers.update(fold.handlers)
+        metrics_view = self._handlers.get(s.EngineMetrics)
+
+        def on_metrics(ev, b, idx) -> None:  # the engine's pool size for the KV-event stream
+            self.facts.engine_metrics(ev)
+            if metrics_view is not None:
+                metrics_view(ev, b, idx)
+        self._handlers[s.EngineMetrics] = on_metrics
 
     @property
     def shadow_budget(self) -> Optional[s.ShadowBudget]:
