@@ -3,6 +3,7 @@ equal to the engine's missed tokens on the recorded fixtures, hashes mode equal 
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -259,3 +260,19 @@ def test_bounded_state_on_a_long_stream():
         fold.feed(_finish(i * 10 + 2, f"r{i}", 16, 0))
     assert len(fold._cache) <= 8 and len(fold._ghost) <= 16 and not fold._live
     assert fold.tally.by_cause()["cold"] == 400 * 16  # a last block not held is not below_block
+
+
+def test_doctor_prints_and_returns_the_miss_causes_per_window(capsys):
+    from kvdiag.cli import main
+    path = str(DATA / "demo_preempt/demo_16req_pool40.kvlog.gz")
+    main(["doctor", path, "--json", "--miss-window-s", "30"])
+    out = json.loads(capsys.readouterr().out)
+    (node,) = out["miss_causes"]
+    m = out["miss_causes"][node]
+    assert m["window_s"] == 30 and len(m["windows"]) >= 3
+    assert sum(w["missed_tokens"] for w in m["windows"]) == m["total"]["missed_tokens"] == 4762
+    for w in m["windows"]:
+        assert sum(w["tokens"].values()) == w["missed_tokens"]
+    main(["doctor", path, "--miss-window-s", "30"])
+    text = capsys.readouterr().out
+    assert "Why prompt tokens missed the prefix cache" in text and "preemption" in text
