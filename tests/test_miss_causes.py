@@ -276,3 +276,16 @@ def test_doctor_prints_and_returns_the_miss_causes_per_window(capsys):
     main(["doctor", path, "--miss-window-s", "30"])
     text = capsys.readouterr().out
     assert "Why prompt tokens missed the prefix cache" in text and "preemption" in text
+
+
+def test_report_stacks_the_causes_per_window():
+    from kvdiag.analysis.logs import load
+    from kvdiag.reports.html import figure
+    from kvdiag.reports.sections import miss_causes_blocks
+    logs, _ = load([DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"])
+    (chart,) = miss_causes_blocks(logs, logs.time_range_ns()[0])
+    fig = figure(chart)
+    assert fig["layout"]["barmode"] == "stack"
+    assert {t["name"] for t in fig["data"]} == set(CAUSES)
+    assert sum(sum(t["y"]) for t in fig["data"]) == 4762  # the engine's missed tokens
+    assert chart.table["tokens"].sum() == 4762
