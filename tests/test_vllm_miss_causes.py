@@ -5,8 +5,8 @@ read with prometheus_client's parser) exactly, and each cause vLLM can produce s
 - cold: the first chat with a system prompt;
 - below_block: a chat whose prompt is shorter than one block, and every prompt's partial tail;
 - hash_domain: the first chat again under a ``cache_salt`` (vLLM folds it into its block hashes);
-- evicted: the first chat's system prompt after other long prompts went through a pool of
-  10 blocks of 128 tokens.
+- evicted: the first chat's system prompt (two full blocks before the question) after other
+  long prompts went through a pool of 10 blocks of 128 tokens.
 
 The engine core imports this checkout's kvdiag (``PYTHONPATH``): the plugin under test records
 ``RequestArrived.cache_domain``, whatever kvdiag vLLM's environment was last refreshed with.
@@ -86,8 +86,9 @@ def test_miss_causes_sum_to_vllm_counters_on_a_small_pool(vllm_python, model_dir
     assert result.total.missed_tokens == queries - hits > 0
     assert sum(causes.values()) == queries - hits  # exactly vLLM's missed tokens
     assert causes["cold"] > 0 and causes["below_block"] > 0
-    assert causes["hash_domain"] >= 3 * 128  # the salted chat's system-prompt blocks
-    assert causes["evicted"] >= 3 * 128
+    assert causes["hash_domain"] >= 2 * 128, causes  # the salted chat's system-prompt blocks
+    # the system prompt fills two blocks before the question starts: those two were evicted
+    assert causes["evicted"] >= 2 * 128, causes
     assert causes["unknown"] == 0 and causes["preemption"] == 0
     by_id = {r.request_id: dict(zip(("cold", "evicted", "hash_domain", "below_block", "preemption",
                                      "engine_skip", "unknown"), r.tokens)) for r in result.requests}

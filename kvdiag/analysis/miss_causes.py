@@ -224,6 +224,11 @@ class MissCauseFold:
         self._before_pool: Optional[list[Event]] = []
         self.errors = 0
 
+    def set_engine(self, engine: str) -> None:
+        """The engine's name (a log header's ``engine``): vLLM counts cached tokens at a
+        request's first admission."""
+        self.first_admission = (engine or "").startswith("vllm")
+
     def _reset_shadow(self) -> None:
         self._cache: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # dkey -> plain, tick, ns
         self._domain_plain: dict[int, int] = {}  # plain key -> entries held under a non-default domain

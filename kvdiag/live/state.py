@@ -24,6 +24,7 @@ from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
 from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
 from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config, sharing_window
+from kvdiag.analysis.miss_causes import FOLD_EVENTS as MISS_FOLD_EVENTS, MissCauseFold
 from kvdiag.analysis.rules import (MIN_SHARING_REQUESTS, RELEASE_GRACE_NS, compression_verdict, sharing_gap_status,
                                    too_few)
 from kvdiag.analysis.shadow_sampling import sampling_line
@@ -188,6 +189,7 @@ class LiveState:
         self.errors: dict[str, list] = {}
         self.status: dict[str, s.CollectorStatus] = {}
         self.rule_findings: tuple[Finding, ...] = ()  # run_rules over the events so far, run by the caller
+        self.misses = MissCauseFold()  # why missed prompt tokens missed (the doctor's one definition)
 
     @property
     def block_events_seen(self) -> bool:
@@ -202,6 +204,7 @@ class LiveState:
 
     def set_header(self, header: s.LogHeader) -> None:
         self.header = header
+        self.misses.set_engine(header.engine)
         if header.start_ns and self.start_ns is None:
             self.start_ns = header.start_ns
 
@@ -711,7 +714,9 @@ class LiveState:
             what_if=what_if, finished_requests=self.finished_count,
             reason="" if head else NO_SHADOW,
             window_start_ns=window.start_ns if window is not None else None,
-            window_requests=window.requests if window is not None else None, gap_status=status)
+            window_requests=window.requests if window is not None else None, gap_status=status,
+            miss_causes=tuple(self.misses.tally.by_cause().items()),
+            missed_tokens=self.misses.tally.missed_tokens)
 
     def _num_layers(self) -> int:
         layers = [k[0] for k in self.compression] + [k[0] for k in self.locality_sum]
@@ -910,3 +915,16 @@ _HANDLERS = {
 }
 if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter's work
     _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated
+
+
+def _with_misses(handler):
+    """``handler`` (or none), after the miss-cause fold has seen the event."""
+    def fold_then(self: LiveState, ev, b, idx) -> None:
+        self.misses.feed(ev)
+        if handler is not None:
+            handler(self, ev, b, idx)
+    return fold_then
+
+
+for _cls in MISS_FOLD_EVENTS:
+    _HANDLERS[_cls] = _with_misses(_HANDLERS.get(_cls))
