@@ -289,3 +289,29 @@ def test_report_stacks_the_causes_per_window():
     assert {t["name"] for t in fig["data"]} == set(CAUSES)
     assert sum(sum(t["y"]) for t in fig["data"]) == 4762  # the engine's missed tokens
     assert chart.table["tokens"].sum() == 4762
+
+
+def test_live_state_and_exporter_fold_the_same_causes_as_the_doctor():
+    """top (LiveState) and the exporter feed the one MissCauseFold: same counts as offline."""
+    from kvdiag.exporter import PrometheusSink
+    from kvdiag.live.state import LiveState
+    from kvdiag.tui.panels import _misses_line
+    path = DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"
+    header = read_header(path)
+    events = list(iter_events(path))
+    offline = miss_causes_of_events(events, engine=header.engine).total.by_cause()
+    state = LiveState()
+    state.set_header(header)
+    state.feed_all(events)
+    sh = state.snapshot(events[-1].ts_ns).sharing
+    assert dict(sh.miss_causes) == offline and sh.missed_tokens == 4762
+    assert _misses_line(sh).plain.startswith("missed 4,762 tok: cold 42%")
+    sink = PrometheusSink(header)
+    try:
+        for e in events:
+            sink.record(e)
+        fam = {f.name: f for f in sink.collect()}["kvdiag_prompt_tokens_missed"]
+        served = {smp.labels["cause"]: smp.value for smp in fam.samples if smp.name.endswith("_total")}
+    finally:
+        sink.close()
+    assert served == {c: float(n) for c, n in offline.items()}
