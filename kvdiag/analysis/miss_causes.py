@@ -103,20 +103,23 @@ class _Bloom:
     def __init__(self, bits: int) -> None:
         self.bits = max(64, int(bits))
         self._a = bytearray((self.bits + 7) // 8)
+        self.added = 0
 
-    def _probes(self, key: int):
-        for m in self._MULT:
-            yield ((key * m) & 0xFFFFFFFFFFFFFFFF) >> 7
+    def _probes(self, key: int) -> list[int]:
+        bits = self.bits
+        return [(((key * m) & 0xFFFFFFFFFFFFFFFF) >> 7) % bits for m in self._MULT]
 
     def add(self, key: int) -> None:
-        for p in self._probes(key):
-            i = p % self.bits
+        self.added += 1
+        for i in self._probes(key):
             self._a[i >> 3] |= 1 << (i & 7)
 
     def __contains__(self, key: int) -> bool:
-        for p in self._probes(key):
-            i = p % self.bits
-            if not self._a[i >> 3] & (1 << (i & 7)):
+        if not self.added:
+            return False
+        a = self._a
+        for i in self._probes(key):
+            if not a[i >> 3] & (1 << (i & 7)):
                 return False
         return True
 
@@ -269,8 +272,11 @@ class MissCauseFold:
             self.errors += 1
 
     def feed_all(self, events: Iterable[Event]) -> None:
+        """:meth:`feed` each event (others than :data:`FOLD_EVENTS` passed over at once)."""
+        feed, wanted = self.feed, _WANTED
         for ev in events:
-            self.feed(ev)
+            if type(ev) in wanted:
+                feed(ev)
 
     def _buffer(self, ev: Event) -> None:
         self._before_pool.append(ev)
@@ -297,34 +303,40 @@ class MissCauseFold:
             return None
         return content.keys(bs, algorithm=self.hash_algorithm).tolist()
 
-    def _touch(self, dkey: int, plain: int, mask: int, now_ns: int) -> None:
-        """Touch or insert one block (LRU), as :class:`PrefixCacheSim` does."""
-        self._tick += 1
-        cache = self._cache
-        if dkey in cache:
-            cache.move_to_end(dkey)
-            cache[dkey] = (plain, self._tick, now_ns)
-            return
+    def _touch_all(self, dkeys: list[int], keys: list[int], mask: int, now_ns: int) -> None:
+        """Touch or insert each block in order (LRU), as :class:`PrefixCacheSim` does; an
+        evicted key goes to the evicted-key history, the oldest of which to the Bloom filter."""
+        cache, ghost = self._cache, self._ghost
+        move, ghost_pop = cache.move_to_end, ghost.pop
         cap = self.capacity_blocks
-        if cap is not None:
-            if cap <= 0:
-                return
-            while len(cache) >= cap:
-                old, (oplain, otick, ons) = cache.popitem(last=False)
-                if old != oplain:
-                    n = self._domain_plain[oplain] - 1
-                    if n:
-                        self._domain_plain[oplain] = n
-                    else:
-                        del self._domain_plain[oplain]
-                self._ghost[old] = (otick, ons)
-                if len(self._ghost) > self.ghost_factor * cap:
-                    gone, _ = self._ghost.popitem(last=False)
-                    self._bloom.add(gone)
-        self._ghost.pop(dkey, None)
-        cache[dkey] = (plain, self._tick, now_ns)
-        if mask:
-            self._domain_plain[plain] = self._domain_plain.get(plain, 0) + 1
+        if cap is not None and cap <= 0:
+            self._tick += len(dkeys)
+            return
+        ghost_cap = self.ghost_factor * cap if cap is not None else 0
+        tick = self._tick
+        for j, d in enumerate(dkeys):
+            tick += 1
+            if d in cache:
+                move(d)
+                cache[d] = (keys[j], tick, now_ns)
+                continue
+            if cap is not None:
+                while len(cache) >= cap:
+                    old, (oplain, otick, ons) = cache.popitem(last=False)
+                    if old != oplain:
+                        n = self._domain_plain[oplain] - 1
+                        if n:
+                            self._domain_plain[oplain] = n
+                        else:
+                            del self._domain_plain[oplain]
+                    ghost[old] = (otick, ons)
+                    if len(ghost) > ghost_cap:
+                        self._bloom.add(ghost.popitem(last=False)[0])
+            ghost_pop(d, None)
+            cache[d] = (keys[j], tick, now_ns)
+            if mask:
+                self._domain_plain[keys[j]] = self._domain_plain.get(keys[j], 0) + 1
+        self._tick = tick
 
     def _arrived(self, ev: RequestArrived) -> None:
         if len(self._live) >= _MAX_LIVE:
@@ -370,8 +382,7 @@ class MissCauseFold:
                 continue
             if j == h:
                 brk = info
-        for j, d in enumerate(dkeys):
-            self._touch(d, keys[j], mask, now)
+        self._touch_all(dkeys, keys, mask, now)
         self._live[ev.request_id] = _Live(content, domain, bytes(codes), reuse, h)
 
     def _finished(self, ev: RequestFinished) -> None:
@@ -391,7 +402,9 @@ class MissCauseFold:
             # the partial tail (and anything past the prompt the engine reported)
             tail_start = max(start, full * bs)
             tokens[BELOW_BLOCK] += prompt - tail_start
-            for j in range(start // bs, full):
+            codes, reuse = live.codes, live.reuse
+            j = start // bs
+            while j < full:
                 n = (j + 1) * bs - max(j * bs, start)
                 if j < h:
                     if j == full - 1 and prompt % bs == 0:
@@ -400,13 +413,27 @@ class MissCauseFold:
                         cause = PREEMPTION
                     else:
                         cause = ENGINE_SKIP
-                elif j - h < len(live.codes):
-                    cause = live.codes[j - h]
+                    tokens[cause] += n
+                    j += 1
+                    continue
+                if n == bs:  # whole blocks from here on: counted by code, evicted ones listed
+                    lo = j - h
+                    hi = max(lo, min(full - h, len(codes)))
+                    part = codes[lo:hi]
+                    for c in (COLD, EVICTED, HASH_DOMAIN):
+                        tokens[c] += part.count(c) * bs
+                    if EVICTED in part:
+                        evicted += [(*reuse[k], bs) for k in range(lo, hi) if codes[k] == EVICTED]
+                    tokens[UNKNOWN] += (full - h - hi) * bs  # the arrival keyed fewer blocks
+                    break
+                if j - h < len(codes):
+                    cause = codes[j - h]
                     if cause == EVICTED:
-                        evicted.append((*live.reuse[j - h], n))
-                else:  # the arrival keyed fewer blocks than the prompt holds
+                        evicted.append((*reuse[j - h], n))
+                else:
                     cause = UNKNOWN
                 tokens[cause] += n
+                j += 1
             self._store_finished(live, ev.ts_ns)
         rec = RequestMisses(ts_ns=ev.ts_ns, request_id=str(ev.request_id), prompt_tokens=prompt,
                             cached_prompt_tokens=cached, missed_tokens=missed, tokens=tuple(tokens),
@@ -429,8 +456,7 @@ class MissCauseFold:
         if not keys:
             return
         mask = _domain_mask(live.domain)
-        for k in keys:
-            self._touch(k ^ mask, k, mask, now_ns)
+        self._touch_all([k ^ mask for k in keys] if mask else keys, keys, mask, now_ns)
 
 
 def _content(event: RequestArrived) -> Optional[Content]:
@@ -503,6 +529,7 @@ def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s
 
 FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestPreempted, BlockStored, RequestFinished)
 """The event types the fold reads, in the order ties in time are replayed."""
+_WANTED = frozenset(FOLD_EVENTS)
 
 
 def node_events(logs, node: str) -> list[Event]:
