@@ -16,6 +16,8 @@ outpacing completions: :mod:`kvdiag.analysis.user_latency`).
 Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's, measured by
 the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observation:
 ``kv_events.gaps`` (batches of the engine's KV event stream lost by the subscriber).
+Engine numbers: ``engine.number_traps`` (the engine's own usage gauge and prefix counters
+against kvdiag's recount: :mod:`kvdiag.analysis.engine_numbers`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import fragmentation as _fragmentation
-from kvdiag.analysis import bandwidth, block_facts, latency, pressure, user_latency
+from kvdiag.analysis import bandwidth, block_facts, engine_numbers, latency, pressure, user_latency
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
@@ -598,6 +600,7 @@ REGISTRY: tuple[RegisteredRule, ...] = (
     RegisteredRule(("sharing.consistency",), _one(sharing_consistency)),
     RegisteredRule(("pool.preemptions",), _one(preemptions)),
     RegisteredRule(("kv_events.gaps",), _one(kv_event_gaps)),
+    RegisteredRule((engine_numbers.RULE_ID,), _one(engine_numbers.number_traps)),
 )
 """Every rule the doctor evaluates, in the order it reports them: each evaluator with the ids
 of the findings it returns. Its ids are :data:`kvdiag.analysis.rules.RULE_IDS` (tested), and

@@ -33,6 +33,10 @@ P99 spike     a P99 rise of TTFT, TPOT or engine steps beyond {rules.P99_THRESHO
 forecast      KV the active requests still need against free blocks: time to full, OOM risk
 sharing       the engine's prefix hit rate against the content's (shadow cache at the engine's
               settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
+engine        the engine's own numbers against kvdiag's recount (engine.number_traps): a usage
+              gauge counting blocks, a gauge whose scrapes miss the peak, a lifetime hit rate
+              holding earlier traffic, hits beyond the requests' first admissions, a hit
+              counter stuck at 0
 misses        why prompt tokens missed the engine's prefix cache, per --miss-window-s window:
               cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown
               (kvdiag/analysis/miss_causes.py defines each); they sum to the engine's missed tokens
