@@ -315,3 +315,29 @@ def test_live_state_and_exporter_fold_the_same_causes_as_the_doctor():
     finally:
         sink.close()
     assert served == {c: float(n) for c, n in offline.items()}
+
+
+def test_evicted_beyond_the_history_is_still_evicted_without_a_distance():
+    """Keys that fell off the evicted-key history (ghost_factor x capacity) reach the Bloom
+    filter: still evicted, not cold, with no reuse distance."""
+    ev, t = [_pool(4, 2)], 10
+    for rid, toks in (("a", A[:8]), ("b", B_), ("c", C_), ("d", list(range(400, 408))),
+                      ("a-again", A[:8])):
+        ev += [_arrive(t, rid, toks), _finish(t + 1, rid, 8, 0)]
+        t += 10
+    recs = {r.request_id: r for r in miss_causes_of_events(ev, ghost_factor=1).requests}
+    again = recs["a-again"]
+    assert dict(zip(CAUSES, again.tokens))["evicted"] == 8
+    assert [(d, age) for d, age, _ in again.evicted] == [(None, None), (None, None)]
+
+
+def test_bloom_filter_has_no_false_negative_and_few_false_positives():
+    from kvdiag.analysis.miss_causes import _Bloom
+    rnd = random.Random(3)
+    bloom = _Bloom(1 << 23)
+    keys = [rnd.getrandbits(63) for _ in range(200_000)]
+    for k in keys:
+        bloom.add(k)
+    assert all(k in bloom for k in keys)
+    fresh = sum(rnd.getrandbits(63) in bloom for _ in range(200_000))
+    assert fresh < 200  # theory: (1 - e^(-3 x 200k / 2^23))^3 = 3.4e-4, about 70 of 200k

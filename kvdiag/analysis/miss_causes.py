@@ -53,7 +53,8 @@ placeholder, which the log does not locate; such misses show as ``engine_skip``.
 Memory: per live request its blocks' causes at arrival; per content key the shadow's entries
 (at most the pool's block count), evicted keys' last use for ``ghost_factor`` x the pool
 (reuse distance and age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted
-from cold beyond that (false positive rate under 1% up to ~0.9 M keys per MiB).
+from cold beyond that (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M
+keys fallen off the history per MiB of filter, the default).
 
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
 the doctor and the report replay a log through it (:func:`miss_causes_of_events`).
@@ -95,33 +96,42 @@ def _domain_mask(domain: Optional[str]) -> int:
     return int.from_bytes(hashlib.blake2b(domain.encode(), digest_size=8).digest(), "little") & MASK63
 
 
-class _Bloom:
-    """A fixed-size Bloom filter of 63-bit keys (3 probes)."""
+_M64 = 0xFFFFFFFFFFFFFFFF
+_P1, _P2, _P3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
 
-    _MULT = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9)
+
+class _Bloom:
+    """A fixed-size Bloom filter of 63-bit keys, 3 probes (multiplicative hashes of the key,
+    already a hash). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in
+    the default 2^23 bits, 1 MiB)."""
 
     def __init__(self, bits: int) -> None:
         self.bits = max(64, int(bits))
-        self._a = bytearray((self.bits + 7) // 8)
+        self.a = bytearray((self.bits + 7) // 8)
         self.added = 0
 
-    def _probes(self, key: int) -> list[int]:
-        bits = self.bits
-        return [(((key * m) & 0xFFFFFFFFFFFFFFFF) >> 7) % bits for m in self._MULT]
-
     def add(self, key: int) -> None:
+        a, bits = self.a, self.bits
         self.added += 1
-        for i in self._probes(key):
-            self._a[i >> 3] |= 1 << (i & 7)
+        i = (((key * _P1) & _M64) >> 32) % bits
+        a[i >> 3] |= 1 << (i & 7)
+        i = (((key * _P2) & _M64) >> 32) % bits
+        a[i >> 3] |= 1 << (i & 7)
+        i = (((key * _P3) & _M64) >> 32) % bits
+        a[i >> 3] |= 1 << (i & 7)
 
     def __contains__(self, key: int) -> bool:
         if not self.added:
             return False
-        a = self._a
-        for i in self._probes(key):
-            if not a[i >> 3] & (1 << (i & 7)):
-                return False
-        return True
+        a, bits = self.a, self.bits
+        i = (((key * _P1) & _M64) >> 32) % bits
+        if not a[i >> 3] & (1 << (i & 7)):
+            return False
+        i = (((key * _P2) & _M64) >> 32) % bits
+        if not a[i >> 3] & (1 << (i & 7)):
+            return False
+        i = (((key * _P3) & _M64) >> 32) % bits
+        return bool(a[i >> 3] & (1 << (i & 7)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +204,13 @@ def _hist_median(hist: list[int]) -> Optional[int]:
 
 
 class _Live:
-    __slots__ = ("content", "domain", "codes", "reuse", "hit_blocks", "stored", "preempted")
+    __slots__ = ("content", "domain", "codes", "reuse", "hit_blocks", "stored", "preempted", "keys",
+                 "dkeys")
 
-    def __init__(self, content, domain, codes, reuse, hit_blocks) -> None:
+    def __init__(self, content, domain, codes, reuse, hit_blocks, keys, dkeys) -> None:
         self.content, self.domain, self.codes, self.reuse = content, domain, codes, reuse
         self.hit_blocks = hit_blocks
+        self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
         self.stored: list = []
         self.preempted = False
 
@@ -383,7 +395,7 @@ class MissCauseFold:
             if j == h:
                 brk = info
         self._touch_all(dkeys, keys, mask, now)
-        self._live[ev.request_id] = _Live(content, domain, bytes(codes), reuse, h)
+        self._live[ev.request_id] = _Live(content, domain, bytes(codes), reuse, h, keys, dkeys)
 
     def _finished(self, ev: RequestFinished) -> None:
         live = self._live.pop(ev.request_id, None)
@@ -446,6 +458,9 @@ class MissCauseFold:
     def _store_finished(self, live: _Live, now_ns: int) -> None:
         """Touch or insert the full blocks of the prompt and generated tokens (no lookup)."""
         content = live.content
+        if not live.stored:  # no generated block stored: the prompt's blocks again
+            self._touch_all(live.dkeys, live.keys, _domain_mask(live.domain), now_ns)
+            return
         if content.token_ids is not None:
             seq = full_sequence(content.token_ids, live.stored)
             whole = Content(len(seq), token_ids=seq)
