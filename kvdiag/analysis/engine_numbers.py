@@ -6,7 +6,9 @@ quantity kvdiag counts itself (pool samples of the plugin, finished requests), p
 - ``usage_counts_blocks``: the engine's KV usage gauge (vLLM ``kv_cache_usage_perc``) counts
   blocks; a block holding one token counts as full. Trap when its peak exceeds the peak share of
   the pool's token slots actually written (``KVPoolSample.tokens_held`` / (blocks x block
-  size)) by :data:`kvdiag.analysis.rules.USAGE_TRAP_GAP` or more.
+  size)) by :data:`kvdiag.analysis.rules.USAGE_TRAP_GAP` or more. ``tokens_held`` counts a
+  shared prefix block's tokens once per request holding it, so with sharing the recount is an
+  upper bound and the check errs towards no trap.
 - ``gauge_is_a_point_in_time``: the gauge is the value at the engine's last step before each
   scrape, so scrapes miss what happens between them (and read 0 once idle). Trap when the peak
   block share of kvdiag's pool samples exceeds the gauge's peak over the scrapes by
