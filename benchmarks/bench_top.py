@@ -12,8 +12,9 @@
 3. ``--fold``: the live fold on a vLLM-shaped stream (benchmarks/vllm_stream.py, CONSTRUCTED
    DATA) on one core, events/s, side by side in interleaved rounds: msgspec decoding of the
    stream's JSON lines (for scale), the pool ledger alone (``BlockLedger.apply_all``, goal
-   >= 1 M events/s), and top's whole fold (``LiveState.feed_all``: ledger + request, bin and
-   latency state; and event by event, ``LiveState.feed``).
+   >= 1 M events/s), top's fold (``LiveState.feed_all``: ledger, block facts, request, bin
+   and latency state; and event by event, ``LiveState.feed``), and top's whole live path
+   (``feed_all`` + ``LiveRules.record``, the rules' inputs, in chunks of 5,000 events).
 4. ``--rss N``: RSS of top + exporter (a LiveState and a PrometheusSink fed the same stream,
    5,000 events per second of event time, folded once a second, a snapshot every second and
    a scrape every 15 s of event time, as top, the exporter and Prometheus would) at 1 M
@@ -149,8 +150,18 @@ def fold_rate(n_events: int, rounds: int = 5) -> None:
         for ev in events:
             state.feed(ev)
 
+    def live_and_rules():
+        from kvdiag.live.rules import LiveRules
+
+        state, rules = LiveState(), LiveRules()
+        for i in range(0, n, 5_000):  # as top polls its source
+            chunk = events[i:i + 5_000]
+            state.feed_all(chunk)
+            rules.record(chunk)
+
     runs = {"msgspec JSON decode (for scale)": decode, "BlockLedger.apply_all": ledger,
-            "LiveState.feed_all (top's fold)": live_batch, "LiveState.feed, one by one": live_each}
+            "LiveState.feed_all (top's fold)": live_batch, "LiveState.feed, one by one": live_each,
+            "feed_all + LiveRules.record": live_and_rules}
     rates: dict[str, list[float]] = {k: [] for k in runs}
     print(f"fold: {n:,} vLLM-shaped events, {rounds} interleaved rounds; load before {load()}")
     for r in range(rounds):
@@ -213,9 +224,12 @@ def rss_flat(n_events: int, with_rules: bool = False) -> None:
             if seen >= marks[0]:
                 sink.flush()
                 if rules is not None:  # top runs them every period: run them, then read
+                    gc.collect()
+                    before = proc.memory_info().rss
                     r0 = time.perf_counter()
                     found = rules.run(state.header, rules.take(state.facts))
-                    ran = (f"; rules ran in {time.perf_counter() - r0:.2f} s: {len(found)} findings, "
+                    ran = (f"; {before / 2**20:.1f} MiB before the rules ran in {time.perf_counter() - r0:.2f} s: "
+                           f"{len(found)} findings, "
                            f"{sum(f.status == 'fail' for f in found)} fail")
                 gc.collect()
                 rss = proc.memory_info().rss

@@ -33,9 +33,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
-
 from overhead import Attached, Goal, InstructionCounter, RoundCost, perf_instructions_available, report, \
     round_prompts, run_interleaved, tree_cpu_s, tree_pids
+
+from kvdiag.traffic import CHAT_ROUTE
 
 
 def stream_chat(base_url: str, model: str, system: str, question: str, max_tokens: int) -> tuple[int, list[float]]:
@@ -43,7 +44,7 @@ def stream_chat(base_url: str, model: str, system: str, question: str, max_token
     body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
-    req = urllib.request.Request(f"{base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{base_url}/{CHAT_ROUTE}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     gaps, last, tokens = [], None, 0
     with urllib.request.urlopen(req, timeout=300) as resp:

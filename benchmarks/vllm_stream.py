@@ -46,11 +46,20 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
     step = 0
     i = 0
 
-    def take() -> int:
-        if not free:
+    def allocate(rid: str, blocks: list[int]):
+        """A free block for ``rid``, else the least recently used cached one, evicted first."""
+        nonlocal ts, n
+        if free:
+            b = free.pop()
+        else:
             b, _ = cached.popitem(last=False)
-            return -b - 1  # evicted first
-        return free.pop()
+            ts += dt
+            yield s.BlockEvicted(ts_ns=ts, block_id=b)
+            n += 1
+        ts += dt
+        yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
+        n += 1
+        blocks.append(b)
 
     while n < n_events:
         while len(live) < concurrency:
@@ -73,31 +82,13 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
                     n += 1
                     blocks.append(b)
             while len(blocks) < prompt_blocks:
-                b = take()
-                if b < 0:
-                    b = -b - 1
-                    ts += dt
-                    yield s.BlockEvicted(ts_ns=ts, block_id=b)
-                    n += 1
-                ts += dt
-                yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
-                n += 1
-                blocks.append(b)
+                yield from allocate(rid, blocks)
             live.append((rid, blocks, rng.randint(1, 16)))
         # one request grows or finishes
         k = rng.randrange(len(live))
         rid, blocks, grow = live[k]
         if grow > 0:
-            b = take()
-            if b < 0:
-                b = -b - 1
-                ts += dt
-                yield s.BlockEvicted(ts_ns=ts, block_id=b)
-                n += 1
-            ts += dt
-            yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
-            n += 1
-            blocks.append(b)
+            yield from allocate(rid, blocks)
             live[k] = (rid, blocks, grow - 1)
         else:
             live.pop(k)

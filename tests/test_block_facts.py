@@ -137,5 +137,17 @@ def test_top_rules_keep_no_block_event():
     rules.record(events)
     kept = {cls for cls in rules.tables}
     assert kept and not kept & set(blockfacts.BLOCK_EVENTS)
-    assert sum(len(t.cols[0]) for t in rules.tables.values()) == sum(
+    assert sum(t.rows for t in rules.tables.values()) == sum(
         not isinstance(e, blockfacts.BLOCK_EVENTS) for e in events)
+
+
+def test_top_rules_keep_no_prompt_content():
+    """A prompt's chunk hashes (or token ids) are the shadow's business, not the rules': not kept."""
+    rules = LiveRules()
+    rules.record([s.RequestArrived(ts_ns=T0 + i, request_id=f"r{i}", prompt_tokens=4096,
+                                   chunk_hashes=list(range(256))) for i in range(50)])
+    table = rules.tables[s.RequestArrived]
+    kept = dict(zip(table.fields, table.cols))
+    assert kept["chunk_hashes"] is None and kept["token_ids"] is None and len(kept["request_id"]) == 50
+    frame = table.frame("n")
+    assert frame["chunk_hashes"].isna().all() and frame["prompt_tokens"].tolist() == [4096] * 50

@@ -103,13 +103,17 @@ def test_a_sibling_of_the_server_is_not_the_server(tree, capsys, tmp_path):
     assert not out.exists()
 
 
-def test_attach_and_doctor_on_a_plain_sleep_exit_non_zero(tmp_path):
-    """As a user types them: one line on stderr, the documented exit status, nothing written."""
+def test_attach_doctor_and_top_on_a_plain_sleep_exit_non_zero(tmp_path):
+    """As a user types them: one line on stderr, the documented exit status, nothing written;
+    with --any-process, top watches it from outside."""
+    from kvdiag.live import sources
+
     sleeper = subprocess.Popen(["sleep", "100"])
     try:
         out = tmp_path / "a.jsonl"
         for cmd, name in ((["attach", str(sleeper.pid), "--duration", "2", "--out", str(out)], "attach"),
-                          (["doctor", "--pid", str(sleeper.pid), "--seconds", "2"], "doctor")):
+                          (["doctor", "--pid", str(sleeper.pid), "--seconds", "2"], "doctor"),
+                          (["top", "--pid", str(sleeper.pid)], "top")):
             started = time.monotonic()
             r = subprocess.run([sys.executable, "-m", "kvdiag", *cmd], capture_output=True, text=True, timeout=60)
             assert r.returncode == NO_ENGINE_EXIT and r.stdout == "", (r.stdout, r.stderr)
@@ -118,6 +122,11 @@ def test_attach_and_doctor_on_a_plain_sleep_exit_non_zero(tmp_path):
                 f"kvdiag {name}: process {sleeper.pid} (sleep) serves no recognised engine: no kvdiag agent"), lines
             assert time.monotonic() - started < 30  # refused at once, not after --duration
         assert not out.exists()
+        src = sources.attach(sleeper.pid, any_process=True)
+        try:
+            assert type(src).__name__ == "ProcessSource"
+        finally:
+            src.close()
         assert sleeper.poll() is None  # untouched
     finally:
         sleeper.kill()
@@ -139,7 +148,7 @@ def test_a_pid_that_does_not_exist(capsys):
 def test_attach_to_a_vllm_engine_child_joins_its_server(tmp_path):
     """A process whose command line runs vLLM (``exec -a vllm``: argv[0] is ``vllm``) with a
     child: attach given the child joins the server (its /metrics, KV events and whole tree)."""
-    from kvdiag.commands.attach import vllm_root
+    from kvdiag.collectors.vllm import vllm_root
     from kvdiag.eventlog import read_header
 
     server = subprocess.Popen(["bash", "-c", "exec -a vllm python3 -c 'import subprocess, time; "

@@ -2,8 +2,9 @@
 source, LiveState and LiveRules, called as ``kvdiag top --log`` calls them) ends with the
 same findings as ``kvdiag doctor`` on the file: same rule ids, statuses and measured values.
 The leak rules top shows come from its own block ledger (LiveState.ledger), the others from
-the doctor run on its event window; tests/test_ledger_views.py checks top's, the exporter's
-and the doctor's pool numbers against a brute-force count."""
+the doctor's rules run on LiveRules' inputs (no raw block event: the block facts LiveState
+folds over its ledger); tests/test_ledger_views.py checks top's, the exporter's and the
+doctor's pool numbers against a brute-force count, tests/test_block_facts.py the facts."""
 
 from __future__ import annotations
 

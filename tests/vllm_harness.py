@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from kvdiag.commands._demo_vllm import VllmServer
+from kvdiag.traffic import CHAT_ROUTE
 
 SYSTEM = ("You are the support assistant of ACME Rail. Answer briefly and politely. " * 24).strip()
 QUESTIONS = ["When does the first train leave?", "Can I bring a bicycle?", "Is there Wi-Fi on board?",
@@ -31,7 +32,7 @@ def running_vllm(python: Path, model_dir: Path, folder: Path, **kwargs):
 def chat(server, question: str, system: str = SYSTEM, max_tokens: int = 12) -> dict:
     body = {"model": server.model, "temperature": 0, "max_tokens": max_tokens,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
-    req = urllib.request.Request(f"{server.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{server.base_url}/{CHAT_ROUTE}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())

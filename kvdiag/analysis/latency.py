@@ -334,7 +334,7 @@ def detect_all(logs: Logs, baseline: Optional[Logs] = None, threshold: float = D
             t0, t1 = logs.time_range_ns()
             bw, cw = (t0, split_ns), (split_ns, t1 + 1)
             base, cur = cur.iloc[:split], cur.iloc[split:]
-            base_logs, cur_logs = logs.window(*bw), logs.window(*cw)
+            base_logs = cur_logs = None  # cut only for a flagged comparison's causes
         cmp = compare(base["value_ns"].to_numpy(), cur["value_ns"].to_numpy(), metric,
                       threshold=threshold if q == 0.99 else max(threshold, GROSS_SHIFT_THRESHOLD),
                       seed=seed, q=q)
@@ -344,6 +344,8 @@ def detect_all(logs: Logs, baseline: Optional[Logs] = None, threshold: float = D
         cmp.baseline_window_ns, cmp.current_window_ns = bw, cw
         cmp.method = method
         if cmp.flagged:
+            if base_logs is None:
+                base_logs, cur_logs = logs.window(*bw), logs.window(*cw)
             cmp.causes = attribute(base_logs, cur_logs)
         out.append(cmp)
     return out, skipped

@@ -59,6 +59,21 @@ def is_vllm_cmdline(argv: Iterable[str]) -> bool:
     return False
 
 
+def vllm_root(pid: int) -> Optional[int]:
+    """The vLLM API server whose tree ``pid`` belongs to: ``pid`` itself or its nearest
+    ancestor that is one (None when neither is)."""
+    import psutil
+
+    from kvdiag.collectors.agent_client import ancestors
+    for p in [pid, *ancestors(pid)]:
+        try:
+            if identify(psutil.Process(p)) is not None:
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
 def identify(root) -> Optional[VllmServer]:
     """The vLLM server rooted at psutil process ``root``, or None when it is not one: neither
     its command line runs vLLM nor is one of its own children vLLM's engine core (a shell or a

@@ -121,22 +121,6 @@ def parse_pid(text: str) -> Optional[int]:
     return pid if 1 <= pid <= pid_max() else None
 
 
-def vllm_root(pid: int) -> Optional[int]:
-    """The vLLM API server whose tree ``pid`` belongs to: ``pid`` itself or its nearest
-    ancestor that is one (None when neither is)."""
-    import psutil
-
-    from kvdiag.collectors import vllm
-    from kvdiag.collectors.agent_client import ancestors
-    for p in [pid, *ancestors(pid)]:
-        try:
-            if vllm.identify(psutil.Process(p)) is not None:
-                return p
-        except psutil.Error:
-            continue
-    return None
-
-
 def _default_out(pid: int) -> Path:
     from kvdiag.paths import log_dir
 
@@ -301,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from kvdiag.collectors import procfs
+    from kvdiag.collectors.vllm import vllm_root
     from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
                                                 process_label)
     from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header

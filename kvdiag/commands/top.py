@@ -20,7 +20,9 @@ sharing (engine vs shadow), compression, attention locality, latency, requests a
 Quitting never stops a server that top attached to; it stops the demo it started within
 seconds (the requests in flight are cut). Press ? inside for the keys.
 Exit status 2 when the source cannot be opened: among others, --pid of no process, whose agent is not
-answering (no header within 5 s), refuses top (too many clients) or is another user's.
+answering (no header within 5 s), refuses top (too many clients) or is another user's; 4 when
+--pid serves no recognised engine (no kvdiag agent in its tree, not a vLLM server; --any-process
+watches it from outside anyway).
 """
 
 
@@ -30,6 +32,8 @@ DEMO_DURATION_S = 24 * 3600
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--pid", type=int, help="attach to a running server process")
+    parser.add_argument("--any-process", action="store_true",
+                        help="--pid of a process that serves no recognised engine: watch it from outside anyway")
     src.add_argument("--log", type=Path, metavar="FILE", help="replay a recorded event log")
     src.add_argument("--socket", type=Path, metavar="PATH", help="read a kvdiag agent socket directly")
     parser.add_argument("--engine", choices=("transformers", "vllm"),
@@ -75,7 +79,7 @@ def open_source(args: argparse.Namespace):
     if args.socket is not None:
         return sources.SocketSource(args.socket)
     if args.pid is not None:
-        return sources.attach(args.pid)
+        return sources.attach(args.pid, any_process=args.any_process)
     if not any(a.startswith("--model") for a in demo_args):
         from kvdiag.commands.fetch_model import resolve_with_progress
 
@@ -102,10 +106,14 @@ def _demo_log(demo_args: list[str]) -> Optional[Path]:
 def run(args: argparse.Namespace) -> int:
     from kvdiag.eventlog import LogFormatError
     from kvdiag.model import ModelFetchError
-    from kvdiag.live.sources import SourceError
+    from kvdiag.collectors.agent_client import NO_ENGINE_EXIT
+    from kvdiag.live.sources import NoEngineError, SourceError
 
     try:
         source = open_source(args)
+    except NoEngineError as exc:
+        print(f"kvdiag top: {exc}", file=sys.stderr)
+        return NO_ENGINE_EXIT
     except (SourceError, LogFormatError) as exc:
         return _error(str(exc))
     except ModelFetchError as exc:

@@ -14,7 +14,6 @@ vLLM-shaped stream (``benchmarks/bench_top.py --rss --with-rules``).
 
 from __future__ import annotations
 
-import sys
 import time
 import typing
 from array import array
@@ -31,6 +30,9 @@ from kvdiag.analysis.findings import Finding
 
 SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
 """Event types the rules read only through the block facts."""
+NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes"))}
+"""Fields no rule reads, not kept (their columns hold None): a prompt's content (a few KB a
+request) is judged by the shadow, which runs in the agent, not by the rules."""
 
 
 def _column_kind(tp) -> str:
@@ -48,31 +50,74 @@ def _column_kind(tp) -> str:
 _DTYPES = {"i": "int32", "q": "int64", "d": "float64", "b": "int8"}
 
 
+class _Strings:
+    """A column of strings as UTF-8 bytes end to end, with each one's end offset: no Python
+    object per row (a request id kept as a str costs ~60 bytes and pins the allocator's
+    arenas between rule runs). ``append`` raises TypeError for a non-str (the table then
+    keeps that column as a list)."""
+
+    __slots__ = ("data", "ends")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.ends = array("q")
+
+    def append(self, value: str) -> None:
+        if type(value) is not str:
+            raise TypeError("not a str")
+        self.data += value.encode()
+        self.ends.append(len(self.data))
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def tolist(self, shared: Optional[dict] = None) -> list[str]:
+        """The strings; ``shared``: one str object per distinct value across the columns
+        decoded with the same dict (a request id appears in four tables)."""
+        data, out, start = bytes(self.data), [], 0
+        shared = {} if shared is None else shared
+        for end in self.ends:
+            value = data[start:end].decode()
+            out.append(shared.setdefault(value, value))
+            start = end
+        return out
+
+    def copy(self) -> "_Strings":
+        out = _Strings()
+        out.data, out.ends = bytearray(self.data), array("q", self.ends)
+        return out
+
+
 class _Table:
     """One event type's rows, column by column: numbers in typed arrays (ints 32-bit until a
-    value needs 64; ``opt_*``: values and a presence mask), strings interned in lists; a value that does not fit its column's type
-    (a malformed event) turns that column into a list."""
+    value needs 64; ``opt_*``: values and a presence mask), strings as bytes (:class:`_Strings`);
+    a value that does not fit its column's type (a malformed event) turns that column into a
+    list."""
 
     def __init__(self, cls: type) -> None:
         self.fields = s.fields_of(cls)
         types = {f.name: f.type for f in msgspec.structs.fields(cls)}
-        self.kinds = [_column_kind(types[f]) for f in self.fields]
+        dropped = NOT_JUDGED.get(cls, ())
+        self.kinds = ["none" if f in dropped else _column_kind(types[f]) for f in self.fields]
+        self.rows = 0
         self.cols: list = []
         self.masks: list = []
         for kind in self.kinds:
-            self.cols.append(array("i") if kind in ("int", "opt_int") else array("d") if kind in ("float", "opt_float")
-                             else array("b") if kind == "bool" else [])
+            self.cols.append(None if kind == "none" else array("i") if kind in ("int", "opt_int")
+                             else array("d") if kind in ("float", "opt_float") else array("b") if kind == "bool"
+                             else _Strings() if kind == "str" else [])
             self.masks.append(array("b") if kind.startswith("opt_") else None)
 
     def append(self, ev) -> None:
+        self.rows += 1
         for i, v in enumerate(msgspec.structs.astuple(ev)):
-            mask = self.masks[i]
             col = self.cols[i]
+            if col is None:  # a field not kept
+                continue
+            mask = self.masks[i]
             if mask is not None and type(col) is array:
                 mask.append(v is not None)
                 v = 0 if v is None else v
-            elif type(v) is str:
-                v = sys.intern(v)
             try:
                 col.append(v)
             except OverflowError:  # int32 until a value needs 64 bits
@@ -99,18 +144,26 @@ class _Table:
 
     def copy(self) -> "_Table":
         out = _Table.__new__(_Table)
-        out.fields, out.kinds = self.fields, list(self.kinds)
-        out.cols = [array(c.typecode, c) if type(c) is array else list(c) for c in self.cols]
+        out.fields, out.kinds, out.rows = self.fields, list(self.kinds), self.rows
+        out.cols = [array(c.typecode, c) if type(c) is array else None if c is None
+                    else c.copy() if type(c) is _Strings else list(c) for c in self.cols]
         out.masks = [None if m is None else array("b", m) for m in self.masks]
         return out
 
-    def frame(self, node: str):
+    def frame(self, node: str, shared: Optional[dict] = None):
         """The rows as the doctor's frame (the dtypes pandas gives the same rows read from a
-        log: int64 without None, float64 with NaN for a None among numbers, object if all None)."""
+        log: int64 without None, float64 with NaN for a None among numbers, object if all None);
+        ``shared``: see :meth:`_Strings.tolist`."""
         import pandas as pd
 
         data = {}
         for name, kind, col, mask in zip(self.fields, self.kinds, self.cols, self.masks):
+            if col is None:
+                data[name] = np.full(self.rows, None, dtype=object)
+                continue
+            if type(col) is _Strings:
+                data[name] = np.array(col.tolist(shared), dtype=object)
+                continue
             if type(col) is not array:
                 data[name] = pd.Series(col, dtype=None if col else "object")
                 continue
@@ -202,7 +255,8 @@ class LiveRules:
     def _logs(header: Optional[s.LogHeader], inputs: RuleInputs) -> logs.Logs:
         node = (header.node or header.host) if header else ""
         node = node or "live"
-        frames = {tag: table.frame(node) for tag, table in inputs.tables.items()}
+        shared: dict = {}
+        frames = {tag: table.frame(node, shared) for tag, table in inputs.tables.items()}
         derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node)
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
         return logs.Logs(headers={node: hdr}, frames=frames, derived=derived)

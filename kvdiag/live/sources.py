@@ -30,6 +30,11 @@ from kvdiag.paths import open_private
 Clock = Callable[[], float]
 
 
+class NoEngineError(Exception):
+    """The process serves no recognised engine (exit status
+    :data:`kvdiag.collectors.agent_client.NO_ENGINE_EXIT`)."""
+
+
 class SourceError(Exception):
     """A source that cannot be opened; the message says what to do (one line)."""
 
@@ -342,16 +347,26 @@ def with_host_view(primary, pid: int):
         return primary
 
 
-def attach(pid: int):
+def attach(pid: int, any_process: bool = False):
     """A source for a running server: its agent socket if it has one, else the outside view.
     Raises SourceError when there is no such process or it may not be read, and when its agent
     does not send its header within :data:`~kvdiag.collectors.agent_client.HEADER_TIMEOUT_S`
-    ("the agent is not answering"), refuses us or is another user's."""
+    ("the agent is not answering"), refuses us or is another user's; :class:`NoEngineError`
+    when the process serves no recognised engine (no agent in its tree, not a vLLM server),
+    unless ``any_process``."""
     import psutil
 
     if not psutil.pid_exists(pid):
         raise SourceError(f"no process with PID {pid}")
     path = find_agent_socket(pid)
+    if path is None and not any_process:
+        from kvdiag.collectors.vllm import vllm_root
+
+        if vllm_root(pid) is None:
+            raise NoEngineError(
+                f"process {agent_client.process_label(pid)} serves no recognised engine: no kvdiag agent in "
+                "its process tree and not a vLLM server (--any-process watches it from outside anyway: "
+                "process tree, NVML, py-spy)")
     if path is not None:
         try:
             conn = AgentConnection(path, timeout_s=agent_client.READ_TIMEOUT_S)

@@ -16,36 +16,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
-import msgspec
-
 from kvdiag import schema as s
 from kvdiag.blockfacts import BlockFacts
 from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
 from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config, sharing_window
 from kvdiag.analysis.miss_causes import FOLD_EVENTS as MISS_FOLD_EVENTS, MissCauseFold
-from kvdiag.analysis.rules import (MIN_SHARING_REQUESTS, RELEASE_GRACE_NS, compression_verdict, sharing_gap_status,
-                                   too_few)
-from kvdiag.analysis.shadow_sampling import sampling_line
-from kvdiag.live.snapshot import (
-    LOCALITY_METRICS,
-    CompressionRow,
-    CompressionView,
-    HealthView,
-    History,
-    LatencyView,
-    LocalityView,
-    MemoryView,
-    PoolView,
-    RequestRow,
-    RequestsView,
-    SharingView,
-    Snapshot,
-    WhatIfPoint,
-)
-
-NO_SHADOW = "no shadow data: start with --shadow"
+from kvdiag.analysis.rules import RELEASE_GRACE_NS
+from kvdiag.live.snapshot import LatencyView, MemoryView, PoolView, RequestRow, RequestsView, Snapshot
+from kvdiag.live.views.health import HealthFold
+from kvdiag.live.views.memory import MemoryFold
+from kvdiag.live.views.series import Series
+from kvdiag.live.views.shadow import ShadowFold
+from kvdiag.live.views.sharing import SharingFold
 LATENCY_WINDOWS = 6
 """TTFT/TPOT percentiles cover requests finished in the last 6 rate windows (60 s by default):
 P99 needs more requests than a 10 s window of a small server holds."""
@@ -61,43 +44,6 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
     return ordered[rank - 1]
-
-
-class _Series:
-    """One value per bin (the last one observed in it)."""
-
-    __slots__ = ("values",)
-
-    def __init__(self) -> None:
-        self.values: dict[int, float] = {}
-
-    def set(self, bin_idx: int, value: float) -> None:
-        self.values[bin_idx] = value
-
-    def history(self, first: int, last: int, carry_bins: int) -> History:
-        """Values of bins first..last; a gauge carries its last value over at most
-        ``carry_bins`` empty bins (it is still the current reading), then shows a gap."""
-        out: list[Optional[float]] = []
-        current: Optional[float] = None
-        age = 0
-        earlier = [b for b in self.values if b < first]
-        if earlier:
-            b = max(earlier)
-            current, age = self.values[b], first - b - 1
-        for b in range(first, last + 1):
-            if b in self.values:
-                current, age = self.values[b], 0
-            else:
-                age += 1
-            out.append(current if current is not None and age <= carry_bins else None)
-        return tuple(out)
-
-    def trim(self, before: int) -> None:
-        old = [b for b in self.values if b < before]
-        keep = max(old) if old else None
-        for b in old:
-            if b != keep:
-                del self.values[b]
 
 
 @dataclass(slots=True)
@@ -148,9 +94,12 @@ class LiveState:
         self.events = 0
         self.bad_events = 0  # events feed_all could not fold (malformed)
         self.bins: dict[int, _Bin] = {}
-        self.series: dict[str, _Series] = {k: _Series() for k in (
-            "nvml", "allocator", "kv_pool", "rss", "occupancy")}
-        self.shadow_series: dict[tuple, _Series] = {}
+        self.series: dict[str, Series] = {k: Series() for k in ("kv_pool", "occupancy")}
+        # the views that need no request or block state (kvdiag/live/views)
+        self.memory = MemoryFold()
+        self.shadow = ShadowFold()
+        self.health = HealthFold()
+        self.sharing = SharingFold(lambda: self.finished_count)
         # pool
         self.pool_info: Optional[s.KVPoolInfo] = None
         self.pool_sample: Optional[s.KVPoolSample] = None
@@ -160,36 +109,25 @@ class LiveState:
         self.peak_copy_bytes_per_s: Optional[float] = None  # the log's bandwidth probe
         self.kv_read_bytes_total = 0.0  # demanded KV read of every step counted, and their time
         self.kv_read_step_ns_total = 0
-        # memory
-        self.nvml: dict[int, s.NvmlSample] = {}
-        self.allocator: dict[int, s.AllocatorSample] = {}
-        self.processes: dict[int, s.ProcessSample] = {}
-        self._latest_full_memory: dict[str, dict[int, int]] = {}  # "pss"/"swap" -> pid -> bytes
         # requests
         self.live: dict[str, _Request] = {}
         self.finished: OrderedDict[str, _Request] = OrderedDict()
         self.finished_count = 0
-        self.engine_prompt_tokens = 0
-        self.engine_cached_tokens = 0
-        self.engine_metrics: Optional[s.EngineMetrics] = None
-        self.engine_metrics_first: Optional[s.EngineMetrics] = None  # the baseline of its counters
         self.saw_steps = False
         self.saw_scheduled = False
-        # shadow
-        self.shadow: dict[tuple, s.ShadowSharing] = {}
-        self.shadow_baseline: dict[tuple, s.ShadowSharing] = {}  # each configuration's first result
-        self.shadow_drained: dict[tuple, s.ShadowSharing] = {}  # its latest with no request in flight
-        self.compression: dict[tuple, s.ShadowCompression] = {}
-        self.shadow_budget: Optional[s.ShadowBudget] = None  # the latest
-        self.locality_sum: dict[tuple[int, int], list[float]] = {}
-        self.locality_samples = 0
-        # health
-        self.dropped_events = 0
-        self.gaps = 0
-        self.errors: dict[str, list] = {}
-        self.status: dict[str, s.CollectorStatus] = {}
         self.rule_findings: tuple[Finding, ...] = ()  # run_rules over the events so far, run by the caller
-        self.misses = MissCauseFold()  # why missed prompt tokens missed (the doctor's one definition)
+        self._handlers = {t: h.__get__(self) for t, h in _HANDLERS.items()}
+        for fold in (self.memory, self.shadow, self.health, self.sharing):
+            self._handlers.update(fold.handlers)
+        # why missed prompt tokens missed: the doctor's one definition, fed before the handlers
+        self.misses = MissCauseFold()
+        for cls in MISS_FOLD_EVENTS:
+            self._handlers[cls] = _fold_first(self.misses.feed, self._handlers.get(cls))
+
+    @property
+    def shadow_budget(self) -> Optional[s.ShadowBudget]:
+        """The shadow's latest budget report (the exporter's gauge)."""
+        return self.shadow.budget
 
     @property
     def block_events_seen(self) -> bool:
@@ -218,7 +156,7 @@ class LiveState:
             if first is None:
                 return
             self.feed(first)
-        get = _HANDLERS.get
+        get = self._handlers.get
         bins, bin_ns = self.bins, self.bin_ns
         ledger, facts = self.ledger, self.facts
         allocated, released, evicted = ledger.allocated, ledger.released, ledger.evicted
@@ -256,7 +194,7 @@ class LiveState:
                 else:
                     h = get(t)
                     if h is not None:
-                        h(self, ev, b, idx)
+                        h(ev, b, idx)
             except Exception:  # one malformed event costs its own figures, not the fold
                 self.bad_events += 1
         if b is not None:
@@ -288,9 +226,9 @@ class LiveState:
         b = self._bin(ts)
         b.events += 1
         bin_idx = ts // self.bin_ns
-        handler = _HANDLERS.get(type(ev))
+        handler = self._handlers.get(type(ev))
         if handler is not None:
-            handler(self, ev, b, bin_idx)
+            handler(ev, b, bin_idx)
 
     def _on_arrived(self, ev: s.RequestArrived, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
@@ -334,8 +272,7 @@ class LiveState:
         self.finished_count += 1
         b.finished_output_tokens += ev.output_tokens
         if ev.status == "finished":
-            self.engine_prompt_tokens += ev.prompt_tokens
-            self.engine_cached_tokens += ev.cached_prompt_tokens
+            self.sharing.finished(ev)
             b.prompt_tokens += ev.prompt_tokens
             b.cached_tokens += ev.cached_prompt_tokens
             if req.queue_ns is not None:
@@ -412,80 +349,7 @@ class LiveState:
             used = ev.blocks_used + ev.blocks_cached
             self.series["kv_pool"].set(idx, used * self.pool_info.block_bytes)
 
-    def _on_allocator(self, ev: s.AllocatorSample, b: _Bin, idx: int) -> None:
-        self.allocator[ev.device] = ev
-        self.series["allocator"].set(idx, sum(a.reserved_bytes for a in self.allocator.values()))
-
-    def _on_nvml(self, ev: s.NvmlSample, b: _Bin, idx: int) -> None:
-        self.nvml[ev.device] = ev
-        used = [n.memory_used_bytes for n in self.nvml.values() if n.memory_used_bytes is not None]
-        if used:
-            self.series["nvml"].set(idx, sum(used))
-
-    def _on_process(self, ev: s.ProcessSample, b: _Bin, idx: int) -> None:
-        self.processes[ev.pid] = ev
-        # PSS and swap are read less often than RSS: keep each process's last reading
-        for key, value in (("pss", ev.pss_bytes), ("swap", ev.swap_bytes)):
-            if value is not None:
-                self._latest_full_memory.setdefault(key, {})[ev.pid] = value
-        self.series["rss"].set(idx, self._rss(ev.ts_ns))
-
-    def _on_metrics(self, ev: s.EngineMetrics, b: _Bin, idx: int) -> None:
-        self.engine_metrics = ev
-        if self.engine_metrics_first is None:
-            self.engine_metrics_first = ev
-
-    def _on_shadow_sharing(self, ev: s.ShadowSharing, b: _Bin, idx: int) -> None:
-        key = (ev.policy, ev.block_size_tokens, ev.capacity_blocks)
-        self.shadow[key] = ev
-        base = self.shadow_baseline.setdefault(key, ev)
-        if ev.requests and ev.requests == self.finished_count:  # every request it counted finished
-            self.shadow_drained[key] = ev
-        series = self.shadow_series.get(key)
-        if series is None:
-            series = self.shadow_series[key] = _Series()
-        window = sharing_window(base, ev)
-        if window is None:
-            series.set(idx, ev.token_hit_rate)
-        elif window.shadow_hit_rate is not None:
-            series.set(idx, window.shadow_hit_rate)
-
-    def _on_shadow_budget(self, ev: s.ShadowBudget, b: _Bin, idx: int) -> None:
-        self.shadow_budget = ev
-
-    def _on_compression(self, ev: s.ShadowCompression, b: _Bin, idx: int) -> None:
-        self.compression[(ev.layer, ev.head, ev.method)] = ev
-
-    def _on_locality(self, ev: s.ShadowLocality, b: _Bin, idx: int) -> None:
-        sums = self.locality_sum.get((ev.layer, ev.head))
-        if sums is None:
-            sums = self.locality_sum[(ev.layer, ev.head)] = [0.0, 0.0, 0.0, 0.0, 0, 0]
-        sums[0] += ev.recent_mass
-        sums[1] += ev.sink_mass
-        sums[2] += ev.entropy_nats
-        if ev.outside_share is not None:
-            sums[3] += ev.outside_share
-            sums[5] += 1
-        sums[4] += 1
-        self.locality_samples += 1
-
-    def _on_gap(self, ev: s.CollectorGap, b: _Bin, idx: int) -> None:
-        self.gaps += 1
-        self.dropped_events += ev.dropped_events
-
-    def _on_error(self, ev: s.CollectorError, b: _Bin, idx: int) -> None:
-        entry = self.errors.setdefault(ev.collector, [0, ""])
-        entry[0] += ev.count
-        entry[1] = ev.message
-
-    def _on_status(self, ev: s.CollectorStatus, b: _Bin, idx: int) -> None:
-        self.status[ev.collector] = ev
-
     # ------------------------------------------------------------------ snapshot
-
-    def _rss(self, now_ns: int) -> int:
-        """Sum of the latest RSS of each process seen in the last 30 s."""
-        return sum(p.rss_bytes for p in self.processes.values() if now_ns - p.ts_ns <= 30_000_000_000)
 
     def _bins_window(self, last: int, n: int) -> list[_Bin]:
         return [self.bins[i] for i in range(last - n + 1, last + 1) if i in self.bins]
@@ -501,28 +365,50 @@ class LiveState:
         latency_window = self._bins_window(last, self.rate_window_bins * LATENCY_WINDOWS)
         pool = self._pool_view(first, last, window, window_s, now_ns)
         memory = self._memory_view(first, last, now_ns)
-        sharing = self._sharing_view(first, last)
+        sharing = self.sharing.view(first, last, self._engine_history(first, last), self.pool_info)
+        sharing = replace(sharing, miss_causes=tuple(self.misses.tally.by_cause().items()),
+                          missed_tokens=self.misses.tally.missed_tokens)
         latency = self._latency_view(first, last, window, window_s, latency_window)
         requests = self._requests_view(now_ns)
-        health = HealthView(
-            dropped_events=self.dropped_events, gaps=self.gaps,
-            errors=tuple((c, e[0], e[1]) for c, e in sorted(self.errors.items())),
-            unavailable=tuple((c, st.hint) for c, st in sorted(self.status.items()) if not st.available))
+        health = self.health.view()
         header = self.header
         snap = Snapshot(
             now_ns=now_ns, start_ns=self.start_ns or now_ns, source=self.source, paused=paused,
             events=self.events, events_per_s=sum(b.events for b in window) / window_s,
             bin_s=self.bin_s, engine=header.engine if header else "", model=header.model if header else "",
-            memory=memory, pool=pool, sharing=sharing, compression=self._compression_view(),
-            locality=self._locality_view(), latency=latency, requests=requests, health=health,
+            memory=memory, pool=pool, sharing=sharing,
+            compression=self.shadow.compression_view(self.pool_info.num_layers if self.pool_info else 0),
+            locality=self.shadow.locality_view(), latency=latency, requests=requests, health=health,
             alerts=(), finished_source=finished_source)
         return replace(snap, alerts=self._alerts(snap))
 
     def _trim(self, first: int) -> None:
         for idx in [i for i in self.bins if i < first - self.rate_window_bins * LATENCY_WINDOWS]:
             del self.bins[idx]
-        for series in (*self.series.values(), *self.shadow_series.values()):
+        for series in self.series.values():
             series.trim(first)
+        self.memory.trim(first)
+        self.sharing.trim(first)
+
+    def _engine_history(self, first: int, last: int) -> tuple:
+        """The engine's token hit rate of the requests finished in each bin first..last."""
+        out = []
+        for idx in range(first, last + 1):
+            b = self.bins.get(idx)
+            out.append(b.cached_tokens / b.prompt_tokens if b and b.prompt_tokens else None)
+        return tuple(out)
+
+    def _memory_view(self, first: int, last: int, now_ns: int) -> MemoryView:
+        """The memory fold's view, with the KV pool's bytes (used and cached; total)."""
+        kv_used = kv_total = None
+        info = self.pool_info
+        if info is not None:
+            kv_total = info.num_blocks * info.block_bytes
+            blocks = self._pool_blocks()
+            if blocks is not None:
+                kv_used = (blocks[0] + blocks[1]) * info.block_bytes
+        return self.memory.view(first, last, now_ns, kv_used, kv_total,
+                                self.series["kv_pool"].history(first, last, 10), self.health.hint)
 
     def _record_derived(self, last: int) -> None:
         """Without pool samples, the gauges come from block events: record them for this bin."""
@@ -535,50 +421,6 @@ class LiveState:
             self.series["kv_pool"].set(last, (blocks[0] + blocks[1]) * self.pool_info.block_bytes)
             if self.pool_info.num_blocks:
                 self.series["occupancy"].set(last, blocks[0] / self.pool_info.num_blocks)
-
-    def _memory_view(self, first: int, last: int, now_ns: int) -> MemoryView:
-        used = [n.memory_used_bytes for n in self.nvml.values() if n.memory_used_bytes is not None]
-        total = [n.memory_total_bytes for n in self.nvml.values() if n.memory_total_bytes is not None]
-        proc = [n.process_memory_bytes for n in self.nvml.values() if n.process_memory_bytes is not None]
-        alloc = list(self.allocator.values())
-        kv_used = kv_total = None
-        info = self.pool_info
-        if info is not None:
-            kv_total = info.num_blocks * info.block_bytes
-            blocks = self._pool_blocks()
-            if blocks is not None:
-                kv_used = (blocks[0] + blocks[1]) * info.block_bytes
-        nvml_hint = self._hint(("nvml", "gpu"), "no NVML samples") if not self.nvml else ""
-        alloc_hint = self._hint(("allocator", "cuda"), "no CUDA allocator samples") if not alloc else ""
-        carry = 10
-        rss = self._rss(now_ns) if self.processes else None
-        host_only = not self.nvml and not alloc and bool(rss)  # no device: the pool is in RSS
-        recent = {pid for pid, p in self.processes.items() if now_ns - p.ts_ns <= 30_000_000_000}
-        pss, swap = ([v for pid, v in self._latest_full_memory.get(key, {}).items() if pid in recent]
-                     for key in ("pss", "swap"))
-        return MemoryView(
-            nvml_used_bytes=sum(used) if used else None, nvml_total_bytes=sum(total) if total else None,
-            nvml_process_bytes=sum(proc) if proc else None,
-            allocator_reserved_bytes=sum(a.reserved_bytes for a in alloc) if alloc else None,
-            allocator_allocated_bytes=sum(a.allocated_bytes for a in alloc) if alloc else None,
-            kv_pool_used_bytes=kv_used, kv_pool_total_bytes=kv_total,
-            host_rss_bytes=rss,
-            host_pss_bytes=sum(pss) if pss else None,
-            host_swap_bytes=sum(swap) if swap else None,
-            kv_pool_rss_share=kv_used / rss if host_only and kv_used is not None else None,
-            kv_pool_total_rss_share=kv_total / rss if host_only and kv_total is not None else None,
-            nvml_history=self.series["nvml"].history(first, last, carry),
-            allocator_history=self.series["allocator"].history(first, last, carry),
-            kv_pool_history=self.series["kv_pool"].history(first, last, carry),
-            rss_history=self.series["rss"].history(first, last, carry),
-            gpu_hint=nvml_hint, allocator_hint=alloc_hint)
-
-    def _hint(self, keys: tuple[str, ...], default: str) -> str:
-        """The hint of an unavailable collector whose name contains one of ``keys``."""
-        for name, st in sorted(self.status.items()):
-            if not st.available and any(k in name.lower() for k in keys):
-                return st.hint or f"{name} unavailable"
-        return default
 
     def block_size_tokens(self) -> Optional[int]:
         """Tokens per KV block: the pool's figure, else the header's (None without either)."""
@@ -631,9 +473,7 @@ class LiveState:
                 inconsistency = (f"pool sample: {sample.tokens_held} tokens held > {slots} slots of "
                                  f"{sample.blocks_used} used blocks; token occupancy not shown")
                 token_occ = None
-        alloc = list(self.allocator.values())
-        reserved = sum(a.reserved_bytes for a in alloc)
-        alloc_frag = (reserved - sum(a.allocated_bytes for a in alloc)) / reserved if reserved else None
+        alloc_frag = self.memory.allocator_fragmentation()
         ledger = self.ledger
         has_pool = info is not None or sample is not None or bool(ledger.holders)
         seen = ledger.block_events > 0
@@ -655,115 +495,6 @@ class LiveState:
             ledger_free_blocks=ledger.free_blocks if seen else None,
             finished_holding_requests=holding[0], finished_holding_blocks=holding[1],
             block_anomalies=tuple((k, ledger.anomaly_counts[k]) for k in ANOMALY_KINDS) if seen else ())
-
-    def _engine_hit_rate(self) -> Optional[float]:
-        """Over the requests finished since this state began, else the increase of the
-        engine's counters since its first metrics scrape seen here (never their totals since
-        the engine started: the client may have joined late)."""
-        m, m0 = self.engine_metrics, self.engine_metrics_first
-
-        def delta(name: str) -> Optional[float]:
-            now, then = (getattr(x, name) if x is not None else None for x in (m, m0))
-            return now - then if now is not None and then is not None and m is not m0 else None
-        return engine_token_hit_rate(self.engine_prompt_tokens, self.engine_cached_tokens,
-                                     delta("prefix_cache_queries_tokens"), delta("prefix_cache_hits_tokens"))
-
-    def _headline_key(self) -> Optional[tuple]:
-        """The shadow configuration closest to the engine's (the same choice as the
-        ``sharing.consistency`` rule makes)."""
-        if not self.shadow:
-            return None
-        info = self.pool_info
-        return headline_config(self.shadow, info.block_size_tokens if info else None,
-                               info.num_blocks if info else None)
-
-    def _sharing_view(self, first: int, last: int) -> SharingView:
-        engine = self._engine_hit_rate()
-        engine_hist = []
-        for idx in range(first, last + 1):
-            b = self.bins.get(idx)
-            engine_hist.append(b.cached_tokens / b.prompt_tokens if b and b.prompt_tokens else None)
-        key = self._headline_key()
-        head = self.shadow.get(key) if key else None
-        shadow_cfg = _point(head) if head else None
-        if engine is None and head is not None and head.engine_hit_rate is not None:
-            engine = head.engine_hit_rate
-        shadow = head.token_hit_rate if head else None
-        window = sharing_window(self.shadow_baseline[key], head) if head is not None else None
-        same: Optional[int] = None  # requests both sides cover (None: no such comparison)
-        if window is not None:  # both sides over the same requests, since the first result seen
-            engine, shadow, same = window.engine_hit_rate, window.shadow_hit_rate, window.requests
-        elif key in self.shadow_drained and self.shadow_drained[key].engine_hit_rate is not None:
-            # results without the same-requests counters (an older agent): the latest taken with
-            # no request in flight, when the shadow (at arrival) and the engine (at finish)
-            # counted the same requests (the doctor's sharing.consistency makes the same choice)
-            d = self.shadow_drained[key]
-            same, shadow, engine = d.requests, d.token_hit_rate, d.engine_hit_rate
-        gap = shadow - engine if shadow is not None and engine is not None and same is not None else None
-        if same is not None and same < MIN_SHARING_REQUESTS:
-            status, gap = too_few(same, MIN_SHARING_REQUESTS, "finished requests in the window"), None
-        else:
-            status = sharing_gap_status(gap) if gap is not None else ""
-        what_if = tuple(sorted((_point(ev) for ev in self.shadow.values()), key=lambda p: (
-            p.policy, p.block_size_tokens, p.capacity_blocks if p.capacity_blocks is not None else math.inf)))
-        return SharingView(
-            engine_hit_rate=engine, shadow_hit_rate=shadow,
-            shadow_config=shadow_cfg, gap=gap,
-            engine_history=tuple(engine_hist),
-            shadow_history=self.shadow_series[key].history(first, last, 30) if key else (None,) * (last - first + 1),
-            what_if=what_if, finished_requests=self.finished_count,
-            reason="" if head else NO_SHADOW,
-            window_start_ns=window.start_ns if window is not None else None,
-            window_requests=window.requests if window is not None else None, gap_status=status,
-            miss_causes=tuple(self.misses.tally.by_cause().items()),
-            missed_tokens=self.misses.tally.missed_tokens)
-
-    def _num_layers(self) -> int:
-        layers = [k[0] for k in self.compression] + [k[0] for k in self.locality_sum]
-        seen = max(layers) + 1 if layers else 0
-        return max(self.pool_info.num_layers if self.pool_info else 0, seen)
-
-    def _compression_view(self) -> CompressionView:
-        if not self.compression:
-            return CompressionView(rows=(), reason=NO_SHADOW)
-        num_layers = self._num_layers()
-        group = max(1, math.ceil(num_layers / 3))
-        acc: dict[tuple[int, str], list] = {}
-        for (layer, _head, method), ev in self.compression.items():
-            a = acc.setdefault((layer // group, method), [0.0, 0.0, 0.0, 0, 0.0, 0, 0])
-            a[0] += ev.ratio
-            a[1] = max(a[1], ev.k_rel_error, ev.v_rel_error)
-            if ev.attn_out_rel_error is not None:
-                a[2] += ev.attn_out_rel_error
-                a[3] += 1
-            if ev.decode_ns is not None:
-                a[4] += ev.decode_ns
-                a[5] += 1
-            a[6] += 1
-        rows = []
-        for (g, method), a in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[1][0] / kv[1][6], kv[0][1])):
-            lo, hi = g * group, min(num_layers, (g + 1) * group) - 1
-            attn = a[2] / a[3] if a[3] else None
-            rows.append(CompressionRow(
-                layers=f"{lo}-{hi}" if hi > lo else str(lo), method=method, ratio=a[0] / a[6], error=a[1],
-                attn_out_error=attn, decode_us=a[4] / a[5] / 1e3 if a[5] else None, samples=a[6],
-                recommendation=compression_verdict(attn if attn is not None else a[1])))
-        sampling = sampling_line(msgspec.structs.asdict(self.shadow_budget)) if self.shadow_budget else ""
-        return CompressionView(rows=tuple(rows), reason="", sampling=sampling)
-
-    def _locality_view(self) -> LocalityView:
-        if not self.locality_sum:
-            return LocalityView(0, 0, {m: () for m in LOCALITY_METRICS}, 0, NO_SHADOW)
-        num_layers = max(k[0] for k in self.locality_sum) + 1
-        num_heads = max(k[1] for k in self.locality_sum) + 1
-        cells = {}
-        for i, metric in enumerate(LOCALITY_METRICS):
-            grid = [[None] * num_heads for _ in range(num_layers)]  # None: no sample there
-            for (layer, head), sums in self.locality_sum.items():
-                count = sums[5] if i == 3 else sums[4]
-                grid[layer][head] = sums[i] / count if count else None
-            cells[metric] = tuple(map(tuple, grid))
-        return LocalityView(num_layers, num_heads, cells, self.locality_samples, "")
 
     def _latency_view(self, first: int, last: int, window: list[_Bin], window_s: float,
                       latency_window: list[_Bin]) -> LatencyView:
@@ -789,7 +520,6 @@ class LiveState:
         seen = self.finished_count or self.saw_steps
         step_ns = sum(b.step_ns for b in window)
         kv_rate = sum(b.kv_read_bytes for b in window) / (step_ns / 1e9) if step_ns else None
-        mem = [n.memory_util_pct for n in self.nvml.values() if n.memory_util_pct is not None]
         return LatencyView(
             ttft_p50_ms=scaled(percentile(ttft, 50)), ttft_p99_ms=scaled(percentile(ttft, 99)),
             tpot_p50_ms=scaled(percentile(tpot, 50)), tpot_p99_ms=scaled(percentile(tpot, 99)),
@@ -805,7 +535,7 @@ class LiveState:
             kv_bandwidth_utilisation=kv_rate / peak if kv_rate is not None and peak else None,
             kv_bandwidth_history=tuple(kv) if any(v is not None for v in kv) else (),
             kv_bandwidth_history_unit="%" if peak else "GB/s",
-            nvml_memory_util_pct=sum(mem) / len(mem) if mem else None)
+            nvml_memory_util_pct=self.memory.memory_util_pct())
 
     def _generated(self, b: _Bin) -> float:
         """Generated tokens in a bin: first tokens + decode tokens of engine steps when the
@@ -870,11 +600,6 @@ class LiveState:
         return tuple(sorted(out, key=lambda f: (order[f.status], not f.rule.startswith("collector."))))
 
 
-def _point(ev: s.ShadowSharing) -> WhatIfPoint:
-    return WhatIfPoint(ev.policy, ev.block_size_tokens, ev.capacity_blocks, ev.token_hit_rate,
-                       ev.block_hit_rate, ev.requests)
-
-
 def _row(r: _Request, kv: Optional[int], now_ns: int, blocks) -> RequestRow:
     end = r.finished_ns if r.finished_ns is not None else now_ns
     return RequestRow(
@@ -897,17 +622,6 @@ _HANDLERS = {
     s.BlockReleased: LiveState._on_released,
     s.BlockEvicted: LiveState._on_evicted,
     s.KVPoolSample: LiveState._on_pool_sample,
-    s.AllocatorSample: LiveState._on_allocator,
-    s.NvmlSample: LiveState._on_nvml,
-    s.ProcessSample: LiveState._on_process,
-    s.EngineMetrics: LiveState._on_metrics,
-    s.ShadowSharing: LiveState._on_shadow_sharing,
-    s.ShadowCompression: LiveState._on_compression,
-    s.ShadowBudget: LiveState._on_shadow_budget,
-    s.ShadowLocality: LiveState._on_locality,
-    s.CollectorGap: LiveState._on_gap,
-    s.CollectorError: LiveState._on_error,
-    s.CollectorStatus: LiveState._on_status,
     s.MemoryBandwidthProbe: LiveState._on_probe,
     s.PrefixCacheStored: lambda self, ev, b, idx: self.facts.kv_event(ev),
     s.PrefixCacheRemoved: lambda self, ev, b, idx: self.facts.kv_event(ev),
@@ -917,14 +631,12 @@ if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter
     _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated
 
 
-def _with_misses(handler):
-    """``handler`` (or none), after the miss-cause fold has seen the event."""
-    def fold_then(self: LiveState, ev, b, idx) -> None:
-        self.misses.feed(ev)
-        if handler is not None:
-            handler(self, ev, b, idx)
-    return fold_then
+def _fold_first(fold, handler):
+    """A handler that passes the event to ``fold`` first, then to ``handler`` (if any)."""
+    if handler is None:
+        return lambda ev, b, idx: fold(ev)
 
-
-for _cls in MISS_FOLD_EVENTS:
-    _HANDLERS[_cls] = _with_misses(_HANDLERS.get(_cls))
+    def both(ev, b, idx) -> None:
+        fold(ev)
+        handler(ev, b, idx)
+    return both
