@@ -29,6 +29,7 @@ import msgspec  # noqa: E402
 
 from kvdiag import schema as s  # noqa: E402
 from kvdiag.analysis.miss_causes import MissCauseFold  # noqa: E402
+from kvdiag.live import state as live_state  # noqa: E402
 from kvdiag.live.state import LiveState  # noqa: E402
 from vllm_stream import BLOCK_TOKENS, events  # noqa: E402
 
@@ -78,9 +79,13 @@ def main() -> int:
         return f
 
     def state_all(evs, off=False):
-        st = LiveState()
-        if off:
-            st.misses.feed = lambda ev: None
+        saved = live_state.MISS_FOLD_EVENTS
+        if off:  # LiveState wires the fold into its handlers for these types only
+            live_state.MISS_FOLD_EVENTS = ()
+        try:
+            st = LiveState()
+        finally:
+            live_state.MISS_FOLD_EVENTS = saved
         st.feed_all(evs)
 
     for _ in range(args.rounds):
