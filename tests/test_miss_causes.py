@@ -341,3 +341,16 @@ def test_bloom_filter_has_no_false_negative_and_few_false_positives():
     assert all(k in bloom for k in keys)
     fresh = sum(rnd.getrandbits(63) in bloom for _ in range(200_000))
     assert fresh < 200  # theory: (1 - e^(-3 x 200k / 2^23))^3 = 3.4e-4, about 70 of 200k
+
+
+def test_a_request_the_fold_fails_on_still_counts_as_unknown(monkeypatch):
+    events, expected = planted_stream()
+    fold = MissCauseFold(engine="transformers-cb")
+
+    def broken(*a, **k):
+        raise RuntimeError("planted")
+    monkeypatch.setattr(fold, "_store_finished", broken)
+    fold.feed_all(events)
+    total = sum(sum(v.values()) for v in expected.values())
+    assert fold.tally.missed_tokens == total == fold.tally.by_cause()["unknown"]
+    assert fold.errors == len(expected) - 1  # all but the request that never arrived

@@ -255,20 +255,19 @@ class MissCauseFold:
     def feed(self, ev: Event) -> None:
         """Fold one event (others than requests, stores and the pool are ignored)."""
         t = type(ev)
-        if t is BlockStored:
-            live = self._live.get(ev.request_id)
-            if live is not None:
-                if live.content.token_ids is not None and ev.token_ids:
-                    live.stored.append(ev.token_ids)
-                elif live.content.token_ids is None and ev.chunk_hashes is not None:
-                    live.stored.append((int(ev.num_tokens), list(ev.chunk_hashes)))
-            elif self._before_pool is not None and self.block_size_tokens is None:
-                self._buffer(ev)
-            return
-        if t not in (RequestArrived, RequestFinished, RequestPreempted, KVPoolInfo):
+        if t not in _WANTED:
             return
         try:
-            if t is KVPoolInfo:
+            if t is BlockStored:
+                live = self._live.get(ev.request_id)
+                if live is not None:
+                    if live.content.token_ids is not None and ev.token_ids:
+                        live.stored.append(ev.token_ids)
+                    elif live.content.token_ids is None and ev.chunk_hashes is not None:
+                        live.stored.append((int(ev.num_tokens), list(ev.chunk_hashes)))
+                elif self._before_pool is not None and self.block_size_tokens is None:
+                    self._buffer(ev)
+            elif t is KVPoolInfo:
                 self._pool(ev)
             elif self.block_size_tokens is None and self._before_pool is not None:
                 self._buffer(ev)
@@ -282,6 +281,9 @@ class MissCauseFold:
                     live.preempted = True
         except Exception:  # one malformed event costs its own request, not the fold
             self.errors += 1
+            if t is RequestFinished:  # its missed tokens still count, as unknown
+                self._live.pop(ev.request_id, None)
+                self._record(ev, None, [], None)
 
     def feed_all(self, events: Iterable[Event]) -> None:
         """:meth:`feed` each event (others than :data:`FOLD_EVENTS` passed over at once)."""
@@ -447,10 +449,19 @@ class MissCauseFold:
                 tokens[cause] += n
                 j += 1
             self._store_finished(live, ev.ts_ns)
+        self._record(ev, tokens, evicted, None if live is None or bs is None else live.hit_blocks * bs)
+
+    def _record(self, ev: RequestFinished, tokens: Optional[list[int]], evicted: list,
+                shadow_hit_tokens: Optional[int]) -> None:
+        """Count one finished request (``tokens`` None: all its missed tokens unknown)."""
+        prompt, cached = int(ev.prompt_tokens), int(ev.cached_prompt_tokens)
+        missed = max(prompt - cached, 0)
+        if tokens is None:
+            tokens = [0] * len(CAUSES)
+            tokens[UNKNOWN] = missed
         rec = RequestMisses(ts_ns=ev.ts_ns, request_id=str(ev.request_id), prompt_tokens=prompt,
                             cached_prompt_tokens=cached, missed_tokens=missed, tokens=tuple(tokens),
-                            evicted=tuple(evicted), status=ev.status,
-                            shadow_hit_tokens=None if live is None or bs is None else live.hit_blocks * bs)
+                            evicted=tuple(evicted), status=ev.status, shadow_hit_tokens=shadow_hit_tokens)
         self.tally.add(rec)
         if self.on_request is not None:
             self.on_request(rec)
