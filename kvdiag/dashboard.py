@@ -86,6 +86,8 @@ ROWS: tuple = (
         ("What-if hit ratios (shadow caches)", "percentunit", [
             (_q("kvdiag_shadow_token_hit_ratio"),
              N + " {{policy}} bs={{block_size}} cap={{capacity}}")]),
+        ("Missed prompt tokens by cause (per second)", "short", [
+            (_rate("kvdiag_prompt_tokens_missed_total", "cause"), N + " {{cause}}")]),
     ]),
     ("Latency", [
         ("TTFT P50 / P99", "s", [

@@ -238,6 +238,9 @@ def _sharing(f: _Families, snap) -> None:
     f.add("kvdiag_prefix_engine_hit_ratio", sh.engine_hit_rate)
     f.add("kvdiag_prefix_content_hit_ratio", sh.shadow_hit_rate)
     f.add("kvdiag_prefix_hit_ratio_gap", sh.gap)
+    if snap.requests.finished:  # the fold counted finished requests
+        for cause, n in sh.miss_causes:
+            f.add("kvdiag_prompt_tokens_missed_total", n, cause)
     for p in sh.what_if:
         cap = str(p.capacity_blocks) if p.capacity_blocks is not None else "unbounded"
         f.add("kvdiag_shadow_token_hit_ratio", p.token_hit_rate, p.policy, str(p.block_size_tokens), cap)

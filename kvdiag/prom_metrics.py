@@ -86,6 +86,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_prefix_hit_ratio_gap", "gauge", "ratio",
               "Content hit rate - engine hit rate over the same finished requests (doctor: "
               "sharing.consistency); absent with fewer than its minimum of requests."),
+    MetricDef("kvdiag_prompt_tokens_missed_total", "counter", "tokens",
+              "Prompt tokens of finished requests the engine did not serve from its prefix cache, "
+              "by cause: cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown "
+              "(kvdiag/analysis/miss_causes.py); summed over causes, the engine's missed tokens "
+              "(vLLM: prefix_cache_queries - prefix_cache_hits) since the exporter started.",
+              ("cause",)),
     MetricDef("kvdiag_shadow_token_hit_ratio", "gauge", "ratio",
               "Token hit rate of a what-if prefix cache; block_size in tokens, capacity in blocks "
               "(\"unbounded\" without a limit).", ("policy", "block_size", "capacity")),

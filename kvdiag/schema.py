@@ -25,14 +25,15 @@ from typing import Annotated, ClassVar, Literal, NewType, Optional, Union
 
 import msgspec
 
-SCHEMA_VERSION = "1.7"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
+SCHEMA_VERSION = "1.8"  # 1.1: ProcessSample.pss_bytes, swap_bytes; 1.2: EngineMetrics cache config
 # (block_size_tokens, num_blocks, prefix_caching), token counters and latency histograms;
 # PrefixCacheStored/Removed/Cleared (an engine's own KV events); 1.3: MemoryBandwidthProbe,
 # HostEnergySample, NvmlSample.memory_util_pct, ShadowBudget; 1.4: ShadowBudget.clock (CPU-time
 # budget), sample_rate, sample_rate_max; 1.5: ShadowDelta; 1.6: ShadowSharing.finished_* (the
 # same finished requests counted on the shadow's and the engine's side); 1.7: content as salted
 # hashes (LogHeader.content, content_salt, content_chunk_tokens; RequestArrived.chunk_hashes,
-# partial_tokens; BlockStored.chunk_hashes): a log without them holds token ids, if any
+# partial_tokens; BlockStored.chunk_hashes): a log without them holds token ids, if any;
+# 1.8: RequestArrived.cache_domain (the engine's hash domain: salt, LoRA)
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 
 INT64_MAX = 2**63 - 1
@@ -101,7 +102,9 @@ class RequestArrived(Event, tag="request_arrived"):
     size: ``token_ids`` (only when recorded with ``--record-tokens``) or ``chunk_hashes``, the
     salted chained hashes of its full chunks of the header's ``content_chunk_tokens``
     (``partial_tokens`` = the tokens of its trailing partial chunk). ``conversation_id`` groups
-    the turns of one chat."""
+    the turns of one chat. ``cache_domain``: what the engine folds into its block hashes beside
+    the tokens, when not the default (vLLM: ``cache_salt``, LoRA adapter), as a digest: requests
+    of different domains never share cached blocks; None: the default domain (or not recorded)."""
 
     request_id: RequestId
     prompt_tokens: Count
@@ -110,6 +113,7 @@ class RequestArrived(Event, tag="request_arrived"):
     conversation_id: Optional[str] = None
     chunk_hashes: Optional[list[BlockHash]] = None
     partial_tokens: Optional[Count] = None
+    cache_domain: Optional[str] = None
 
 
 class RequestScheduled(Event, tag="request_scheduled"):

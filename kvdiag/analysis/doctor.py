@@ -17,6 +17,8 @@ Sharing: ``sharing.consistency`` (the engine's prefix hit rate vs the content's,
 the shadow cache at the engine's settings). Pool: ``pool.preemptions``. Observation:
 ``kv_events.gaps`` (batches of the engine's KV event stream lost by the subscriber),
 ``kv_events.health`` (the stream's consistency: :mod:`kvdiag.kv_stream_health`).
+Engine numbers: ``engine.number_traps`` (the engine's own usage gauge and prefix counters
+against kvdiag's recount: :mod:`kvdiag.analysis.engine_numbers`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.analysis import fragmentation as _fragmentation
-from kvdiag.analysis import bandwidth, block_facts, latency, pressure, user_latency
+from kvdiag.analysis import bandwidth, block_facts, engine_numbers, latency, pressure, user_latency
 from kvdiag.analysis import leaks as _leaks
 from kvdiag.analysis import rules
 from kvdiag.analysis.findings import Finding
@@ -660,6 +662,7 @@ REGISTRY: tuple[RegisteredRule, ...] = (
     RegisteredRule(("pool.preemptions",), _one(preemptions)),
     RegisteredRule(("kv_events.gaps",), _one(kv_event_gaps)),
     RegisteredRule(("kv_events.health",), _many(kv_stream_health)),
+    RegisteredRule((engine_numbers.RULE_ID,), _one(engine_numbers.number_traps)),
 )
 """Every rule the doctor evaluates, in the order it reports them: each evaluator with the ids
 of the findings it returns. Its ids are :data:`kvdiag.analysis.rules.RULE_IDS` (tested), and

@@ -321,9 +321,28 @@ CHECKLISTS: dict[str, tuple[str, ...]] = {
     "sharing": ("sharing.consistency",),
     "pool": ("pool.preemptions",),
     "observation": ("kv_events.gaps", "kv_events.health"),
+    "engine numbers": ("engine.number_traps",),
 }
 """Every rule id the doctor reports, by checklist, in the order it reports them. The doctor's
 registry (:data:`kvdiag.analysis.doctor.REGISTRY`) evaluates exactly these; Prometheus alerts
 (:mod:`kvdiag.prom_rules`) and top's alerts name rules by these ids."""
 
 RULE_IDS: tuple[str, ...] = tuple(r for ids in CHECKLISTS.values() for r in ids)
+
+
+# ---------------------------------------------------------------- engine-number traps
+
+USAGE_TRAP_GAP = 0.10
+"""``engine.number_traps`` (usage_counts_blocks): the engine's block-usage gauge peak minus the
+peak share of token slots written, beyond which its usage misleads (10 points of the pool)."""
+
+GAUGE_PEAK_TRAP_GAP = 0.10
+"""``engine.number_traps`` (gauge_is_a_point_in_time): kvdiag's pool-sample peak minus the
+engine gauge's peak over its scrapes, beyond which the scrapes missed the peak."""
+
+
+def number_traps_status(traps: int, checked: int) -> Status:
+    """``engine.number_traps``: warn on any trap, n/a when no check had its inputs."""
+    if not checked:
+        return "n/a"
+    return "warn" if traps else "pass"

@@ -13,6 +13,7 @@ vLLM                                            kvdiag event
 ``Scheduler.__init__``                          ``KVPoolInfo`` (usable blocks: the pool minus
                                                 vLLM's null block)
 ``Scheduler.add_request``                       ``RequestArrived`` with the prompt token ids
+                                                (or their salted hashes) and ``cache_domain``
 ``KVCacheManager.allocate_slots``               ``RequestScheduled`` (its first slots)
 ``BlockPool.get_new_blocks``                    ``BlockAllocated`` (inside ``allocate_slots``)
 ``BlockPool.touch``                             ``PrefixHit`` (a cached block reused: its
@@ -69,6 +70,7 @@ raise (fault injection, to check that vLLM keeps serving).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import threading
 import time
@@ -263,8 +265,25 @@ def _add_request(h: _Hooks):
                                     BlockHash(int(k)) for k in salted_chunk_hashes(token_ids, salt)],
                                 partial_tokens=None if salt is None
                                 else len(token_ids) % CONTENT_CHUNK_TOKENS,
-                                max_new_tokens=getattr(params, "max_tokens", None)))
+                                max_new_tokens=getattr(params, "max_tokens", None),
+                                cache_domain=cache_domain(request, h.content_salt)))
     return before, after
+
+
+def cache_domain(request, salt: Optional[str] = None) -> Optional[str]:
+    """The hash domain vLLM folds into a request's block hashes beside its tokens
+    (``kv_cache_utils.generate_block_hash_extra_keys``: the ``cache_salt`` and the LoRA adapter's
+    name and path; multimodal keys, which change only some blocks, are left out) as a 16-hex
+    digest keyed by the log's salt (the cache salt itself is not recorded); None when default."""
+    parts = []
+    if getattr(request, "cache_salt", None):
+        parts.append(("cache_salt", str(request.cache_salt)))
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(("lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", ""))))
+    if not parts:
+        return None
+    return hashlib.blake2b(repr((salt or "", parts)).encode(), digest_size=8).hexdigest()
 
 
 def _allocate_slots(h: _Hooks):

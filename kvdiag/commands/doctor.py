@@ -33,6 +33,13 @@ P99 spike     a P99 rise of TTFT, TPOT or engine steps beyond {rules.P99_THRESHO
 forecast      KV the active requests still need against free blocks: time to full, OOM risk
 sharing       the engine's prefix hit rate against the content's (shadow cache at the engine's
               settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
+engine        the engine's own numbers against kvdiag's recount (engine.number_traps): a usage
+              gauge counting blocks, a gauge whose scrapes miss the peak, a lifetime hit rate
+              holding earlier traffic, hits beyond the requests' first admissions, a hit
+              counter stuck at 0
+misses        why prompt tokens missed the engine's prefix cache, per --miss-window-s window:
+              cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown
+              (kvdiag/analysis/miss_causes.py defines each); they sum to the engine's missed tokens
 
 With --snapshot FILE (a torch.cuda.memory._snapshot() pickle or kvdiag's JSON of one, alone or
 with LOGs) the allocator fragmentation rule also reads the snapshot; the file is untrusted:
@@ -58,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", nargs="+", metavar="LOG", default=None,
                         help="compare latency against these logs")
     parser.add_argument("--json", action="store_true", help="findings as JSON on stdout")
+    parser.add_argument("--miss-window-s", type=float, default=60.0, metavar="S",
+                        help="window of the miss-causes table (default 60 s)")
     parser.add_argument("--snapshot", metavar="FILE", default=None,
                         help="a CUDA allocator snapshot (pickle or JSON) for the fragmentation rule")
     parser.add_argument("--prometheus-rules", nargs="?", const="-", metavar="FILE", default=None,
@@ -121,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             snapshot = _snapshot(args.snapshot)
         except ValueError as exc:
             return fail("doctor", str(exc))
-    findings, paths, problems, fleet, lat = [], [], [], None, None
+    findings, paths, problems, fleet, lat, misses = [], [], [], None, None, {}
     if args.logs:
         try:
             logs, problems = read_logs(args.logs, quiet=args.json, allow_truncated=args.partial,
@@ -136,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
         tell_skipped("doctor", problems)
         from kvdiag.analysis.doctor import run_rules
         from kvdiag.analysis.user_latency import summarize
+        from kvdiag.analysis.miss_causes import miss_causes_of_logs
         findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
         lat = summarize(logs)
+        misses = miss_causes_of_logs(logs, window_s=max(args.miss_window_s, 1e-3))
         if args.json:
             from kvdiag.analysis.fleet import fleet_for
             from kvdiag.commands._logs import expand
@@ -154,11 +165,14 @@ def run(args: argparse.Namespace) -> int:
                 out["p99_checklist"] = _checklist(findings)
             if snapshot:
                 out["snapshot"] = snapshot[0]
+            if misses:
+                out["miss_causes"] = {node: m.to_dict() for node, m in misses.items()}
             if fleet is not None:  # Parquet datasets: their nodes, worst first
                 out["fleet"] = fleet.to_dict(orient="records")
             print(json.dumps(_clean(out), indent=1))
         else:
             _print(findings, with_checklist=bool(args.logs), latency=lat)
+            _print_misses(misses)
     except BrokenPipeError:  # `kvdiag doctor LOG --json | head`: the reader left, the verdict stands
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
@@ -198,6 +212,35 @@ def _print(findings, with_checklist: bool = False, latency=None) -> None:
         if ids:
             console.print(f"[bold red]{f.rule}[/]: requests {', '.join(map(str, list(ids)[:50]))}"
                           + (" ..." if len(ids) > 50 else ""))
+
+
+def _print_misses(misses: dict) -> None:
+    """One table per node: missed prompt tokens per window by cause (tokens and share)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvdiag.analysis.miss_causes import CAUSES
+    console = Console(width=max(Console().width, 120))
+    for node, m in misses.items():
+        title = (f"Why prompt tokens missed the prefix cache ({node}; shadow LRU at "
+                 f"{m.block_size_tokens} tokens x {m.capacity_blocks} blocks)")
+        t = Table(title=title, expand=True)
+        for c in ("window", "requests", "missed", *CAUSES):
+            t.add_column(c, justify="left" if c == "window" else "right", overflow="fold")
+        t0 = m.windows[0].start_ns if m.windows else 0
+
+        def row(label, tally):
+            shares = tally.shares()
+            t.add_row(label, str(tally.requests), str(tally.missed_tokens),
+                      *(f"{n} ({shares[c]:.0%})" if n else "0" for c, n in zip(CAUSES, tally.tokens)))
+        for w in m.windows:
+            row(f"+{(w.start_ns - t0) / 1e9:g}-{(w.end_ns - t0) / 1e9:g} s", w.tally)
+        row("all", m.total)
+        console.print(t)
+        med = m.to_dict()["total"]
+        if m.total.tokens[1]:
+            console.print(f"evicted: median reuse distance <= {med['evicted_median_reuse_refs']} block "
+                          f"references, median time since last use <= {med['evicted_median_age_ms']} ms")
 
 
 def _print_latency(console, summary, queueing, style) -> None:

@@ -114,6 +114,10 @@ class SharingView:
     window_start_ns: Optional[int] = None  # None: no same-requests window (older agent)
     window_requests: Optional[int] = None
     gap_status: str = ""  # rules.sharing_gap_status of the gap; "n/a (N of M needed)" with too few
+    # missed prompt tokens of the requests finished since the client joined, by cause
+    # (kvdiag.analysis.miss_causes.CAUSES order: (cause, tokens)); they sum to missed_tokens
+    miss_causes: tuple[tuple[str, int], ...] = ()
+    missed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

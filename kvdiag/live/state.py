@@ -21,6 +21,7 @@ from kvdiag.blockfacts import BlockFacts
 from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
 from kvdiag.analysis import leaks, pressure
 from kvdiag.analysis.findings import Finding
+from kvdiag.analysis.miss_causes import FOLD_EVENTS as MISS_FOLD_EVENTS, MissCauseFold
 from kvdiag.analysis.rules import RELEASE_GRACE_NS
 from kvdiag.live.snapshot import LatencyView, MemoryView, PoolView, RequestRow, RequestsView, Snapshot
 from kvdiag.live.views.health import HealthFold
@@ -125,6 +126,10 @@ class LiveState:
             if metrics_view is not None:
                 metrics_view(ev, b, idx)
         self._handlers[s.EngineMetrics] = on_metrics
+        # why missed prompt tokens missed: the doctor's one definition, fed before the handlers
+        self.misses = MissCauseFold()
+        for cls in MISS_FOLD_EVENTS:
+            self._handlers[cls] = _fold_first(self.misses.feed, self._handlers.get(cls))
 
     @property
     def shadow_budget(self) -> Optional[s.ShadowBudget]:
@@ -144,6 +149,7 @@ class LiveState:
 
     def set_header(self, header: s.LogHeader) -> None:
         self.header = header
+        self.misses.set_engine(header.engine)
         if header.start_ns and self.start_ns is None:
             self.start_ns = header.start_ns
 
@@ -367,6 +373,8 @@ class LiveState:
         pool = self._pool_view(first, last, window, window_s, now_ns)
         memory = self._memory_view(first, last, now_ns)
         sharing = self.sharing.view(first, last, self._engine_history(first, last), self.pool_info)
+        sharing = replace(sharing, miss_causes=tuple(self.misses.tally.by_cause().items()),
+                          missed_tokens=self.misses.tally.missed_tokens)
         latency = self._latency_view(first, last, window, window_s, latency_window)
         requests = self._requests_view(now_ns)
         health = self.health.view()
@@ -628,3 +636,14 @@ _HANDLERS = {
 }
 if hasattr(s, "BlockDeduplicated"):  # added to the schema by the engine adapter's work
     _HANDLERS[s.BlockDeduplicated] = LiveState._on_deduplicated
+
+
+def _fold_first(fold, handler):
+    """A handler that passes the event to ``fold`` first, then to ``handler`` (if any)."""
+    if handler is None:
+        return lambda ev, b, idx: fold(ev)
+
+    def both(ev, b, idx) -> None:
+        fold(ev)
+        handler(ev, b, idx)
+    return both

@@ -96,7 +96,7 @@ def figure(c: Chart) -> dict:
             elif c.kind == "scatter":
                 t.update(type="scatter", mode="markers", marker={"size": 6, "opacity": 0.7})
             else:  # bar, and histogram from precomputed bins
-                t.update(type="bar", opacity=0.75 if c.color else 1.0)
+                t.update(type="bar", opacity=0.75 if c.color and "barmode" not in c.options else 1.0)
             data.append(t)
     layout = {"title": {"text": c.title, "font": {"size": 14}}, "height": 420,
               "margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "showlegend": bool(c.color),
@@ -105,6 +105,8 @@ def figure(c: Chart) -> dict:
               "yaxis": {"title": {"text": c.y_title}, **_AXIS}}
     if c.kind == "histogram":
         layout.update(barmode="overlay", bargap=0.02)
+    if "barmode" in c.options:  # e.g. "stack": series stacked per x
+        layout["barmode"] = c.options["barmode"]
     return {"data": data, "layout": layout}
 
 

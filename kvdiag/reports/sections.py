@@ -240,6 +240,7 @@ def sharing(logs: Logs, t0: int, req: pd.DataFrame) -> Section:
         d = em.groupby("node")[["prefix_cache_queries_tokens", "prefix_cache_hits_tokens"]].agg(lambda s: s.iloc[-1] - s.iloc[0])
         d["hit_rate_pct"] = (d["prefix_cache_hits_tokens"] / d["prefix_cache_queries_tokens"] * 100).round(1)
         sec.blocks.append(Table("Engine's own prefix-cache counters (/metrics, over the log)", d.reset_index()))
+    sec.blocks += miss_causes_blocks(logs, t0)
     sh = logs.frame(ShadowSharing)
     if sh.empty:
         sec.blocks.append(Absent("what-if prefix sharing (ShadowSharing events)",
@@ -280,6 +281,32 @@ def sharing(logs: Logs, t0: int, req: pd.DataFrame) -> Section:
                                "large gap at the engine's block size and capacity means the engine "
                                "misses reuse its traffic allows."))
     return sec
+
+
+def miss_causes_blocks(logs: Logs, t0: int, windows: int = 20) -> list[Block]:
+    """Missed prompt tokens per window stacked by cause (:mod:`kvdiag.analysis.miss_causes`),
+    about ``windows`` windows over the log, and the totals as a table."""
+    from kvdiag.analysis.miss_causes import CAUSES, miss_causes_of_logs
+    lo, hi = logs.time_range_ns()
+    window_s = max(1.0, math.ceil((hi - lo) / 1e9 / windows))
+    per_node = miss_causes_of_logs(logs, window_s=window_s)
+    if not per_node:
+        return []
+    rows, totals = [], []
+    for node, m in per_node.items():
+        label = f"{node}: " if len(per_node) > 1 else ""
+        for w in m.windows:
+            for cause, n in zip(CAUSES, w.tally.tokens):
+                rows.append({"time_s": round((w.end_ns - t0) / 1e9, 1), "cause": label + cause, "tokens": n})
+        d = m.to_dict()["total"]
+        totals += [{"node": node, "cause": c, "tokens": n,
+                    "share_pct": None if d["shares"][c] is None else round(d["shares"][c] * 100, 1)}
+                   for c, n in d["tokens"].items()]
+    data = pd.DataFrame(rows)
+    return [Chart(f"Why prompt tokens missed the prefix cache, per {window_s:g} s window (stacked by cause; "
+                  "they sum to the engine's missed tokens)", "bar", data, "time_s", "tokens", color="cause",
+                  x_title="window end (s)", y_title="missed prompt tokens",
+                  table=pd.DataFrame(totals), options={"barmode": "stack"})]
 
 
 def compression(logs: Logs) -> Section:

@@ -194,17 +194,29 @@ class SharingPanel(Panel):
             rows.append(line(f"{'bs' + str(p.block_size_tokens):>5} {_cap(p.capacity_blocks):>5} ",
                              (bar(p.token_hit_rate, bar_w), "magenta" if p in by_cap else "cyan"),
                              f" {fmt_pct(p.token_hit_rate, 0):>4}"))
+        if len(rows) < height and sh.missed_tokens:  # a spare row: why the misses missed
+            rows.append(_misses_line(sh))
         return rows
 
     def detail(self, snap: Snapshot) -> Text:
         sh = snap.sharing
         rows = self.body(snap, 110, 4)
+        if sh.missed_tokens:
+            rows.append(_misses_line(sh))
         if sh.what_if:
             rows.append(line(("policy  block  capacity  token hit  block hit  requests", "bold")))
             for p in sh.what_if:
                 rows.append(line(f"{p.policy:<7} {p.block_size_tokens:>5}  {_cap(p.capacity_blocks):>8}  "
                                  f"{fmt_pct(p.token_hit_rate):>9}  {fmt_pct(p.block_hit_rate):>9}  {p.requests:>8}"))
         return _join(rows)
+
+
+def _misses_line(sh) -> Text:
+    """``missed N tok: cause share ...``: the causes of the missed prompt tokens, largest first
+    (kvdiag.analysis.miss_causes)."""
+    parts = sorted(((n, c) for c, n in sh.miss_causes if n), reverse=True)
+    causes = "  ".join(f"{c} {n / sh.missed_tokens:.0%}" for n, c in parts)
+    return line((f"missed {sh.missed_tokens:,} tok: ", "bold"), (causes, DIM))
 
 
 def _cap(capacity: Optional[int]) -> str:
