@@ -39,11 +39,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(f"no CUDA device (torch {torch.__version__}): nothing measured")
         return 0
-    from kvdiag.analysis import fragmentation as fr
+    from kvdiag.diagnosis import fragmentation as fr
     from kvdiag.collectors.allocator import AllocatorCollector
     from kvdiag.collectors.nvml import NvmlCollector
-    from kvdiag.sinks import ListSink
-    from kvdiag.snapshot_io import load_snapshot
+    from kvdiag.events.sinks import ListSink
+    from kvdiag.events.snapshot_io import load_snapshot
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvdiag-gpu-"))
     failures = 0

@@ -20,8 +20,8 @@ import pytest
 from kvdiag.agent import LiveSocketSink
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection
-from kvdiag.eventlog import make_header
-from kvdiag.schema import BlockAllocated, CollectorGap
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.schema import BlockAllocated, CollectorGap
 
 PAD = "r" * 1000  # request id that makes one event line about 1 KB
 MARKER = 10**9  # block id of the event a test waits for (beyond every flooded id)
@@ -157,7 +157,7 @@ def test_clients_past_the_cap_are_refused_at_once(tmp_path):
 FD_EXHAUSTION = r"""
 import os, resource, sys
 from kvdiag.agent import LiveSocketSink
-from kvdiag.eventlog import make_header
+from kvdiag.events.eventlog import make_header
 sink = LiveSocketSink(sys.argv[1], make_header(engine="test"))
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 fds = []

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import constructed as C
-from kvdiag import schema as s
-from kvdiag.analysis import doctor, latency, memory
-from kvdiag.analysis.latency import samples
-from kvdiag.analysis.logs import load
-from kvdiag.analysis.requests import request_table
+from kvdiag.events import schema as s
+from kvdiag.diagnosis import doctor, latency, memory
+from kvdiag.diagnosis.latency import samples
+from kvdiag.diagnosis.frames import load
+from kvdiag.diagnosis.requests import request_table
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 
 
 def attach(*args, timeout=60):
@@ -119,9 +119,9 @@ def test_agent_stream_reads_the_live_socket(tmp_path):
 
     from kvdiag import agent
     from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
-    from kvdiag.eventlog import make_header
-    from kvdiag.schema import BlockAllocated, BlockReleased
-    from kvdiag.sinks import ListSink
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.schema import BlockAllocated, BlockReleased
+    from kvdiag.events.sinks import ListSink
 
     path = tmp_path / "agent-77.sock"
     live = agent.LiveSocketSink(path, make_header(engine="transformers-cb", block_size_tokens=16))

@@ -16,7 +16,7 @@ import time
 import msgspec
 import pytest
 
-from kvdiag.eventlog import iter_events, read_header
+from kvdiag.events.eventlog import iter_events, read_header
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def tag(ev) -> str:
 @pytest.fixture(scope="module")
 def attached(tmp_path_factory, model_dir):
     from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DemoServer
-    from kvdiag.traffic import chat
+    from kvdiag.demo.traffic import chat
     tmp = tmp_path_factory.mktemp("attach")
     server = DemoServer(model_dir, tmp / "demo.jsonl", PORT, page_size=32, num_blocks=256,
                         max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, inject_leak=LEAK_EVERY, threads=1)

@@ -18,7 +18,7 @@ import pytest
 
 from kvdiag.cli import main
 from kvdiag.collectors import pyspy
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 
 # the ancestor: starts a busy Python sibling, then kvdiag attach on itself (its own parent)
 # from a child that keeps a thread busy in a function whose name marks kvdiag's own stacks

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis.attach_summary import summarize
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.schema import NvmlSample, PhaseProfile, RequestFinished
+from kvdiag.diagnosis.attach_summary import summarize
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.events.schema import NvmlSample, PhaseProfile, RequestFinished
 
 DEMO = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
 

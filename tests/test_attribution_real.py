@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from kvdiag.analysis import latency
-from kvdiag.analysis.logs import load
+from kvdiag.diagnosis import latency
+from kvdiag.diagnosis.frames import load
 
 SHORT_TOKENS, SHORT_NEW_TOKENS, SHORT_REQUESTS = 30, 8, 14  # 8-9 light steps each: > 100 in all
 LONG_TOKENS, CHUNK_TOKENS, LONG_REQUESTS = 1000, 128, 14  # 8 heavy chunk steps each: > 100
@@ -27,7 +27,7 @@ def long_halfway_log(tmp_path_factory, model_dir):
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import LogWriter, make_header
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")

@@ -1,4 +1,4 @@
-"""The block facts (kvdiag/blockfacts.py) that top's rules read instead of raw block events:
+"""The block facts (kvdiag/pool/blockfacts.py) that top's rules read instead of raw block events:
 the blocks held at each engine step's start, checked against a brute-force count, equal
 whether the steps arrive late in a live stream (after block events of their own forward pass,
 as engines report them) or in time order (the doctor's fold of a log); and top's rules keep no
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from kvdiag import blockfacts
-from kvdiag import schema as s
+from kvdiag.pool import blockfacts
+from kvdiag.events import schema as s
 from kvdiag.live.rules import LiveRules
 from kvdiag.live.state import LiveState
 

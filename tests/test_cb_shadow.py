@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvdiag.kernels.methods import Method
-from kvdiag.schema import CollectorError, ShadowCompression, ShadowLocality
-from kvdiag.sinks import ListSink
+from kvdiag.events.schema import CollectorError, ShadowCompression, ShadowLocality
+from kvdiag.events.sinks import ListSink
 
 PAGE = 32
 SYSTEM = "You are a support assistant of a small bookshop. Be brief and kind. " * 3
@@ -67,7 +67,7 @@ class _Recording:
 
 def _installed(sink, **kwargs):
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.collectors import transformers_cb_shadow as cbs
+    from kvdiag.shadow import transformers_cb as cbs
 
     adapter = tcb.install(sink)
     kwargs.setdefault("layers_per_run", None)  # every layer of each sampled step
@@ -158,7 +158,7 @@ def test_shadow_never_changes_the_generated_tokens(real):
     errors = [e for e in sink.events if isinstance(e, CollectorError) and e.collector.startswith("shadow:")]
     expected = len(shadow.samples) * model.config.num_hidden_layers
     assert expected > 1 and sum(shadow.runner.errors.values()) == expected
-    # kvdiag.hooks' policy: the first error at once, the rest when the shadow is uninstalled
+    # kvdiag.events.hooks' policy: the first error at once, the rest when the shadow is uninstalled
     assert [(e.collector, e.count) for e in errors] == [("shadow:raising", 1), ("shadow:raising", expected - 1)]
     assert "compressor exploded" in errors[0].message
 
@@ -191,8 +191,8 @@ def test_shadow_flags_reach_the_agent_and_bad_ones_fail_in_one_line():
 @pytest.mark.model
 def test_agent_with_shadow_writes_shadow_events_to_its_log(real, tmp_path):
     from kvdiag import agent
-    from kvdiag.analysis.compression import compression_table, recommend
-    from kvdiag.eventlog import read_log
+    from kvdiag.diagnosis.compression import compression_table, recommend
+    from kvdiag.events.eventlog import read_log
 
     model, tok = real
     log_path = tmp_path / "shadow.kvlog"
@@ -225,7 +225,7 @@ def test_agent_warms_the_shadow_up_before_the_engine_serves(real, model_dir, tmp
     engine serves: every CPU kernel a sampled step calls is built and compiled by then (no kernel
     built and no numba signature added while serving), and the warm-up records nothing."""
     from kvdiag import agent
-    from kvdiag.eventlog import read_log
+    from kvdiag.events.eventlog import read_log
     from kvdiag.kernels import quant_cpu, quant_simd
 
     model, tok = real

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from kvdiag.collectors import allocator, metrics, nvml, procfs, pyspy
-from kvdiag.sinks import ListSink
+from kvdiag.events.sinks import ListSink
 
 
 def test_allocator_without_cuda_reports_once_and_emits_nothing(tmp_path):

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from kvdiag.cli import main
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.kernels.hashing import (CONTENT_CHUNK_TOKENS, chunk_hashes, keys_from_chunks,
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.pool.hashing import (CONTENT_CHUNK_TOKENS, chunk_hashes, keys_from_chunks,
                                     salted_chunk_hashes)
-from kvdiag.schema import RequestArrived
+from kvdiag.events.schema import RequestArrived
 
 DATA = Path(__file__).parent / "data"
 TOKEN_LOGS = [DATA / "sharing_engine" / "two_waves.kvlog",
@@ -131,7 +131,7 @@ def test_a_hashed_log_cannot_be_stripped_again(tmp_path, capsys):
 
 
 def test_similarity_asks_for_a_token_log(tmp_path):
-    from kvdiag.analysis.traces import TraceFormatError, prompt_token_ids
+    from kvdiag.traces.loaders import TraceFormatError, prompt_token_ids
 
     out = tmp_path / "s.kvlog"
     _strip(TOKEN_LOGS[0], out)
@@ -185,8 +185,8 @@ def test_attach_keeps_the_agents_salt_and_hashes_an_id_recording(capsys):
     """attach's log header: the agent's own hashes and salt; an agent that records ids has them
     hashed on the way into the log unless --record-tokens keeps them (with the warning)."""
     from kvdiag.commands.attach import _content_of
-    from kvdiag.eventlog import make_header
-    from kvdiag.schema import PrefixCacheStored
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.schema import PrefixCacheStored
 
     hashed = make_header(content="hashes", content_salt="ab" * 16, content_chunk_tokens=16)
     hasher, content = _content_of(hashed, record_tokens=False)

@@ -26,9 +26,9 @@ def test_default_agent_log_holds_hashes_that_replay_like_token_ids(tmp_path, mod
 
     from kvdiag import agent
     from kvdiag.cli import main
-    from kvdiag.eventlog import LogWriter, iter_events, read_header
-    from kvdiag.kernels.hashing import salted_chunk_hashes
-    from kvdiag.schema import BlockStored, RequestArrived, ShadowSharing
+    from kvdiag.events.eventlog import LogWriter, iter_events, read_header
+    from kvdiag.pool.hashing import salted_chunk_hashes
+    from kvdiag.events.schema import BlockStored, RequestArrived, ShadowSharing
 
     monkeypatch.delenv("KVDIAG_RECORD_TOKENS", raising=False)
     torch.set_num_threads(1)

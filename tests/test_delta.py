@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvdiag.kernels import delta as D
-from kvdiag.schema import ShadowDelta
-from kvdiag.sinks import ListSink
+from kvdiag.events.schema import ShadowDelta
+from kvdiag.events.sinks import ListSink
 
 
 def _random_block(seed: int, t: int, h: int = 3, d: int = 64) -> torch.Tensor:
@@ -142,8 +142,8 @@ def test_attention_error_matches_a_direct_computation():
 
 
 def test_table_savings_are_the_sums_of_the_events():
-    from kvdiag.analysis.compression import frame_of
-    from kvdiag.analysis.delta import delta_table
+    from kvdiag.diagnosis.compression import frame_of
+    from kvdiag.diagnosis.delta_writes import delta_table
 
     rows = []
     for layer in range(14):
@@ -174,7 +174,7 @@ def test_table_savings_are_the_sums_of_the_events():
 def test_driver_shares_prefixes_rewrites_partial_blocks_and_reports(tmp_path):
     from kv_model import model_and_tokenizer
 
-    from kvdiag.kernels.delta_hf import delta_traffic
+    from kvdiag.shadow.delta_traffic import delta_traffic
 
     model, tok = model_and_tokenizer()
     system = "You are a helpful assistant for a small bookshop. " * 12
@@ -190,7 +190,7 @@ def test_driver_shares_prefixes_rewrites_partial_blocks_and_reports(tmp_path):
     assert run.blocks_written < run.blocks_seen  # c0's unchanged blocks are not written again
 
     from kvdiag.cli import main
-    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import LogWriter, make_header
 
     log = tmp_path / "delta.jsonl"
     with LogWriter(log, make_header()) as w:

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from demo_invariants import expected_blocks, replay, timestamps_problems
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 
 NUM_REQUESTS = int(os.environ.get("KVDIAG_TEST_DEMO_REQUESTS", "10"))
 MAX_TOKENS = 12
@@ -70,7 +70,7 @@ def test_demo_log_is_consistent_with_the_engine(demo_run):
     prompts = log.frame("request_arrived")["prompt_tokens"]
     assert (prompts > 512).any() and (prompts < 512).any()
     assert sum(f.cached_prompt_tokens > 0 for f in r.finished.values()) >= NUM_REQUESTS // 3
-    from kvdiag.collectors.transformers_serve import serves_in_a_child
+    from kvdiag.agent.transformers_serve import serves_in_a_child
     if serves_in_a_child(["transformers", "serve"]):
         # the model's own process numbers requests itself: the HTTP X-Request-ID stays upstream
         assert sorted(r.finished, key=int) == [str(i) for i in range(NUM_REQUESTS + 1)]
@@ -117,8 +117,8 @@ def test_demo_log_carries_live_shadow_sharing(demo_run):
 def test_demo_log_has_host_memory_and_the_leak_rule_evaluates(demo_run):
     """The agent samples its own process: the first leak check is not N/A on the demo, and a
     healthy demo (no injected leak) is not flagged as leaking host memory."""
-    from kvdiag.analysis import doctor
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis.frames import load
 
     _, log_path = demo_run
     logs = load([log_path])[0]

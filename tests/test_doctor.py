@@ -92,8 +92,8 @@ def test_forecast_matches_a_per_request_loop():
 
     import numpy as np
 
-    from kvdiag.analysis.doctor import forecast_frame
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis.doctor import forecast_frame
+    from kvdiag.diagnosis.frames import load
     logs, _ = load([clean_log()])
     fc = forecast_frame(logs)
     node = logs.nodes[0]
@@ -146,7 +146,7 @@ def test_memory_pressure_without_a_known_need_is_na_not_an_error(monkeypatch):
     nothing: n/a; a known moment among them is still judged."""
     import numpy as np
     import pandas as pd
-    from kvdiag.analysis import doctor
+    from kvdiag.diagnosis import doctor
 
     def frame(ratios):
         n = len(ratios)

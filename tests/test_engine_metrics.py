@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from kvdiag.analysis.engine_latency import engine_latency_frame, histogram_quantile
-from kvdiag.analysis.logs import load
+from kvdiag.diagnosis.engine_latency import engine_latency_frame, histogram_quantile
+from kvdiag.diagnosis.frames import load
 from kvdiag.collectors import metrics
-from kvdiag.eventlog import LogWriter, iter_events, make_header, read_log
-from kvdiag.schema import EngineMetrics
+from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_log
+from kvdiag.events.schema import EngineMetrics
 
 INF = EngineMetrics.INF_LE
 TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -292,7 +292,7 @@ def test_report_plots_the_engine_latency(tmp_path):
     """A log of vLLM scrapes only (as `kvdiag attach` records): the latency section charts the
     engine's P50/P99, each point the quantile of what was observed between two scrapes."""
     from kvdiag.cli import main
-    from kvdiag.reports.model import Absent, Chart
+    from kvdiag.reports.document import Absent, Chart
     from kvdiag.reports.sections import build
     rng = np.random.default_rng(11)
     v = FakeVllm()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis import doctor, engine_numbers, rules
-from kvdiag.analysis.logs import load
-from kvdiag.eventlog import LogWriter, make_header
-from kvdiag.schema import EngineMetrics, KVPoolInfo, KVPoolSample, RequestFinished
+from kvdiag.diagnosis import doctor, engine_numbers, rules
+from kvdiag.diagnosis.frames import load
+from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.schema import EngineMetrics, KVPoolInfo, KVPoolSample, RequestFinished
 
 DATA = Path(__file__).parent / "data"
 S = 1_000_000_000

@@ -10,8 +10,8 @@ import time
 import msgspec
 import pytest
 
-from kvdiag.eventlog import LogFormatError, LogWriter, iter_events, make_header, read_header, read_log
-from kvdiag.schema import (
+from kvdiag.events.eventlog import LogFormatError, LogWriter, iter_events, make_header, read_header, read_log
+from kvdiag.events.schema import (
     SCHEMA_MAJOR,
     BlockStored,
     EngineStep,
@@ -128,8 +128,8 @@ def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
 
 _KILLED_WRITER = textwrap.dedent("""
     import sys, time
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.schema import EngineStep
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.schema import EngineStep
     path, interval = sys.argv[1], float(sys.argv[2])
     writer = LogWriter(path, make_header(), interval_s=interval)
     i = 0

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdiag import schema as s
+from kvdiag.events import schema as s
 from kvdiag.agent import Agent
-from kvdiag.eventlog import iter_events, make_header, read_header
-from kvdiag.exporter import PrometheusSink, parse_address, serve
-from kvdiag.prom_metrics import BY_NAME, markdown
+from kvdiag.events.eventlog import iter_events, make_header, read_header
+from kvdiag.prometheus.exporter import PrometheusSink, parse_address, serve
+from kvdiag.prometheus.metrics import BY_NAME, markdown
 from kvdiag.run import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def _listen_addresses(port: int) -> list[str]:
 
 
 def test_docs_metrics_md_is_generated_from_the_table():
-    generated = subprocess.run([sys.executable, "-m", "kvdiag.exporter", "--markdown"],
+    generated = subprocess.run([sys.executable, "-m", "kvdiag.prometheus.exporter", "--markdown"],
                                capture_output=True, text=True, check=True, timeout=120).stdout
     assert generated == markdown()
     assert (ROOT / "docs/metrics.md").read_text() == generated

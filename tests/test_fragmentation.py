@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvdiag.analysis import fragmentation as fr
+from kvdiag.diagnosis import fragmentation as fr
 
 MiB = 1 << 20
 
@@ -191,7 +191,7 @@ def test_kv_pool_occupancy_and_rule():
 
 
 def test_replay_free_list():
-    from kvdiag.schema import BlockAllocated, BlockEvicted, BlockReleased, KVPoolInfo, PrefixHit
+    from kvdiag.events.schema import BlockAllocated, BlockEvicted, BlockReleased, KVPoolInfo, PrefixHit
     evs = [KVPoolInfo(ts_ns=0, num_blocks=8, block_size_tokens=4, block_bytes=1, num_layers=1,
                       num_kv_heads=1, head_dim=1, dtype="f32")]
     evs += [BlockAllocated(ts_ns=1, request_id="a", block_id=b) for b in (0, 2, 4)]
@@ -218,7 +218,7 @@ def _live_cuda_snapshot(tmp_path):
     one freed), then torch's memory_stats and snapshot of the same moment, the snapshot
     written as kvdiag writes fixtures and read back."""
     import torch
-    from kvdiag.snapshot_io import load_snapshot, save_snapshot_json
+    from kvdiag.events.snapshot_io import load_snapshot, save_snapshot_json
     torch.cuda.synchronize()
     keep = [torch.empty(int(n), dtype=torch.uint8, device="cuda")
             for n in (700, 3 * 2**20 + 5, 100_000, 25 * 2**20, 511, 9 * 2**20 + 1, 4096, 2 * 2**20)]
@@ -236,7 +236,7 @@ def test_cuda_snapshot_totals_equal_torchs_memory_stats(tmp_path):
     import json
     from pathlib import Path
     import torch
-    from kvdiag.snapshot_io import load_snapshot
+    from kvdiag.events.snapshot_io import load_snapshot
     folder = Path(__file__).parent / "data" / "cuda_allocator"
     if torch.cuda.is_available():
         snap, stats, _alive = _live_cuda_snapshot(tmp_path)
@@ -256,8 +256,8 @@ def test_free_list_replay_matches_the_engines_own_counters():
     """Replaying the recorded demo log's block events ends in the state the engine itself
     reported in its last KVPoolSample (free, cached and used blocks)."""
     from pathlib import Path
-    from kvdiag.eventlog import iter_events
-    from kvdiag.schema import KVPoolSample
+    from kvdiag.events.eventlog import iter_events
+    from kvdiag.events.schema import KVPoolSample
     path = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
     events = list(iter_events(path))
     state = fr.replay_free_list(events)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.dashboard import dashboard, exprs, metric_names, render
-from kvdiag.prom_metrics import BY_NAME
+from kvdiag.prometheus.dashboard import dashboard, exprs, metric_names, render
+from kvdiag.prometheus.metrics import BY_NAME
 from tests.prometheus_server import replaying, running, wait_for
 
 NODES = ("node-a", "node-b")
@@ -38,7 +38,7 @@ def _for_prometheus(expr: str) -> str:
 
 
 def test_committed_dashboard_is_the_generators_output():
-    generated = subprocess.run([sys.executable, "-m", "kvdiag.dashboard"], capture_output=True,
+    generated = subprocess.run([sys.executable, "-m", "kvdiag.prometheus.dashboard"], capture_output=True,
                                text=True, check=True, timeout=120).stdout
     assert generated == render()
     assert (ROOT / "docs/grafana-dashboard.json").read_text() == generated

@@ -1,11 +1,11 @@
-"""The one engine hit rate (kvdiag.hit_rate): which requests count, and its fallbacks."""
+"""The one engine hit rate (kvdiag.pool.hit_rate): which requests count, and its fallbacks."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from kvdiag.hit_rate import counts_toward_hit_rate, engine_token_hit_rate, frame_hit_rate
+from kvdiag.pool.hit_rate import counts_toward_hit_rate, engine_token_hit_rate, frame_hit_rate
 
 
 def test_only_requests_that_finished_normally_count():

@@ -1,13 +1,13 @@
-"""The one hook helper of engine adapters (kvdiag.hooks): error policy, signature check,
+"""The one hook helper of engine adapters (kvdiag.events.hooks): error policy, signature check,
 restoring, step phases."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvdiag.hooks import HookErrors, MethodHooks, step_phase
-from kvdiag.schema import CollectorError, CollectorStatus
-from kvdiag.sinks import ListSink, NullSink
+from kvdiag.events.hooks import HookErrors, MethodHooks, step_phase
+from kvdiag.events.schema import CollectorError, CollectorStatus
+from kvdiag.events.sinks import ListSink, NullSink
 
 
 class Engine:

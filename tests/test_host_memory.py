@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from kvdiag import schema as s
+from kvdiag.events import schema as s
 from kvdiag.collectors.procfs import ProcessSampler
-from kvdiag.sinks import ListSink
+from kvdiag.events.sinks import ListSink
 
 MIB = 1 << 20
 
@@ -42,7 +42,7 @@ def _rss_samples(events, pid: int) -> list[s.ProcessSample]:
 
 def test_agent_records_its_own_rss_and_growth(tmp_path):
     from kvdiag.agent import Agent
-    from kvdiag.eventlog import read_log
+    from kvdiag.events.eventlog import read_log
 
     log_path = tmp_path / "agent.kvlog"
     agent = Agent(log_path=str(log_path), live=False, sample_interval_s=0.05,
@@ -144,9 +144,9 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from kvdiag.agent import Agent
-    from kvdiag.analysis import doctor
-    from kvdiag.analysis.logs import load
-    from kvdiag.eventlog import iter_events
+    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis.frames import load
+    from kvdiag.events.eventlog import iter_events
     from kvdiag.live.state import LiveState
     from kvdiag.reports import sections
 

@@ -1,6 +1,6 @@
 """Hostile kvdiag logs: every command either answers or fails with its documented error.
 
-Two properties over every event type of ``kvdiag/schema.py``, on a real recorded log (the
+Two properties over every event type of ``kvdiag/events/schema.py``, on a real recorded log (the
 embedded demo, tests/data/demo_small) with generated lines inserted at random places:
 
 1. **In-range extremes are analysed.** Values anywhere within the schema's documented ranges
@@ -32,9 +32,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvdiag import schema
+from kvdiag.events import schema
 from kvdiag.cli import main
-from kvdiag.eventlog import iter_events
+from kvdiag.events.eventlog import iter_events
 from kvdiag.live.state import LiveState
 from conftest import hypothesis_examples
 

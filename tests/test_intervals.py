@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvdiag.analysis.compression import compression_table, recommend, sampling_summary
-from kvdiag.analysis.intervals import (Estimate, cluster_bootstrap_mean, goal_verdict, paired_rate_ratio,
+from kvdiag.diagnosis.compression import compression_table, recommend, sampling_summary
+from kvdiag.diagnosis.intervals import (Estimate, cluster_bootstrap_mean, goal_verdict, paired_rate_ratio,
                                       paired_ratio)
 
 

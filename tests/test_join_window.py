@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from kvdiag.agent import LiveSocketSink
-from kvdiag.analysis import doctor, rules
-from kvdiag.analysis.live_sharing import ShadowSharingSink
-from kvdiag.analysis.sharing import simulate
+from kvdiag.diagnosis import doctor, rules
+from kvdiag.simulation.live_sharing import ShadowSharingSink
+from kvdiag.simulation.sharing import simulate
 from kvdiag.collectors.agent_client import AgentConnection
-from kvdiag.eventlog import events_to_frames, make_header
-from kvdiag.analysis.logs import Logs
+from kvdiag.events.eventlog import events_to_frames, make_header
+from kvdiag.diagnosis.frames import Logs
 from kvdiag.live.state import LiveState
-from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
-from kvdiag.sinks import FanoutSink, ListSink
+from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
+from kvdiag.events.sinks import FanoutSink, ListSink
 
 from test_live_sharing import trace_from_tokens
 

@@ -1,4 +1,4 @@
-"""KV bandwidth demanded vs measured (kvdiag/analysis/bandwidth.py, kvdiag/bandwidth_probe.py)
+"""KV bandwidth demanded vs measured (kvdiag/diagnosis/bandwidth.py, kvdiag/collectors/bandwidth_probe.py)
 and the P99 cause it feeds, checked against computations made here from the raw events."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import constructed_serving as cs
-from kvdiag.analysis import bandwidth
-from kvdiag.analysis.doctor import P99_CHECKLIST, p99_checklist, run_rules
-from kvdiag.analysis.logs import load
+from kvdiag.diagnosis import bandwidth
+from kvdiag.diagnosis.doctor import P99_CHECKLIST, p99_checklist, run_rules
+from kvdiag.diagnosis.frames import load
 
 DEMO = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
 
@@ -144,7 +144,7 @@ def test_doctor_prints_and_writes_the_checklist(tmp_path, capsys):
 
 def test_the_probe_is_bounded_cached_per_host_and_kept_out_of_the_package(tmp_path, monkeypatch):
     import kvdiag
-    from kvdiag import bandwidth_probe
+    from kvdiag.collectors import bandwidth_probe
     monkeypatch.setenv("KVDIAG_HOME", str(tmp_path / "home"))
     package = Path(kvdiag.__file__).parent
     before = {p for p in package.rglob("*") if p.suffix == ".json"}
@@ -168,7 +168,7 @@ def test_the_agent_records_the_probe_and_the_energy_status(tmp_path, monkeypatch
     """The log carries the peak (so offline analyses can compute utilisation) and says why
     host energy is N/A where RAPL cannot be read."""
     from kvdiag.agent import Agent
-    from kvdiag.eventlog import read_log
+    from kvdiag.events.eventlog import read_log
     monkeypatch.setenv("KVDIAG_HOME", str(tmp_path / "home"))
     log_path = tmp_path / "agent.kvlog"
     agent = Agent(log_path=str(log_path), live=False, shadow_sharing=False, host_memory=False,
@@ -192,7 +192,7 @@ def test_the_agent_records_the_probe_and_the_energy_status(tmp_path, monkeypatch
 def test_top_shows_the_same_demanded_bandwidth_as_the_offline_analysis(tmp_path):
     """`kvdiag top`'s state over the events of a constructed run: its KV read rate over the
     rate window equals the offline per-step frame summed over the same bins."""
-    from kvdiag.eventlog import iter_events, read_log
+    from kvdiag.events.eventlog import iter_events, read_log
     from kvdiag.live.state import LiveState
     path = cs.write(tmp_path / "ctx.kvlog", cs.serving(200, lambda i: 256 if i < 100 else 1024))
     state = LiveState(bin_s=1.0, rate_window_s=5.0)
@@ -250,8 +250,8 @@ def test_the_hardware_recorder_samples_nvml_energy_until_stopped(tmp_path, monke
 def test_the_exporter_serves_the_demanded_kv_read_as_counters(tmp_path):
     """kvdiag_kv_read_bytes_total / kvdiag_kv_read_step_seconds_total over a whole constructed
     run equals the offline per-step frame summed over all steps; the probe is served as is."""
-    from kvdiag.eventlog import iter_events, read_log
-    from kvdiag.exporter import PrometheusSink
+    from kvdiag.events.eventlog import iter_events, read_log
+    from kvdiag.prometheus.exporter import PrometheusSink
     path = cs.write(tmp_path / "ctx.kvlog", cs.serving(120, lambda i: 256 if i < 60 else 1024))
     sink = PrometheusSink(read_log(path).header)
     for ev in sorted(iter_events(path), key=lambda e: e.ts_ns):

@@ -3,7 +3,7 @@
 The recorded streams under ``tests/data/kv_publishers/`` are the bytes that SGLang's and
 vLLM's own ``ZmqEventPublisher`` classes sent (``record.py`` there, README): the subscriber
 must decode every event, keep the tiers apart by ``medium``, and find gaps, duplicates and a
-late join in them. :class:`kvdiag.kv_stream_health.StreamHealth` is checked on constructed
+late join in them. :class:`kvdiag.pool.kv_stream_health.StreamHealth` is checked on constructed
 streams against a plain list simulation, and the doctor's ``kv_events.health`` on a log."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 from kvdiag.collectors import servers
 from kvdiag.collectors.metrics import engine_metrics, parse_prometheus
 from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-from kvdiag.kv_stream_health import STORM_CLEARS, StreamHealth
-from kvdiag.prefix_cache import MASK63, medium_tier
-from kvdiag.schema import (CollectorError, CollectorGap, PrefixCacheCleared, PrefixCacheRemoved,
+from kvdiag.pool.kv_stream_health import STORM_CLEARS, StreamHealth
+from kvdiag.pool.prefix_cache import MASK63, medium_tier
+from kvdiag.events.schema import (CollectorError, CollectorGap, PrefixCacheCleared, PrefixCacheRemoved,
                            PrefixCacheStored)
 
 DATA = Path(__file__).parent / "data" / "kv_publishers"
@@ -215,9 +215,9 @@ def test_a_restart_is_not_a_duplicate():
 
 
 def test_doctor_kv_events_health_warns_on_a_store_missing_from_a_complete_stream(tmp_path):
-    from kvdiag.analysis import doctor
-    from kvdiag.analysis.logs import load
-    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis.frames import load
+    from kvdiag.events.eventlog import LogWriter, make_header
 
     def log(events, name):
         path = tmp_path / name
@@ -298,8 +298,8 @@ def test_attach_kv_events_reads_sglangs_stream_and_names_the_publisher(tmp_path)
 
     import zmq
 
-    from kvdiag.eventlog import iter_events
-    from kvdiag.schema import CollectorStatus
+    from kvdiag.events.eventlog import iter_events
+    from kvdiag.events.schema import CollectorStatus
 
     ctx = zmq.Context()
     xpub = ctx.socket(zmq.XPUB)
@@ -338,8 +338,8 @@ def test_attach_kv_events_reads_sglangs_stream_and_names_the_publisher(tmp_path)
     assert len(kv) == 8 and {e.medium for e in kv if not isinstance(e, PrefixCacheCleared)} == {"GPU", "CPU_PINNED"}
     summary = json.loads(stdout)  # the collectors' lines name the publisher
     assert any(c["hint"].startswith("publisher sglang") for c in summary["collectors"])
-    from kvdiag.analysis import doctor
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis.frames import load
     findings = {f.rule: f for f in doctor.run_rules(load([str(out)])[0])[0]}
     assert findings["kv_events.health"].status == "pass"
     assert findings["kv_events.health"].evidence["first_seq"] == int.from_bytes(msgs[0][1], "big")
@@ -349,8 +349,8 @@ def test_attach_kv_events_reads_sglangs_stream_and_names_the_publisher(tmp_path)
 def test_exporter_serves_the_stream_health_the_doctor_judges():
     """The exporter's counters are the live fold's: a lost batch, a duplicate batch (dropped by
     the fold) and a key removed before any store on a complete stream."""
-    from kvdiag.eventlog import make_header
-    from kvdiag.exporter import PrometheusSink
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.prometheus.exporter import PrometheusSink
 
     sink = PrometheusSink(make_header(engine="e", model="m", node="n"))
     for ev in (PrefixCacheStored(ts_ns=1, seq=0, block_hashes=[1]),
@@ -406,8 +406,8 @@ def test_attach_recognises_an_engine_by_its_metric_names(tmp_path):
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from kvdiag.eventlog import iter_events
-    from kvdiag.schema import CollectorStatus, EngineMetrics
+    from kvdiag.events.eventlog import iter_events
+    from kvdiag.events.schema import CollectorStatus, EngineMetrics
 
     body = (b"sglang:num_running_reqs{model_name=\"m\"} 2\nsglang:page_size{model_name=\"m\"} 16\n"
             b"sglang:max_total_num_tokens{model_name=\"m\"} 1024\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvdiag.analysis import latency
+from kvdiag.diagnosis import latency
 
 
 def test_quantile_is_numpy_inverted_cdf():

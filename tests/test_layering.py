@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 HEADLESS = [
-    "kvdiag", "kvdiag.schema", "kvdiag.sinks", "kvdiag.eventlog", "kvdiag.analysis",
+    "kvdiag", "kvdiag.events.schema", "kvdiag.events.sinks", "kvdiag.events.eventlog", "kvdiag.analysis",
     "kvdiag.kernels", "kvdiag.collectors",
 ]
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvdiag
-from kvdiag.analysis import leaks
+from kvdiag.diagnosis import leaks
 from kvdiag.collectors.release import ReleaseMonitor, Tracker
-from kvdiag.schema import (BlockAllocated, BlockEvicted, BlockReleased, PrefixHit,
+from kvdiag.events.schema import (BlockAllocated, BlockEvicted, BlockReleased, PrefixHit,
                            RequestArrived, RequestFinished)
-from kvdiag.sinks import ListSink
+from kvdiag.events.sinks import ListSink
 
 S = 1_000_000_000
 
@@ -170,7 +170,7 @@ def test_no_false_leak_on_the_recorded_demo_log():
     nothing was released twice, and releases match allocations + prefix hits + adopted
     (de-duplicated) blocks, with no event contradicting the pool state."""
     from pathlib import Path
-    from kvdiag.eventlog import iter_events
+    from kvdiag.events.eventlog import iter_events
     path = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
     events = list(iter_events(path))
     ledger = leaks.ledger_from_events(events)
@@ -187,9 +187,9 @@ def test_leak_rules_judge_at_the_windows_end_not_at_the_last_block_event():
     """A request that finished holding a block is a leak once the window (any event: a memory
     sample, a metrics scrape) runs past the grace period, though no block event came after it
     (seen: attach's window judged at its last block event missed leaks an e2e test counted)."""
-    from kvdiag import schema as s
-    from kvdiag.analysis.leaks import leak_findings
-    from kvdiag.analysis.rules import RELEASE_GRACE_NS
+    from kvdiag.events import schema as s
+    from kvdiag.diagnosis.leaks import leak_findings
+    from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
 
     t = 10**18
     evs = [s.RequestArrived(ts_ns=t, request_id="a", prompt_tokens=8),

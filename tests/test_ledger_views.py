@@ -16,13 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.exposition import generate_latest
 from prometheus_client.core import CollectorRegistry
 
-from kvdiag import schema as s
-from kvdiag.analysis import doctor, fragmentation, leaks
-from kvdiag.analysis.logs import load
-from kvdiag.analysis.rules import RELEASE_GRACE_NS
-from kvdiag.blockledger import ANOMALY_KINDS, EXAMPLES_KEPT
-from kvdiag.eventlog import LogWriter
-from kvdiag.exporter import PrometheusSink
+from kvdiag.events import schema as s
+from kvdiag.diagnosis import doctor, fragmentation, leaks
+from kvdiag.diagnosis.frames import load
+from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
+from kvdiag.pool.blockledger import ANOMALY_KINDS, EXAMPLES_KEPT
+from kvdiag.events.eventlog import LogWriter
+from kvdiag.prometheus.exporter import PrometheusSink
 from kvdiag.live.state import LiveState
 
 NUM_BLOCKS = 512
@@ -89,7 +89,7 @@ def stream(n_requests: int = 260, seed: int = 7) -> list[s.Event]:
 
 
 def brute_force(events: list[s.Event], now_ns: int) -> dict:
-    """The pool by definition (kvdiag/blockledger.py's docstring), recomputed from scratch with
+    """The pool by definition (kvdiag/pool/blockledger.py's docstring), recomputed from scratch with
     plain sets: holders per block, releasers per block since its allocation."""
     holders: dict[int, set] = {}
     released: dict[int, set] = {}
@@ -299,7 +299,7 @@ def test_batch_fold_is_the_event_by_event_fold(name):
     on each event, on recorded logs with every kind of event."""
     from pathlib import Path
 
-    from kvdiag.eventlog import iter_events, read_header
+    from kvdiag.events.eventlog import iter_events, read_header
 
     path = Path(__file__).parent / "data" / name
     events = list(iter_events(path))

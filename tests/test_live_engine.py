@@ -21,12 +21,12 @@ def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path, model_dir):
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
-    from kvdiag.analysis.sharing import simulate
-    from kvdiag.analysis.traces import load_trace
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.schema import RequestArrived
-    from kvdiag.sinks import FanoutSink, ListSink
+    from kvdiag.simulation.live_sharing import ShadowConfig, ShadowSharingSink
+    from kvdiag.simulation.sharing import simulate
+    from kvdiag.traces.loaders import load_trace
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.schema import RequestArrived
+    from kvdiag.events.sinks import FanoutSink, ListSink
 
     from kvdiag.collectors import transformers_cb
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import TraceBuilder
-from kvdiag.kernels.hashing import chunk_hashes
-from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished, ShadowSharing
-from kvdiag.sinks import ListSink
+from kvdiag.simulation.live_sharing import ShadowConfig, ShadowSharingSink
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.loaders import TraceBuilder
+from kvdiag.pool.hashing import chunk_hashes
+from kvdiag.events.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished, ShadowSharing
+from kvdiag.events.sinks import ListSink
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 

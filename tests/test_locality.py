@@ -7,9 +7,9 @@ import math
 import torch
 from transformers import DynamicCache
 
-from kvdiag.analysis import locality as analysis
+from kvdiag.diagnosis import locality as analysis
 from kvdiag.kernels.attention import QueryCapture, locality_events
-from kvdiag.schema import ShadowLocality
+from kvdiag.events.schema import ShadowLocality
 
 from kv_model import model_and_tokenizer, prefill_kv
 
@@ -79,7 +79,7 @@ def _events(rows):
 
 
 def test_analysis_heatmap_and_top_heads():
-    from kvdiag.analysis.compression import frame_of
+    from kvdiag.diagnosis.compression import frame_of
 
     rows = [(0, h, 0.1 * h, 0.05, o) for h, o in enumerate([0.1, 0.4, 0.2, 0.3])]
     rows += [(0, 1, 0.3, 0.05, 0.4)]  # a second sample of head 1: means over samples

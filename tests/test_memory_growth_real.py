@@ -14,10 +14,10 @@ import numpy as np
 import psutil
 import pytest
 
-from kvdiag import schema as s
-from kvdiag.analysis import doctor
-from kvdiag.analysis.logs import load
-from kvdiag.eventlog import LogWriter, make_header
+from kvdiag.events import schema as s
+from kvdiag.diagnosis import doctor
+from kvdiag.diagnosis.frames import load
+from kvdiag.events.eventlog import LogWriter, make_header
 
 STEPS = 30
 
@@ -83,7 +83,7 @@ def test_memory_growth_on_real_rss(tmp_path, step_mib, expected):
 
 def test_memory_growth_not_judged_before_the_first_engine_step():
     """Model load: memory samples and no engine step yet: n/a, whatever the memory did."""
-    from kvdiag.analysis.logs import Logs
+    from kvdiag.diagnosis.frames import Logs
     import pandas as pd
 
     rss = [100 << 20, 600 << 20, 1100 << 20, 1200 << 20, 1300 << 20]

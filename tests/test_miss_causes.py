@@ -1,4 +1,4 @@
-"""Miss causes (kvdiag.analysis.miss_causes): planted causes against a brute-force count, sums
+"""Miss causes (kvdiag.diagnosis.miss_causes): planted causes against a brute-force count, sums
 equal to the engine's missed tokens on the recorded fixtures, hashes mode equal to token ids."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis.live_sharing import ShadowSharingSink
-from kvdiag.analysis.miss_causes import (CAUSES, MissCauseFold, miss_causes_of_events,
+from kvdiag.simulation.live_sharing import ShadowSharingSink
+from kvdiag.diagnosis.miss_causes import (CAUSES, MissCauseFold, miss_causes_of_events,
                                          miss_causes_of_logs, node_events)
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.kernels.hashing import ContentHasher
-from kvdiag.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.pool.hashing import ContentHasher
+from kvdiag.events.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowSharing)
 
 DATA = Path(__file__).parent / "data"
@@ -229,7 +229,7 @@ def test_vllm_fixture_causes():
 
 
 def test_logs_frames_replay_equals_the_event_stream():
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis.frames import load
     path = DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"
     logs, _ = load([path])
     (node,) = logs.nodes
@@ -279,7 +279,7 @@ def test_doctor_prints_and_returns_the_miss_causes_per_window(capsys):
 
 
 def test_report_stacks_the_causes_per_window():
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis.frames import load
     from kvdiag.reports.html import figure
     from kvdiag.reports.sections import miss_causes_blocks
     logs, _ = load([DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"])
@@ -293,7 +293,7 @@ def test_report_stacks_the_causes_per_window():
 
 def test_live_state_and_exporter_fold_the_same_causes_as_the_doctor():
     """top (LiveState) and the exporter feed the one MissCauseFold: same counts as offline."""
-    from kvdiag.exporter import PrometheusSink
+    from kvdiag.prometheus.exporter import PrometheusSink
     from kvdiag.live.state import LiveState
     from kvdiag.tui.panels import _misses_line
     path = DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"
@@ -332,7 +332,7 @@ def test_evicted_beyond_the_history_is_still_evicted_without_a_distance():
 
 
 def test_bloom_filter_has_no_false_negative_and_few_false_positives():
-    from kvdiag.analysis.miss_causes import _Bloom
+    from kvdiag.diagnosis.miss_causes import _Bloom
     rnd = random.Random(3)
     bloom = _Bloom(1 << 23)
     keys = [rnd.getrandbits(63) for _ in range(200_000)]

@@ -14,11 +14,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvdiag.analysis.fleet import fleet_table
-from kvdiag.analysis.logs import load
-from kvdiag.eventlog import read_log
+from kvdiag.diagnosis.fleet import fleet_table
+from kvdiag.diagnosis.frames import load
+from kvdiag.events.eventlog import read_log
 from kvdiag.reports import sections
-from kvdiag.reports.model import Chart, Table, Text
+from kvdiag.reports.document import Chart, Table, Text
 
 DATA = Path(__file__).parent / "data"
 DEMO = DATA / "demo_small" / "demo_24req_seed1.kvlog.gz"
@@ -153,9 +153,9 @@ def test_fleet_report_from_parquet_equals_the_one_from_the_logs_and_pandas(tmp_p
     """`report --fleet`: DuckDB over the dataset's files and DuckDB over the logs as read give
     the same report; its totals equal pandas over all the logs together, and each node's
     fragmentation is the doctor's fragmentation.kv_pool."""
-    from kvdiag.analysis.doctor import fragmentation
-    from kvdiag.analysis.fleet import from_datasets, totals
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis.doctor import fragmentation
+    from kvdiag.diagnosis.fleet import from_datasets, totals
+    from kvdiag.diagnosis.frames import load
 
     names = ["a", "b", "c"]
     logs = [renamed(DEMO, "a", tmp_path), renamed(VLLM, "b", tmp_path), renamed(DEMO, "c", tmp_path)]
@@ -247,8 +247,8 @@ def test_export_refuses_a_folder_in_use_and_a_folder_as_log(tmp_path):
 def test_arrow_schema_comes_from_the_event_schema():
     import pyarrow as pa
 
-    from kvdiag.columnar import arrow_schema
-    from kvdiag.schema import TAGS, fields_of
+    from kvdiag.events.columnar import arrow_schema
+    from kvdiag.events.schema import TAGS, fields_of
     for tag, cls in TAGS.items():
         assert arrow_schema(cls).names == list(fields_of(cls))
     s = arrow_schema(TAGS["engine_step"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis.rules import RELEASE_GRACE_NS
+from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
 
 DATA = Path(__file__).parent / "data"
 SMALL = DATA / "demo_small" / "demo_24req_seed1.kvlog.gz"  # 25 requests over 443 s

@@ -149,7 +149,7 @@ def test_attach_to_a_vllm_engine_child_joins_its_server(tmp_path):
     """A process whose command line runs vLLM (``exec -a vllm``: argv[0] is ``vllm``) with a
     child: attach given the child joins the server (its /metrics, KV events and whole tree)."""
     from kvdiag.collectors.vllm import vllm_root
-    from kvdiag.eventlog import read_header
+    from kvdiag.events.eventlog import read_header
 
     server = subprocess.Popen(["bash", "-c", "exec -a vllm python3 -c 'import subprocess, time; "
                                "p = subprocess.Popen([\"sleep\", \"300\"]); print(p.pid, flush=True); "

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import hypothesis_examples
-from kvdiag.analysis import concurrency
-from kvdiag.analysis.model_shapes import (BUILTIN_MODELS, ModelConfigError, from_hf_config,
+from kvdiag.simulation import concurrency
+from kvdiag.pool.kv_shape import (BUILTIN_MODELS, ModelConfigError, from_hf_config,
                                           kv_bytes_per_token)
-from kvdiag.analysis.plan import PlanSettings, make_plan
-from kvdiag.analysis.workload import PromptKeys, Workload, load_mooncake, synthetic
+from kvdiag.simulation.capacity_plan import PlanSettings, make_plan
+from kvdiag.traces.workload import PromptKeys, Workload, load_mooncake, synthetic
 from kvdiag.cli import main
 
 DATA = Path(__file__).parent / "data"
@@ -109,10 +109,10 @@ def test_predicted_peak_matches_engine_on_recorded_demo(timing, capsys):
 def test_prompt_only_sharing_matches_replay_footprint():
     """With outputs of one token (a request holds only its prompt) the shared peak equals the
     replay simulator's memory footprint of the same log (an independent implementation)."""
-    from kvdiag.analysis.logs import load
-    from kvdiag.analysis.sharing import memory_footprint
-    from kvdiag.analysis.traces import load_trace
-    from kvdiag.analysis.workload import from_logs
+    from kvdiag.diagnosis.frames import load
+    from kvdiag.simulation.sharing import memory_footprint
+    from kvdiag.traces.loaders import load_trace
+    from kvdiag.traces.workload import from_logs
 
     logs, _ = load([DEMO_LOG])
     work = from_logs(logs, 32, "demo")
@@ -373,8 +373,8 @@ def test_plan_and_replay_key_a_token_trace_with_extra_keys_identically(tmp_path)
     """`plan` (workload.load_tokens) and `replay` (traces.load_tokens) read one token-id trace
     through one reader: the same blocks get equal keys in both, and exactly the blocks whose
     (extra_keys, token prefix) is equal, counted by brute force."""
-    from kvdiag.analysis import traces
-    from kvdiag.analysis import workload
+    from kvdiag.traces import loaders as traces
+    from kvdiag.traces import workload
 
     block = 4
     shared = list(range(1, 13))  # three full blocks

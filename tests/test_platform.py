@@ -1,4 +1,4 @@
-"""The hardware comparison (kvdiag/analysis/platform.py): tokens per joule by hand, N/A with
+"""The hardware comparison (kvdiag/diagnosis/platform.py): tokens per joule by hand, N/A with
 a reason without energy, RAPL's powercap reader, and the table in `kvdiag report`."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import schema as s
-from kvdiag.analysis.logs import load
-from kvdiag.analysis.platform import platform_table
+from kvdiag.events import schema as s
+from kvdiag.diagnosis.frames import load
+from kvdiag.diagnosis.platform import platform_table
 from kvdiag.collectors.rapl import RaplCollector
-from kvdiag.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import LogWriter, make_header
 
 T0 = 1_700_000_000_000_000_000
 SEC = 10**9

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.analysis.learned_policies import LeCaRPolicy, PrefixLRUPolicy
-from kvdiag.analysis.policies import FIFOPolicy, LFUPolicy, LRUPolicy
-from kvdiag.analysis.policy_replay import (PolicyError, load_policy_file, simulate_policy)
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import load_trace, trace_from_blocks, trace_from_tokens
+from kvdiag.simulation.learned_policies import LeCaRPolicy, PrefixLRUPolicy
+from kvdiag.simulation.policies import FIFOPolicy, LFUPolicy, LRUPolicy
+from kvdiag.simulation.policy_replay import (PolicyError, load_policy_file, simulate_policy)
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.loaders import load_trace, trace_from_blocks, trace_from_tokens
 from kvdiag.cli import main
 
 DATA = Path(__file__).parent / "data"
@@ -198,7 +198,7 @@ def test_lecar_replays_repeat():
 
 def _policy_file(tmp_path, body: str) -> Path:
     path = tmp_path / "my_policy.py"
-    path.write_text("from kvdiag.analysis.policies import Policy\n\n\n" + body)
+    path.write_text("from kvdiag.simulation.policies import Policy\n\n\n" + body)
     return path
 
 
@@ -245,7 +245,7 @@ def test_an_invalid_victim_is_named(tmp_path):
      r"on_insert at request 2 "),
     ("x = (\n", "100", r"my_policy.py:4: syntax error"),
     ("import no_such_module_here\n", "100", r"my_policy.py:4: the policy file raised"),
-    ("X = 1\n", "100", r"my_policy.py: expected a subclass of kvdiag.analysis.policies.Policy"),
+    ("X = 1\n", "100", r"my_policy.py: expected a subclass of kvdiag.simulation.policies.Policy"),
 ])
 def test_cli_exits_2_with_one_line(tmp_path, capsys, body, capacity, expected):
     path = _policy_file(tmp_path, body)
@@ -368,7 +368,7 @@ def test_a_policy_that_cannot_be_created_is_named(tmp_path):
 def test_python_draws_are_the_generators_own():
     import random
 
-    from kvdiag.analysis._policykernels import python_draws
+    from kvdiag.simulation._policykernels import python_draws
 
     rng = random.Random(LeCaRPolicy.seed)
     assert python_draws(LeCaRPolicy.seed, 1000).tolist() == [rng.random() for _ in range(1000)]

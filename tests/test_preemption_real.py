@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 
 DATA = Path(__file__).parent / "data" / "demo_preempt"
 POOL40 = DATA / "demo_16req_pool40.kvlog.gz"
@@ -32,8 +32,8 @@ def test_adapter_records_the_engines_preemptions(tmp_path):
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.model import ensure_model
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.demo.smollm import ensure_model
 
     model_dir = ensure_model()
     torch.set_num_threads(1)

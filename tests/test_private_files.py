@@ -119,8 +119,8 @@ def test_cache_and_log_folders_are_0700(tmp_path):
 
 @pytest.mark.parametrize("name", ["run.jsonl", "run.jsonl.gz"])
 def test_log_writer(tmp_path, name):
-    from kvdiag.eventlog import LogWriter, make_header, read_log
-    from kvdiag.schema import BlockAllocated
+    from kvdiag.events.eventlog import LogWriter, make_header, read_log
+    from kvdiag.events.schema import BlockAllocated
 
     path = tmp_path / "new" / "logs" / name
     with LogWriter(path, make_header(engine="test")) as w:
@@ -158,7 +158,7 @@ def test_doctor_prometheus_rules_file(tmp_path):
 
 def test_raw_kv_event_capture(tmp_path):
     from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-    from kvdiag.sinks import NullSink
+    from kvdiag.events.sinks import NullSink
 
     raw = tmp_path / "new" / "x.kvevents.jsonl"
     sub = KVEventSubscriber("tcp://127.0.0.1:9", NullSink(), raw_path=raw).start()  # nobody publishes
@@ -236,7 +236,7 @@ def test_attach_out_and_its_folder(tmp_path):
 
 def test_server_output_file(tmp_path):
     """The file a demo's server (transformers or vLLM) writes its output to."""
-    from kvdiag.commands._server_process import ServerProcess
+    from kvdiag.demo.server_process import ServerProcess
 
     class Echo(ServerProcess):
         command = [sys.executable, "-c", "print('hello')"]

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import schema as s
-from kvdiag.analysis.doctor import run_rules
-from kvdiag.analysis.logs import load
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.exporter import PrometheusSink
-from kvdiag.prom_rules import SEVERITY_OF_STATUS, alerts, rules_yaml
+from kvdiag.events import schema as s
+from kvdiag.diagnosis.doctor import run_rules
+from kvdiag.diagnosis.frames import load
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.prometheus.exporter import PrometheusSink
+from kvdiag.prometheus.alert_rules import SEVERITY_OF_STATUS, alerts, rules_yaml
 from tests.prometheus_server import binary
 
 DATA = Path(__file__).parent / "data"

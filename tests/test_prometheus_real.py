@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag import schema as s
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.prom_metrics import BY_NAME
+from kvdiag.events import schema as s
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.prometheus.metrics import BY_NAME
 from tests.prometheus_server import replaying, running, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

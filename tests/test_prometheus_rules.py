@@ -1,12 +1,12 @@
 """`kvdiag doctor --prometheus-rules`: promtool accepts the file, its thresholds are the
-doctor's (kvdiag/analysis/rules.py), and promtool's rule tests fire at those thresholds."""
+doctor's (kvdiag/diagnosis/rules.py), and promtool's rule tests fire at those thresholds."""
 
 import json
 import subprocess
 import sys
 
-from kvdiag.analysis import rules
-from kvdiag.prom_rules import alerts, rules_yaml
+from kvdiag.diagnosis import rules
+from kvdiag.prometheus.alert_rules import alerts, rules_yaml
 from tests.prometheus_server import binary
 
 

@@ -165,7 +165,7 @@ def test_readme_vllm_commands(newcomer, vllm_python):
     environment is the one this machine already built (``$KVDIAG_VLLM_ENV``), so
     ``fetch-engine`` refreshes the kvdiag inside it from the newcomer's install instead of
     downloading vLLM again."""
-    from kvdiag.engines import vllm_env_dir
+    from kvdiag.demo.vllm_env import vllm_env_dir
 
     person, checkout, base = newcomer
     lines = readme_block("## On vLLM")

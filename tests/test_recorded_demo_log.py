@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from demo_invariants import expected_blocks, replay, timestamps_problems
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 
 RECORDED = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
 

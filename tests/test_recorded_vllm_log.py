@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis import doctor
-from kvdiag.analysis.logs import load
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import kv_event_gaps, load_trace
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.prefix_cache import prefix_cache_counts
-from kvdiag.schema import (EngineMetrics, KVPoolInfo, PrefixCacheStored, RequestFinished,
+from kvdiag.diagnosis import doctor
+from kvdiag.diagnosis.frames import load
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.loaders import kv_event_gaps, load_trace
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.pool.prefix_cache import prefix_cache_counts
+from kvdiag.events.schema import (EngineMetrics, KVPoolInfo, PrefixCacheStored, RequestFinished,
                            ShadowSharing)
 
 DATA = Path(__file__).parent / "data" / "vllm_demo"

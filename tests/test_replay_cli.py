@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import load_trace
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.loaders import load_trace
 from kvdiag.cli import main
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"

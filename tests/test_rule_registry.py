@@ -1,6 +1,6 @@
 """One definition per rule: the doctor evaluates a registry whose rule ids are exactly those
-kvdiag.analysis.rules catalogues, every view names rules by those ids, and each verdict the
-doctor gives comes from a verdict function of kvdiag.analysis.rules (checked by swapping one
+kvdiag.diagnosis.rules catalogues, every view names rules by those ids, and each verdict the
+doctor gives comes from a verdict function of kvdiag.diagnosis.rules (checked by swapping one
 for a stub and watching the finding follow)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis import doctor, rules
-from kvdiag.analysis.logs import load as load_logs
+from kvdiag.diagnosis import doctor, rules
+from kvdiag.diagnosis.frames import load as load_logs
 
 DATA = Path(__file__).parent / "data"
 LOGS = [DATA / "demo_small" / "demo_24req_seed1.kvlog.gz",
@@ -43,7 +43,7 @@ def test_every_finding_is_a_registered_rule_reported_by_its_entry(path):
 
 
 def test_prometheus_alerts_name_catalogued_rules():
-    from kvdiag import prom_rules
+    from kvdiag.prometheus import alert_rules as prom_rules
     assert {a["rule"] for a in prom_rules.alerts()} <= set(rules.RULE_IDS)
 
 
@@ -56,7 +56,7 @@ def test_prometheus_alerts_name_catalogued_rules():
     ("latency.queueing", "queueing_status", 2),
 ])
 def test_the_verdict_comes_from_rules(monkeypatch, rule_id, verdict_fn, log):
-    """Replacing the verdict function in kvdiag.analysis.rules changes the doctor's verdict:
+    """Replacing the verdict function in kvdiag.diagnosis.rules changes the doctor's verdict:
     no copy of the decision lives elsewhere."""
     logs = load_logs([str(LOGS[log])])[0]
     before = {f.rule: f.status for f in doctor.run_rules(logs)[0]}
@@ -69,7 +69,7 @@ def test_the_verdict_comes_from_rules(monkeypatch, rule_id, verdict_fn, log):
 
 def test_pool_growth_verdict_comes_from_rules(monkeypatch):
     import pandas as pd
-    from kvdiag.analysis import leaks
+    from kvdiag.diagnosis import leaks
     samples = pd.DataFrame({"ts_ns": [1, 2, 3, 4], "running_requests": [1, 1, 1, 2],
                             "blocks_used": [10, 11, 12, 20]})
     assert leaks.pool_growth_finding(samples).status == "fail"  # +2 blocks at a constant 1 running

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis import doctor
-from kvdiag.analysis.logs import load
+from kvdiag.diagnosis import doctor
+from kvdiag.diagnosis.frames import load
 from kvdiag.live.rules import LiveRules
 from kvdiag.live.state import LiveState
 from kvdiag.live.sources import ReplaySource

@@ -73,8 +73,8 @@ class FakeAdapter:
 @needs_root
 def test_the_agent_runs_without_its_socket_when_the_runtime_dir_is_refused(xdg, caplog):
     from kvdiag.agent import Agent
-    from kvdiag.eventlog import read_header
-    from kvdiag.schema import BlockAllocated
+    from kvdiag.events.eventlog import read_header
+    from kvdiag.events.schema import BlockAllocated
 
     (xdg / "kvdiag").mkdir(mode=0o700)
     os.chown(xdg / "kvdiag", NOBODY, NOBODY)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvdiag.eventlog import read_log
-from kvdiag.schema import EVENT_TYPES, SCHEMA_MAJOR, TAGS, event_tag, parse_version
+from kvdiag.events.eventlog import read_log
+from kvdiag.events.schema import EVENT_TYPES, SCHEMA_MAJOR, TAGS, event_tag, parse_version
 
 FROZEN_V1_0 = Path(__file__).parent / "data" / "schema_v1_0" / "all_types_required_fields.kvlog"
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.child import kvdiag_module
-from kvdiag.commands._server_process import free_port
-from kvdiag.eventlog import read_log
+from kvdiag.demo.child_command import kvdiag_module
+from kvdiag.demo.server_process import free_port
+from kvdiag.events.eventlog import read_log
 from kvdiag.paths import agent_socket_path
-from kvdiag.traffic import chat
+from kvdiag.demo.traffic import chat
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 def test_agent_runs_in_the_model_process_and_is_found_by_the_server_pid(model_dir, tmp_path):
-    from kvdiag.collectors.transformers_serve import serves_in_a_child
+    from kvdiag.agent.transformers_serve import serves_in_a_child
 
     port, log_path = free_port(), tmp_path / "serve.jsonl"
     command = ["transformers", "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
@@ -97,7 +97,7 @@ def test_the_engine_serves_when_the_agent_cannot_start(caplog):
     import socket as sk
 
     from kvdiag import agent
-    from kvdiag.collectors.transformers_serve import run_engine_with_agent
+    from kvdiag.agent.transformers_serve import run_engine_with_agent
 
     taken = sk.socket()
     taken.bind(("127.0.0.1", 0))

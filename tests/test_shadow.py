@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kvdiag.kernels.methods import Method, parse_method
-from kvdiag.kernels.shadow import ShadowRunner
-from kvdiag.kernels.shadow_hf import shadow_generate
-from kvdiag.schema import CollectorError, ShadowBudget, ShadowCompression, ShadowLocality
-from kvdiag.sinks import ListSink
+from kvdiag.shadow.runner import ShadowRunner
+from kvdiag.shadow.hf_decoder import shadow_generate
+from kvdiag.events.schema import CollectorError, ShadowBudget, ShadowCompression, ShadowLocality
+from kvdiag.events.sinks import ListSink
 
 from kv_model import model_and_tokenizer, prefill_kv
 
@@ -35,7 +35,7 @@ def test_raising_compressor_does_not_change_served_output_and_is_counted():
     layers = model.config.num_hidden_layers
     assert runner.runs == steps
     assert runner.errors["shadow:raising"] == steps * layers
-    # the first error is reported at once, the others only counted (kvdiag.hooks)
+    # the first error is reported at once, the others only counted (kvdiag.events.hooks)
     errors = [e for e in sink.events if isinstance(e, CollectorError)]
     assert [(e.collector, e.count) for e in errors] == [("shadow:raising", 1)]
     assert errors[0].message == "RuntimeError: compressor failed"
@@ -138,7 +138,7 @@ def test_ceiling_holds_when_the_budget_affords_more():
 def test_each_sampled_step_reports_the_budget_and_the_exporter_serves_it():
     """ShadowBudget after each sampled step, with an injected CPU clock: the counts the runner
     made and spent / (budget x engine CPU) as kvdiag_shadow_budget_used_ratio."""
-    from kvdiag.exporter import PrometheusSink
+    from kvdiag.prometheus.exporter import PrometheusSink
 
     cpu = FakeCpu()
     sink = ListSink()
@@ -281,7 +281,7 @@ def test_sampled_steps_measure_only_their_layers_on_real_kv():
 def test_budget_is_reported_while_no_step_is_sampled(monkeypatch):
     """A runner the budget holds back still records its counts (every BUDGET_REPORT_S of wall
     time), so a log's last ShadowBudget is not the stale one of its last sampled step."""
-    from kvdiag.kernels import shadow
+    from kvdiag.shadow import runner as shadow
 
     monkeypatch.setattr(shadow, "BUDGET_REPORT_S", 0.0)
     cpu = FakeCpu()
@@ -298,7 +298,7 @@ def test_budget_is_reported_while_no_step_is_sampled(monkeypatch):
 def test_per_layer_inputs_are_gathered_only_for_the_measured_layers():
     """An engine hands KV and queries as PerLayer: a run with three layers fetches exactly
     those three, once each (the gather of the other layers is never paid)."""
-    from kvdiag.kernels.shadow import PerLayer
+    from kvdiag.shadow.runner import PerLayer
 
     _, kv = prefill_kv()
     queries = [torch.randn(1, 9, 1, 64) for _ in kv]

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 
 from kv_model import model_and_tokenizer
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.analysis.sharing import POLICIES, lru_curve, memory_footprint, simulate
-from kvdiag.analysis.traces import load_trace, trace_from_blocks, trace_from_tokens
+from kvdiag.simulation.sharing import POLICIES, lru_curve, memory_footprint, simulate
+from kvdiag.traces.loaders import load_trace, trace_from_blocks, trace_from_tokens
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 
@@ -291,8 +291,8 @@ def test_memory_footprint_against_sets():
 def test_pure_python_fallback_equals_compiled():
     script = (
         "import json,sys\n"
-        "from kvdiag.analysis.traces import load_trace\n"
-        "from kvdiag.analysis.sharing import simulate, lru_curve, POLICIES\n"
+        "from kvdiag.traces.loaders import load_trace\n"
+        "from kvdiag.simulation.sharing import simulate, lru_curve, POLICIES\n"
         "t = load_trace(sys.argv[1])\n"
         "t = type(t)(t.block_ids[:t.offsets[300]], t.offsets[:301], t.block_tokens[:t.offsets[300]],"
         " t.prompt_tokens[:300], t.num_blocks, t.block_size_tokens, t.format)\n"
@@ -314,9 +314,9 @@ def test_pure_python_fallback_equals_compiled():
 @given(token_prompts, st.integers(1, 2), st.integers(1, 9), capacities)
 def test_streamed_replay_equals_whole_trace(prompts, block, batch_refs, capacity):
     """Batches of any size, block ids and stack state grown between them: same results."""
-    from kvdiag.analysis.sharing import replay_stream
-    from kvdiag.analysis.traces import RequestRecord
-    from kvdiag.kernels.hashing import chunk_hashes
+    from kvdiag.simulation.sharing import replay_stream
+    from kvdiag.traces.loaders import RequestRecord
+    from kvdiag.pool.hashing import chunk_hashes
 
     trace = trace_from_tokens(prompts, block)
     records = [RequestRecord(chunk_hashes(p, block), len(p)) for p in prompts]

@@ -13,7 +13,7 @@ def model_and_tokenizer(model_dir):
     import torch
 
     torch.set_num_threads(1)
-    from kvdiag.model import load_model
+    from kvdiag.demo.smollm import load_model
 
     return load_model(model_dir)
 
@@ -34,7 +34,7 @@ def _chats():
 def test_similarity_groups_and_values(model_and_tokenizer):
     import torch
 
-    from kvdiag.analysis.similarity import _token_ids, kv_similarity
+    from kvdiag.diagnosis.similarity import _token_ids, kv_similarity
 
     model, tok = model_and_tokenizer
     res = kv_similarity(model, tok, _chats(), positions=10, offset=0, min_shared_tokens=20)
@@ -70,10 +70,10 @@ def test_replay_similarity_on_a_kvdiag_log(model_and_tokenizer, tmp_path, capsys
     and group, equal to the function's result on the same token ids."""
     import json
 
-    from kvdiag.analysis.similarity import _token_ids, kv_similarity
+    from kvdiag.diagnosis.similarity import _token_ids, kv_similarity
     from kvdiag.cli import main
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.schema import RequestArrived
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.schema import RequestArrived
 
     model, tok = model_and_tokenizer
     ids = [_token_ids(tok, c) for c in _chats()]

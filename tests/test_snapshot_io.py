@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvdiag.snapshot_io import SnapshotLoadError, load_snapshot, save_snapshot_json
+from kvdiag.events.snapshot_io import SnapshotLoadError, load_snapshot, save_snapshot_json
 
 SNAP = {"segments": [{"address": 1, "total_size": 512, "stream": 0, "segment_type": "small",
                       "segment_pool_id": (0, 0), "blocks": [{"size": 512, "requested_size": 500,

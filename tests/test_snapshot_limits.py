@@ -12,10 +12,10 @@ import time
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from kvdiag.analysis import fragmentation as fr
+from kvdiag.diagnosis import fragmentation as fr
 from kvdiag.cli import main
-from kvdiag.snapshot_check import MAX_DEPTH, SnapshotFormatError, check_depth, check_snapshot
-from kvdiag.snapshot_io import SnapshotLoadError, load_snapshot, save_snapshot_json
+from kvdiag.events.snapshot_check import MAX_DEPTH, SnapshotFormatError, check_depth, check_snapshot
+from kvdiag.events.snapshot_io import SnapshotLoadError, load_snapshot, save_snapshot_json
 
 DOCUMENTED = (SnapshotFormatError, fr.SnapshotInvariantError)
 SHARED = 10_000
@@ -62,7 +62,7 @@ def test_shared_segment_or_blocks_list_is_refused_in_memory_too():
 def test_shared_frames_are_allowed_and_checked_once(monkeypatch):
     """torch may share frame lists between blocks and trace entries: accepted, each distinct
     list checked once (10^4 blocks x 10^3 frames would be 10^7 frame checks otherwise)."""
-    from kvdiag import snapshot_check
+    from kvdiag.events import snapshot_check
 
     frames = [{"filename": "engine.py", "line": i, "name": "grow"} for i in range(1000)]
     blocks = [{"size": 512, "requested_size": 500, "address": 512 * i, "state": "active_allocated" if i % 2

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from kvdiag.analysis.compression import compression_table, frame_of, parse_groups, recommend
+from kvdiag.diagnosis.compression import compression_table, frame_of, parse_groups, recommend
 from kvdiag.kernels import sparse
-from kvdiag.schema import ShadowCompression
+from kvdiag.events.schema import ShadowCompression
 
 
 def test_sparse_rules_match_brute_force():

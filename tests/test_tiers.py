@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.analysis import _simkernels as K
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.tiers import (Tier, parse_tiers, prefill_s_per_token_from_steps,
+from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation.sharing import simulate
+from kvdiag.simulation.tiers import (Tier, parse_tiers, prefill_s_per_token_from_steps,
                                    simulate_tiers)
-from kvdiag.analysis.traces import load_trace, trace_from_blocks
+from kvdiag.traces.loaders import load_trace, trace_from_blocks
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 DEMO_LOG = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
@@ -30,7 +30,7 @@ DEMO_LOG = Path(__file__).parent / "data" / "demo_small" / "demo_24req_seed1.kvl
 
 def oracle(requests: list[list[int]], caps: list, write: str, counted=None):
     """Per-request prefix hits (any tier), per-request hits by serving tier and the tier
-    counters, by kvdiag.analysis.tiers' rules, as directly as possible: one Python list per
+    counters, by kvdiag.simulation.tiers' rules, as directly as possible: one Python list per
     tier, least recently used first; ``caps[t]`` None = unbounded. ``counted[r]`` False: a row
     of blocks a request adds at finish (nothing is read or counted as a hit)."""
     T = len(caps)
@@ -136,7 +136,7 @@ def test_matches_brute_force_oracle(requests, caps, write):
 def test_rows_added_at_finish_match_the_oracle(requests, caps, write, data):
     """kvdiag logs' traces carry rows of blocks a request adds when it finishes: they move
     blocks to the top tier but read nothing and count no hit."""
-    from kvdiag.analysis.traces import TraceBuilder
+    from kvdiag.traces.loaders import TraceBuilder
 
     counted = data.draw(st.lists(st.booleans(), min_size=len(requests), max_size=len(requests)))
     b = TraceBuilder(4, "blocks", "")

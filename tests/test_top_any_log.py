@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvdiag.eventlog import iter_events, read_log
+from kvdiag.events.eventlog import iter_events, read_log
 from kvdiag.live.state import LiveState
-from kvdiag.schema import TAGS, fields_of
+from kvdiag.events.schema import TAGS, fields_of
 from kvdiag.live.sources import ReplaySource
 from kvdiag.tui.app import KvTopApp
 from kvdiag.tui.panels import Panel

@@ -6,7 +6,7 @@ snapshot is the same picture at the same log position.
 
 import pytest
 
-from kvdiag.eventlog import iter_events, read_log
+from kvdiag.events.eventlog import iter_events, read_log
 from kvdiag.live.sources import ReplaySource
 from kvdiag.tui.app import KvTopApp, TextScreen
 from kvdiag.tui.panels import AlertsPanel, LocalityPanel, MemoryPanel, Panel, RequestsPanel

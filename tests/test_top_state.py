@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvdiag.eventlog import read_log
+from kvdiag.events.eventlog import read_log
 from kvdiag.live.state import LiveState, percentile
 from kvdiag.live.sources import ReplaySource
 from tui_data import BLOCK_BYTES, BLOCK_TOKENS, T0_NS, write_constructed_log
@@ -149,7 +149,7 @@ def test_absent_sources_are_reasons_not_zeros(bare_log):
 def test_leak_rule_flags_requests_that_never_release(tmp_path):
     """Live, the leak alert is the rules' ``leak.release_paths``, judged at the latest event:
     exactly the requests that never released and finished more than the grace period ago."""
-    from kvdiag.analysis.rules import RELEASE_GRACE_NS
+    from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
     from kvdiag.live.rules import LiveRules
 
     path = write_constructed_log(tmp_path / "leak.jsonl", n_requests=40, leak_every=5, shadow=False)
@@ -264,7 +264,7 @@ def test_live_doctor_findings_reach_the_alerts(tmp_path):
 
 
 def test_impossible_token_occupancy_is_rejected_not_shown():
-    from kvdiag import schema as sch
+    from kvdiag.events import schema as sch
 
     state = LiveState()
     state.feed(sch.KVPoolInfo(ts_ns=T0_NS, num_blocks=128, block_size_tokens=32, block_bytes=BLOCK_BYTES,
@@ -280,7 +280,7 @@ def test_impossible_token_occupancy_is_rejected_not_shown():
 
 
 def test_kv_bytes_without_block_events_is_an_estimate_for_running_requests_only():
-    from kvdiag import schema as sch
+    from kvdiag.events import schema as sch
 
     state = LiveState()
     state.set_header(sch.LogHeader(schema_version=sch.SCHEMA_VERSION, bytes_per_token=46_080))
@@ -298,8 +298,8 @@ def test_top_and_report_state_the_same_shadow_sampling():
     """The compression panel's sampling line is the report's, word for word (one definition)."""
     import pandas as pd
 
-    from kvdiag import schema as sch
-    from kvdiag.analysis.compression import sampling_summary
+    from kvdiag.events import schema as sch
+    from kvdiag.diagnosis.compression import sampling_summary
 
     budget = sch.ShadowBudget(ts_ns=T0_NS + 5, steps_offered=5000, steps_sampled=7, steps_skipped_budget=2,
                               steps_dropped=0, spent_ns=8_000_000, elapsed_ns=900_000_000, budget_frac=0.01,

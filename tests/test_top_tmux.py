@@ -167,13 +167,13 @@ def test_top_runs_the_live_demo_and_stops_it_on_quit(tmux, tmp_path):
     # server's graceful shutdown has nothing to wait for
     assert stopped_s < 25, stopped_s
     access = (tmp_path / "demo.kvlog.server.txt").read_text()
-    from kvdiag.traffic import CHAT_ROUTE
+    from kvdiag.demo.traffic import CHAT_ROUTE
     answered = re.findall(rf'"POST /{re.escape(CHAT_ROUTE)} HTTP/1.1" (\d{{3}})', access)
     assert answered and set(answered) == {"200"}, sorted(set(answered))
     demo_out = (tmp_path / "kvdiag-top-demo.out").read_text()  # beside the demo's --log
     assert "Traceback" not in demo_out and re.search(r"stopped: \d+ requests answered, 0 failed, \d+ cut by the stop", demo_out)
     # the log is complete: the engine recorded the cut requests as aborted before it stopped
-    from kvdiag.eventlog import read_log
+    from kvdiag.events.eventlog import read_log
     events = read_log(log)
     cut = int(re.search(r"(\d+) cut by the stop", demo_out).group(1))
     finished = events.frame("request_finished")

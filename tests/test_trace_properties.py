@@ -221,7 +221,7 @@ def test_live_kv_event_decoder_counts_bad_batches(line, where, ts):
     """A hostile batch is a MalformedBatch (counted by the subscriber), never another
     exception; what decodes carries only in-range ints."""
     from kvdiag.collectors.vllm_kv_events import KVEventSubscriber, MalformedBatch, decode_batch
-    from kvdiag.sinks import NullSink
+    from kvdiag.events.sinks import NullSink
 
     batch = [line.get("ts"), line.get("events")] if where == "batch" else \
         [ts, good_vllm(1)["events"]] if where == "ts" else [1.0, good_vllm(1)["events"], ts]
@@ -261,7 +261,7 @@ prom_line = st.one_of(
 @given(st.lists(prom_line, max_size=6))
 def test_prometheus_text_gives_finite_metrics_or_a_clear_error(lines):
     from kvdiag.collectors import metrics
-    from kvdiag.schema import EngineMetrics
+    from kvdiag.events.schema import EngineMetrics
 
     text = "\n".join(lines) + "\n"
     try:

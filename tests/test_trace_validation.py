@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvdiag.analysis.traces import ReadOptions, TraceFormatError, load_trace
+from kvdiag.traces.loaders import ReadOptions, TraceFormatError, load_trace
 from kvdiag.cli import main
 
 GOOD_MOONCAKE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
@@ -118,8 +118,8 @@ def test_read_options_collect_problems_instead_of_raising(tmp_path):
 
 def _kvdiag_log(tmp_path, extra: bytes, name: str = "run.kvlog"):
     """A kvdiag log of three requests with token ids, ``extra`` inserted as its third line."""
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.schema import RequestArrived
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.schema import RequestArrived
 
     path = tmp_path / name
     with LogWriter(path, make_header(engine="test", block_size_tokens=4)) as w:
@@ -154,7 +154,7 @@ def test_live_subscriber_counts_a_seq_beyond_int64_as_malformed():
     import msgspec
 
     from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-    from kvdiag.sinks import ListSink
+    from kvdiag.events.sinks import ListSink
 
     sink = ListSink()
     sub = KVEventSubscriber("tcp://127.0.0.1:1", sink)

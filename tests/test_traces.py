@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import TraceFormatError, detect_format, load_trace
-from kvdiag.kernels.hashing import ALGORITHMS, chunk_hashes
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.loaders import TraceFormatError, detect_format, load_trace
+from kvdiag.pool.hashing import ALGORITHMS, chunk_hashes
 
 MOONCAKE = Path(__file__).parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 N_REQUESTS = 120
@@ -116,7 +116,7 @@ def test_vllm_kv_events_reconstruct_prompts(tmp_path):
 
 
 def load_trace_from_lists(prompts, block):
-    from kvdiag.analysis.traces import trace_from_tokens
+    from kvdiag.traces.loaders import trace_from_tokens
 
     return trace_from_tokens(prompts, block)
 
@@ -166,7 +166,7 @@ def test_chained_keys_equal_iff_prefixes_equal(algorithm):
 
 def test_fast_hash_matches_its_sequential_definition():
     """The vectorised scan equals H_i = K*H_{i-1} + c_i evaluated one chunk at a time."""
-    from kvdiag.kernels import hashing as H
+    from kvdiag.pool import hashing as H
 
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 49152, size=16 * 9)
@@ -190,8 +190,8 @@ def test_fast_hash_matches_its_sequential_definition():
 def _write_log(path, requests, *, with_tokens, block_size):
     """A kvdiag log of Mooncake-derived requests, as an engine adapter records them: arrivals
     (with token ids or not), the engine's prefix hits and stored blocks, finishes."""
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.schema import BlockStored, PrefixHit, RequestArrived, RequestFinished
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.schema import BlockStored, PrefixHit, RequestArrived, RequestFinished
 
     seen = set()
     with LogWriter(path, make_header(engine="test", block_size_tokens=block_size,
@@ -287,8 +287,8 @@ def test_demo_log_shadow_at_engine_settings_explains_engine_hits():
     setting): the content never promises less than the engine delivered, and wherever it
     promises more, an earlier request with the same leading block was still prefilling
     (no first token yet) when this one arrived: its blocks did not exist yet."""
-    from kvdiag import eventlog
-    from kvdiag.schema import RequestArrived, RequestFirstToken
+    from kvdiag.events import eventlog
+    from kvdiag.events.schema import RequestArrived, RequestFirstToken
 
     trace = load_trace(DEMO_LOG)
     assert trace.block_size_tokens == 32

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvdiag.traffic import TrafficDriver, TrafficPlan
+from kvdiag.demo.traffic import TrafficDriver, TrafficPlan
 
 WAIT_S = 30.0  # the longest any condition below may take to come true (it comes at once)
 

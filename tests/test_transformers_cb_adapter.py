@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvdiag.collectors import transformers_cb as tcb
-from kvdiag.schema import BlockStored, KVPoolInfo
-from kvdiag.sinks import ListSink
+from kvdiag.events.schema import BlockStored, KVPoolInfo
+from kvdiag.events.sinks import ListSink
 
 from demo_invariants import expected_blocks, replay_events
 

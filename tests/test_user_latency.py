@@ -1,4 +1,4 @@
-"""Latency as users see it (kvdiag.analysis.user_latency), the ``latency.queueing`` rule, the
+"""Latency as users see it (kvdiag.diagnosis.user_latency), the ``latency.queueing`` rule, the
 P99 rule's fallback for TTFT/TPOT and the ``queueing`` cause: on two recorded demo logs (one
 queued, one at a sustainable rate) and on constructed events, each against a brute-force
 reading of the raw events."""
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvdiag import schema as s
-from kvdiag.analysis import doctor, latency, rules, user_latency
-from kvdiag.analysis.logs import load
+from kvdiag.events import schema as s
+from kvdiag.diagnosis import doctor, latency, rules, user_latency
+from kvdiag.diagnosis.frames import load
 from kvdiag.cli import main
-from kvdiag.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import LogWriter, make_header
 
 DATA = Path(__file__).parent / "data" / "demo_queueing"
 OVERLOAD = DATA / "overload_24req_rate30.kvlog.gz"

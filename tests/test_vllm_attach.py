@@ -14,10 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvdiag.analysis.traces import kv_event_gaps
+from kvdiag.traces.loaders import kv_event_gaps
 from kvdiag.collectors.vllm import identify
-from kvdiag.eventlog import iter_events
-from kvdiag.schema import BlockStored, CollectorGap, CollectorStatus, EngineMetrics, PrefixCacheStored, RequestFinished
+from kvdiag.events.eventlog import iter_events
+from kvdiag.events.schema import BlockStored, CollectorGap, CollectorStatus, EngineMetrics, PrefixCacheStored, RequestFinished
 from vllm_harness import QUESTIONS, chat, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -93,7 +93,7 @@ def test_every_pid_of_the_vllm_tree_reaches_the_plugin(vllm_server, tmp_path):
     """`doctor --pid` with the API server's, the engine core's or the worker's PID reaches the
     plugin's agent in the engine core; `attach` given the worker joins the API server."""
     from kvdiag.collectors.agent_client import find_agent_socket
-    from kvdiag.eventlog import read_header
+    from kvdiag.events.eventlog import read_header
 
     server = identify(psutil.Process(vllm_server.proc.pid))
     pids = [server.pid, *server.engine_core_pids, *server.worker_pids]

@@ -8,8 +8,8 @@ import time
 import types
 
 from kvdiag.collectors import vllm_plugin as vp
-from kvdiag.schema import KVPoolSample
-from kvdiag.sinks import ListSink
+from kvdiag.events.schema import KVPoolSample
+from kvdiag.events.sinks import ListSink
 
 INTERVAL_NS = 50_000_000
 

@@ -24,10 +24,10 @@ from collections import defaultdict
 
 import pytest
 
-from kvdiag.analysis import rules
-from kvdiag.eventlog import iter_events
+from kvdiag.diagnosis import rules
+from kvdiag.events.eventlog import iter_events
 from kvdiag.live.state import LiveState
-from kvdiag.schema import KVPoolSample, PrefixHit, RequestFinished, ShadowSharing
+from kvdiag.events.schema import KVPoolSample, PrefixHit, RequestFinished, ShadowSharing
 from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

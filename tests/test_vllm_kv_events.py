@@ -24,8 +24,8 @@ import pytest
 import zmq
 
 from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-from kvdiag.prefix_cache import (PrefixCacheTally, SeqGap, find_seq_gaps, prefix_cache_counts)
-from kvdiag.schema import (CollectorError, CollectorGap, PrefixCacheCleared, PrefixCacheRemoved,
+from kvdiag.pool.prefix_cache import (PrefixCacheTally, SeqGap, find_seq_gaps, prefix_cache_counts)
+from kvdiag.events.schema import (CollectorError, CollectorGap, PrefixCacheCleared, PrefixCacheRemoved,
                            PrefixCacheStored)
 
 MASK63 = 2 ** 63 - 1
@@ -347,7 +347,7 @@ def test_replay_endpoint_fills_lost_batches_and_only_the_rest_is_a_gap(publisher
 
 
 def test_recorded_stream_keeps_its_seqs_gaps_are_found_and_replay_reads_it(publisher, tmp_path):
-    from kvdiag.analysis.traces import detect_format, kv_event_gaps, load_trace
+    from kvdiag.traces.loaders import detect_format, kv_event_gaps, load_trace
 
     raw = tmp_path / "kv_events.jsonl"
     sink = WaitSink()
@@ -382,8 +382,8 @@ def test_recorded_stream_keeps_its_seqs_gaps_are_found_and_replay_reads_it(publi
 
 
 def test_gap_finder_on_a_kvdiag_log(tmp_path):
-    from kvdiag.analysis.traces import kv_event_gaps
-    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.traces.loaders import kv_event_gaps
+    from kvdiag.events.eventlog import LogWriter, make_header
 
     path = tmp_path / "kv.kvlog"
     with LogWriter(path, make_header(engine="vllm")) as w:
@@ -452,7 +452,7 @@ def test_the_replay_loader_and_the_live_subscriber_count_the_same(publisher, tmp
     prefix is stored again (a duplicate: the other copy is still cached), then everything is
     cleared: the live tally, the counts of the recorded schema events and the replay loader's
     notes agree."""
-    from kvdiag.analysis.traces import load_trace
+    from kvdiag.traces.loaders import load_trace
 
     raw = tmp_path / "kv.jsonl"
     sink = WaitSink()
@@ -481,8 +481,8 @@ def test_the_replay_loader_and_the_live_subscriber_count_the_same(publisher, tmp
 
 
 def _log(path, events):
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.schema import EngineStep
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.schema import EngineStep
 
     with LogWriter(path, make_header(engine="vllm", node="n1")) as w:
         w.record(EngineStep(ts_ns=1, step_id=0, phase="prefill", batch_size=1, num_tokens=4,

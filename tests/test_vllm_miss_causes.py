@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analysis.miss_causes import miss_causes_of_events
+from kvdiag.diagnosis.miss_causes import miss_causes_of_events
 from kvdiag.commands._demo_vllm import VllmServer
-from kvdiag.eventlog import iter_events
-from kvdiag.schema import KVPoolInfo, RequestArrived, RequestFinished
+from kvdiag.events.eventlog import iter_events
+from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished
 from vllm_harness import QUESTIONS, SYSTEM, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

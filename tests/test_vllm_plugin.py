@@ -9,12 +9,12 @@ import uuid
 import msgspec
 import pytest
 
-from kvdiag.analysis.live_sharing import ShadowConfig, ShadowSharingSink
-from kvdiag.blockledger import BlockLedger
+from kvdiag.simulation.live_sharing import ShadowConfig, ShadowSharingSink
+from kvdiag.pool.blockledger import BlockLedger
 from kvdiag.collectors.agent_client import AgentStream
-from kvdiag.schema import (BlockAllocated, BlockReleased, BlockStored, KVPoolInfo, KVPoolSample,
+from kvdiag.events.schema import (BlockAllocated, BlockReleased, BlockStored, KVPoolInfo, KVPoolSample,
                            RequestArrived, RequestFinished)
-from kvdiag.sinks import ListSink
+from kvdiag.events.sinks import ListSink
 from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from kvdiag.analysis import doctor
-from kvdiag.analysis.logs import load
+from kvdiag.diagnosis import doctor
+from kvdiag.diagnosis.frames import load
 from kvdiag.collectors import metrics, vllm
 from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-from kvdiag.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import LogWriter, make_header
 from vllm_harness import chat, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

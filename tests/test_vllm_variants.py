@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from kvdiag.analysis import doctor, rules
-from kvdiag.analysis.live_sharing import ShadowSharingSink
-from kvdiag.analysis.logs import load as load_logs
+from kvdiag.diagnosis import doctor, rules
+from kvdiag.simulation.live_sharing import ShadowSharingSink
+from kvdiag.diagnosis.frames import load as load_logs
 from kvdiag.collectors.agent_client import AgentStream
-from kvdiag.eventlog import LogWriter
-from kvdiag.schema import CollectorError, KVPoolInfo, RequestFinished
-from kvdiag.sinks import ListSink
+from kvdiag.events.eventlog import LogWriter
+from kvdiag.events.schema import CollectorError, KVPoolInfo, RequestFinished
+from kvdiag.events.sinks import ListSink
 from vllm_harness import QUESTIONS, chat, counter, metrics_text, running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
