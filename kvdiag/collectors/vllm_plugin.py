@@ -1,6 +1,9 @@
-"""kvdiag inside vLLM: a ``vllm.general_plugins`` entry point that records vLLM's KV block pool.
+"""kvdiag inside vLLM: the hooks behind the ``vllm.general_plugins`` entry point that record
+vLLM's KV block pool.
 
-vLLM calls :func:`register` in every process it starts (API server, engine core, workers).
+vLLM calls the entry point (:func:`kvdiag.agent.vllm_entry.register`, which hands
+:mod:`kvdiag.agent` to :func:`register`: a collector never imports the agent that installs it)
+in every process it starts (API server, engine core, workers).
 With ``KVDIAG_AGENT=1`` in the environment it wraps a few methods of vLLM's scheduler and KV
 cache manager; with the variable unset it does nothing at all. The kvdiag agent starts in the
 process that builds a ``Scheduler`` (the engine core), so the API server and the workers stay
@@ -130,6 +133,7 @@ class _Hooks(UsesHookErrors):
         self.next_sample_ns = 0
         self.scheduler: Any = None
         self.agent: Any = None
+        self.agent_api: Any = None  # kvdiag.agent (start, stop), handed in by register
         self.lock = threading.Lock()
         self.block_size_tokens = 0  # the pool's, for the tokens of a prefix hit
         self.last_step_ns = 0  # when the engine last finished a step (0: none yet)
@@ -495,9 +499,9 @@ class VllmAdapter:
 
 def _start_agent(h: _Hooks, sched) -> None:
     """Start kvdiag's agent in this process (the engine core), recording through the hooks."""
-    if h.agent is not None:
+    if h.agent is not None or h.agent_api is None:
         return
-    from kvdiag import agent as agent_mod
+    agent_mod = h.agent_api
 
     model = ""
     try:
@@ -543,21 +547,23 @@ def _start_agent(h: _Hooks, sched) -> None:
 def _shutdown(h: _Hooks):
     def after(_note, _result, sched, *a, **kw) -> None:
         if h.agent is not None:
-            from kvdiag import agent as agent_mod
-            agent_mod.stop()
+            h.agent_api.stop()
     return after
 
 
-def install_hooks() -> _Hooks:
-    """Wrap vLLM's methods (idempotent)."""
+def install_hooks(agent_api=None) -> _Hooks:
+    """Wrap vLLM's methods (idempotent); ``agent_api`` (:mod:`kvdiag.agent`) is started in the
+    process that builds a ``Scheduler`` (None: the hooks record into no agent)."""
     global _HOOKS
     if _HOOKS is not None:
+        _HOOKS.agent_api = agent_api or _HOOKS.agent_api
         return _HOOKS
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
     h = _Hooks()
+    h.agent_api = agent_api
     h.wrap(Scheduler, "__init__", (), _scheduler_init(h))
     before, after = _add_request(h)
     h.wrap(Scheduler, "add_request", ("request",), after, before)
@@ -583,13 +589,14 @@ def install_hooks() -> _Hooks:
     return h
 
 
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: install the hooks when ``KVDIAG_AGENT=1``.
+def register(agent_api) -> None:
+    """Install the hooks when ``KVDIAG_AGENT=1``, starting ``agent_api`` (:mod:`kvdiag.agent`,
+    handed in by the entry point :func:`kvdiag.agent.vllm_entry.register`) in the engine core.
     Never raises (a failure is printed once and vLLM goes on without kvdiag)."""
     if not enabled():
         return
     try:
-        install_hooks()
+        install_hooks(agent_api)
     except Exception as exc:  # an unexpected vLLM layout: vLLM serves on without kvdiag
         import sys
         print(f"kvdiag: vLLM plugin not installed: {type(exc).__name__}: {exc}", file=sys.stderr)

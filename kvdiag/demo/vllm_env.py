@@ -144,7 +144,7 @@ def build_vllm_env(progress: Progress = lambda stage: None, force: bool = False)
 def check_vllm_python(python: Path) -> Optional[str]:
     """None when ``python`` imports vLLM and kvdiag's plugin, else what is missing."""
     # from a neutral folder: a kvdiag source checkout in the current one would shadow the install
-    proc = subprocess.run([str(python), "-c", "import vllm, kvdiag.collectors.vllm_plugin"],
+    proc = subprocess.run([str(python), "-c", "import vllm, kvdiag.collectors.vllm_plugin, kvdiag.agent.vllm_entry"],
                           capture_output=True, text=True, cwd=tempfile.gettempdir(),
                           env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
     if proc.returncode != 0:
