@@ -39,10 +39,19 @@ def test_identify_finds_the_engine_core_and_the_worker(vllm_server):
     assert identify(psutil.Process()) is None  # pytest is no vLLM server
 
 
+def _last_queries(log) -> float | None:
+    """The prefix-cache queries of the last EngineMetrics attach has written so far."""
+    try:
+        scraped = [e for e in iter_events(log) if isinstance(e, EngineMetrics)]
+    except Exception:  # a line being written: read again on the next poll
+        return None
+    return scraped[-1].prefix_cache_queries_tokens if scraped else None
+
+
 def test_attach_records_metrics_kv_events_and_the_plugin(vllm_server, tmp_path):
     out = tmp_path / "attach.kvlog"
     attach = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(vllm_server.proc.pid),
-                               "--duration", "25", "--interval", "0.5", "--no-pyspy", "--json",
+                               "--duration", "600", "--interval", "0.5", "--no-pyspy", "--json",
                                "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # traffic once attach has found the KV-event stream (it says so in its log), not after a sleep
     deadline = time.monotonic() + 20
@@ -55,10 +64,18 @@ def test_attach_records_metrics_kv_events_and_the_plugin(vllm_server, tmp_path):
     worker = threading.Thread(target=lambda: answers.extend(chat(vllm_server, q, system=f"Session {i}. " * 200)
                                                             for i, q in enumerate(QUESTIONS)))
     worker.start()
-    worker.join(timeout=120)
+    worker.join(timeout=300)
+    direct = metrics_text(vllm_server)  # the server is idle now: its counters no longer move
+    # attach stays until it has scraped the idle server once (an event, not a fixed duration that
+    # a loaded machine's traffic can outlast), then SIGTERM ends it as a supervisor would
+    deadline = time.monotonic() + 60
+    while _last_queries(out) != counter(direct, "vllm:prefix_cache_queries_total"):
+        assert attach.poll() is None, attach.stderr.read()
+        assert time.monotonic() < deadline, "attach never scraped the idle server's counters"
+        time.sleep(0.2)
+    attach.terminate()
     stdout, stderr = attach.communicate(timeout=120)
     assert attach.returncode == 0, stderr
-    direct = metrics_text(vllm_server)  # the server is idle now: its counters no longer move
     summary = json.loads(stdout)
     assert len(answers) == len(QUESTIONS)
 
