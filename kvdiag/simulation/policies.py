@@ -16,7 +16,7 @@ per block: references since insertion (reuse count + 1), insertion and last-use 
 (the one before it in a prompt: the prefix chain).
 
 The three built-in plug-ins below reproduce the numba fast paths exactly (same victims, same
-hits; ``tests/test_policies.py``). A policy file for ``kvdiag replay --policy-file`` is Python
+hits; ``tests/integration/test_policies.py``). A policy file for ``kvdiag replay --policy-file`` is Python
 code, run with your permissions: load only files you would run yourself.
 """
 
