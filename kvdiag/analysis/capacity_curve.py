@@ -1,0 +1,414 @@
+"""Capacity curves, live: LRU stack (reuse) distances folded in stream order, hence the prefix
+hit rate at every cache capacity.
+
+Mattson: LRU with a capacity of ``C`` blocks holds exactly the ``C`` most recently used
+blocks, so a reference hits iff its stack distance (its block's rank in the recency order when
+its request arrives; 1 = most recent) is ``<= C``; under prefix matching a block hits iff the
+largest distance over its request's blocks up to it is ``<= C``. One pass gives the hit rate at
+every capacity at once. The rows are those of ``kvdiag replay --curve``
+(:func:`kvdiag.analysis.sharing.lru_curve`, :class:`~kvdiag.analysis.sharing.HitRateCurve`):
+
+- a kvdiag log: each ``RequestArrived`` is a counted row of its prompt's chained block keys
+  (token ids re-chunked, or hashes-mode chunk keys); when it finishes, an uncounted row touches
+  the full blocks of its prompt and generated tokens (its ``BlockStored`` content);
+- KV events (``PrefixCacheStored``, per ``medium`` = tier): each store is one row, its parent
+  chain's tokens and the stored tokens re-chunked (:func:`kvdiag.analysis.traces.load_vllm`).
+
+Memory bound: at most ``max_keys`` keys are tracked (the most recently used ones); a key that
+falls beyond rank ``max_keys`` is forgotten and its next reference counts as a first one. The
+curve is therefore exact for every capacity ``<= max_keys`` blocks (``exact_up_to_blocks``)
+and a lower bound above it; state is O(max_keys) (arrays of ~64 bytes per key and a dict
+entry per tracked key). Rows are buffered and folded in batches (a compiled kernel), so a
+curve read (:meth:`ReuseCurve.curve`) first folds what is pending.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+from numba import njit
+
+from kvdiag.analysis import _simkernels as K
+from kvdiag.analysis.sharing import HitRateCurve
+from kvdiag.analysis.traces import DEFAULT_BLOCK_TOKENS, full_sequence
+from kvdiag.kernels.hashing import Content, chunk_hashes, full_sequence_chunks
+
+DEFAULT_MAX_KEYS = 1 << 18
+"""Keys tracked before the pool's size is known (then: 4 x the pool, at most MAX_KEYS_CAP)."""
+MAX_KEYS_CAP = 1 << 21
+POOL_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+"""The capacities top and the exporter show, as multiples of the current pool."""
+_FLUSH_REFS = 1 << 14  # block references buffered before the kernel runs
+
+
+@njit(cache=True)
+def bounded_stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, n_rows, max_keys,
+                            last_time, owner, tree, state, hist_blocks, hist_tokens, hist_req,
+                            reuse_hist, freed):
+    """:func:`kvdiag.analysis._simkernels.stack_distances` over rows ``0..n_rows-1``, then,
+    after each row, the least recently used keys beyond ``max_keys`` are forgotten
+    (``last_time = -1``; their ids written to ``freed``). ``state`` = [next time slot, live
+    keys, oldest time slot not yet scanned]. Returns how many ids were written to ``freed``."""
+    inf = len(hist_blocks) - 1
+    nfreed = 0
+    for r in range(n_rows):
+        s = offsets[r]
+        e = offsets[r + 1]
+        t = state[0]
+        live = state[1]
+        running = 0
+        pt = prompt_tokens[r]
+        for i in range(s, e if counted[r] else s):
+            p = last_time[ids[i]]
+            if p < 0:
+                d = inf
+            else:
+                d = live - K._fen_prefix(tree, p)
+                reuse_hist[K._bin(d)] += 1
+            if d > running:
+                running = d
+            k = running if running < inf else inf
+            hist_blocks[k] += 1
+            hist_tokens[k] += block_tokens[i]
+            if pt > 0:
+                hist_req[k] += block_tokens[i] / pt
+        for i in range(s, e):
+            x = ids[i]
+            p = last_time[x]
+            if p >= 0:
+                K._fen_add(tree, p, -1)
+                owner[p] = -1
+            else:
+                live += 1
+            if t >= len(owner):
+                t = K.compact(last_time, owner, tree, t)
+                state[2] = 0
+            last_time[x] = t
+            owner[t] = x
+            K._fen_add(tree, t, 1)
+            t += 1
+        lo = state[2]
+        while live > max_keys:  # forget the oldest marks
+            x = owner[lo]
+            if x >= 0 and last_time[x] == lo:
+                K._fen_add(tree, lo, -1)
+                owner[lo] = -1
+                last_time[x] = -1
+                live -= 1
+                freed[nfreed] = x
+                nfreed += 1
+            lo += 1
+        state[0] = t
+        state[1] = live
+        state[2] = lo
+    return nfreed
+
+
+class ReuseCurve:
+    """Rows of chained block keys in, the LRU hit-rate curve out; at most ``max_keys`` keys
+    tracked (the curve is exact up to that many blocks of capacity)."""
+
+    def __init__(self, block_size_tokens: int, max_keys: int = DEFAULT_MAX_KEYS,
+                 flush_refs: int = _FLUSH_REFS) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self.block_size_tokens = int(block_size_tokens)
+        self.max_keys = int(max_keys)
+        self.flush_refs = int(flush_refs)
+        self._alloc(self.max_keys + self.flush_refs)
+        self.state = np.zeros(3, dtype=np.int64)
+        self.hist_blocks = np.zeros(self.max_keys + 2, dtype=np.int64)
+        self.hist_tokens = np.zeros(self.max_keys + 2, dtype=np.int64)
+        self.hist_req = np.zeros(self.max_keys + 2, dtype=np.float64)
+        self.reuse = np.zeros(K.AGE_BINS, dtype=np.int64)
+        self._table: dict[int, int] = {}  # tracked key -> dense id
+        self._free: list[int] = []
+        self._fresh = 0  # ids 0.._fresh-1 have been handed out
+        self.distinct_keys = 0  # keys ever seen (a forgotten key seen again counts again)
+        self.forgotten_keys = 0
+        self.requests = 0
+        self.requests_with_prompt = 0
+        self.block_refs = 0
+        self.prompt_tokens = 0
+        self._pending_ids: list[np.ndarray] = []
+        self._pending_tokens: list[np.ndarray] = []
+        self._pending_rows: list[tuple[int, int, int]] = []  # (refs, prompt tokens, counted)
+        self._pending_refs = 0
+
+    def _alloc(self, id_capacity: int) -> None:
+        self.id_capacity = id_capacity
+        self.last_time = np.full(id_capacity, -1, dtype=np.int64)
+        self.owner = np.full(2 * id_capacity + 64, -1, dtype=np.int64)
+        self.tree = np.zeros(2 * id_capacity + 65, dtype=np.int64)
+        self.key_of = np.zeros(id_capacity, dtype=np.int64)
+        self._freed = np.zeros(id_capacity, dtype=np.int64)
+
+    def _grow_ids(self, need: int) -> None:
+        """Room for ``need`` more ids than handed out (a row longer than the batch slack)."""
+        old_last, old_owner, old_keys = self.last_time, self.owner, self.key_of
+        n = max(need, 2 * self.id_capacity)
+        self._alloc(n)
+        self.last_time[:len(old_last)] = old_last
+        self.key_of[:len(old_keys)] = old_keys
+        self.owner[:len(old_owner)] = old_owner
+        self.state[0] = K.compact(self.last_time, self.owner, self.tree, int(self.state[0]))
+        self.state[2] = 0
+
+    # ------------------------------------------------------------------ rows
+    def add(self, keys: np.ndarray, prompt_tokens: int, counted: bool = True,
+            block_tokens: Optional[np.ndarray] = None) -> None:
+        """One row: a request's prompt block keys (``counted``), or the blocks a request adds
+        when it finishes (not counted: recency only). ``block_tokens`` default to
+        ``min(block size, remaining prompt)`` (zeros for an uncounted row)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        n = len(keys)
+        if block_tokens is None:
+            if counted:
+                starts = np.arange(n, dtype=np.int64) * self.block_size_tokens
+                block_tokens = np.clip(prompt_tokens - starts, 0, self.block_size_tokens)
+            else:
+                block_tokens = np.zeros(n, np.int32)
+        if self._pending_refs + n > self.flush_refs:
+            self.flush()
+        if len(self._table) + n > self.id_capacity:  # ids in use = tracked keys
+            self.flush()
+            if len(self._table) + n > self.id_capacity:
+                self._grow_ids(len(self._table) + n + self.flush_refs)
+        table, free, key_of = self._table, self._free, self.key_of
+        ids = np.empty(n, dtype=np.int64)
+        for j, k in enumerate(keys.tolist()):
+            x = table.get(k)
+            if x is None:
+                if free:
+                    x = free.pop()
+                else:
+                    x = self._fresh
+                    self._fresh += 1
+                table[k] = x
+                key_of[x] = k
+                self.distinct_keys += 1
+            ids[j] = x
+        self._pending_ids.append(ids)
+        self._pending_tokens.append(np.asarray(block_tokens, dtype=np.int32))
+        self._pending_rows.append((n, int(prompt_tokens), 1 if counted else 0))
+        self._pending_refs += n
+        if counted:
+            self.requests += 1
+            self.block_refs += n
+            self.prompt_tokens += int(prompt_tokens)
+            if prompt_tokens > 0:
+                self.requests_with_prompt += 1
+
+    def flush(self) -> None:
+        """Fold the buffered rows (the kernel), then release the ids of forgotten keys."""
+        if not self._pending_rows:
+            return
+        rows = np.asarray(self._pending_rows, dtype=np.int64)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(rows[:, 0], out=offsets[1:])
+        ids = np.concatenate(self._pending_ids)
+        tokens = np.concatenate(self._pending_tokens)
+        self._pending_ids, self._pending_tokens, self._pending_rows = [], [], []
+        self._pending_refs = 0
+        nfreed = bounded_stack_distances(
+            ids, offsets, tokens, rows[:, 1], rows[:, 2].astype(np.uint8), len(rows),
+            self.max_keys, self.last_time, self.owner, self.tree, self.state, self.hist_blocks,
+            self.hist_tokens, self.hist_req, self.reuse, self._freed)
+        if nfreed:
+            freed = np.unique(self._freed[:nfreed])
+            freed = freed[self.last_time[freed] < 0]  # not seen again later in the batch
+            table = self._table
+            for x, k in zip(freed.tolist(), self.key_of[freed].tolist()):
+                del table[k]
+            self._free.extend(freed.tolist())
+            self.forgotten_keys += len(freed)
+
+    # ------------------------------------------------------------------ results
+    @property
+    def tracked_keys(self) -> int:
+        return len(self._table)
+
+    @property
+    def exact_up_to_blocks(self) -> int:
+        """Capacities up to this many blocks are exact (every key ever seen, when none was
+        forgotten)."""
+        return self.max_keys
+
+    def curve(self, bytes_per_token: Optional[int] = None) -> HitRateCurve:
+        """The :class:`HitRateCurve` over capacities ``0..min(distinct keys, max_keys)``."""
+        self.flush()
+        d = min(self.distinct_keys, self.max_keys)
+        return HitRateCurve(
+            block_size_tokens=self.block_size_tokens, requests=self.requests,
+            block_refs=self.block_refs, prompt_tokens=self.prompt_tokens, distinct_blocks=d,
+            block_hits=np.cumsum(self.hist_blocks[:d + 1]),
+            token_hits=np.cumsum(self.hist_tokens[:d + 1]),
+            request_rate=np.cumsum(self.hist_req[:d + 1]) / max(self.requests_with_prompt, 1),
+            reuse_hist=self.reuse.copy(), bytes_per_token=bytes_per_token)
+
+    def token_hit_rates(self, capacities_blocks: Sequence[int]) -> list[Optional[float]]:
+        """Token hit rate (hit tokens / prompt tokens) of LRU at each capacity; None where the
+        capacity is beyond the exact range or no prompt token was seen."""
+        self.flush()
+        if not self.prompt_tokens:
+            return [None] * len(capacities_blocks)
+        csum = np.cumsum(self.hist_tokens[:self.max_keys + 1])
+        out: list[Optional[float]] = []
+        for c in capacities_blocks:
+            c = int(c)
+            if c > self.max_keys and self.forgotten_keys:
+                out.append(None)
+            else:
+                out.append(float(csum[min(max(c, 0), self.max_keys)]) / self.prompt_tokens)
+        return out
+
+
+def max_keys_for_pool(pool_blocks: Optional[int]) -> int:
+    """The bound used live: 4 x the pool (so the 4x point is exact), at most MAX_KEYS_CAP;
+    DEFAULT_MAX_KEYS when the pool is unknown."""
+    if not pool_blocks:
+        return DEFAULT_MAX_KEYS
+    return int(min(MAX_KEYS_CAP, max(1024, 4 * int(pool_blocks))))
+
+
+class RequestRows:
+    """Rows from a kvdiag event stream's request content, as ``load_kvdiag`` builds them: a
+    counted row at ``RequestArrived`` (token ids or hashes-mode chunk keys, re-chunked at
+    ``block_size_tokens``), an uncounted one at ``RequestFinished`` (prompt and generated
+    content from the request's ``BlockStored`` events)."""
+
+    def __init__(self, curve: ReuseCurve, hash_algorithm: str = "fast") -> None:
+        self.curve = curve
+        self.hash_algorithm = hash_algorithm
+        self._live: dict[str, tuple[Content, list]] = {}
+        self._seen: set[str] = set()
+        self.skipped = 0  # requests whose content cannot be keyed at the block size
+
+    def arrived(self, ev) -> None:
+        if ev.request_id in self._seen:  # the first arrival of an id counts (as offline)
+            return
+        if ev.token_ids is not None:
+            content = Content(len(ev.token_ids), token_ids=list(ev.token_ids))
+        elif ev.chunk_hashes is not None:
+            content = Content(ev.prompt_tokens, chunk_keys=np.asarray(ev.chunk_hashes, np.int64))
+        else:
+            return
+        bs = self.curve.block_size_tokens
+        if not content.can_key(bs):
+            self.skipped += 1
+            return
+        self._seen.add(ev.request_id)
+        self.curve.add(content.keys(bs, self.hash_algorithm), ev.prompt_tokens)
+        self._live[ev.request_id] = (content, [])
+
+    def stored(self, ev) -> None:
+        live = self._live.get(ev.request_id) if ev.request_id is not None else None
+        if live is None:
+            return
+        if live[0].token_ids is not None and ev.token_ids:
+            live[1].append(ev.token_ids)
+        elif live[0].token_ids is None and ev.chunk_hashes is not None:
+            live[1].append((int(ev.num_tokens), list(ev.chunk_hashes)))
+
+    def finished(self, ev) -> None:
+        live = self._live.pop(ev.request_id, None)
+        if live is None:
+            return
+        prompt, stored = live
+        bs = self.curve.block_size_tokens
+        if prompt.token_ids is not None:
+            keys = chunk_hashes(full_sequence(prompt.token_ids, stored), bs,
+                                algorithm=self.hash_algorithm)
+        else:
+            chunks, _ = full_sequence_chunks(prompt.chunk_keys, prompt.num_tokens, stored)
+            keys = Content(0, chunk_keys=chunks).keys(bs)
+        self.curve.add(keys, 0, counted=False)
+
+
+class StoreRows:
+    """Rows from KV events of one tier, as ``load_vllm`` builds them: each
+    ``PrefixCacheStored`` is a row of its parent chain's tokens and its own, re-chunked at the
+    curve's block size. The chain table holds at most ``max_chain`` keys (oldest dropped: a
+    chain through a dropped key starts there)."""
+
+    def __init__(self, curve: ReuseCurve, hash_algorithm: str = "fast",
+                 max_chain: Optional[int] = None) -> None:
+        self.curve = curve
+        self.hash_algorithm = hash_algorithm
+        self.max_chain = max_chain or curve.max_keys
+        self._chains: OrderedDict[int, tuple[Optional[int], list]] = OrderedDict()
+        self.stored_blocks = 0
+        self.removed_blocks = 0
+        self.resident_blocks = 0  # stored - removed, floored at 0
+        self.peak_resident_blocks = 0
+
+    def stored(self, ev) -> None:
+        chains = self._chains
+        hashes, parent, tokens, bs = ev.block_hashes, ev.parent_hash, ev.token_ids, ev.block_size_tokens
+        parts, seen, p = [], set(), parent
+        while p is not None and p in chains and p not in seen:
+            seen.add(p)
+            p, toks = chains[p]
+            parts.append(toks)
+        prefix = [t for toks in reversed(parts) for t in toks]
+        for i, h in enumerate(hashes):
+            chains[h] = (parent if i == 0 else hashes[i - 1], list(tokens[i * bs:(i + 1) * bs]))
+        while len(chains) > self.max_chain:
+            chains.popitem(last=False)
+        seq = prefix + list(tokens)
+        self.curve.add(chunk_hashes(seq, self.curve.block_size_tokens,
+                                    algorithm=self.hash_algorithm), len(seq))
+        self.stored_blocks += len(hashes)
+        self.resident_blocks += len(hashes)
+        self.peak_resident_blocks = max(self.peak_resident_blocks, self.resident_blocks)
+
+    def removed(self, ev) -> None:
+        self.removed_blocks += len(ev.block_hashes)
+        self.resident_blocks = max(0, self.resident_blocks - len(ev.block_hashes))
+
+    def cleared(self) -> None:
+        self.resident_blocks = 0
+
+
+def curve_of_events(events: Iterable, block_size_tokens: Optional[int] = None,
+                    max_keys: int = MAX_KEYS_CAP, hash_algorithm: str = "fast") -> dict[str, HitRateCurve]:
+    """The curves of a recorded event stream (what the live fold computes), by tier: "pool"
+    for request content, the KV events' ``medium`` for their tiers ("default" without one).
+    ``block_size_tokens``: the request rows' block size (default: the pool's or the header's,
+    else 16)."""
+    from kvdiag.schema import (BlockStored, KVPoolInfo, LogHeader, PrefixCacheCleared,
+                               PrefixCacheRemoved, PrefixCacheStored, RequestArrived,
+                               RequestFinished)
+
+    bs = block_size_tokens
+    req: Optional[RequestRows] = None
+    tiers: dict[str, StoreRows] = {}
+    for ev in events:
+        if isinstance(ev, LogHeader):
+            bs = bs or ev.block_size_tokens
+        elif isinstance(ev, KVPoolInfo):
+            bs = bs or ev.block_size_tokens
+        elif isinstance(ev, RequestArrived):
+            if req is None:
+                req = RequestRows(ReuseCurve(bs or DEFAULT_BLOCK_TOKENS, max_keys), hash_algorithm)
+            req.arrived(ev)
+        elif isinstance(ev, BlockStored) and req is not None:
+            req.stored(ev)
+        elif isinstance(ev, RequestFinished) and req is not None:
+            req.finished(ev)
+        elif isinstance(ev, PrefixCacheStored):
+            tier = ev.medium or "default"
+            if tier not in tiers:
+                tiers[tier] = StoreRows(ReuseCurve(ev.block_size_tokens or DEFAULT_BLOCK_TOKENS,
+                                                   max_keys), hash_algorithm)
+            tiers[tier].stored(ev)
+        elif isinstance(ev, PrefixCacheRemoved) and (ev.medium or "default") in tiers:
+            tiers[ev.medium or "default"].removed(ev)
+        elif isinstance(ev, PrefixCacheCleared):
+            for rows in tiers.values():
+                rows.cleared()
+    out = {} if req is None else {"pool": req.curve.curve()}
+    out.update({t: rows.curve.curve() for t, rows in tiers.items()})
+    return out
