@@ -17,9 +17,11 @@ every capacity at once. The rows are those of ``kvdiag replay --curve``
 Memory bound: at most ``max_keys`` keys are tracked (the most recently used ones); a key that
 falls beyond rank ``max_keys`` is forgotten and its next reference counts as a first one. The
 curve is therefore exact for every capacity ``<= max_keys`` blocks (``exact_up_to_blocks``)
-and a lower bound above it; state is O(max_keys) (arrays of ~64 bytes per key and a dict
-entry per tracked key). Rows are buffered and folded in batches (a compiled kernel), so a
-curve read (:meth:`ReuseCurve.curve`) first folds what is pending.
+and a lower bound above it. State is fixed-size arrays over ``max_keys`` + the longest row
+ids (about 160 bytes per id: recency marks, a Fenwick tree over two time slots per id, an
+open-addressing key table at load <= 1/2, three histograms). Rows are buffered and folded in
+batches by a compiled kernel (key lookup included), so a curve read first folds what is
+pending.
 """
 
 from __future__ import annotations
@@ -43,38 +45,107 @@ POOL_MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 _FLUSH_REFS = 1 << 14  # block references buffered before the kernel runs
 
 
+# state[...] of a ReuseCurve
+S_TIME, S_LIVE, S_LOW, S_NFREE, S_FRESH, S_DISTINCT, S_FORGOTTEN = 0, 1, 2, 3, 4, 5, 6
+_EMPTY = -1
+
+
+@njit(cache=True, inline="always")
+def _slot(k, mask):
+    h = k ^ (k >> 31)
+    h = h * 0x7FB5D329728EA185
+    h = h ^ (h >> 27)
+    return h & mask
+
+
+@njit(cache=True, inline="always")
+def _find(k, slot_key, slot_id, mask):
+    """Slot of key ``k``, or the empty slot where it would go."""
+    i = _slot(k, mask)
+    while slot_id[i] != _EMPTY and slot_key[i] != k:
+        i = (i + 1) & mask
+    return i
+
+
+@njit(cache=True, inline="always")
+def _delete(i, slot_key, slot_id, mask):
+    """Empty slot ``i`` of the open-addressing table (linear probing, backward shift)."""
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if slot_id[j] == _EMPTY:
+            break
+        home = _slot(slot_key[j], mask)
+        if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
+            slot_key[i] = slot_key[j]
+            slot_id[i] = slot_id[j]
+            i = j
+    slot_id[i] = _EMPTY
+
+
 @njit(cache=True)
-def bounded_stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, n_rows, max_keys,
-                            last_time, owner, tree, state, hist_blocks, hist_tokens, hist_req,
-                            reuse_hist, freed):
-    """:func:`kvdiag.analysis._simkernels.stack_distances` over rows ``0..n_rows-1``, then,
-    after each row, the least recently used keys beyond ``max_keys`` are forgotten
-    (``last_time = -1``; their ids written to ``freed``). ``state`` = [next time slot, live
-    keys, oldest time slot not yet scanned]. Returns how many ids were written to ``freed``."""
+def rehash(key_of, last_time, slot_key, slot_id):
+    """Insert every tracked id (``last_time >= 0``) into an empty table."""
+    mask = len(slot_id) - 1
+    for x in range(len(last_time)):
+        if last_time[x] >= 0:
+            i = _find(key_of[x], slot_key, slot_id, mask)
+            slot_key[i] = key_of[x]
+            slot_id[i] = x
+
+
+@njit(cache=True)
+def bounded_stack_distances(keys, offsets, prompt_tokens, counted, n_rows, block_size, max_keys,
+                            last_time, owner, tree, key_of, slot_key, slot_id, free, state,
+                            hist_blocks, hist_tokens, hist_req, reuse_hist, ids):
+    """:func:`kvdiag.analysis._simkernels.stack_distances` over rows ``0..n_rows-1`` of raw
+    64-bit keys (mapped to dense ids by an open-addressing table), block tokens
+    ``min(block_size, remaining prompt)`` for counted rows. After each row the least recently
+    used keys beyond ``max_keys`` are forgotten (their ids and table slots freed). ``state``:
+    see the S_* indices; ``ids``: scratch of at least the longest row."""
     inf = len(hist_blocks) - 1
-    nfreed = 0
+    mask = len(slot_id) - 1
     for r in range(n_rows):
         s = offsets[r]
         e = offsets[r + 1]
-        t = state[0]
-        live = state[1]
+        for i in range(s, e):
+            k = keys[i]
+            j = _find(k, slot_key, slot_id, mask)
+            x = slot_id[j]
+            if x == _EMPTY:
+                if state[S_NFREE] > 0:
+                    state[S_NFREE] -= 1
+                    x = free[state[S_NFREE]]
+                else:
+                    x = state[S_FRESH]
+                    state[S_FRESH] += 1
+                slot_key[j] = k
+                slot_id[j] = x
+                key_of[x] = k
+                state[S_DISTINCT] += 1
+            ids[i - s] = x
+        t = state[S_TIME]
+        live = state[S_LIVE]
         running = 0
         pt = prompt_tokens[r]
-        for i in range(s, e if counted[r] else s):
-            p = last_time[ids[i]]
-            if p < 0:
-                d = inf
-            else:
-                d = live - K._fen_prefix(tree, p)
-                reuse_hist[K._bin(d)] += 1
-            if d > running:
-                running = d
-            k = running if running < inf else inf
-            hist_blocks[k] += 1
-            hist_tokens[k] += block_tokens[i]
-            if pt > 0:
-                hist_req[k] += block_tokens[i] / pt
-        for i in range(s, e):
+        if counted[r]:
+            for i in range(e - s):
+                p = last_time[ids[i]]
+                if p < 0:
+                    d = inf
+                else:
+                    d = live - K._fen_prefix(tree, p)
+                    reuse_hist[K._bin(d)] += 1
+                if d > running:
+                    running = d
+                kk = running if running < inf else inf
+                bt = pt - i * block_size
+                bt = 0 if bt < 0 else (block_size if bt > block_size else bt)
+                hist_blocks[kk] += 1
+                hist_tokens[kk] += bt
+                if pt > 0:
+                    hist_req[kk] += bt / pt
+        for i in range(e - s):
             x = ids[i]
             p = last_time[x]
             if p >= 0:
@@ -84,12 +155,12 @@ def bounded_stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, 
                 live += 1
             if t >= len(owner):
                 t = K.compact(last_time, owner, tree, t)
-                state[2] = 0
+                state[S_LOW] = 0
             last_time[x] = t
             owner[t] = x
             K._fen_add(tree, t, 1)
             t += 1
-        lo = state[2]
+        lo = state[S_LOW]
         while live > max_keys:  # forget the oldest marks
             x = owner[lo]
             if x >= 0 and last_time[x] == lo:
@@ -97,18 +168,20 @@ def bounded_stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, 
                 owner[lo] = -1
                 last_time[x] = -1
                 live -= 1
-                freed[nfreed] = x
-                nfreed += 1
+                _delete(_find(key_of[x], slot_key, slot_id, mask), slot_key, slot_id, mask)
+                free[state[S_NFREE]] = x
+                state[S_NFREE] += 1
+                state[S_FORGOTTEN] += 1
             lo += 1
-        state[0] = t
-        state[1] = live
-        state[2] = lo
-    return nfreed
+        state[S_TIME] = t
+        state[S_LIVE] = live
+        state[S_LOW] = lo
 
 
 class ReuseCurve:
     """Rows of chained block keys in, the LRU hit-rate curve out; at most ``max_keys`` keys
-    tracked (the curve is exact up to that many blocks of capacity)."""
+    tracked (the curve is exact up to that many blocks of capacity). Rows are buffered and
+    folded ``flush_refs`` block references at a time."""
 
     def __init__(self, block_size_tokens: int, max_keys: int = DEFAULT_MAX_KEYS,
                  flush_refs: int = _FLUSH_REFS) -> None:
@@ -117,81 +190,56 @@ class ReuseCurve:
         self.block_size_tokens = int(block_size_tokens)
         self.max_keys = int(max_keys)
         self.flush_refs = int(flush_refs)
-        self._alloc(self.max_keys + self.flush_refs)
-        self.state = np.zeros(3, dtype=np.int64)
+        self.state = np.zeros(7, dtype=np.int64)
+        self._alloc(self.max_keys + 1024)
         self.hist_blocks = np.zeros(self.max_keys + 2, dtype=np.int64)
         self.hist_tokens = np.zeros(self.max_keys + 2, dtype=np.int64)
         self.hist_req = np.zeros(self.max_keys + 2, dtype=np.float64)
         self.reuse = np.zeros(K.AGE_BINS, dtype=np.int64)
-        self._table: dict[int, int] = {}  # tracked key -> dense id
-        self._free: list[int] = []
-        self._fresh = 0  # ids 0.._fresh-1 have been handed out
-        self.distinct_keys = 0  # keys ever seen (a forgotten key seen again counts again)
-        self.forgotten_keys = 0
         self.requests = 0
         self.requests_with_prompt = 0
         self.block_refs = 0
         self.prompt_tokens = 0
-        self._pending_ids: list[np.ndarray] = []
-        self._pending_tokens: list[np.ndarray] = []
+        self._pending_keys: list[np.ndarray] = []
         self._pending_rows: list[tuple[int, int, int]] = []  # (refs, prompt tokens, counted)
         self._pending_refs = 0
+        self._pending_longest = 0
 
     def _alloc(self, id_capacity: int) -> None:
+        """Arrays for ``id_capacity`` ids (tracked keys + the longest row), the table at load
+        <= 1/2; what was tracked is carried over."""
+        old = getattr(self, "last_time", None)
         self.id_capacity = id_capacity
-        self.last_time = np.full(id_capacity, -1, dtype=np.int64)
-        self.owner = np.full(2 * id_capacity + 64, -1, dtype=np.int64)
-        self.tree = np.zeros(2 * id_capacity + 65, dtype=np.int64)
-        self.key_of = np.zeros(id_capacity, dtype=np.int64)
-        self._freed = np.zeros(id_capacity, dtype=np.int64)
-
-    def _grow_ids(self, need: int) -> None:
-        """Room for ``need`` more ids than handed out (a row longer than the batch slack)."""
-        old_last, old_owner, old_keys = self.last_time, self.owner, self.key_of
-        n = max(need, 2 * self.id_capacity)
-        self._alloc(n)
-        self.last_time[:len(old_last)] = old_last
-        self.key_of[:len(old_keys)] = old_keys
-        self.owner[:len(old_owner)] = old_owner
-        self.state[0] = K.compact(self.last_time, self.owner, self.tree, int(self.state[0]))
-        self.state[2] = 0
+        last_time = np.full(id_capacity, -1, dtype=np.int64)
+        key_of = np.zeros(id_capacity, dtype=np.int64)
+        free = np.zeros(id_capacity, dtype=np.int64)
+        owner = np.full(2 * id_capacity + 64, -1, dtype=np.int64)
+        tree = np.zeros(2 * id_capacity + 65, dtype=np.int64)
+        size = 1 << max(4, int(2 * id_capacity - 1).bit_length())
+        self.slot_key = np.zeros(size, dtype=np.int64)
+        self.slot_id = np.full(size, _EMPTY, dtype=np.int64)
+        if old is not None:
+            n = len(old)
+            last_time[:n], key_of[:n], owner[:len(self.owner)] = old, self.key_of, self.owner
+            free[:n] = self.free
+            self.state[S_TIME] = K.compact(last_time, owner, tree, int(self.state[S_TIME]))
+            self.state[S_LOW] = 0
+            rehash(key_of, last_time, self.slot_key, self.slot_id)
+        self.last_time, self.key_of, self.free, self.owner, self.tree = last_time, key_of, free, owner, tree
+        self._ids = np.zeros(id_capacity, dtype=np.int64)
 
     # ------------------------------------------------------------------ rows
-    def add(self, keys: np.ndarray, prompt_tokens: int, counted: bool = True,
-            block_tokens: Optional[np.ndarray] = None) -> None:
-        """One row: a request's prompt block keys (``counted``), or the blocks a request adds
-        when it finishes (not counted: recency only). ``block_tokens`` default to
-        ``min(block size, remaining prompt)`` (zeros for an uncounted row)."""
-        keys = np.asarray(keys, dtype=np.int64)
+    def add(self, keys, prompt_tokens: int, counted: bool = True) -> None:
+        """One row: a request's prompt block keys (``counted``; a block holds
+        ``min(block size, remaining prompt)`` tokens), or the blocks a request adds when it
+        finishes (not counted: recency only)."""
         n = len(keys)
-        if block_tokens is None:
-            if counted:
-                starts = np.arange(n, dtype=np.int64) * self.block_size_tokens
-                block_tokens = np.clip(prompt_tokens - starts, 0, self.block_size_tokens)
-            else:
-                block_tokens = np.zeros(n, np.int32)
         if self._pending_refs + n > self.flush_refs:
             self.flush()
-        if len(self._table) + n > self.id_capacity:  # ids in use = tracked keys
+        if self.max_keys + n > self.id_capacity:
             self.flush()
-            if len(self._table) + n > self.id_capacity:
-                self._grow_ids(len(self._table) + n + self.flush_refs)
-        table, free, key_of = self._table, self._free, self.key_of
-        ids = np.empty(n, dtype=np.int64)
-        for j, k in enumerate(keys.tolist()):
-            x = table.get(k)
-            if x is None:
-                if free:
-                    x = free.pop()
-                else:
-                    x = self._fresh
-                    self._fresh += 1
-                table[k] = x
-                key_of[x] = k
-                self.distinct_keys += 1
-            ids[j] = x
-        self._pending_ids.append(ids)
-        self._pending_tokens.append(np.asarray(block_tokens, dtype=np.int32))
+            self._alloc(self.max_keys + 2 * n)
+        self._pending_keys.append(keys)
         self._pending_rows.append((n, int(prompt_tokens), 1 if counted else 0))
         self._pending_refs += n
         if counted:
@@ -202,38 +250,38 @@ class ReuseCurve:
                 self.requests_with_prompt += 1
 
     def flush(self) -> None:
-        """Fold the buffered rows (the kernel), then release the ids of forgotten keys."""
+        """Fold the buffered rows (one kernel call)."""
         if not self._pending_rows:
             return
-        rows = np.asarray(self._pending_rows, dtype=np.int64)
+        rows = np.array(self._pending_rows, dtype=np.int64)
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(rows[:, 0], out=offsets[1:])
-        ids = np.concatenate(self._pending_ids)
-        tokens = np.concatenate(self._pending_tokens)
-        self._pending_ids, self._pending_tokens, self._pending_rows = [], [], []
-        self._pending_refs = 0
-        nfreed = bounded_stack_distances(
-            ids, offsets, tokens, rows[:, 1], rows[:, 2].astype(np.uint8), len(rows),
-            self.max_keys, self.last_time, self.owner, self.tree, self.state, self.hist_blocks,
-            self.hist_tokens, self.hist_req, self.reuse, self._freed)
-        if nfreed:
-            freed = np.unique(self._freed[:nfreed])
-            freed = freed[self.last_time[freed] < 0]  # not seen again later in the batch
-            table = self._table
-            for x, k in zip(freed.tolist(), self.key_of[freed].tolist()):
-                del table[k]
-            self._free.extend(freed.tolist())
-            self.forgotten_keys += len(freed)
+        keys = np.concatenate(self._pending_keys).astype(np.int64, copy=False) \
+            if offsets[-1] else np.zeros(0, np.int64)
+        self._pending_keys, self._pending_rows, self._pending_refs = [], [], 0
+        bounded_stack_distances(
+            keys, offsets, rows[:, 1], rows[:, 2], len(rows), self.block_size_tokens,
+            self.max_keys, self.last_time, self.owner, self.tree, self.key_of, self.slot_key,
+            self.slot_id, self.free, self.state, self.hist_blocks, self.hist_tokens,
+            self.hist_req, self.reuse, self._ids)
 
     # ------------------------------------------------------------------ results
     @property
+    def distinct_keys(self) -> int:
+        """Keys seen (a forgotten key seen again counts again); buffered rows not included."""
+        return int(self.state[S_DISTINCT])
+
+    @property
+    def forgotten_keys(self) -> int:
+        return int(self.state[S_FORGOTTEN])
+
+    @property
     def tracked_keys(self) -> int:
-        return len(self._table)
+        return int(self.state[S_LIVE])
 
     @property
     def exact_up_to_blocks(self) -> int:
-        """Capacities up to this many blocks are exact (every key ever seen, when none was
-        forgotten)."""
+        """Capacities up to this many blocks are exact."""
         return self.max_keys
 
     def curve(self, bytes_per_token: Optional[int] = None) -> HitRateCurve:
@@ -249,20 +297,21 @@ class ReuseCurve:
             reuse_hist=self.reuse.copy(), bytes_per_token=bytes_per_token)
 
     def token_hit_rates(self, capacities_blocks: Sequence[int]) -> list[Optional[float]]:
-        """Token hit rate (hit tokens / prompt tokens) of LRU at each capacity; None where the
-        capacity is beyond the exact range or no prompt token was seen."""
+        """Token hit rate (hit tokens / prompt tokens) of LRU at each capacity in blocks; None
+        beyond the exact range once a key was forgotten, or before any prompt token."""
         self.flush()
         if not self.prompt_tokens:
             return [None] * len(capacities_blocks)
-        csum = np.cumsum(self.hist_tokens[:self.max_keys + 1])
         out: list[Optional[float]] = []
         for c in capacities_blocks:
-            c = int(c)
+            c = max(int(c), 0)
             if c > self.max_keys and self.forgotten_keys:
                 out.append(None)
             else:
-                out.append(float(csum[min(max(c, 0), self.max_keys)]) / self.prompt_tokens)
+                hits = int(self.hist_tokens[:min(c, self.max_keys) + 1].sum())
+                out.append(hits / self.prompt_tokens)
         return out
+
 
 
 def max_keys_for_pool(pool_blocks: Optional[int]) -> int:
