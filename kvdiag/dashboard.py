@@ -86,6 +86,8 @@ ROWS: tuple = (
         ("What-if hit ratios (shadow caches)", "percentunit", [
             (_q("kvdiag_shadow_token_hit_ratio"),
              N + " {{policy}} bs={{block_size}} cap={{capacity}}")]),
+        ("Hit ratio at capacity (x the pool)", "percentunit", [
+            (_q("kvdiag_prefix_hit_ratio_at_capacity"), N + " {{tier}} {{multiple}}x")]),
     ]),
     ("Latency", [
         ("TTFT P50 / P99", "s", [

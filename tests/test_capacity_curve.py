@@ -206,3 +206,19 @@ def test_bound_follows_the_pool():
     assert max_keys_for_pool(None) == 1 << 18
     assert max_keys_for_pool(50_000) == 200_000
     assert max_keys_for_pool(10 ** 7) == 1 << 21
+
+
+def test_exporter_serves_the_curve_at_pool_multiples():
+    from kvdiag.exporter import PrometheusSink
+
+    path = DATA / "demo_preempt" / "demo_16req_pool40.kvlog.gz"
+    sink = PrometheusSink(eventlog.read_header(path))
+    for ev in eventlog.iter_events(path):
+        sink.record(ev)
+    fams = {f.name: f for f in sink.collect()}
+    got = {(x.labels["tier"], x.labels["multiple"]): x.value
+           for x in fams["kvdiag_prefix_hit_ratio_at_capacity"].samples}
+    curve = sharing.lru_curve(load_trace(path))
+    want = {("pool", m): curve.at(c)["token_hit_rate"]
+            for m, c in (("0.5", 20), ("1", 40), ("2", 80), ("4", 160))}
+    assert got == pytest.approx(want) and got[("pool", "0.5")] < got[("pool", "1")]
