@@ -222,3 +222,16 @@ def test_exporter_serves_the_curve_at_pool_multiples():
     want = {("pool", m): curve.at(c)["token_hit_rate"]
             for m, c in (("0.5", 20), ("1", 40), ("2", 80), ("4", 160))}
     assert got == pytest.approx(want) and got[("pool", "0.5")] < got[("pool", "1")]
+
+
+def test_top_detail_shows_the_curve_per_tier():
+    from kvdiag.tui.panels import curve_lines
+
+    path = DATA / "vllm_demo" / "demo_16req_seed1.kvlog.gz"
+    state = _live(path)
+    snap = state.snapshot(max(state.bins) * state.bin_ns)
+    text = "\n".join(t.plain for t in curve_lines(snap))
+    curve = sharing.lru_curve(load_trace(path))
+    pool = state.pool_info.num_blocks
+    assert f"1x {100 * curve.at(pool)['token_hit_rate']:5.1f}%" in text
+    assert text.count("\n") == 2 and "GPU" in text and f"x {pool} blocks (pool)" in text
