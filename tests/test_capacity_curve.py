@@ -235,3 +235,19 @@ def test_top_detail_shows_the_curve_per_tier():
     pool = state.pool_info.num_blocks
     assert f"1x {100 * curve.at(pool)['token_hit_rate']:5.1f}%" in text
     assert text.count("\n") == 2 and "GPU" in text and f"x {pool} blocks (pool)" in text
+
+
+def test_report_charts_the_curve_equal_to_replay(tmp_path):
+    from kvdiag.analysis import logs as L
+    from kvdiag.reports.sections import build
+
+    path = DATA / "demo_small" / "demo_24req_seed1.kvlog.gz"
+    report, _ = build(L.load([path])[0])
+    sec = next(x for x in report.sections if x.key == "sharing")
+    chart = next(b for b in sec.blocks if getattr(b, "title", "").startswith("LRU hit rate vs capacity"))
+    curve = sharing.lru_curve(load_trace(path))
+    for cap, pct in zip(chart.data["capacity_blocks"], chart.data["token_hit_rate_pct"]):
+        assert pct == round(100 * curve.at(int(cap))["token_hit_rate"], 2)
+    assert len(chart.data) > 10 and chart.data["token_hit_rate_pct"].is_monotonic_increasing
+    assert main(["report", str(path), "-o", str(tmp_path / "r.html")]) == 0
+    assert "LRU hit rate vs capacity" in (tmp_path / "r.html").read_text()

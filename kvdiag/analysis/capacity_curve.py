@@ -356,8 +356,8 @@ class RequestRows:
         live = self._live.get(ev.request_id) if ev.request_id is not None else None
         if live is None:
             return
-        if live[0].token_ids is not None and ev.token_ids:
-            live[1].append(ev.token_ids)
+        if live[0].token_ids is not None and ev.token_ids is not None and len(ev.token_ids):
+            live[1].append(list(ev.token_ids))
         elif live[0].token_ids is None and ev.chunk_hashes is not None:
             live[1].append((int(ev.num_tokens), list(ev.chunk_hashes)))
 
@@ -458,6 +458,52 @@ def curve_of_events(events: Iterable, block_size_tokens: Optional[int] = None,
         elif isinstance(ev, PrefixCacheCleared):
             for rows in tiers.values():
                 rows.cleared()
+    out = {} if req is None else {"pool": req.curve.curve()}
+    out.update({t: rows.curve.curve() for t, rows in tiers.items()})
+    return out
+
+
+def _row_object(row: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()})
+
+
+def curves_of_frames(frames: dict, block_size_tokens: Optional[int],
+                     max_keys: int = MAX_KEYS_CAP, hash_algorithm: str = "fast") -> dict[str, HitRateCurve]:
+    """:func:`curve_of_events` over one node's event frames (``frames[tag]``: rows with
+    ``ts_ns``, as :class:`kvdiag.analysis.logs.Logs` holds them), rows merged in time order
+    (stable: a frame's own order at equal times)."""
+    tags = ("request_arrived", "block_stored", "request_finished", "prefix_cache_stored",
+            "prefix_cache_removed", "prefix_cache_cleared")
+    merged = []
+    for order, tag in enumerate(tags):
+        df = frames.get(tag)
+        if df is None or not len(df):
+            continue
+        for i, row in enumerate(df.to_dict("records")):
+            merged.append((int(row["ts_ns"]), i, order, tag, row))
+    merged.sort(key=lambda m: (m[0], m[2], m[1]))  # at equal times: arrival, store, finish
+    req: Optional[RequestRows] = None
+    tiers: dict[str, StoreRows] = {}
+    for _, _, _, tag, row in merged:
+        ev = _row_object(row)
+        if tag == "request_arrived":
+            if req is None and (ev.token_ids is not None or ev.chunk_hashes is not None):
+                req = RequestRows(ReuseCurve(block_size_tokens or DEFAULT_BLOCK_TOKENS, max_keys),
+                                  hash_algorithm)
+            if req is not None:
+                req.arrived(ev)
+        elif tag == "block_stored" and req is not None:
+            req.stored(ev)
+        elif tag == "request_finished" and req is not None:
+            req.finished(ev)
+        elif tag == "prefix_cache_stored":
+            tier = ev.medium or "default"
+            if tier not in tiers:
+                tiers[tier] = StoreRows(ReuseCurve(int(ev.block_size_tokens or DEFAULT_BLOCK_TOKENS),
+                                                   max_keys), hash_algorithm)
+            tiers[tier].stored(ev)
     out = {} if req is None else {"pool": req.curve.curve()}
     out.update({t: rows.curve.curve() for t, rows in tiers.items()})
     return out
