@@ -251,3 +251,14 @@ def test_report_charts_the_curve_equal_to_replay(tmp_path):
     assert len(chart.data) > 10 and chart.data["token_hit_rate_pct"].is_monotonic_increasing
     assert main(["report", str(path), "-o", str(tmp_path / "r.html")]) == 0
     assert "LRU hit rate vs capacity" in (tmp_path / "r.html").read_text()
+
+
+def test_requests_in_flight_are_bounded(monkeypatch):
+    from kvdiag.analysis import capacity_curve as cc
+    from kvdiag.schema import RequestArrived
+
+    monkeypatch.setattr(cc, "MAX_LIVE", 50)
+    rows = cc.RequestRows(ReuseCurve(4, max_keys=64))
+    for i in range(500):
+        rows.arrived(RequestArrived(ts_ns=i, request_id=f"r{i}", prompt_tokens=8, token_ids=[i, 1, 2, 3, 4, 5, 6, 7]))
+    assert len(rows._live) == 50 and rows.curve.requests == 500

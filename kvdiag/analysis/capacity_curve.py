@@ -322,21 +322,27 @@ def max_keys_for_pool(pool_blocks: Optional[int]) -> int:
     return int(min(MAX_KEYS_CAP, max(1024, 4 * int(pool_blocks))))
 
 
+MAX_LIVE = 1 << 16
+"""Requests in flight whose content :class:`RequestRows` keeps for their finish row."""
+MAX_CHAIN = 1 << 17
+"""KV-event keys whose parent and tokens :class:`StoreRows` keeps to resolve chains."""
+
+
 class RequestRows:
     """Rows from a kvdiag event stream's request content, as ``load_kvdiag`` builds them: a
     counted row at ``RequestArrived`` (token ids or hashes-mode chunk keys, re-chunked at
     ``block_size_tokens``), an uncounted one at ``RequestFinished`` (prompt and generated
-    content from the request's ``BlockStored`` events)."""
+    content from the request's ``BlockStored`` events). At most MAX_LIVE requests in flight
+    are kept (the oldest dropped)."""
 
     def __init__(self, curve: ReuseCurve, hash_algorithm: str = "fast") -> None:
         self.curve = curve
         self.hash_algorithm = hash_algorithm
-        self._live: dict[str, tuple[Content, list]] = {}
-        self._seen: set[str] = set()
+        self._live: OrderedDict[str, tuple[Content, list]] = OrderedDict()  # at most MAX_LIVE
         self.skipped = 0  # requests whose content cannot be keyed at the block size
 
     def arrived(self, ev) -> None:
-        if ev.request_id in self._seen:  # the first arrival of an id counts (as offline)
+        if ev.request_id in self._live:  # a repeated arrival of a request in flight
             return
         if ev.token_ids is not None:
             content = Content(len(ev.token_ids), token_ids=list(ev.token_ids))
@@ -348,9 +354,10 @@ class RequestRows:
         if not content.can_key(bs):
             self.skipped += 1
             return
-        self._seen.add(ev.request_id)
         self.curve.add(content.keys(bs, self.hash_algorithm), ev.prompt_tokens)
         self._live[ev.request_id] = (content, [])
+        if len(self._live) > MAX_LIVE:  # never finished: its finish row is lost
+            self._live.popitem(last=False)
 
     def stored(self, ev) -> None:
         live = self._live.get(ev.request_id) if ev.request_id is not None else None
@@ -379,14 +386,15 @@ class RequestRows:
 class StoreRows:
     """Rows from KV events of one tier, as ``load_vllm`` builds them: each
     ``PrefixCacheStored`` is a row of its parent chain's tokens and its own, re-chunked at the
-    curve's block size. The chain table holds at most ``max_chain`` keys (oldest dropped: a
-    chain through a dropped key starts there)."""
+    curve's block size. The chain table holds at most ``max_chain`` keys (default: the
+    curve's bound, at most MAX_CHAIN; each with its block's token ids; the oldest dropped: a
+    chain through a dropped key starts there, and the curve is no longer replay's)."""
 
     def __init__(self, curve: ReuseCurve, hash_algorithm: str = "fast",
                  max_chain: Optional[int] = None) -> None:
         self.curve = curve
         self.hash_algorithm = hash_algorithm
-        self.max_chain = max_chain or curve.max_keys
+        self.max_chain = max_chain or min(curve.max_keys, MAX_CHAIN)
         self._chains: OrderedDict[int, tuple[Optional[int], list]] = OrderedDict()
         self.stored_blocks = 0
         self.removed_blocks = 0
