@@ -1,15 +1,15 @@
 """Capacity curves: the LRU token hit rate at 0.5x, 1x, 2x and 4x of the current pool, per
-tier, folded from the stream (:mod:`kvdiag.analysis.capacity_curve`: the rows and the stack
+tier, folded from the stream (:mod:`kvdiag.simulation.capacity_curve`: the rows and the stack
 distances of ``kvdiag replay --curve``)."""
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from kvdiag import schema as s
-from kvdiag.analysis.capacity_curve import (POOL_MULTIPLES, RequestRows, ReuseCurve, StoreRows,
+from kvdiag.events import schema as s
+from kvdiag.simulation.capacity_curve import (POOL_MULTIPLES, RequestRows, ReuseCurve, StoreRows,
                                             max_keys_for_pool)
-from kvdiag.analysis.traces import DEFAULT_BLOCK_TOKENS
+from kvdiag.traces.loaders import DEFAULT_BLOCK_TOKENS
 from kvdiag.live.snapshot import CurvePoint, CurveRow, CurvesView
 
 _TOP_TIERS = ("pool", "default", "GPU", "gpu")  # tiers whose basis is the engine's pool
@@ -32,7 +32,7 @@ def chain_handlers(handlers: dict, extra: dict) -> None:
 class CurveFold:
     """``block_size()``: tokens per block of request rows (the pool's, else the header's);
     ``pool_blocks()``: the pool's block count (the multiples' basis; also sets the memory
-    bound, :func:`~kvdiag.analysis.capacity_curve.max_keys_for_pool`, when a curve starts)."""
+    bound, :func:`~kvdiag.simulation.capacity_curve.max_keys_for_pool`, when a curve starts)."""
 
     def __init__(self, block_size: Callable[[], Optional[int]],
                  pool_blocks: Callable[[], Optional[int]], hash_algorithm: str = "fast") -> None:
