@@ -15,6 +15,10 @@
    >= 1 M events/s), top's fold (``LiveState.feed_all``: ledger, block facts, request, bin
    and latency state; and event by event, ``LiveState.feed``), and top's whole live path
    (``feed_all`` + ``LiveRules.record``, the rules' inputs, in chunks of 5,000 events).
+   ``--curve``: the same stream with hashes-mode content on its arrivals, top's fold with and
+   without the capacity-curve fold (kvdiag/live/views/curves.py), in chunks of 5,000 events
+   with the curve read (``CurveFold.view``) after each, as top and the exporter do once a
+   second; the curve fold alone on its own events; and ``uptime``'s load.
 4. ``--rss N``: RSS of top + exporter (a LiveState and a PrometheusSink fed the same stream,
    5,000 events per second of event time, folded once a second, a snapshot every second and
    a scrape every 15 s of event time, as top, the exporter and Prometheus would) at 1 M
@@ -24,6 +28,7 @@
 
 Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
        python benchmarks/bench_top.py --fold [--events 1000000] [--rss 20000000]
+       python benchmarks/bench_top.py --curve [--events 1000000]
 """
 
 from __future__ import annotations
@@ -246,6 +251,68 @@ def rss_flat(n_events: int, with_rules: bool = False) -> None:
     print(f"  load after {load()}")
 
 
+def curve_rate(n_events: int, rounds: int = 5) -> None:
+    """Events/s of top's fold with and without the capacity-curve fold, rounds interleaved."""
+    import statistics
+    import subprocess
+    from unittest import mock
+
+    import vllm_stream
+    from kvdiag.live import state as live_state
+    from kvdiag.live.views.curves import CurveFold
+
+    events = list(vllm_stream.events(n_events, content=True))
+    n = len(events)
+    arrivals = sum(1 for e in events if type(e).__name__ == "RequestArrived")
+
+    def run(state) -> None:
+        for i in range(0, n, 5_000):
+            state.feed_all(events[i:i + 5_000])
+            state.curves.view()
+
+    def without():
+        with mock.patch.object(live_state, "chain_handlers", lambda handlers, extra: None):
+            state = LiveState()
+        run(state)
+
+    def with_curve():
+        run(LiveState())
+
+    def fold_alone():  # the curve fold's own handlers over the same stream (others skipped)
+        pool = events[0].num_blocks
+        fold = CurveFold(lambda: 16, lambda: pool)
+        get = fold.handlers.get
+        for i in range(0, n, 5_000):
+            for ev in events[i:i + 5_000]:
+                h = get(type(ev))
+                if h is not None:
+                    h(ev, None, 0)
+            fold.view()
+
+    runs = {"LiveState.feed_all without the curve": without, "LiveState.feed_all with the curve": with_curve,
+            "the curve fold alone": fold_alone}
+    rates: dict[str, list[float]] = {k: [] for k in runs}
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"curve: {n:,} vLLM-shaped events with content ({arrivals:,} arrivals), {rounds} interleaved "
+          f"rounds; uptime before: {uptime}")
+    for r in range(rounds):
+        for name, fn in (runs.items() if r % 2 == 0 else reversed(runs.items())):
+            t = time.process_time()
+            fn()
+            rates[name].append(n / (time.process_time() - t))
+    for name, v in rates.items():
+        med = statistics.median(v)
+        print(f"  {name:<38} {med / 1e6:5.2f} M events/s = {1e6 / med:5.2f} us/event "
+              f"(rounds {min(v) / 1e6:.2f}..{max(v) / 1e6:.2f})")
+    state = LiveState()
+    run(state)
+    row = state.curves.view().rows[0]
+    print("  curve at the end: " + ", ".join(f"{p.multiple:g}x pool ({p.capacity_blocks} blocks) "
+                                             f"{100 * (p.token_hit_rate or 0):.1f}%" for p in row.points))
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"  uptime after: {uptime}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)
@@ -254,8 +321,12 @@ def main() -> None:
     ap.add_argument("--fold", action="store_true", help="only the live fold's events/s (3.)")
     ap.add_argument("--events", type=int, default=1_000_000, help="events of the fold benchmark")
     ap.add_argument("--rss", type=int, default=0, metavar="N", help="only RSS at 1 M and N events (4.)")
+    ap.add_argument("--curve", action="store_true", help="only top's fold with and without the capacity curve")
     ap.add_argument("--with-rules", action="store_true", help="--rss: also top's LiveRules event window")
     args = ap.parse_args()
+    if args.curve:
+        curve_rate(args.events)
+        return
     if args.fold or args.rss:
         if args.fold:
             fold_rate(args.events)

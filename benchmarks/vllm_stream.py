@@ -31,9 +31,11 @@ def pool_info(num_blocks: int) -> s.KVPoolInfo:
 
 
 def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: int = 64,
-           events_per_s: float = 5_000.0) -> Iterator[s.Event]:
+           events_per_s: float = 5_000.0, content: bool = False) -> Iterator[s.Event]:
     """Yield about ``n_events`` events (stops at the first request boundary past it), one
-    every 1 / ``events_per_s`` seconds of event time."""
+    every 1 / ``events_per_s`` seconds of event time. ``content``: arrivals carry hashes-mode
+    ``chunk_hashes`` (one 16-token chunk per block; a prefix hit's chunks are those of the
+    cached block it hits), the same events otherwise."""
     rng = random.Random(seed)
     ts = 1_000_000_000
     dt = max(1, round(1e9 / events_per_s))
@@ -45,6 +47,9 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
     live: list[tuple[str, list[int], int]] = []
     step = 0
     i = 0
+    block_key: dict[int, int] = {}  # content=True: block -> its prompt content's chunk key
+    pending: dict[str, list[int]] = {}  # request -> chunk keys of its prompt blocks to allocate
+    next_key = 1
 
     def allocate(rid: str, blocks: list[int]):
         """A free block for ``rid``, else the least recently used cached one, evicted first."""
@@ -57,6 +62,11 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
             yield s.BlockEvicted(ts_ns=ts, block_id=b)
             n += 1
         ts += dt
+        keys = pending.get(rid)
+        if keys:  # a prompt block of fresh content
+            block_key[b] = keys.pop(0)
+            if not keys:
+                del pending[rid]
         yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
         n += 1
         blocks.append(b)
@@ -67,15 +77,25 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
             i += 1
             ts += dt
             prompt_blocks = rng.randint(16, 128)
-            yield s.RequestArrived(ts_ns=ts, request_id=rid, prompt_tokens=prompt_blocks * BLOCK_TOKENS,
-                                   max_new_tokens=256)
-            n += 1
-            blocks: list[int] = []
+            hits: list[int] = []  # decided first (the same draws): the arrival may carry them
             if prefixes and rng.random() < 0.6:
                 chain = prefixes[rng.randrange(len(prefixes))]
                 for b in chain[:rng.randint(1, len(chain))]:
                     if b not in cached:
                         break
+                    hits.append(b)
+            chunks = None
+            if content:
+                fresh = range(next_key, next_key + prompt_blocks - len(hits))
+                next_key += len(fresh)
+                chunks = [block_key.get(b, -b - 1) for b in hits] + list(fresh)
+                pending[rid] = list(fresh)
+            yield s.RequestArrived(ts_ns=ts, request_id=rid, prompt_tokens=prompt_blocks * BLOCK_TOKENS,
+                                   max_new_tokens=256, chunk_hashes=chunks)
+            n += 1
+            blocks: list[int] = []
+            if hits:
+                for b in hits:
                     del cached[b]
                     ts += dt
                     yield s.PrefixHit(ts_ns=ts, request_id=rid, block_id=b, num_tokens=BLOCK_TOKENS)

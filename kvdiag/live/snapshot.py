@@ -251,3 +251,36 @@ class Snapshot:
     health: HealthView
     alerts: tuple[Finding, ...]
     finished_source: bool = False  # a replayed log reached its end
+    curves: "CurvesView" = None  # type: ignore[assignment]  # capacity curves (set by LiveState)
+
+
+@dataclass(frozen=True, slots=True)
+class CurvePoint:
+    """LRU token hit rate at ``multiple`` x the tier's basis capacity (``capacity_blocks``);
+    None beyond the fold's exact range."""
+
+    multiple: float
+    capacity_blocks: int
+    token_hit_rate: Optional[float]
+
+
+@dataclass(frozen=True, slots=True)
+class CurveRow:
+    """One tier's capacity curve (kvdiag.simulation.capacity_curve): "pool" = request content,
+    else a KV-event ``medium``. ``basis_blocks``: the capacity the multiples scale (the pool's
+    blocks, or for a lower tier its peak resident blocks); ``basis``: which of the two."""
+
+    tier: str
+    block_size_tokens: int
+    basis_blocks: Optional[int]
+    basis: str
+    points: tuple[CurvePoint, ...]
+    requests: int
+    distinct_keys: int
+    max_keys: int
+
+
+@dataclass(frozen=True, slots=True)
+class CurvesView:
+    rows: tuple[CurveRow, ...] = ()
+    reason: str = "no request content or KV events yet (the capacity curve needs either)"

@@ -30,6 +30,7 @@ from kvdiag.live.views.memory import MemoryFold
 from kvdiag.live.views.series import Series
 from kvdiag.live.views.shadow import ShadowFold
 from kvdiag.live.views.sharing import SharingFold
+from kvdiag.live.views.curves import CurveFold, chain_handlers
 LATENCY_WINDOWS = 6
 """TTFT/TPOT percentiles cover requests finished in the last 6 rate windows (60 s by default):
 P99 needs more requests than a 10 s window of a small server holds."""
@@ -131,6 +132,8 @@ class LiveState:
         self.misses = MissCauseFold()
         for cls in MISS_FOLD_EVENTS:
             self._handlers[cls] = _fold_first(self.misses.feed, self._handlers.get(cls))
+        self.curves = CurveFold(self.block_size_tokens, lambda: self.pool_info.num_blocks if self.pool_info else None)
+        chain_handlers(self._handlers, self.curves.handlers)
 
     @property
     def shadow_budget(self) -> Optional[s.ShadowBudget]:
@@ -388,7 +391,7 @@ class LiveState:
             compression=self.shadow.compression_view(self.pool_info.num_layers if self.pool_info else 0),
             locality=self.shadow.locality_view(), latency=latency, requests=requests, health=health,
             alerts=(), finished_source=finished_source)
-        return replace(snap, alerts=self._alerts(snap))
+        return replace(snap, alerts=self._alerts(snap), curves=self.curves.view())
 
     def _trim(self, first: int) -> None:
         for idx in [i for i in self.bins if i < first - self.rate_window_bins * LATENCY_WINDOWS]:

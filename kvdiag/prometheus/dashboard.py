@@ -88,6 +88,8 @@ ROWS: tuple = (
              N + " {{policy}} bs={{block_size}} cap={{capacity}}")]),
         ("Missed prompt tokens by cause (per second)", "short", [
             (_rate("kvdiag_prompt_tokens_missed_total", "cause"), N + " {{cause}}")]),
+        ("Hit ratio at capacity (x the pool)", "percentunit", [
+            (_q("kvdiag_prefix_hit_ratio_at_capacity"), N + " {{tier}} {{multiple}}x")]),
     ]),
     ("Latency", [
         ("TTFT P50 / P99", "s", [

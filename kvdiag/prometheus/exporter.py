@@ -148,6 +148,7 @@ class PrometheusSink:
             snap = self.state.snapshot(self._last_ns)
             _pool(families, self.state, snap)
             _sharing(families, snap)
+            _curves(families, snap)
             _shadow(families, snap)
             _latency(families, self)
             _memory(families, snap)
@@ -244,6 +245,12 @@ def _sharing(f: _Families, snap) -> None:
     for p in sh.what_if:
         cap = str(p.capacity_blocks) if p.capacity_blocks is not None else "unbounded"
         f.add("kvdiag_shadow_token_hit_ratio", p.token_hit_rate, p.policy, str(p.block_size_tokens), cap)
+
+
+def _curves(f: _Families, snap) -> None:
+    for row in snap.curves.rows if snap.curves is not None else ():
+        for p in row.points:
+            f.add("kvdiag_prefix_hit_ratio_at_capacity", p.token_hit_rate, f"{p.multiple:g}", row.tier)
 
 
 def _shadow(f: _Families, snap) -> None:

@@ -95,6 +95,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_shadow_token_hit_ratio", "gauge", "ratio",
               "Token hit rate of a what-if prefix cache; block_size in tokens, capacity in blocks "
               "(\"unbounded\" without a limit).", ("policy", "block_size", "capacity")),
+    MetricDef("kvdiag_prefix_hit_ratio_at_capacity", "gauge", "ratio",
+              "LRU token hit rate the content would get at multiple x the tier's capacity in blocks "
+              "(Mattson stack distances folded from the stream, equal to `kvdiag replay --curve`; "
+              "kvdiag/simulation/capacity_curve.py). tier: \"pool\" (request content, multiples of "
+              "the engine's pool) or a KV-event medium (multiples of the pool for GPU, else of the "
+              "tier's peak resident blocks); absent beyond the fold's exact range.",
+              ("multiple", "tier")),
     # ------------------------------------------------------------------ compression, locality
     MetricDef("kvdiag_compression_ratio", "gauge", "ratio",
               "Mean compression ratio (original / compressed bytes) of a method on a layer group.",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -307,6 +308,56 @@ def miss_causes_blocks(logs: Logs, t0: int, windows: int = 20) -> list[Block]:
                   "they sum to the engine's missed tokens)", "bar", data, "time_s", "tokens", color="cause",
                   x_title="window end (s)", y_title="missed prompt tokens",
                   table=pd.DataFrame(totals), options={"barmode": "stack"})]
+def _with_curves(sec: Section, logs: Logs) -> Section:
+    sec.blocks += capacity_curves(logs)
+    return sec
+
+
+def capacity_curves(logs: Logs, points: int = 24) -> list[Block]:
+    """Hit rate vs capacity per node and tier (:mod:`kvdiag.simulation.capacity_curve`: the
+    fold top and the exporter run, equal to ``kvdiag replay --curve``), from each node's log
+    file; a dataset's frames lack the requests' stored blocks, so there a finished request
+    adds only its prompt. A table gives the points at 0.5x..4x the pool."""
+    from kvdiag.events import eventlog
+    from kvdiag.simulation.capacity_curve import POOL_MULTIPLES, curve_of_events, curves_of_frames
+
+    lines, marks = [], []
+    for node in logs.nodes:
+        path = logs.paths.get(node)
+        bs = logs.block_size_tokens(node)
+        whole = logs.whole or logs
+        try:
+            if path is not None and Path(path).is_file():
+                curves = curve_of_events(eventlog.iter_events(path), bs)
+            else:
+                curves = curves_of_frames({t: df[df["node"] == node] for t, df in whole.frames.items()}, bs)
+        except Exception as exc:  # a curve never breaks the report
+            lines.append(None)
+            marks.append({"node": node, "tier": f"error: {exc}"})
+            continue
+        info = whole.frame("kv_pool_info")
+        info = info[info["node"] == node]
+        pool = int(info["num_blocks"].iloc[-1]) if len(info) else None
+        for tier, c in curves.items():
+            top = max(c.distinct_blocks, 1)
+            caps = np.unique(np.round(np.geomspace(1, top, points)).astype(int))
+            caps = np.unique(np.concatenate([[0], caps] + ([[int(m * pool) for m in POOL_MULTIPLES]] if pool else [])))
+            f = c.frame(caps)
+            lines.append(pd.DataFrame({"series": f"{node} / {tier}", "capacity_blocks": caps,
+                                       "token_hit_rate_pct": (100 * f["token_hit_rate"]).round(2)}))
+            for m in POOL_MULTIPLES if pool else ():
+                marks.append({"node": node, "tier": tier, "multiple_of_pool": m,
+                              "capacity_blocks": int(m * pool),
+                              "token_hit_rate_pct": round(100 * c.at(int(m * pool))["token_hit_rate"], 1)})
+    data = [d for d in lines if d is not None]
+    if not data:
+        return [Absent("hit rate vs capacity (request content or KV events)",
+                       "record with content (the default: chunk hashes) or subscribe to KV events")]
+    out: list[Block] = [Chart("LRU hit rate vs capacity per tier (one pass of reuse distances)", "line",
+                              pd.concat(data, ignore_index=True), "capacity_blocks", "token_hit_rate_pct",
+                              color="series", x_title="capacity (blocks)", y_title="token hit rate (%)",
+                              table=pd.DataFrame(marks) if marks else None)]
+    return out
 
 
 def compression(logs: Logs) -> Section:
@@ -594,7 +645,7 @@ def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[s
     lat_sec = latency_section(logs, t0, lat, comps, baseline)
     lat_sec.blocks += kv_bandwidth_blocks(logs, t0, _thin)  # beside P99: the checklist's bandwidth item
     sections = [summary(logs, findings, problems, lat, fleet), mem, fragmentation(logs, t0, findings),
-                sharing(logs, t0, req), compression(logs), differential(logs),
+                _with_curves(sharing(logs, t0, req), logs), compression(logs), differential(logs),
                 locality(logs), lat_sec, requests(req), health(logs, problems)]
     platforms = platform_section(logs, baseline)
     if platforms is not None:

@@ -208,6 +208,7 @@ class SharingPanel(Panel):
             for p in sh.what_if:
                 rows.append(line(f"{p.policy:<7} {p.block_size_tokens:>5}  {_cap(p.capacity_blocks):>8}  "
                                  f"{fmt_pct(p.token_hit_rate):>9}  {fmt_pct(p.block_hit_rate):>9}  {p.requests:>8}"))
+        rows += curve_lines(snap)
         return _join(rows)
 
 
@@ -217,6 +218,25 @@ def _misses_line(sh) -> Text:
     parts = sorted(((n, c) for c, n in sh.miss_causes if n), reverse=True)
     causes = "  ".join(f"{c} {n / sh.missed_tokens:.0%}" for n, c in parts)
     return line((f"missed {sh.missed_tokens:,} tok: ", "bold"), (causes, DIM))
+def curve_lines(snap: Snapshot) -> list[Text]:
+    """The capacity curves (LRU token hit rate at 0.5x..4x the tier's capacity; the fold of
+    kvdiag/live/views/curves.py, equal to ``kvdiag replay --curve``), one line per tier."""
+    cv = snap.curves
+    if cv is None:
+        return []
+    if not cv.rows:
+        return [line((f"capacity curve: {cv.reason}", DIM))]
+    rows = [line(("capacity curve (LRU token hit at x capacity)", "bold"))]
+    for r in cv.rows:
+        if not r.points:
+            rows.append(line(f"{r.tier:<10} ", ("no capacity to scale yet", DIM)))
+            continue
+        pts = "  ".join(f"{p.multiple:g}x {fmt_pct(p.token_hit_rate) if p.token_hit_rate is not None else NA:>6}"
+                        for p in r.points)
+        rows.append(line(f"{r.tier:<10} {pts}  ",
+                         (f"x {r.basis_blocks} blocks ({r.basis}) of {r.block_size_tokens} tokens, "
+                          f"{r.requests} {'requests' if r.tier == 'pool' else 'stores'}", DIM)))
+    return rows
 
 
 def _cap(capacity: Optional[int]) -> str:
