@@ -63,12 +63,12 @@ the doctor and the report replay a log through it (:func:`miss_causes_of_events`
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from kvdiag.analysis import _misskernels as K
 from kvdiag.analysis.traces import full_sequence
 from kvdiag.kernels.hashing import Content, full_sequence_chunks
 from kvdiag.schema import (BlockStored, Event, KVPoolInfo, RequestArrived, RequestFinished,
@@ -97,41 +97,86 @@ def _domain_mask(domain: Optional[str]) -> int:
 
 
 _M64 = 0xFFFFFFFFFFFFFFFF
-_P1, _P2, _P3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
 
 
 class _Bloom:
-    """A fixed-size Bloom filter of 63-bit keys, 3 probes (multiplicative hashes of the key,
-    already a hash). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in
-    the default 2^23 bits, 1 MiB)."""
+    """A fixed-size Bloom filter of 64-bit keys, 3 probes (bit ``((key * P) mod 2^64 >> 32)
+    mod bits`` for three multipliers P: the key is already a hash; ``bits`` rounded up to a
+    whole byte). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in the
+    default 2^23 bits, 1 MiB). Its bits (``a``) are the shadow kernels' filter."""
 
     def __init__(self, bits: int) -> None:
-        self.bits = max(64, int(bits))
-        self.a = bytearray((self.bits + 7) // 8)
-        self.added = 0
+        self.a = np.zeros((max(64, int(bits)) + 7) // 8, np.uint8)
+        self.bits = 8 * len(self.a)
 
     def add(self, key: int) -> None:
-        a, bits = self.a, self.bits
-        self.added += 1
-        i = (((key * _P1) & _M64) >> 32) % bits
-        a[i >> 3] |= 1 << (i & 7)
-        i = (((key * _P2) & _M64) >> 32) % bits
-        a[i >> 3] |= 1 << (i & 7)
-        i = (((key * _P3) & _M64) >> 32) % bits
-        a[i >> 3] |= 1 << (i & 7)
+        K.bloom_add(self.a, _i64(key))
 
     def __contains__(self, key: int) -> bool:
-        if not self.added:
-            return False
-        a, bits = self.a, self.bits
-        i = (((key * _P1) & _M64) >> 32) % bits
-        if not a[i >> 3] & (1 << (i & 7)):
-            return False
-        i = (((key * _P2) & _M64) >> 32) % bits
-        if not a[i >> 3] & (1 << (i & 7)):
-            return False
-        i = (((key * _P3) & _M64) >> 32) % bits
-        return bool(a[i >> 3] & (1 << (i & 7)))
+        return bool(K.bloom_has(self.a, _i64(key)))
+
+
+def _i64(key: int) -> int:
+    """A 64-bit key as a signed int64 value (the same bits)."""
+    key &= _M64
+    return key - (1 << 64) if key >> 63 else key
+
+
+class _Shadow:
+    """The shadow prefix cache: LRU at ``capacity_blocks`` entries (keys in their domain), the
+    last ``history_keys`` evicted keys with their tick and time of last use, the older ones in
+    a Bloom filter, and a block-reference clock (``tick``). State in arrays, loops compiled
+    (:mod:`kvdiag.analysis._misskernels`)."""
+
+    def __init__(self, capacity_blocks: int, history_keys: int, bloom_bits: int) -> None:
+        self.capacity_blocks = int(capacity_blocks)
+        self.history_keys = max(int(history_keys), 0)
+        self.bloom = _Bloom(bloom_bits)
+        self._max_nodes = max(self.capacity_blocks, 0) + self.history_keys + 1
+        self.state = K.new_state(min(self._max_nodes, 1024), 8)
+        self.state["bloom"] = self.bloom.a
+        self._empty = np.zeros(0, np.int64)
+
+    @property
+    def tick(self) -> int:
+        return int(self.state["meta"][K.M_TICK])
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return int(self.state["meta"][K.M_CLEN])
+
+    @property
+    def history_len(self) -> int:
+        """Evicted keys remembered with their last use."""
+        return int(self.state["meta"][K.M_GLEN])
+
+    def classify(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int):
+        """(h, codes, distances, ages) of a prompt's lookup (:func:`_misskernels.classify`)."""
+        st = self.state
+        n = len(dkeys)
+        codes = np.empty(n, np.int8)
+        dist = np.empty(n, np.int64)
+        age = np.empty(n, np.int64)
+        h = K.classify(st["nodes"], st["where"], st["tkeys"], st["tnode"], st["dkeys"],
+                       st["dcount"], st["meta"], st["bloom"], dkeys, keys, masked, now_ns,
+                       codes, dist, age)
+        return h, codes[:n - h].tobytes(), dist[:n - h], age[:n - h]
+
+    def touch(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int) -> None:
+        """Touch or insert each block in order (:func:`_misskernels.touch`)."""
+        st = self.state
+        n = len(dkeys)
+        if self.capacity_blocks <= 0:
+            st["meta"][K.M_TICK] += n
+            return
+        meta = st["meta"]
+        need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
+        size = len(st["where"])
+        if need > size:
+            st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
+        K.touch(st["nodes"], st["links"], st["where"], st["tkeys"], st["tnode"], st["dkeys"],
+                st["dcount"], meta, st["bloom"], dkeys, keys, masked, now_ns,
+                self.capacity_blocks, self.history_keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,15 +249,21 @@ def _hist_median(hist: list[int]) -> Optional[int]:
 
 
 class _Live:
-    __slots__ = ("content", "domain", "codes", "reuse", "hit_blocks", "stored", "preempted", "keys",
-                 "dkeys")
+    __slots__ = ("content", "domain", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
+                 "keys", "dkeys")
 
-    def __init__(self, content, domain, codes, reuse, hit_blocks, keys, dkeys) -> None:
-        self.content, self.domain, self.codes, self.reuse = content, domain, codes, reuse
+    def __init__(self, content, domain, codes, dist, age, hit_blocks, keys, dkeys) -> None:
+        self.content, self.domain, self.codes = content, domain, codes
+        self.dist, self.age = dist, age  # per block from hit_blocks: evicted ones' figures, -1: none
         self.hit_blocks = hit_blocks
         self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
         self.stored: list = []
         self.preempted = False
+
+    def evicted_figures(self, k: int) -> tuple[Optional[int], Optional[int]]:
+        """Block ``hit_blocks + k``'s reuse distance and time since last use (None: unknown)."""
+        d, a = int(self.dist[k]), int(self.age[k])
+        return (d if d >= 0 else None, a if a >= 0 else None)
 
 
 class MissCauseFold:
@@ -245,11 +296,9 @@ class MissCauseFold:
         self.first_admission = (engine or "").startswith("vllm")
 
     def _reset_shadow(self) -> None:
-        self._cache: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # dkey -> plain, tick, ns
-        self._domain_plain: dict[int, int] = {}  # plain key -> entries held under a non-default domain
-        self._ghost: OrderedDict[int, tuple[int, int]] = OrderedDict()  # evicted dkey -> tick, ns
-        self._bloom = _Bloom(self.bloom_bits)
-        self._tick = 0
+        cap = self.capacity_blocks
+        self._shadow = (None if cap is None else
+                        _Shadow(cap, self.ghost_factor * max(cap, 0), self.bloom_bits))
 
     # ------------------------------------------------------------------ feeding
     def feed(self, ev: Event) -> None:
@@ -303,54 +352,19 @@ class MissCauseFold:
         config = (int(ev.block_size_tokens), int(ev.num_blocks))
         if config != (self.block_size_tokens, self.capacity_blocks):
             if self.block_size_tokens is not None:  # another pool: a new engine, a new cache
-                self._reset_shadow()
                 self._live.clear()
             self.block_size_tokens, self.capacity_blocks = config
+            self._reset_shadow()
         pending, self._before_pool = self._before_pool or [], None
         for e in pending:
             self.feed(e)
 
     # ------------------------------------------------------------------ the shadow
-    def _keys(self, content: Content) -> Optional[list[int]]:
+    def _keys(self, content: Content) -> Optional[np.ndarray]:
         bs = self.block_size_tokens
         if bs is None or not content.can_key(bs):
             return None
-        return content.keys(bs, algorithm=self.hash_algorithm).tolist()
-
-    def _touch_all(self, dkeys: list[int], keys: list[int], mask: int, now_ns: int) -> None:
-        """Touch or insert each block in order (LRU), as :class:`PrefixCacheSim` does; an
-        evicted key goes to the evicted-key history, the oldest of which to the Bloom filter."""
-        cache, ghost = self._cache, self._ghost
-        move, ghost_pop = cache.move_to_end, ghost.pop
-        cap = self.capacity_blocks
-        if cap is not None and cap <= 0:
-            self._tick += len(dkeys)
-            return
-        ghost_cap = self.ghost_factor * cap if cap is not None else 0
-        tick = self._tick
-        for j, d in enumerate(dkeys):
-            tick += 1
-            if d in cache:
-                move(d)
-                cache[d] = (keys[j], tick, now_ns)
-                continue
-            if cap is not None:
-                while len(cache) >= cap:
-                    old, (oplain, otick, ons) = cache.popitem(last=False)
-                    if old != oplain:
-                        n = self._domain_plain[oplain] - 1
-                        if n:
-                            self._domain_plain[oplain] = n
-                        else:
-                            del self._domain_plain[oplain]
-                    ghost[old] = (otick, ons)
-                    if len(ghost) > ghost_cap:
-                        self._bloom.add(ghost.popitem(last=False)[0])
-            ghost_pop(d, None)
-            cache[d] = (keys[j], tick, now_ns)
-            if mask:
-                self._domain_plain[keys[j]] = self._domain_plain.get(keys[j], 0) + 1
-        self._tick = tick
+        return np.ascontiguousarray(content.keys(bs, algorithm=self.hash_algorithm), np.int64)
 
     def _arrived(self, ev: RequestArrived) -> None:
         if len(self._live) >= _MAX_LIVE:
@@ -361,43 +375,11 @@ class MissCauseFold:
             return  # its misses are unknown
         domain = getattr(ev, "cache_domain", None)
         mask = _domain_mask(domain)
-        dkeys = [k ^ mask for k in keys] if mask else keys
-        cache = self._cache
-        h = 0
-        while h < len(dkeys) and dkeys[h] in cache:
-            h += 1
-        codes = bytearray()
-        reuse: list[tuple[Optional[int], Optional[int]]] = []
-        now = ev.ts_ns
-        brk: tuple[Optional[int], Optional[int]] = (None, None)
-        for j in range(h, len(dkeys)):
-            d = dkeys[j]
-            entry = cache.get(d)
-            if entry is not None:  # held, but its prefix broke before it
-                codes.append(EVICTED)
-                reuse.append(brk)
-                continue
-            g = self._ghost.get(d)
-            if g is not None:
-                codes.append(EVICTED)
-                info = (self._tick - g[0], max(now - g[1], 0))
-                reuse.append(info)
-            elif d in self._bloom:
-                codes.append(EVICTED)
-                info = (None, None)
-                reuse.append(info)
-            elif (mask and keys[j] in cache) or self._domain_plain.get(keys[j], 0) > 0:
-                codes.append(HASH_DOMAIN)
-                reuse.append((None, None))
-                continue
-            else:
-                codes.append(COLD)
-                reuse.append((None, None))
-                continue
-            if j == h:
-                brk = info
-        self._touch_all(dkeys, keys, mask, now)
-        self._live[ev.request_id] = _Live(content, domain, bytes(codes), reuse, h, keys, dkeys)
+        dkeys = keys ^ mask if mask else keys
+        shadow = self._shadow
+        h, codes, dist, age = shadow.classify(dkeys, keys, bool(mask), ev.ts_ns)
+        shadow.touch(dkeys, keys, bool(mask), ev.ts_ns)
+        self._live[ev.request_id] = _Live(content, domain, codes, dist, age, h, keys, dkeys)
 
     def _finished(self, ev: RequestFinished) -> None:
         live = self._live.pop(ev.request_id, None)
@@ -416,7 +398,7 @@ class MissCauseFold:
             # the partial tail (and anything past the prompt the engine reported)
             tail_start = max(start, full * bs)
             tokens[BELOW_BLOCK] += prompt - tail_start
-            codes, reuse = live.codes, live.reuse
+            codes = live.codes
             j = start // bs
             while j < full:
                 n = (j + 1) * bs - max(j * bs, start)
@@ -437,13 +419,14 @@ class MissCauseFold:
                     for c in (COLD, EVICTED, HASH_DOMAIN):
                         tokens[c] += part.count(c) * bs
                     if EVICTED in part:
-                        evicted += [(*reuse[k], bs) for k in range(lo, hi) if codes[k] == EVICTED]
+                        evicted += [live.evicted_figures(k) + (bs,) for k in range(lo, hi)
+                                    if codes[k] == EVICTED]
                     tokens[UNKNOWN] += (full - h - hi) * bs  # the arrival keyed fewer blocks
                     break
                 if j - h < len(codes):
                     cause = codes[j - h]
                     if cause == EVICTED:
-                        evicted.append((*reuse[j - h], n))
+                        evicted.append(live.evicted_figures(j - h) + (n,))
                 else:
                     cause = UNKNOWN
                 tokens[cause] += n
@@ -470,7 +453,7 @@ class MissCauseFold:
         """Touch or insert the full blocks of the prompt and generated tokens (no lookup)."""
         content = live.content
         if not live.stored:  # no generated block stored: the prompt's blocks again
-            self._touch_all(live.dkeys, live.keys, _domain_mask(live.domain), now_ns)
+            self._shadow.touch(live.dkeys, live.keys, bool(_domain_mask(live.domain)), now_ns)
             return
         if content.token_ids is not None:
             seq = full_sequence(content.token_ids, live.stored)
@@ -479,10 +462,10 @@ class MissCauseFold:
             keys, n = full_sequence_chunks(content.chunk_keys, content.num_tokens, live.stored)
             whole = Content(n, chunk_keys=keys)
         keys = self._keys(whole)
-        if not keys:
+        if keys is None or not len(keys):
             return
         mask = _domain_mask(live.domain)
-        self._touch_all([k ^ mask for k in keys] if mask else keys, keys, mask, now_ns)
+        self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
 
 
 def _content(event: RequestArrived) -> Optional[Content]:

@@ -1,0 +1,338 @@
+"""The miss-cause fold's shadow LRU (kvdiag.analysis.miss_causes), compiled with numba.
+
+One pool of nodes holds the shadow's entries (the LRU list, oldest first) and the evicted-key
+history (the ghost list, oldest first): an entry evicted from the shadow moves to the ghost
+list, a ghost key touched again moves back, the oldest ghost key beyond the history goes to the
+Bloom filter. Nodes are found by key in one open-addressing table (linear probing, deletion by
+backward shift); a second table counts, per plain content key, the shadow's entries held under a
+non-default hash domain. Each node holds its key, plain key, tick and time of last use (ns).
+
+State lives in arrays owned by :class:`kvdiag.analysis.miss_causes._Shadow`, which grows them
+before a call could run out of room. With ``NUMBA_DISABLE_JIT=1`` the same functions run as
+plain Python. Compiled code is cached like :mod:`kvdiag.analysis._simkernels`'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kvdiag.paths import use_numba_cache_dir
+
+use_numba_cache_dir()  # read by numba when each function is decorated
+
+# node fields: nodes[i, F_*] (int64), links[i, 0/1] (prev, next; int32), where[i]
+F_KEY, F_PLAIN, F_TICK, F_NS = 0, 1, 2, 3
+FREE, CACHED, GHOST = 0, 1, 2
+# meta[...]
+# M_DHELD: the shadow's entries held under a non-default domain
+M_TICK, M_CHEAD, M_CTAIL, M_CLEN, M_GHEAD, M_GTAIL, M_GLEN, M_FREE, M_HIGH, M_BLOOM_ADDED, M_DHELD = range(11)
+N_META = 11
+# cause codes (miss_causes.CAUSES order)
+COLD, EVICTED, HASH_DOMAIN = 0, 1, 2
+
+_P1 = np.uint64(0x9E3779B97F4A7C15)
+_P2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_P3 = np.uint64(0x165667B19E3779F9)
+
+
+def new_state(num_nodes: int, bloom_bits: int) -> dict:
+    """Empty state with room for ``num_nodes`` nodes and a Bloom filter of ``bloom_bits``."""
+    n = max(int(num_nodes), 8)
+    size = _table_size(n)
+    meta = np.zeros(N_META, np.int64)
+    meta[[M_CHEAD, M_CTAIL, M_GHEAD, M_GTAIL, M_FREE]] = -1
+    return {"nodes": np.zeros((n, 4), np.int64), "links": np.full((n, 2), -1, np.int32),
+            "where": np.zeros(n, np.int8), "tkeys": np.zeros(size, np.int64),
+            "tnode": np.full(size, -1, np.int32), "dkeys": np.zeros(size, np.int64),
+            "dcount": np.zeros(size, np.int64), "meta": meta,
+            "bloom": np.zeros((max(64, int(bloom_bits)) + 7) // 8, np.uint8)}
+
+
+def _table_size(num_nodes: int) -> int:
+    """A power of two at least twice ``num_nodes`` (load factor at most 1/2)."""
+    return 1 << max(4, (2 * num_nodes - 1).bit_length())
+
+
+def grow_state(state: dict, num_nodes: int) -> dict:
+    """The same state with room for ``num_nodes`` nodes (tables rebuilt at the new size)."""
+    old = len(state["where"])
+    if num_nodes <= old:
+        return state
+    out = dict(state)
+    nodes = np.zeros((num_nodes, 4), np.int64)
+    nodes[:old] = state["nodes"]
+    links = np.full((num_nodes, 2), -1, np.int32)
+    links[:old] = state["links"]
+    where = np.zeros(num_nodes, np.int8)
+    where[:old] = state["where"]
+    size = _table_size(num_nodes)
+    out.update(nodes=nodes, links=links, where=where, tkeys=np.zeros(size, np.int64),
+               tnode=np.full(size, -1, np.int32), dkeys=np.zeros(size, np.int64),
+               dcount=np.zeros(size, np.int64))
+    _rehash(nodes, where, out["tkeys"], out["tnode"], state["dkeys"], state["dcount"],
+            out["dkeys"], out["dcount"])
+    return out
+
+
+@njit(cache=True, inline="always")
+def _slot(key, size):
+    return np.int64((np.uint64(key) * _P1) >> np.uint64(32)) & (size - 1)
+
+
+@njit(cache=True)
+def _find(tkeys, tnode, key):
+    """The node holding ``key``, or -1."""
+    size = len(tkeys)
+    i = _slot(key, size)
+    while tnode[i] >= 0:
+        if tkeys[i] == key:
+            return tnode[i]
+        i = (i + 1) & (size - 1)
+    return -1
+
+
+@njit(cache=True)
+def _put(tkeys, tnode, key, node):
+    """Map ``key`` (not in the table) to ``node``."""
+    size = len(tkeys)
+    i = _slot(key, size)
+    while tnode[i] >= 0:
+        i = (i + 1) & (size - 1)
+    tkeys[i] = key
+    tnode[i] = node
+
+
+@njit(cache=True)
+def _delete(tkeys, tval, key, empty):
+    """Remove ``key`` from a table whose empty slots hold ``empty`` in ``tval`` (backward
+    shift: no tombstones). Returns whether it was there."""
+    size = len(tkeys)
+    mask = size - 1
+    i = _slot(key, size)
+    while True:
+        if tval[i] == empty:
+            return False
+        if tkeys[i] == key:
+            break
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if tval[j] == empty:
+            break
+        k = _slot(tkeys[j], size)
+        # move j into the hole at i unless its home k lies cyclically in (i, j]
+        if (j > i and (k <= i or k > j)) or (j < i and (k <= i and k > j)):
+            tkeys[i] = tkeys[j]
+            tval[i] = tval[j]
+            i = j
+    tval[i] = empty
+    return True
+
+
+@njit(cache=True)
+def _count(dkeys, dcount, key):
+    """Entries held under a non-default domain whose plain key is ``key``."""
+    size = len(dkeys)
+    i = _slot(key, size)
+    while dcount[i] != 0:
+        if dkeys[i] == key:
+            return dcount[i]
+        i = (i + 1) & (size - 1)
+    return 0
+
+
+@njit(cache=True)
+def _add_count(dkeys, dcount, key, delta):
+    size = len(dkeys)
+    i = _slot(key, size)
+    while dcount[i] != 0:
+        if dkeys[i] == key:
+            if dcount[i] + delta == 0:
+                _delete(dkeys, dcount, key, 0)
+            else:
+                dcount[i] += delta
+            return
+        i = (i + 1) & (size - 1)
+    if delta > 0:
+        dkeys[i] = key
+        dcount[i] = delta
+
+
+@njit(cache=True)
+def _rehash(nodes, where, tkeys, tnode, old_dkeys, old_dcount, dkeys, dcount):
+    for x in range(len(where)):
+        if where[x] != FREE:
+            _put(tkeys, tnode, nodes[x, F_KEY], x)
+    for i in range(len(old_dkeys)):
+        if old_dcount[i] != 0:
+            _add_count(dkeys, dcount, old_dkeys[i], old_dcount[i])
+
+
+@njit(cache=True, inline="always")
+def _push_tail(links, meta, lst, x):
+    """Append node ``x`` to list ``lst`` (M_CHEAD or M_GHEAD: head, tail, length follow)."""
+    t = meta[lst + 1]
+    links[x, 0] = t
+    links[x, 1] = -1
+    if t >= 0:
+        links[t, 1] = x
+    else:
+        meta[lst] = x
+    meta[lst + 1] = x
+    meta[lst + 2] += 1
+
+
+@njit(cache=True, inline="always")
+def _unlink(links, meta, lst, x):
+    p = links[x, 0]
+    n = links[x, 1]
+    if p >= 0:
+        links[p, 1] = n
+    else:
+        meta[lst] = n
+    if n >= 0:
+        links[n, 0] = p
+    else:
+        meta[lst + 1] = p
+    links[x, 0] = -1
+    links[x, 1] = -1
+    meta[lst + 2] -= 1
+
+
+@njit(cache=True, inline="always")
+def _bloom_bit(key, p, nbits):
+    return np.int64(((np.uint64(key) * p) >> np.uint64(32)) % np.uint64(nbits))
+
+
+@njit(cache=True)
+def bloom_add(bloom, key):
+    """Set ``key``'s three bits (the hashes of :class:`kvdiag.analysis.miss_causes._Bloom`)."""
+    nbits = len(bloom) * 8
+    i = _bloom_bit(key, _P1, nbits)
+    bloom[i >> 3] |= np.uint8(1 << (i & 7))
+    i = _bloom_bit(key, _P2, nbits)
+    bloom[i >> 3] |= np.uint8(1 << (i & 7))
+    i = _bloom_bit(key, _P3, nbits)
+    bloom[i >> 3] |= np.uint8(1 << (i & 7))
+
+
+@njit(cache=True)
+def bloom_has(bloom, key):
+    nbits = len(bloom) * 8
+    i = _bloom_bit(key, _P1, nbits)
+    if not bloom[i >> 3] & (1 << (i & 7)):
+        return False
+    i = _bloom_bit(key, _P2, nbits)
+    if not bloom[i >> 3] & (1 << (i & 7)):
+        return False
+    i = _bloom_bit(key, _P3, nbits)
+    return (bloom[i >> 3] & (1 << (i & 7))) != 0
+
+
+@njit(cache=True)
+def classify(nodes, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain, masked, now_ns,
+             codes, dist, age_ns):
+    """A prompt's lookup at arrival: returns ``h``, its leading blocks held; for blocks
+    ``h..`` writes ``codes[j - h]`` (EVICTED, HASH_DOMAIN or COLD) and, for evicted ones, the
+    reuse distance in block references and the time since last use (-1: unknown). A block held
+    after the prefix broke carries block ``h``'s figures."""
+    n = len(keys)
+    h = 0
+    while h < n:
+        x = _find(tkeys, tnode, keys[h])
+        if x < 0 or where[x] != CACHED:
+            break
+        h += 1
+    tick = meta[M_TICK]
+    any_domain = masked or meta[M_DHELD] > 0
+    brk_dist = -1
+    brk_age = -1
+    for j in range(h, n):
+        k = j - h
+        x = _find(tkeys, tnode, keys[j])
+        if x >= 0 and where[x] == CACHED:  # held, but its prefix broke before it
+            codes[k] = EVICTED
+            dist[k] = brk_dist
+            age_ns[k] = brk_age
+            continue
+        dist[k] = -1
+        age_ns[k] = -1
+        if x >= 0:  # in the evicted-key history
+            codes[k] = EVICTED
+            dist[k] = tick - nodes[x, F_TICK]
+            age_ns[k] = max(now_ns - nodes[x, F_NS], 0)
+        elif meta[M_BLOOM_ADDED] > 0 and bloom_has(bloom, keys[j]):
+            codes[k] = EVICTED
+        else:
+            codes[k] = COLD
+            if any_domain:
+                y = _find(tkeys, tnode, plain[j]) if masked else -1
+                if (y >= 0 and where[y] == CACHED) or _count(dkeys, dcount, plain[j]) > 0:
+                    codes[k] = HASH_DOMAIN
+            continue
+        if j == h:
+            brk_dist = dist[k]
+            brk_age = age_ns[k]
+    return h
+
+
+@njit(cache=True)
+def touch(nodes, links, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain, masked,
+          now_ns, cap, ghost_cap):
+    """Touch or insert each block in order (LRU at ``cap`` entries, ``cap`` > 0): a block held
+    moves to the newest end; a new one first evicts the oldest entries until there is room,
+    each to the evicted-key history (``ghost_cap`` keys; the oldest beyond it to the Bloom
+    filter). The caller leaves room for ``len(keys)`` new nodes."""
+    tick = meta[M_TICK]
+    for j in range(len(keys)):
+        d = keys[j]
+        tick += 1
+        x = _find(tkeys, tnode, d)
+        if x >= 0 and where[x] == CACHED:
+            _unlink(links, meta, M_CHEAD, x)
+            _push_tail(links, meta, M_CHEAD, x)
+            nodes[x, F_PLAIN] = plain[j]
+            nodes[x, F_TICK] = tick
+            nodes[x, F_NS] = now_ns
+            continue
+        while meta[M_CLEN] >= cap:
+            old = meta[M_CHEAD]
+            _unlink(links, meta, M_CHEAD, old)
+            if nodes[old, F_KEY] != nodes[old, F_PLAIN]:
+                _add_count(dkeys, dcount, nodes[old, F_PLAIN], -1)
+                meta[M_DHELD] -= 1
+            where[old] = GHOST
+            _push_tail(links, meta, M_GHEAD, old)
+            if meta[M_GLEN] > ghost_cap:
+                g = meta[M_GHEAD]
+                _unlink(links, meta, M_GHEAD, g)
+                bloom_add(bloom, nodes[g, F_KEY])
+                meta[M_BLOOM_ADDED] += 1
+                _delete(tkeys, tnode, nodes[g, F_KEY], -1)
+                where[g] = FREE
+                links[g, 1] = meta[M_FREE]
+                meta[M_FREE] = g
+        x = _find(tkeys, tnode, d)  # the history may have just let it go
+        if x >= 0:
+            _unlink(links, meta, M_GHEAD, x)
+        else:
+            x = meta[M_FREE]
+            if x >= 0:
+                meta[M_FREE] = links[x, 1]
+                links[x, 1] = -1
+            else:
+                x = meta[M_HIGH]
+                meta[M_HIGH] += 1
+            _put(tkeys, tnode, d, x)
+        where[x] = CACHED
+        _push_tail(links, meta, M_CHEAD, x)
+        nodes[x, F_KEY] = d
+        nodes[x, F_PLAIN] = plain[j]
+        nodes[x, F_TICK] = tick
+        nodes[x, F_NS] = now_ns
+        if masked:
+            _add_count(dkeys, dcount, plain[j], 1)
+            meta[M_DHELD] += 1
+    meta[M_TICK] = tick
