@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvdiag.analysis._misskernels import M_BLOOM_ADDED
 from kvdiag.analysis.miss_causes import COLD, EVICTED, HASH_DOMAIN, MissCauseFold
 from kvdiag.eventlog import iter_events, read_header
 from kvdiag.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
@@ -70,6 +71,11 @@ class RefShadow:
             if j == h and codes[-1] == EVICTED:
                 brk = info
         return h, bytes(codes), np.array(dist, np.int64), np.array(age, np.int64)
+
+    def arrive(self, dkeys, keys, masked, now_ns):
+        out = self.classify(dkeys, keys, masked, now_ns)
+        self.touch(dkeys, keys, masked, now_ns)
+        return out
 
     def touch(self, dkeys, keys, masked, now_ns) -> None:
         for d, k in zip(dkeys.tolist(), keys.tolist()):
@@ -171,7 +177,7 @@ def test_a_long_stream_with_keys_falling_off_the_history_equals_the_reference():
                                    output_tokens=1, cached_prompt_tokens=16 * rnd.randrange(3))]
         t += 10
     got, fold = _requests(MissCauseFold, events, ghost_factor=1)
-    assert fold._shadow.state["meta"][9] > 1000  # M_BLOOM_ADDED: many keys fell off the history
+    assert fold._shadow.state["meta"][M_BLOOM_ADDED] > 1000  # many keys fell off the history
     assert any(r.evicted and r.evicted[0][0] is None for r in got)
     assert _same(events, ghost_factor=1) == 600
 

@@ -21,8 +21,9 @@ from kvdiag.paths import use_numba_cache_dir
 
 use_numba_cache_dir()  # read by numba when each function is decorated
 
-# node fields: nodes[i, F_*] (int64), links[i, 0/1] (prev, next; int32), where[i]
-F_KEY, F_PLAIN, F_TICK, F_NS = 0, 1, 2, 3
+# node fields: nodes[i, F_*], one 64-byte row per node
+F_KEY, F_PLAIN, F_TICK, F_NS, F_PREV, F_NEXT, F_WHERE = range(7)
+N_FIELDS = 8
 FREE, CACHED, GHOST = 0, 1, 2
 # meta[...]
 # M_DHELD: the shadow's entries held under a non-default domain
@@ -42,11 +43,25 @@ def new_state(num_nodes: int, bloom_bits: int) -> dict:
     size = _table_size(n)
     meta = np.zeros(N_META, np.int64)
     meta[[M_CHEAD, M_CTAIL, M_GHEAD, M_GTAIL, M_FREE]] = -1
-    return {"nodes": np.zeros((n, 4), np.int64), "links": np.full((n, 2), -1, np.int32),
-            "where": np.zeros(n, np.int8), "tkeys": np.zeros(size, np.int64),
-            "tnode": np.full(size, -1, np.int32), "dkeys": np.zeros(size, np.int64),
-            "dcount": np.zeros(size, np.int64), "meta": meta,
-            "bloom": np.zeros((max(64, int(bloom_bits)) + 7) // 8, np.uint8)}
+    return {"nodes": _new_nodes(n), "table": _new_table(size, -1), "domains": _new_table(size, 0),
+            "meta": meta, "bloom": np.zeros((max(64, int(bloom_bits)) + 7) // 8, np.uint8)}
+
+
+def _new_nodes(n: int) -> np.ndarray:
+    """``n`` free nodes, rows aligned to 64 bytes (a node is one cache line)."""
+    nbytes = n * N_FIELDS * 8
+    buf = np.zeros(nbytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    nodes = buf[off:off + nbytes].view(np.int64).reshape(n, N_FIELDS)
+    nodes[:, F_PREV:F_NEXT + 1] = -1
+    return nodes
+
+
+def _new_table(size: int, empty: int) -> np.ndarray:
+    """An open-addressing table: rows (key, value), ``value == empty`` marks a free slot."""
+    table = np.zeros((size, 2), np.int64)
+    table[:, 1] = empty
+    return table
 
 
 def _table_size(num_nodes: int) -> int:
@@ -56,22 +71,15 @@ def _table_size(num_nodes: int) -> int:
 
 def grow_state(state: dict, num_nodes: int) -> dict:
     """The same state with room for ``num_nodes`` nodes (tables rebuilt at the new size)."""
-    old = len(state["where"])
+    old = len(state["nodes"])
     if num_nodes <= old:
         return state
     out = dict(state)
-    nodes = np.zeros((num_nodes, 4), np.int64)
+    nodes = _new_nodes(num_nodes)
     nodes[:old] = state["nodes"]
-    links = np.full((num_nodes, 2), -1, np.int32)
-    links[:old] = state["links"]
-    where = np.zeros(num_nodes, np.int8)
-    where[:old] = state["where"]
     size = _table_size(num_nodes)
-    out.update(nodes=nodes, links=links, where=where, tkeys=np.zeros(size, np.int64),
-               tnode=np.full(size, -1, np.int32), dkeys=np.zeros(size, np.int64),
-               dcount=np.zeros(size, np.int64))
-    _rehash(nodes, where, out["tkeys"], out["tnode"], state["dkeys"], state["dcount"],
-            out["dkeys"], out["dcount"])
+    out.update(nodes=nodes, table=_new_table(size, -1), domains=_new_table(size, 0))
+    _rehash(nodes, out["table"], state["domains"], out["domains"])
     return out
 
 
@@ -81,103 +89,103 @@ def _slot(key, size):
 
 
 @njit(cache=True)
-def _find(tkeys, tnode, key):
+def _find(table, key):
     """The node holding ``key``, or -1."""
-    size = len(tkeys)
-    i = _slot(key, size)
-    while tnode[i] >= 0:
-        if tkeys[i] == key:
-            return tnode[i]
-        i = (i + 1) & (size - 1)
+    mask = len(table) - 1
+    i = _slot(key, len(table))
+    while table[i, 1] >= 0:
+        if table[i, 0] == key:
+            return table[i, 1]
+        i = (i + 1) & mask
     return -1
 
 
 @njit(cache=True)
-def _put(tkeys, tnode, key, node):
+def _put(table, key, node):
     """Map ``key`` (not in the table) to ``node``."""
-    size = len(tkeys)
-    i = _slot(key, size)
-    while tnode[i] >= 0:
-        i = (i + 1) & (size - 1)
-    tkeys[i] = key
-    tnode[i] = node
+    mask = len(table) - 1
+    i = _slot(key, len(table))
+    while table[i, 1] >= 0:
+        i = (i + 1) & mask
+    table[i, 0] = key
+    table[i, 1] = node
 
 
 @njit(cache=True)
-def _delete(tkeys, tval, key, empty):
-    """Remove ``key`` from a table whose empty slots hold ``empty`` in ``tval`` (backward
-    shift: no tombstones). Returns whether it was there."""
-    size = len(tkeys)
+def _delete(table, key, empty):
+    """Remove ``key`` from a table whose free slots hold ``empty`` (backward shift: no
+    tombstones). Returns whether it was there."""
+    size = len(table)
     mask = size - 1
     i = _slot(key, size)
     while True:
-        if tval[i] == empty:
+        if table[i, 1] == empty:
             return False
-        if tkeys[i] == key:
+        if table[i, 0] == key:
             break
         i = (i + 1) & mask
     j = i
     while True:
         j = (j + 1) & mask
-        if tval[j] == empty:
+        if table[j, 1] == empty:
             break
-        k = _slot(tkeys[j], size)
+        k = _slot(table[j, 0], size)
         # move j into the hole at i unless its home k lies cyclically in (i, j]
         if (j > i and (k <= i or k > j)) or (j < i and (k <= i and k > j)):
-            tkeys[i] = tkeys[j]
-            tval[i] = tval[j]
+            table[i, 0] = table[j, 0]
+            table[i, 1] = table[j, 1]
             i = j
-    tval[i] = empty
+    table[i, 1] = empty
     return True
 
 
 @njit(cache=True)
-def _count(dkeys, dcount, key):
+def _count(domains, key):
     """Entries held under a non-default domain whose plain key is ``key``."""
-    size = len(dkeys)
-    i = _slot(key, size)
-    while dcount[i] != 0:
-        if dkeys[i] == key:
-            return dcount[i]
-        i = (i + 1) & (size - 1)
+    mask = len(domains) - 1
+    i = _slot(key, len(domains))
+    while domains[i, 1] != 0:
+        if domains[i, 0] == key:
+            return domains[i, 1]
+        i = (i + 1) & mask
     return 0
 
 
 @njit(cache=True)
-def _add_count(dkeys, dcount, key, delta):
-    size = len(dkeys)
-    i = _slot(key, size)
-    while dcount[i] != 0:
-        if dkeys[i] == key:
-            if dcount[i] + delta == 0:
-                _delete(dkeys, dcount, key, 0)
+def _add_count(domains, key, delta):
+    mask = len(domains) - 1
+    i = _slot(key, len(domains))
+    while domains[i, 1] != 0:
+        if domains[i, 0] == key:
+            if domains[i, 1] + delta == 0:
+                _delete(domains, key, 0)
             else:
-                dcount[i] += delta
+                domains[i, 1] += delta
             return
-        i = (i + 1) & (size - 1)
+        i = (i + 1) & mask
     if delta > 0:
-        dkeys[i] = key
-        dcount[i] = delta
+        domains[i, 0] = key
+        domains[i, 1] = delta
 
 
 @njit(cache=True)
-def _rehash(nodes, where, tkeys, tnode, old_dkeys, old_dcount, dkeys, dcount):
-    for x in range(len(where)):
-        if where[x] != FREE:
-            _put(tkeys, tnode, nodes[x, F_KEY], x)
-    for i in range(len(old_dkeys)):
-        if old_dcount[i] != 0:
-            _add_count(dkeys, dcount, old_dkeys[i], old_dcount[i])
+def _rehash(nodes, table, old_domains, domains):
+    for x in range(len(nodes)):
+        if nodes[x, F_WHERE] != FREE:
+            _put(table, nodes[x, F_KEY], x)
+    for i in range(len(old_domains)):
+        if old_domains[i, 1] != 0:
+            _add_count(domains, old_domains[i, 0], old_domains[i, 1])
 
 
 @njit(cache=True, inline="always")
-def _push_tail(links, meta, lst, x):
+def _push_tail(nodes, meta, lst, x):
     """Append node ``x`` to list ``lst`` (M_CHEAD or M_GHEAD: head, tail, length follow)."""
     t = meta[lst + 1]
-    links[x, 0] = t
-    links[x, 1] = -1
+    nodes[x, F_PREV] = t
+    nodes[x, F_NEXT] = -1
     if t >= 0:
-        links[t, 1] = x
+        nodes[t, F_NEXT] = x
     else:
         meta[lst] = x
     meta[lst + 1] = x
@@ -185,19 +193,19 @@ def _push_tail(links, meta, lst, x):
 
 
 @njit(cache=True, inline="always")
-def _unlink(links, meta, lst, x):
-    p = links[x, 0]
-    n = links[x, 1]
+def _unlink(nodes, meta, lst, x):
+    p = nodes[x, F_PREV]
+    n = nodes[x, F_NEXT]
     if p >= 0:
-        links[p, 1] = n
+        nodes[p, F_NEXT] = n
     else:
         meta[lst] = n
     if n >= 0:
-        links[n, 0] = p
+        nodes[n, F_PREV] = p
     else:
         meta[lst + 1] = p
-    links[x, 0] = -1
-    links[x, 1] = -1
+    nodes[x, F_PREV] = -1
+    nodes[x, F_NEXT] = -1
     meta[lst + 2] -= 1
 
 
@@ -232,8 +240,7 @@ def bloom_has(bloom, key):
 
 
 @njit(cache=True)
-def classify(nodes, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain, masked, now_ns,
-             codes, dist, age_ns):
+def classify(nodes, table, domains, meta, bloom, keys, plain, masked, now_ns, codes, dist, age_ns):
     """A prompt's lookup at arrival: returns ``h``, its leading blocks held; for blocks
     ``h..`` writes ``codes[j - h]`` (EVICTED, HASH_DOMAIN or COLD) and, for evicted ones, the
     reuse distance in block references and the time since last use (-1: unknown). A block held
@@ -241,8 +248,8 @@ def classify(nodes, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain
     n = len(keys)
     h = 0
     while h < n:
-        x = _find(tkeys, tnode, keys[h])
-        if x < 0 or where[x] != CACHED:
+        x = _find(table, keys[h])
+        if x < 0 or nodes[x, F_WHERE] != CACHED:
             break
         h += 1
     tick = meta[M_TICK]
@@ -251,8 +258,8 @@ def classify(nodes, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain
     brk_age = -1
     for j in range(h, n):
         k = j - h
-        x = _find(tkeys, tnode, keys[j])
-        if x >= 0 and where[x] == CACHED:  # held, but its prefix broke before it
+        x = _find(table, keys[j])
+        if x >= 0 and nodes[x, F_WHERE] == CACHED:  # held, but its prefix broke before it
             codes[k] = EVICTED
             dist[k] = brk_dist
             age_ns[k] = brk_age
@@ -268,8 +275,8 @@ def classify(nodes, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain
         else:
             codes[k] = COLD
             if any_domain:
-                y = _find(tkeys, tnode, plain[j]) if masked else -1
-                if (y >= 0 and where[y] == CACHED) or _count(dkeys, dcount, plain[j]) > 0:
+                y = _find(table, plain[j]) if masked else -1
+                if (y >= 0 and nodes[y, F_WHERE] == CACHED) or _count(domains, plain[j]) > 0:
                     codes[k] = HASH_DOMAIN
             continue
         if j == h:
@@ -279,8 +286,7 @@ def classify(nodes, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain
 
 
 @njit(cache=True)
-def touch(nodes, links, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, plain, masked,
-          now_ns, cap, ghost_cap):
+def touch(nodes, table, domains, meta, bloom, keys, plain, masked, now_ns, cap, ghost_cap):
     """Touch or insert each block in order (LRU at ``cap`` entries, ``cap`` > 0): a block held
     moves to the newest end; a new one first evicts the oldest entries until there is room,
     each to the evicted-key history (``ghost_cap`` keys; the oldest beyond it to the Bloom
@@ -289,50 +295,63 @@ def touch(nodes, links, where, tkeys, tnode, dkeys, dcount, meta, bloom, keys, p
     for j in range(len(keys)):
         d = keys[j]
         tick += 1
-        x = _find(tkeys, tnode, d)
-        if x >= 0 and where[x] == CACHED:
-            _unlink(links, meta, M_CHEAD, x)
-            _push_tail(links, meta, M_CHEAD, x)
+        x = _find(table, d)
+        if x >= 0 and nodes[x, F_WHERE] == CACHED:
+            _unlink(nodes, meta, M_CHEAD, x)
+            _push_tail(nodes, meta, M_CHEAD, x)
             nodes[x, F_PLAIN] = plain[j]
             nodes[x, F_TICK] = tick
             nodes[x, F_NS] = now_ns
             continue
         while meta[M_CLEN] >= cap:
             old = meta[M_CHEAD]
-            _unlink(links, meta, M_CHEAD, old)
+            _unlink(nodes, meta, M_CHEAD, old)
             if nodes[old, F_KEY] != nodes[old, F_PLAIN]:
-                _add_count(dkeys, dcount, nodes[old, F_PLAIN], -1)
+                _add_count(domains, nodes[old, F_PLAIN], -1)
                 meta[M_DHELD] -= 1
-            where[old] = GHOST
-            _push_tail(links, meta, M_GHEAD, old)
+            nodes[old, F_WHERE] = GHOST
+            _push_tail(nodes, meta, M_GHEAD, old)
             if meta[M_GLEN] > ghost_cap:
                 g = meta[M_GHEAD]
-                _unlink(links, meta, M_GHEAD, g)
+                _unlink(nodes, meta, M_GHEAD, g)
                 bloom_add(bloom, nodes[g, F_KEY])
                 meta[M_BLOOM_ADDED] += 1
-                _delete(tkeys, tnode, nodes[g, F_KEY], -1)
-                where[g] = FREE
-                links[g, 1] = meta[M_FREE]
+                _delete(table, nodes[g, F_KEY], -1)
+                nodes[g, F_WHERE] = FREE
+                nodes[g, F_NEXT] = meta[M_FREE]
                 meta[M_FREE] = g
-        x = _find(tkeys, tnode, d)  # the history may have just let it go
-        if x >= 0:
-            _unlink(links, meta, M_GHEAD, x)
+                if g == x:  # the history just let it go
+                    x = -1
+        if x >= 0:  # back from the evicted-key history
+            _unlink(nodes, meta, M_GHEAD, x)
         else:
             x = meta[M_FREE]
             if x >= 0:
-                meta[M_FREE] = links[x, 1]
-                links[x, 1] = -1
+                meta[M_FREE] = nodes[x, F_NEXT]
+                nodes[x, F_NEXT] = -1
             else:
                 x = meta[M_HIGH]
                 meta[M_HIGH] += 1
-            _put(tkeys, tnode, d, x)
-        where[x] = CACHED
-        _push_tail(links, meta, M_CHEAD, x)
+            _put(table, d, x)
+        nodes[x, F_WHERE] = CACHED
+        _push_tail(nodes, meta, M_CHEAD, x)
         nodes[x, F_KEY] = d
         nodes[x, F_PLAIN] = plain[j]
         nodes[x, F_TICK] = tick
         nodes[x, F_NS] = now_ns
         if masked:
-            _add_count(dkeys, dcount, plain[j], 1)
+            _add_count(domains, plain[j], 1)
             meta[M_DHELD] += 1
     meta[M_TICK] = tick
+
+
+@njit(cache=True)
+def arrive(nodes, table, domains, meta, bloom, keys, plain, masked, now_ns, cap, ghost_cap,
+           codes, dist, age_ns):
+    """:func:`classify` then, with ``cap`` > 0, :func:`touch` (else the clock advances)."""
+    h = classify(nodes, table, domains, meta, bloom, keys, plain, masked, now_ns, codes, dist, age_ns)
+    if cap > 0:
+        touch(nodes, table, domains, meta, bloom, keys, plain, masked, now_ns, cap, ghost_cap)
+    else:
+        meta[M_TICK] += len(keys)
+    return h

@@ -150,33 +150,36 @@ class _Shadow:
         """Evicted keys remembered with their last use."""
         return int(self.state["meta"][K.M_GLEN])
 
-    def classify(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int):
-        """(h, codes, distances, ages) of a prompt's lookup (:func:`_misskernels.classify`)."""
-        st = self.state
+    def arrive(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int):
+        """A prompt's lookup then its touches: (h, codes, distances, ages) of blocks ``h..``
+        (:func:`_misskernels.arrive`)."""
         n = len(dkeys)
+        st = self._room(n)
         codes = np.empty(n, np.int8)
         dist = np.empty(n, np.int64)
         age = np.empty(n, np.int64)
-        h = K.classify(st["nodes"], st["where"], st["tkeys"], st["tnode"], st["dkeys"],
-                       st["dcount"], st["meta"], st["bloom"], dkeys, keys, masked, now_ns,
-                       codes, dist, age)
+        h = K.arrive(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys,
+                     masked, now_ns, self.capacity_blocks, self.history_keys, codes, dist, age)
         return h, codes[:n - h].tobytes(), dist[:n - h], age[:n - h]
 
     def touch(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int) -> None:
         """Touch or insert each block in order (:func:`_misskernels.touch`)."""
-        st = self.state
-        n = len(dkeys)
         if self.capacity_blocks <= 0:
-            st["meta"][K.M_TICK] += n
+            self.state["meta"][K.M_TICK] += len(dkeys)
             return
+        st = self._room(len(dkeys))
+        K.touch(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys, masked,
+                now_ns, self.capacity_blocks, self.history_keys)
+
+    def _room(self, n: int) -> dict:
+        """The state, grown to hold ``n`` more nodes where it could not."""
+        st = self.state
         meta = st["meta"]
         need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
-        size = len(st["where"])
+        size = len(st["nodes"])
         if need > size:
             st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
-        K.touch(st["nodes"], st["links"], st["where"], st["tkeys"], st["tnode"], st["dkeys"],
-                st["dcount"], meta, st["bloom"], dkeys, keys, masked, now_ns,
-                self.capacity_blocks, self.history_keys)
+        return st
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,9 +379,7 @@ class MissCauseFold:
         domain = getattr(ev, "cache_domain", None)
         mask = _domain_mask(domain)
         dkeys = keys ^ mask if mask else keys
-        shadow = self._shadow
-        h, codes, dist, age = shadow.classify(dkeys, keys, bool(mask), ev.ts_ns)
-        shadow.touch(dkeys, keys, bool(mask), ev.ts_ns)
+        h, codes, dist, age = self._shadow.arrive(dkeys, keys, bool(mask), ev.ts_ns)
         self._live[ev.request_id] = _Live(content, domain, codes, dist, age, h, keys, dkeys)
 
     def _finished(self, ev: RequestFinished) -> None:
@@ -400,18 +401,17 @@ class MissCauseFold:
             tokens[BELOW_BLOCK] += prompt - tail_start
             codes = live.codes
             j = start // bs
+            held_end = min(h, full)
+            if j < held_end:  # blocks the shadow held: one cause, but a block-aligned last one
+                n = held_end * bs - start
+                if held_end == full and prompt % bs == 0:
+                    last = full * bs - max((full - 1) * bs, start)
+                    tokens[BELOW_BLOCK] += last
+                    n -= last
+                tokens[PREEMPTION if live.preempted and not self.first_admission else ENGINE_SKIP] += n
+                j = held_end
             while j < full:
                 n = (j + 1) * bs - max(j * bs, start)
-                if j < h:
-                    if j == full - 1 and prompt % bs == 0:
-                        cause = BELOW_BLOCK
-                    elif live.preempted and not self.first_admission:
-                        cause = PREEMPTION
-                    else:
-                        cause = ENGINE_SKIP
-                    tokens[cause] += n
-                    j += 1
-                    continue
                 if n == bs:  # whole blocks from here on: counted by code, evicted ones listed
                     lo = j - h
                     hi = max(lo, min(full - h, len(codes)))
