@@ -14,6 +14,9 @@ plain Python. Compiled code is cached like :mod:`kvdiag.analysis._simkernels`'.
 
 from __future__ import annotations
 
+import threading
+from typing import Optional
+
 import numpy as np
 from numba import njit
 
@@ -355,3 +358,33 @@ def arrive(nodes, table, domains, meta, bloom, keys, plain, masked, now_ns, cap,
     else:
         meta[M_TICK] += len(keys)
     return h
+
+
+_warm_lock = threading.Lock()
+_warm_thread: Optional[threading.Thread] = None
+
+
+def warm_up_in_background() -> None:
+    """Load the kernels (from numba's cache, else compile them: seconds, once per machine) in a
+    background thread, once per process, so that a live view started now does not wait for them
+    when its first request arrives (a call before they are ready waits for the rest)."""
+    global _warm_thread
+    with _warm_lock:
+        if _warm_thread is None:
+            _warm_thread = threading.Thread(target=_warm_up, name="kvdiag-miss-kernels", daemon=True)
+            _warm_thread.start()
+
+
+def _warm_up() -> None:
+    """Each kernel called from Python once, on a small state, with the argument types the fold
+    passes (numba keeps one compiled version per type signature)."""
+    try:
+        st = new_state(8, 64)
+        keys = np.arange(1, 5, dtype=np.int64)
+        n = len(keys)
+        arrive(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], keys, keys, False,
+               1, 2, 2, np.empty(n, np.int8), np.empty(n, np.int64), np.empty(n, np.int64))
+        touch(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], keys, keys, False, 1, 2, 2)
+        grow_state(st, 16)
+    except Exception:  # the fold's own call compiles them then, or reports its error
+        pass

@@ -135,7 +135,7 @@ class _Shadow:
         self._max_nodes = max(self.capacity_blocks, 0) + self.history_keys + 1
         self.state = K.new_state(min(self._max_nodes, 1024), 8)
         self.state["bloom"] = self.bloom.a
-        self._empty = np.zeros(0, np.int64)
+        self._full_size = len(self.state["nodes"]) >= self._max_nodes  # never grows again
 
     @property
     def tick(self) -> int:
@@ -174,11 +174,14 @@ class _Shadow:
     def _room(self, n: int) -> dict:
         """The state, grown to hold ``n`` more nodes where it could not."""
         st = self.state
+        if self._full_size:
+            return st
         meta = st["meta"]
         need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
         size = len(st["nodes"])
         if need > size:
             st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
+            self._full_size = len(st["nodes"]) >= self._max_nodes
         return st
 
 
@@ -216,18 +219,24 @@ class MissTally:
     evicted_unknown_tokens: int = 0
 
     def add(self, r: RequestMisses) -> None:
+        self.count(r.prompt_tokens, r.cached_prompt_tokens, r.missed_tokens, r.tokens, r.evicted)
+
+    def count(self, prompt_tokens: int, cached_tokens: int, missed_tokens: int, tokens, evicted) -> None:
+        """:meth:`add` of a request given by its fields (as :class:`RequestMisses` names them)."""
         self.requests += 1
-        self.prompt_tokens += r.prompt_tokens
-        self.cached_tokens += r.cached_prompt_tokens
-        self.missed_tokens += r.missed_tokens
-        for i, n in enumerate(r.tokens):
-            self.tokens[i] += n
-        for reuse, age_ns, n in r.evicted:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.missed_tokens += missed_tokens
+        mine = self.tokens
+        for i, n in enumerate(tokens):
+            mine[i] += n
+        last = REUSE_BINS - 1
+        for reuse, age_ns, n in evicted:
             if reuse is None:
                 self.evicted_unknown_tokens += n
-            else:
-                self.reuse_hist[_bin(reuse)] += n
-                self.age_ms_hist[_bin(age_ns // 1_000_000)] += n
+            else:  # _bin, inline
+                self.reuse_hist[min(int(reuse).bit_length(), last)] += n
+                self.age_ms_hist[min(int(age_ns // 1_000_000).bit_length(), last)] += n
 
     def by_cause(self) -> dict[str, int]:
         return dict(zip(CAUSES, self.tokens))
@@ -292,6 +301,7 @@ class MissCauseFold:
         self._live: dict[str, _Live] = {}
         self._before_pool: Optional[list[Event]] = []
         self.errors = 0
+        K.warm_up_in_background()  # the shadow's kernels are loaded by the time requests arrive
 
     def set_engine(self, engine: str) -> None:
         """The engine's name (a log header's ``engine``): vLLM counts cached tokens at a
@@ -442,12 +452,14 @@ class MissCauseFold:
         if tokens is None:
             tokens = [0] * len(CAUSES)
             tokens[UNKNOWN] = missed
+        if self.on_request is None:  # the tally alone: no record to build
+            self.tally.count(prompt, cached, missed, tokens, evicted)
+            return
         rec = RequestMisses(ts_ns=ev.ts_ns, request_id=str(ev.request_id), prompt_tokens=prompt,
                             cached_prompt_tokens=cached, missed_tokens=missed, tokens=tuple(tokens),
                             evicted=tuple(evicted), status=ev.status, shadow_hit_tokens=shadow_hit_tokens)
         self.tally.add(rec)
-        if self.on_request is not None:
-            self.on_request(rec)
+        self.on_request(rec)
 
     def _store_finished(self, live: _Live, now_ns: int) -> None:
         """Touch or insert the full blocks of the prompt and generated tokens (no lookup)."""
