@@ -56,6 +56,12 @@ Memory: per live request its blocks' causes at arrival; per content key the shad
 from cold beyond that (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M
 keys fallen off the history per MiB of filter, the default).
 
+Speed: the shadow is arrays and its per-block loops are compiled (numba,
+:mod:`kvdiag.analysis._misskernels`; a plain-Python reference in
+tests/test_miss_causes_reference.py gives the same causes), two kernel calls per request. They
+load in a background thread from the fold's creation: from numba's cache in well under a
+second, or compiled the first time on a machine (seconds; a request that arrives before waits).
+
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
 the doctor and the report replay a log through it (:func:`miss_causes_of_events`).
 """
