@@ -91,10 +91,6 @@ _MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
 _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
 
 
-def _bin(v: int) -> int:
-    return min(int(v).bit_length(), REUSE_BINS - 1)
-
-
 def _domain_mask(domain: Optional[str]) -> int:
     """The 63-bit mask that moves a content key into ``domain`` (0: the default domain)."""
     if not domain:
@@ -240,7 +236,7 @@ class MissTally:
         for reuse, age_ns, n in evicted:
             if reuse is None:
                 self.evicted_unknown_tokens += n
-            else:  # _bin, inline
+            else:  # the log2 bin (REUSE_BINS)
                 self.reuse_hist[min(int(reuse).bit_length(), last)] += n
                 self.age_ms_hist[min(int(age_ns // 1_000_000).bit_length(), last)] += n
 
