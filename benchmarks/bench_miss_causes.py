@@ -1,4 +1,4 @@
-"""Cost of the miss-cause fold (kvdiag.analysis.miss_causes) on the live path, events/s on one
+"""Cost of the miss-cause fold (kvdiag.diagnosis.miss_causes) on the live path, events/s on one
 core, on the vLLM-shaped stream of benchmarks/vllm_stream.py (CONSTRUCTED DATA):
 
 - ``fold, stream as is``: ``MissCauseFold.feed`` over the stream (its arrivals carry no content:
@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import msgspec  # noqa: E402
 
-from kvdiag import schema as s  # noqa: E402
-from kvdiag.analysis.miss_causes import MissCauseFold  # noqa: E402
+from kvdiag.events import schema as s  # noqa: E402
+from kvdiag.diagnosis.miss_causes import MissCauseFold  # noqa: E402
 from kvdiag.live import state as live_state  # noqa: E402
 from kvdiag.live.state import LiveState  # noqa: E402
 from vllm_stream import BLOCK_TOKENS, events  # noqa: E402

@@ -7,14 +7,14 @@ import json
 import math
 import sys
 
-from kvdiag.analysis import rules
+from kvdiag.diagnosis import rules
 from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S, NO_ENGINE_EXIT
 from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
                                    skipped_lines, tell_skipped)
 from kvdiag.paths import open_private
 
 DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts
-are these same rules over the events it has seen (kvdiag/analysis/rules.py defines them):
+are these same rules over the events it has seen (kvdiag/diagnosis/rules.py defines them):
 
 latency       printed first: TTFT, TPOT (inter-token), queue wait and end to end of finished
               requests (count, P50, P99), arrival vs completion rate; latency.queueing warns
@@ -39,7 +39,7 @@ engine        the engine's own numbers against kvdiag's recount (engine.number_t
               counter stuck at 0
 misses        why prompt tokens missed the engine's prefix cache, per --miss-window-s window:
               cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown
-              (kvdiag/analysis/miss_causes.py defines each); they sum to the engine's missed tokens
+              (kvdiag/diagnosis/miss_causes.py defines each); they sum to the engine's missed tokens
 
 With --snapshot FILE (a torch.cuda.memory._snapshot() pickle or kvdiag's JSON of one, alone or
 with LOGs) the allocator fragmentation rule also reads the snapshot; the file is untrusted:
@@ -91,9 +91,9 @@ def _clean(x):
 def _snapshot(path: str):
     """(summary, fragmentation finding) of a snapshot file; raises ``ValueError`` with a
     one-line message naming the file."""
-    from kvdiag.analysis.fragmentation import (SnapshotInvariantError, allocator_fragmentation_finding,
+    from kvdiag.diagnosis.fragmentation import (SnapshotInvariantError, allocator_fragmentation_finding,
                                                snapshot_summary)
-    from kvdiag.snapshot_io import load_snapshot
+    from kvdiag.events.snapshot_io import load_snapshot
     snap = load_snapshot(path)  # SnapshotLoadError: "path: ..."
     try:
         return snapshot_summary(snap), allocator_fragmentation_finding(snap)
@@ -102,7 +102,7 @@ def _snapshot(path: str):
 
 
 def _write_prometheus_rules(target: str) -> int:
-    from kvdiag.prom_rules import rules_yaml
+    from kvdiag.prometheus.alert_rules import rules_yaml
     text = rules_yaml()
     if target == "-":
         sys.stdout.write(text)
@@ -143,17 +143,17 @@ def run(args: argparse.Namespace) -> int:
         except LogFormatError as exc:
             return fail("doctor", str(exc))
         tell_skipped("doctor", problems)
-        from kvdiag.analysis.doctor import run_rules
-        from kvdiag.analysis.user_latency import summarize
-        from kvdiag.analysis.miss_causes import miss_causes_of_logs
+        from kvdiag.diagnosis.doctor import run_rules
+        from kvdiag.diagnosis.user_latency import summarize
+        from kvdiag.diagnosis.miss_causes import miss_causes_of_logs
         findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
         lat = summarize(logs)
         misses = miss_causes_of_logs(logs, window_s=max(args.miss_window_s, 1e-3))
         if args.json:
-            from kvdiag.analysis.fleet import fleet_for
+            from kvdiag.diagnosis.fleet import fleet_for
             from kvdiag.commands._logs import expand
             fleet = fleet_for(expand(args.logs), logs.nodes)
-    from kvdiag.analysis.findings import worst
+    from kvdiag.diagnosis.findings import worst
     findings += [snapshot[1]] if snapshot else []
     status = worst(findings)
     try:
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _checklist(findings) -> list[dict]:
     """The article's P99 checklist: each question, the rule answering it, status, measured."""
-    from kvdiag.analysis.doctor import p99_checklist
+    from kvdiag.diagnosis.doctor import p99_checklist
     return [{"question": q, "rule": f.rule, "status": f.status, "measured": f.message}
             for q, f in p99_checklist(findings)]
 
@@ -219,7 +219,7 @@ def _print_misses(misses: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvdiag.analysis.miss_causes import CAUSES
+    from kvdiag.diagnosis.miss_causes import CAUSES
     console = Console(width=max(Console().width, 120))
     for node, m in misses.items():
         title = (f"Why prompt tokens missed the prefix cache ({node}; shadow LRU at "
@@ -244,11 +244,11 @@ def _print_misses(misses: dict) -> None:
 
 
 def _print_latency(console, summary, queueing, style) -> None:
-    """The latency table (:mod:`kvdiag.analysis.user_latency`), the rates and the queueing verdict."""
+    """The latency table (:mod:`kvdiag.diagnosis.user_latency`), the rates and the queueing verdict."""
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.analysis.user_latency import rates_line, rows
+    from kvdiag.diagnosis.user_latency import rates_line, rows
     t = Table(title="Latency of finished requests (as users saw it)")
     shown = rows(summary)
     multi = len({r["node"] for r in shown}) > 1

@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widget import Widget
 
-from kvdiag.analysis.rules import FRAGMENTATION_LIMIT, within_fragmentation_limit
+from kvdiag.diagnosis.rules import FRAGMENTATION_LIMIT, within_fragmentation_limit
 from kvdiag.live.snapshot import LOCALITY_METRICS, Snapshot
 from kvdiag.tui.render import (
     NA,
@@ -213,7 +213,7 @@ class SharingPanel(Panel):
 
 def _misses_line(sh) -> Text:
     """``missed N tok: cause share ...``: the causes of the missed prompt tokens, largest first
-    (kvdiag.analysis.miss_causes)."""
+    (kvdiag.diagnosis.miss_causes)."""
     parts = sorted(((n, c) for c, n in sh.miss_causes if n), reverse=True)
     causes = "  ".join(f"{c} {n / sh.missed_tokens:.0%}" for n, c in parts)
     return line((f"missed {sh.missed_tokens:,} tok: ", "bold"), (causes, DIM))

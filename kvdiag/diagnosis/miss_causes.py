@@ -1,0 +1,606 @@
+"""Why prompt tokens missed the engine's prefix cache: one cause per missed token.
+
+A finished request's missed tokens are the prompt tokens the engine did not serve from its
+prefix cache, ``missed = max(0, prompt_tokens - cached_prompt_tokens)`` of its
+``RequestFinished`` (vLLM: ``prefix_cache_queries - prefix_cache_hits`` of its ``/metrics``,
+counted at a request's first admission). Cached tokens are a prefix, so the missed tokens are
+the prompt positions ``cached_prompt_tokens .. prompt_tokens - 1``. Each gets exactly one cause;
+the causes of a window sum to the engine's missed tokens of the requests that finished in it.
+
+The reference is a shadow prefix cache at the engine's own settings (LRU, the engine's block
+size ``B`` and pool size in blocks, from ``KVPoolInfo``), with the semantics of
+:class:`kvdiag.simulation.sharing.PrefixCacheSim` and the engine-settings cache of
+:class:`kvdiag.simulation.live_sharing.ShadowSharingSink`: at a request's arrival its prompt's
+full blocks (chained content keys, from ``RequestArrived.token_ids`` or, in a hashes-mode log,
+``chunk_hashes``) are looked up (its hit blocks ``h`` = the longest run of leading blocks held),
+then each is touched or inserted (evicting the least recently used); at its finish the full
+blocks of its prompt and generated tokens (its ``BlockStored``) are touched or inserted. Blocks
+are keyed per hash domain (``RequestArrived.cache_domain``: what the engine folds into its block
+hashes beside the tokens, e.g. vLLM's ``cache_salt`` or LoRA), as the engine keys them.
+
+Block ``j`` (tokens ``j*B .. (j+1)*B - 1``; ``F = prompt // B`` full blocks) of a missed token
+gets its cause in this order, the first that applies:
+
+1. ``below_block``: ``j >= F``: the prompt's partial last block (engines cache only full
+   blocks); or ``j == F - 1`` when ``prompt % B == 0`` and the shadow held the block: engines
+   compute at least the last prompt token (its logits give the first output token): vLLM caps a
+   hit at ``prompt - 1`` tokens (``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length =
+   request.num_tokens - 1``) and hits are whole blocks, so a fully cached block-aligned prompt
+   recomputes its whole last block.
+2. held by the shadow at arrival (``j < h``) yet missed: ``preemption`` when the request was
+   preempted (``RequestPreempted``) and the engine counts its cached tokens at the last admission
+   (transformers; vLLM counts them at the first admission and its re-admissions in separate
+   ``preempted`` counters, so there the cause never applies); else ``engine_skip``: the shadow at
+   the engine's own settings held the content, the engine missed (requests in flight at once
+   whose blocks were not complete yet, a pool partly taken by running requests, lookups the
+   engine skipped: the remainder, named as such).
+3. not held (``j >= h``): ``evicted`` when this domain's key of block ``j`` was seen before (in
+   the shadow after its prefix broke, or among the keys it evicted): the content was reused after
+   the shadow at the engine's capacity had let it (or its prefix) go. Each evicted block carries
+   its *reuse distance* (block references, touches and inserts of any block, since the content's
+   last use: the reuse time; the LRU stack distance in distinct blocks is at most this) and the
+   time since its last use, or neither when it fell off the evicted-key history (see memory).
+4. ``hash_domain``: the same content key was held by the shadow under another hash domain
+   (another ``cache_domain``): same tokens, different salt or LoRA.
+5. ``cold``: first occurrence: no earlier request had this block's prefix in this domain.
+6. ``unknown``: the request's content is not in the log (a client that joined mid-request, a
+   log without token ids or hashes), the engine's block size is unknown (no ``KVPoolInfo``) or
+   a hashes-mode log cannot be keyed at it (not a multiple of 16 tokens). Never another cause.
+
+Multimodal ``extra_keys`` are not a domain here: they change only the blocks holding a
+placeholder, which the log does not locate; such misses show as ``engine_skip``.
+
+Memory: per live request its blocks' causes at arrival; per content key the shadow's entries
+(at most the pool's block count), evicted keys' last use for ``ghost_factor`` x the pool
+(reuse distance and age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted
+from cold beyond that (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M
+keys fallen off the history per MiB of filter, the default).
+
+Speed: the shadow is arrays and its per-block loops are compiled (numba,
+:mod:`kvdiag.simulation._misskernels`; a plain-Python reference in
+tests/integration/test_miss_causes_reference.py gives the same causes), two kernel calls per request. They
+load in a background thread from the fold's creation: from numba's cache in well under a
+second, or compiled the first time on a machine (seconds; a request that arrives before waits).
+
+:class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
+the doctor and the report replay a log through it (:func:`miss_causes_of_events`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+from kvdiag.simulation import _misskernels as K
+from kvdiag.traces.loaders import full_sequence
+from kvdiag.pool.hashing import Content, full_sequence_chunks
+from kvdiag.events.schema import (BlockStored, Event, KVPoolInfo, RequestArrived, RequestFinished,
+                           RequestPreempted)
+
+CAUSES = ("cold", "evicted", "hash_domain", "below_block", "preemption", "engine_skip", "unknown")
+"""Every cause, in the order tables list them."""
+COLD, EVICTED, HASH_DOMAIN, BELOW_BLOCK, PREEMPTION, ENGINE_SKIP, UNKNOWN = range(len(CAUSES))
+HELD = -1  # a block the shadow served at arrival
+
+MASK63 = (1 << 63) - 1
+REUSE_BINS = 48  # log2 bins: [k] holds values 2^(k-1) .. 2^k - 1 ([0]: 0)
+_MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
+_MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
+
+
+def _domain_mask(domain: Optional[str]) -> int:
+    """The 63-bit mask that moves a content key into ``domain`` (0: the default domain)."""
+    if not domain:
+        return 0
+    return int.from_bytes(hashlib.blake2b(domain.encode(), digest_size=8).digest(), "little") & MASK63
+
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+class _Bloom:
+    """A fixed-size Bloom filter of 64-bit keys, 3 probes (bit ``((key * P) mod 2^64 >> 32)
+    mod bits`` for three multipliers P: the key is already a hash; ``bits`` rounded up to a
+    whole byte). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in the
+    default 2^23 bits, 1 MiB). Its bits (``a``) are the shadow kernels' filter."""
+
+    def __init__(self, bits: int) -> None:
+        self.a = np.zeros((max(64, int(bits)) + 7) // 8, np.uint8)
+        self.bits = 8 * len(self.a)
+
+    def add(self, key: int) -> None:
+        K.bloom_add(self.a, _i64(key))
+
+    def __contains__(self, key: int) -> bool:
+        return bool(K.bloom_has(self.a, _i64(key)))
+
+
+def _i64(key: int) -> int:
+    """A 64-bit key as a signed int64 value (the same bits)."""
+    key &= _M64
+    return key - (1 << 64) if key >> 63 else key
+
+
+class _Shadow:
+    """The shadow prefix cache: LRU at ``capacity_blocks`` entries (keys in their domain), the
+    last ``history_keys`` evicted keys with their tick and time of last use, the older ones in
+    a Bloom filter, and a block-reference clock (``tick``). State in arrays, loops compiled
+    (:mod:`kvdiag.simulation._misskernels`)."""
+
+    def __init__(self, capacity_blocks: int, history_keys: int, bloom_bits: int) -> None:
+        self.capacity_blocks = int(capacity_blocks)
+        self.history_keys = max(int(history_keys), 0)
+        self.bloom = _Bloom(bloom_bits)
+        self._max_nodes = max(self.capacity_blocks, 0) + self.history_keys + 1
+        self.state = K.new_state(min(self._max_nodes, 1024), 8)
+        self.state["bloom"] = self.bloom.a
+        self._full_size = len(self.state["nodes"]) >= self._max_nodes  # never grows again
+
+    @property
+    def tick(self) -> int:
+        return int(self.state["meta"][K.M_TICK])
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return int(self.state["meta"][K.M_CLEN])
+
+    @property
+    def history_len(self) -> int:
+        """Evicted keys remembered with their last use."""
+        return int(self.state["meta"][K.M_GLEN])
+
+    def arrive(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int):
+        """A prompt's lookup then its touches: (h, codes, distances, ages) of blocks ``h..``
+        (:func:`_misskernels.arrive`)."""
+        n = len(dkeys)
+        st = self._room(n)
+        codes = np.empty(n, np.int8)
+        dist = np.empty(n, np.int64)
+        age = np.empty(n, np.int64)
+        h = K.arrive(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys,
+                     masked, now_ns, self.capacity_blocks, self.history_keys, codes, dist, age)
+        return h, codes[:n - h].tobytes(), dist[:n - h], age[:n - h]
+
+    def touch(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int) -> None:
+        """Touch or insert each block in order (:func:`_misskernels.touch`)."""
+        if self.capacity_blocks <= 0:
+            self.state["meta"][K.M_TICK] += len(dkeys)
+            return
+        st = self._room(len(dkeys))
+        K.touch(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys, masked,
+                now_ns, self.capacity_blocks, self.history_keys)
+
+    def _room(self, n: int) -> dict:
+        """The state, grown to hold ``n`` more nodes where it could not."""
+        st = self.state
+        if self._full_size:
+            return st
+        meta = st["meta"]
+        need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
+        size = len(st["nodes"])
+        if need > size:
+            st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
+            self._full_size = len(st["nodes"]) >= self._max_nodes
+        return st
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMisses:
+    """One finished request's missed tokens by cause (``tokens[i]`` for ``CAUSES[i]``);
+    ``evicted``: (reuse distance in block references or None, time since last use in ns or
+    None, missed tokens) per evicted block; ``shadow_hit_tokens``: the shadow's hit blocks at
+    arrival x block size (None: unknown); ``status`` that of its ``RequestFinished``."""
+
+    ts_ns: int
+    request_id: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    missed_tokens: int
+    tokens: tuple[int, ...]
+    evicted: tuple[tuple[Optional[int], Optional[int], int], ...] = ()
+    shadow_hit_tokens: Optional[int] = None
+    status: str = "finished"
+
+
+@dataclass
+class MissTally:
+    """Cumulative counts over finished requests: tokens per cause (sum = ``missed_tokens``),
+    evicted tokens by log2 bin of reuse distance (block references) and of time since last use
+    (ms), unknown distances in ``evicted_unknown_tokens``."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    missed_tokens: int = 0
+    tokens: list[int] = field(default_factory=lambda: [0] * len(CAUSES))
+    reuse_hist: list[int] = field(default_factory=lambda: [0] * REUSE_BINS)
+    age_ms_hist: list[int] = field(default_factory=lambda: [0] * REUSE_BINS)
+    evicted_unknown_tokens: int = 0
+
+    def add(self, r: RequestMisses) -> None:
+        self.count(r.prompt_tokens, r.cached_prompt_tokens, r.missed_tokens, r.tokens, r.evicted)
+
+    def count(self, prompt_tokens: int, cached_tokens: int, missed_tokens: int, tokens, evicted) -> None:
+        """:meth:`add` of a request given by its fields (as :class:`RequestMisses` names them)."""
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.missed_tokens += missed_tokens
+        mine = self.tokens
+        for i, n in enumerate(tokens):
+            mine[i] += n
+        last = REUSE_BINS - 1
+        for reuse, age_ns, n in evicted:
+            if reuse is None:
+                self.evicted_unknown_tokens += n
+            else:  # the log2 bin (REUSE_BINS)
+                self.reuse_hist[min(int(reuse).bit_length(), last)] += n
+                self.age_ms_hist[min(int(age_ns // 1_000_000).bit_length(), last)] += n
+
+    def by_cause(self) -> dict[str, int]:
+        return dict(zip(CAUSES, self.tokens))
+
+    def shares(self) -> dict[str, Optional[float]]:
+        """Each cause's share of the missed tokens (None without missed tokens)."""
+        m = self.missed_tokens
+        return {c: (n / m if m else None) for c, n in zip(CAUSES, self.tokens)}
+
+
+def _hist_median(hist: list[int]) -> Optional[int]:
+    """Upper bound of the log2 bin holding the weighted median (None when empty)."""
+    total = sum(hist)
+    if not total:
+        return None
+    acc = 0
+    for k, n in enumerate(hist):
+        acc += n
+        if 2 * acc >= total:
+            return (1 << k) - 1 if k else 0
+    return None
+
+
+class _Live:
+    __slots__ = ("content", "domain", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
+                 "keys", "dkeys")
+
+    def __init__(self, content, domain, codes, dist, age, hit_blocks, keys, dkeys) -> None:
+        self.content, self.domain, self.codes = content, domain, codes
+        self.dist, self.age = dist, age  # per block from hit_blocks: evicted ones' figures, -1: none
+        self.hit_blocks = hit_blocks
+        self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
+        self.stored: list = []
+        self.preempted = False
+
+    def evicted_figures(self, k: int) -> tuple[Optional[int], Optional[int]]:
+        """Block ``hit_blocks + k``'s reuse distance and time since last use (None: unknown)."""
+        d, a = int(self.dist[k]), int(self.age[k])
+        return (d if d >= 0 else None, a if a >= 0 else None)
+
+
+class MissCauseFold:
+    """Fed events in order (:meth:`feed`), attributes every finished request's missed tokens
+    (module docstring) and calls ``on_request`` with its :class:`RequestMisses`; ``tally``
+    holds the cumulative counts. ``cached_at_first_admission``: the engine counts a request's
+    cached tokens at its first admission (vLLM: ``engine="vllm"``), so preemption never
+    explains them; None: from ``engine``."""
+
+    def __init__(self, *, engine: str = "", cached_at_first_admission: Optional[bool] = None,
+                 ghost_factor: int = 4, bloom_bits: int = 1 << 23, hash_algorithm: str = "fast",
+                 on_request: Optional[Callable[[RequestMisses], None]] = None) -> None:
+        self.first_admission = (engine.startswith("vllm") if cached_at_first_admission is None
+                                else cached_at_first_admission)
+        self.ghost_factor = ghost_factor
+        self.bloom_bits = bloom_bits
+        self.hash_algorithm = hash_algorithm
+        self.on_request = on_request
+        self.tally = MissTally()
+        self.block_size_tokens: Optional[int] = None
+        self.capacity_blocks: Optional[int] = None
+        self._reset_shadow()
+        self._live: dict[str, _Live] = {}
+        self._before_pool: Optional[list[Event]] = []
+        self.errors = 0
+        K.warm_up_in_background()  # the shadow's kernels are loaded by the time requests arrive
+
+    def set_engine(self, engine: str) -> None:
+        """The engine's name (a log header's ``engine``): vLLM counts cached tokens at a
+        request's first admission."""
+        self.first_admission = (engine or "").startswith("vllm")
+
+    def _reset_shadow(self) -> None:
+        cap = self.capacity_blocks
+        self._shadow = (None if cap is None else
+                        _Shadow(cap, self.ghost_factor * max(cap, 0), self.bloom_bits))
+
+    # ------------------------------------------------------------------ feeding
+    def feed(self, ev: Event) -> None:
+        """Fold one event (others than requests, stores and the pool are ignored)."""
+        t = type(ev)
+        if t not in _WANTED:
+            return
+        try:
+            if t is BlockStored:
+                live = self._live.get(ev.request_id)
+                if live is not None:
+                    if live.content.token_ids is not None and ev.token_ids:
+                        live.stored.append(ev.token_ids)
+                    elif live.content.token_ids is None and ev.chunk_hashes is not None:
+                        live.stored.append((int(ev.num_tokens), list(ev.chunk_hashes)))
+                elif self._before_pool is not None and self.block_size_tokens is None:
+                    self._buffer(ev)
+            elif t is KVPoolInfo:
+                self._pool(ev)
+            elif self.block_size_tokens is None and self._before_pool is not None:
+                self._buffer(ev)
+            elif t is RequestArrived:
+                self._arrived(ev)
+            elif t is RequestFinished:
+                self._finished(ev)
+            else:
+                live = self._live.get(ev.request_id)
+                if live is not None:
+                    live.preempted = True
+        except Exception:  # one malformed event costs its own request, not the fold
+            self.errors += 1
+            if t is RequestFinished:  # its missed tokens still count, as unknown
+                self._live.pop(ev.request_id, None)
+                self._record(ev, None, [], None)
+
+    def feed_all(self, events: Iterable[Event]) -> None:
+        """:meth:`feed` each event (others than :data:`FOLD_EVENTS` passed over at once)."""
+        feed, wanted = self.feed, _WANTED
+        for ev in events:
+            if type(ev) in wanted:
+                feed(ev)
+
+    def _buffer(self, ev: Event) -> None:
+        self._before_pool.append(ev)
+        if len(self._before_pool) > _MAX_BEFORE_POOL:  # no pool announced: stop waiting
+            pending, self._before_pool = self._before_pool, None
+            for e in pending:
+                self.feed(e)
+
+    def _pool(self, ev: KVPoolInfo) -> None:
+        config = (int(ev.block_size_tokens), int(ev.num_blocks))
+        if config != (self.block_size_tokens, self.capacity_blocks):
+            if self.block_size_tokens is not None:  # another pool: a new engine, a new cache
+                self._live.clear()
+            self.block_size_tokens, self.capacity_blocks = config
+            self._reset_shadow()
+        pending, self._before_pool = self._before_pool or [], None
+        for e in pending:
+            self.feed(e)
+
+    # ------------------------------------------------------------------ the shadow
+    def _keys(self, content: Content) -> Optional[np.ndarray]:
+        bs = self.block_size_tokens
+        if bs is None or not content.can_key(bs):
+            return None
+        return np.ascontiguousarray(content.keys(bs, algorithm=self.hash_algorithm), np.int64)
+
+    def _arrived(self, ev: RequestArrived) -> None:
+        if len(self._live) >= _MAX_LIVE:
+            self._live.pop(next(iter(self._live)))
+        content = _content(ev)
+        keys = None if content is None else self._keys(content)
+        if keys is None:
+            return  # its misses are unknown
+        domain = getattr(ev, "cache_domain", None)
+        mask = _domain_mask(domain)
+        dkeys = keys ^ mask if mask else keys
+        h, codes, dist, age = self._shadow.arrive(dkeys, keys, bool(mask), ev.ts_ns)
+        self._live[ev.request_id] = _Live(content, domain, codes, dist, age, h, keys, dkeys)
+
+    def _finished(self, ev: RequestFinished) -> None:
+        live = self._live.pop(ev.request_id, None)
+        prompt = int(ev.prompt_tokens)
+        cached = int(ev.cached_prompt_tokens)
+        missed = max(prompt - cached, 0)
+        tokens = [0] * len(CAUSES)
+        evicted: list = []
+        bs = self.block_size_tokens
+        if live is None or bs is None:
+            tokens[UNKNOWN] = missed
+        else:
+            full = prompt // bs
+            h = live.hit_blocks
+            start = min(cached, prompt)
+            # the partial tail (and anything past the prompt the engine reported)
+            tail_start = max(start, full * bs)
+            tokens[BELOW_BLOCK] += prompt - tail_start
+            codes = live.codes
+            j = start // bs
+            held_end = min(h, full)
+            if j < held_end:  # blocks the shadow held: one cause, but a block-aligned last one
+                n = held_end * bs - start
+                if held_end == full and prompt % bs == 0:
+                    last = full * bs - max((full - 1) * bs, start)
+                    tokens[BELOW_BLOCK] += last
+                    n -= last
+                tokens[PREEMPTION if live.preempted and not self.first_admission else ENGINE_SKIP] += n
+                j = held_end
+            while j < full:
+                n = (j + 1) * bs - max(j * bs, start)
+                if n == bs:  # whole blocks from here on: counted by code, evicted ones listed
+                    lo = j - h
+                    hi = max(lo, min(full - h, len(codes)))
+                    part = codes[lo:hi]
+                    for c in (COLD, EVICTED, HASH_DOMAIN):
+                        tokens[c] += part.count(c) * bs
+                    if EVICTED in part:
+                        evicted += [live.evicted_figures(k) + (bs,) for k in range(lo, hi)
+                                    if codes[k] == EVICTED]
+                    tokens[UNKNOWN] += (full - h - hi) * bs  # the arrival keyed fewer blocks
+                    break
+                if j - h < len(codes):
+                    cause = codes[j - h]
+                    if cause == EVICTED:
+                        evicted.append(live.evicted_figures(j - h) + (n,))
+                else:
+                    cause = UNKNOWN
+                tokens[cause] += n
+                j += 1
+            self._store_finished(live, ev.ts_ns)
+        self._record(ev, tokens, evicted, None if live is None or bs is None else live.hit_blocks * bs)
+
+    def _record(self, ev: RequestFinished, tokens: Optional[list[int]], evicted: list,
+                shadow_hit_tokens: Optional[int]) -> None:
+        """Count one finished request (``tokens`` None: all its missed tokens unknown)."""
+        prompt, cached = int(ev.prompt_tokens), int(ev.cached_prompt_tokens)
+        missed = max(prompt - cached, 0)
+        if tokens is None:
+            tokens = [0] * len(CAUSES)
+            tokens[UNKNOWN] = missed
+        if self.on_request is None:  # the tally alone: no record to build
+            self.tally.count(prompt, cached, missed, tokens, evicted)
+            return
+        rec = RequestMisses(ts_ns=ev.ts_ns, request_id=str(ev.request_id), prompt_tokens=prompt,
+                            cached_prompt_tokens=cached, missed_tokens=missed, tokens=tuple(tokens),
+                            evicted=tuple(evicted), status=ev.status, shadow_hit_tokens=shadow_hit_tokens)
+        self.tally.add(rec)
+        self.on_request(rec)
+
+    def _store_finished(self, live: _Live, now_ns: int) -> None:
+        """Touch or insert the full blocks of the prompt and generated tokens (no lookup)."""
+        content = live.content
+        if not live.stored:  # no generated block stored: the prompt's blocks again
+            self._shadow.touch(live.dkeys, live.keys, bool(_domain_mask(live.domain)), now_ns)
+            return
+        if content.token_ids is not None:
+            seq = full_sequence(content.token_ids, live.stored)
+            whole = Content(len(seq), token_ids=seq)
+        else:
+            keys, n = full_sequence_chunks(content.chunk_keys, content.num_tokens, live.stored)
+            whole = Content(n, chunk_keys=keys)
+        keys = self._keys(whole)
+        if keys is None or not len(keys):
+            return
+        mask = _domain_mask(live.domain)
+        self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
+
+
+def _content(event: RequestArrived) -> Optional[Content]:
+    """A request's prompt as recorded: token ids, else chunk hashes, else None."""
+    if event.token_ids is not None:
+        return Content(len(event.token_ids), token_ids=list(event.token_ids))
+    if event.chunk_hashes is not None:
+        return Content(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
+    return None
+
+
+# ---------------------------------------------------------------- offline: windows
+
+
+@dataclass(frozen=True)
+class MissWindow:
+    """Requests that finished in ``[start_ns, end_ns)``: their missed tokens by cause."""
+
+    start_ns: int
+    end_ns: int
+    tally: MissTally
+
+    def to_dict(self) -> dict:
+        t = self.tally
+        return {"start_ns": self.start_ns, "end_ns": self.end_ns, "requests": t.requests,
+                "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                "missed_tokens": t.missed_tokens, "tokens": t.by_cause(), "shares": t.shares(),
+                "evicted_median_reuse_refs": _hist_median(t.reuse_hist),
+                "evicted_median_age_ms": _hist_median(t.age_ms_hist),
+                "evicted_unknown_distance_tokens": t.evicted_unknown_tokens}
+
+
+@dataclass(frozen=True)
+class MissCauses:
+    """A log's misses: the totals, one :class:`MissWindow` per ``window_ns`` (from the first
+    finish) and every request's :class:`RequestMisses`."""
+
+    total: MissTally
+    windows: list[MissWindow]
+    requests: list[RequestMisses]
+    window_ns: int
+    block_size_tokens: Optional[int]
+    capacity_blocks: Optional[int]
+
+    def to_dict(self) -> dict:
+        whole = MissWindow(self.windows[0].start_ns if self.windows else 0,
+                           self.windows[-1].end_ns if self.windows else 0, self.total)
+        return {"block_size_tokens": self.block_size_tokens, "capacity_blocks": self.capacity_blocks,
+                "window_s": self.window_ns / 1e9, "total": whole.to_dict(),
+                "windows": [w.to_dict() for w in self.windows]}
+
+
+def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s: float = 60.0,
+                          **fold_kwargs) -> MissCauses:
+    """Replay ``events`` (in order) through one :class:`MissCauseFold` and cut the finished
+    requests into ``window_s`` windows."""
+    recs: list[RequestMisses] = []
+    fold = MissCauseFold(engine=engine, on_request=recs.append, **fold_kwargs)
+    fold.feed_all(events)
+    window_ns = max(int(window_s * 1e9), 1)
+    windows: list[MissWindow] = []
+    if recs:
+        t0 = min(r.ts_ns for r in recs)
+        by: dict[int, MissTally] = {}
+        for r in recs:
+            by.setdefault((r.ts_ns - t0) // window_ns, MissTally()).add(r)
+        windows = [MissWindow(t0 + k * window_ns, t0 + (k + 1) * window_ns, by[k]) for k in sorted(by)]
+    return MissCauses(fold.tally, windows, recs, window_ns, fold.block_size_tokens, fold.capacity_blocks)
+
+
+FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestPreempted, BlockStored, RequestFinished)
+"""The event types the fold reads, in the order ties in time are replayed."""
+_WANTED = frozenset(FOLD_EVENTS)
+
+
+def node_events(logs, node: str) -> list[Event]:
+    """``node``'s events of :data:`FOLD_EVENTS` rebuilt from a :class:`kvdiag.diagnosis.frames.Logs`'
+    frames, in time order (ties in :data:`FOLD_EVENTS` order)."""
+    out = []
+    for rank, cls in enumerate(FOLD_EVENTS):
+        df = logs.frame(cls)
+        df = df[df["node"] == node].drop(columns="node")
+        names = [c for c in df.columns if c in cls.__struct_fields__]
+        cols = [df[c].tolist() for c in names]
+        for i, row in enumerate(zip(*cols)):
+            kw = {k: _plain(v) for k, v in zip(names, row)}
+            out.append((kw["ts_ns"], rank, i, cls(**kw)))
+    out.sort(key=lambda p: (p[0], p[1], p[2]))
+    return [p[3] for p in out]
+
+
+def _plain(v):
+    """A frame cell as the event field it came from (NaN: None, arrays: lists)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def log_file_events(path) -> Iterable[Event]:
+    """The :data:`FOLD_EVENTS` of one event log file, streamed in file order (unreadable lines
+    skipped silently: the reader that loaded the log reported them)."""
+    from kvdiag.events.eventlog import ReadOutcome, iter_events
+    return (e for e in iter_events(path, outcome=ReadOutcome()) if type(e) in FOLD_EVENTS)
+
+
+def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
+    """Per node of ``logs`` with finished requests, its :class:`MissCauses`: the node's log
+    file replayed in file order (the loaded frames leave out ``BlockStored``, whose generated
+    blocks the shadow needs), or its frames for a Parquet dataset."""
+    from pathlib import Path
+    out = {}
+    for node in logs.nodes:
+        if not logs.has(RequestFinished) or not (logs.frame(RequestFinished)["node"] == node).any():
+            continue
+        path = logs.paths.get(node)
+        events = (log_file_events(path) if path is not None and Path(path).is_file()
+                  else node_events(logs, node))
+        out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "",
+                                          window_s=window_s)
+    return out

@@ -1,0 +1,97 @@
+"""Miss causes on a real vLLM server with a small pool: the causes of the plugin's log sum to
+vLLM's own ``/metrics`` counter deltas (``prefix_cache_queries`` - ``prefix_cache_hits``,
+read with prometheus_client's parser) exactly, and each cause vLLM can produce shows up:
+
+- cold: the first chat with a system prompt;
+- below_block: a chat whose prompt is shorter than one block, and every prompt's partial tail;
+- hash_domain: the first chat again under a ``cache_salt`` (vLLM folds it into its block hashes);
+- evicted: the first chat's system prompt (two full blocks before the question) after other
+  long prompts went through a pool of 10 blocks of 128 tokens.
+
+The engine core imports this checkout's kvdiag (``PYTHONPATH``): the plugin under test records
+``RequestArrived.cache_domain``, whatever kvdiag vLLM's environment was last refreshed with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvdiag.diagnosis.miss_causes import miss_causes_of_events
+from kvdiag.commands._demo_vllm import VllmServer
+from kvdiag.events.eventlog import iter_events
+from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished
+from vllm_harness import QUESTIONS, SYSTEM, counter, metrics_text
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+POOL_BLOCKS = 10  # 10 x 128 tokens: a long system prompt takes 4, so three others evict it
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _chat(server, system: str, question: str, salt: str | None = None) -> dict:
+    body = {"model": server.model, "temperature": 0, "max_tokens": 4,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    if salt is not None:
+        body["cache_salt"] = salt
+    req = urllib.request.Request(f"{server.base_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_miss_causes_sum_to_vllm_counters_on_a_small_pool(vllm_python, model_dir, tmp_path):
+    log = tmp_path / "plugin.kvlog"
+    env = {"KVDIAG_LOG": str(log), "PYTHONPATH": os.pathsep.join(
+        [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    server = VllmServer(vllm_python, model_dir, tmp_path / "server.kvlog", extra_env=env)
+    cmd = server.command
+    cmd[cmd.index("--max-model-len") + 1] = "1024"
+    cmd += ["--num-gpu-blocks-override", str(POOL_BLOCKS + 1)]  # + vLLM's null block
+    tag = uuid.uuid4().hex[:8]
+    first = f"[{tag}] {SYSTEM}"
+    server.start()
+    try:
+        server.wait_ready()
+        server.model = str(model_dir)
+        before = metrics_text(server)
+        _chat(server, first, QUESTIONS[0])  # cold, then a partial tail
+        _chat(server, first, QUESTIONS[1])  # the system prompt's blocks hit
+        _chat(server, "Be brief.", "Hi")  # shorter than one block
+        _chat(server, first, QUESTIONS[0], salt=f"tenant-{tag}")  # same tokens, another domain
+        for i in range(3):  # other long prompts push the first out of 10 blocks
+            _chat(server, f"[{tag} other {i}] {SYSTEM}", QUESTIONS[2])
+        _chat(server, first, QUESTIONS[3])  # evicted
+        after = metrics_text(server)
+    finally:
+        server.stop()
+
+    queries = counter(after, "vllm:prefix_cache_queries_total") - counter(before, "vllm:prefix_cache_queries_total")
+    hits = counter(after, "vllm:prefix_cache_hits_total") - counter(before, "vllm:prefix_cache_hits_total")
+    events = list(iter_events(log))
+    pool = next(e for e in events if isinstance(e, KVPoolInfo))
+    assert pool.num_blocks == POOL_BLOCKS
+    finished = [e for e in events if isinstance(e, RequestFinished)]
+    assert len(finished) == 8 and all(e.status == "finished" for e in finished)
+    salted = [e for e in events if isinstance(e, RequestArrived) and e.cache_domain]
+    assert len(salted) == 1
+
+    result = miss_causes_of_events(events, engine="vllm")
+    causes = result.total.by_cause()
+    assert result.total.missed_tokens == queries - hits > 0
+    assert sum(causes.values()) == queries - hits  # exactly vLLM's missed tokens
+    assert causes["cold"] > 0 and causes["below_block"] > 0
+    assert causes["hash_domain"] >= 2 * 128, causes  # the salted chat's system-prompt blocks
+    # the system prompt fills two blocks before the question starts: those two were evicted
+    assert causes["evicted"] >= 2 * 128, causes
+    assert causes["unknown"] == 0 and causes["preemption"] == 0
+    by_id = {r.request_id: dict(zip(("cold", "evicted", "hash_domain", "below_block", "preemption",
+                                     "engine_skip", "unknown"), r.tokens)) for r in result.requests}
+    short = min(finished, key=lambda e: e.prompt_tokens)
+    assert short.prompt_tokens < pool.block_size_tokens
+    assert by_id[short.request_id]["below_block"] == short.prompt_tokens - short.cached_prompt_tokens

@@ -1,0 +1,356 @@
+"""Miss causes (kvdiag.diagnosis.miss_causes): planted causes against a brute-force count, sums
+equal to the engine's missed tokens on the recorded fixtures, hashes mode equal to token ids."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvdiag.simulation.live_sharing import ShadowSharingSink
+from kvdiag.diagnosis.miss_causes import (CAUSES, MissCauseFold, miss_causes_of_events,
+                                         miss_causes_of_logs, node_events)
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.pool.hashing import ContentHasher
+from kvdiag.events.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
+                           RequestPreempted, ShadowSharing)
+
+DATA = Path(__file__).parent.parent / "data"
+FIXTURES = ["vllm_demo/demo_16req_seed1.kvlog.gz", "demo_small/demo_24req_seed1.kvlog.gz",
+            "sharing_engine/two_waves.kvlog", "demo_preempt/demo_16req_pool40.kvlog.gz",
+            "demo_preempt/demo_16req_pool56.kvlog.gz"]
+
+
+def brute_force(events, block_size: int, capacity: int, first_admission: bool) -> dict[str, Counter]:
+    """Every missed token's cause by the module's definition, the slow way: the shadow as a
+    list of (domain, prompt prefix) in LRU order, 'seen' as every key ever inserted."""
+    lru: list = []
+    seen: set = set()
+    live: dict = {}
+    out: dict[str, Counter] = {}
+
+    def touch(k) -> None:
+        if k in lru:
+            lru.remove(k)
+        else:
+            while len(lru) >= capacity:
+                lru.pop(0)
+        lru.append(k)
+        seen.add(k)
+
+    for ev in events:
+        if isinstance(ev, RequestArrived):
+            toks, dom = list(ev.token_ids), ev.cache_domain
+            full = len(toks) // block_size
+            keys = [(dom, tuple(toks[:(j + 1) * block_size])) for j in range(full)]
+            h = 0
+            while h < full and keys[h] in lru:
+                h += 1
+            status = []
+            for j, k in enumerate(keys):
+                if j < h:
+                    status.append("held")
+                elif k in seen:
+                    status.append("evicted")
+                elif any(o[1] == k[1] and o[0] != dom for o in lru):
+                    status.append("hash_domain")
+                else:
+                    status.append("cold")
+            for k in keys:
+                touch(k)
+            live[ev.request_id] = [status, keys, False]
+        elif isinstance(ev, RequestPreempted):
+            if ev.request_id in live:
+                live[ev.request_id][2] = True
+        elif isinstance(ev, RequestFinished):
+            c = out.setdefault(ev.request_id, Counter())
+            if ev.request_id not in live:
+                c["unknown"] += max(ev.prompt_tokens - ev.cached_prompt_tokens, 0)
+                continue
+            status, keys, preempted = live.pop(ev.request_id)
+            P, full = ev.prompt_tokens, len(keys)
+            for t in range(ev.cached_prompt_tokens, P):
+                j = t // block_size
+                if j >= full:
+                    c["below_block"] += 1
+                elif status[j] == "held":
+                    if j == full - 1 and P % block_size == 0:
+                        c["below_block"] += 1
+                    elif preempted and not first_admission:
+                        c["preemption"] += 1
+                    else:
+                        c["engine_skip"] += 1
+                else:
+                    c[status[j]] += 1
+            for k in keys:
+                touch(k)
+    return out
+
+
+def _per_request(events, **kw) -> dict[str, Counter]:
+    recs = miss_causes_of_events(events, **kw).requests
+    return {r.request_id: Counter({c: n for c, n in zip(CAUSES, r.tokens) if n}) for r in recs}
+
+
+def _arrive(t, rid, toks, domain=None):
+    return RequestArrived(ts_ns=t, request_id=rid, prompt_tokens=len(toks), token_ids=toks,
+                          cache_domain=domain)
+
+
+def _finish(t, rid, prompt, cached):
+    return RequestFinished(ts_ns=t, request_id=rid, prompt_tokens=prompt, output_tokens=1,
+                           cached_prompt_tokens=cached)
+
+
+def _pool(block_size, blocks):
+    return KVPoolInfo(ts_ns=1, num_blocks=blocks, block_size_tokens=block_size, block_bytes=64,
+                      num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32", prefix_sharing=True)
+
+
+A = list(range(100, 110))  # two full blocks of 4 and a tail of 2
+B_, C_ = list(range(200, 208)), list(range(300, 308))
+
+
+def planted_stream():
+    """Each cause planted once; (events, expected per request)."""
+    ev = [_pool(4, 4)]
+    t = iter(range(10, 10_000, 10))
+    exp = {}
+
+    def req(rid, toks, cached, domain=None, preempt=False, want=None):
+        ev.append(_arrive(next(t), rid, toks, domain))
+        if preempt:
+            ev.append(RequestPreempted(ts_ns=next(t), request_id=rid))
+        ev.append(_finish(next(t), rid, len(toks), cached))
+        exp[rid] = Counter(want)
+
+    req("cold", A, 0, want={"cold": 8, "below_block": 2})
+    req("tail", A, 8, want={"below_block": 2})
+    req("last-block", A[:8], 4, want={"below_block": 4})  # vLLM recomputes a full last block
+    req("salted", A[:9], 0, domain="tenant-1", want={"hash_domain": 8, "below_block": 1})
+    req("skip", A, 0, want={"engine_skip": 8, "below_block": 2})
+    req("preempted", A, 4, preempt=True, want={"preemption": 4, "below_block": 2})
+    req("fill-b", B_, 0, want={"cold": 8})
+    req("fill-c", C_, 0, want={"cold": 8})
+    req("evicted", A, 0, want={"evicted": 8, "below_block": 2})
+    ev.append(_finish(next(t), "joined-late", 12, 4))
+    exp["joined-late"] = Counter({"unknown": 8})
+    return ev, exp
+
+
+def test_each_planted_cause_counted_as_the_brute_force_does():
+    events, expected = planted_stream()
+    got = _per_request(events, engine="transformers-cb")
+    assert got == expected
+    assert got == {k: +v for k, v in brute_force(events, 4, 4, first_admission=False).items()}
+    assert {c for v in got.values() for c in v} == set(CAUSES)  # every cause planted
+
+
+def test_vllm_counts_hits_at_first_admission_so_preemption_is_engine_skip():
+    events, expected = planted_stream()
+    got = _per_request(events, engine="vllm")
+    assert got["preempted"] == Counter({"engine_skip": 4, "below_block": 2})
+
+
+def test_evicted_blocks_carry_reuse_distance_and_age():
+    events, _ = planted_stream()
+    rec = next(r for r in miss_causes_of_events(events).requests if r.request_id == "evicted")
+    # A's two blocks were last touched by "preempted"'s finish (block 0, then block 1); 8
+    # references followed (fill-b and fill-c, two blocks each at arrival and at finish)
+    assert [(d, n) for d, _, n in rec.evicted] == [(9, 4), (8, 4)]
+    assert all(age > 0 for _, age, _ in rec.evicted)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_streams_match_brute_force_and_sum_to_engine_misses(seed):
+    rnd = random.Random(seed)
+    prefixes = [[rnd.randrange(50) for _ in range(rnd.choice((4, 8, 12)))] for _ in range(5)]
+    events, live, t = [_pool(4, rnd.choice((3, 6, 12)))], [], 10
+    first_adm = bool(seed % 2)
+    for i in range(80):
+        t += 10
+        if live and (rnd.random() < 0.45 or i > 70):
+            rid, toks = live.pop(rnd.randrange(len(live)))
+            if rnd.random() < 0.2:
+                events.append(RequestPreempted(ts_ns=t, request_id=rid))
+                t += 1
+            cached = rnd.randrange(0, len(toks) + 1) // 4 * 4
+            events.append(_finish(t, rid, len(toks), cached))
+        else:
+            toks = rnd.choice(prefixes) + [rnd.randrange(50) for _ in range(rnd.randrange(7))]
+            rid = f"r{i}"
+            events.append(_arrive(t, rid, toks, rnd.choice((None, None, None, "s1"))))
+            live.append((rid, toks))
+    cap = events[0].num_blocks
+    got = _per_request(events, cached_at_first_admission=first_adm)
+    want = {k: +v for k, v in brute_force(events, 4, cap, first_adm).items()}
+    assert got == want
+    fins = [e for e in events if isinstance(e, RequestFinished)]
+    assert sum(sum(v.values()) for v in got.values()) == sum(
+        max(e.prompt_tokens - e.cached_prompt_tokens, 0) for e in fins)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_causes_sum_to_the_engine_and_shadow_hits_equal_the_sink(name):
+    path = DATA / name
+    header = read_header(path)
+    events = [e for e in iter_events(path) if not isinstance(e, ShadowSharing)]
+    result = miss_causes_of_events(events, engine=header.engine, window_s=10)
+    fins = [e for e in events if isinstance(e, RequestFinished)]
+    missed = sum(max(e.prompt_tokens - e.cached_prompt_tokens, 0) for e in fins)
+    assert result.total.missed_tokens == missed == sum(result.total.tokens)
+    assert sum(w.tally.missed_tokens for w in result.windows) == missed
+    for w in result.windows:
+        assert sum(w.tally.tokens) == w.tally.missed_tokens
+    assert result.total.by_cause()["unknown"] == 0
+    # the fold's shadow is the engine-settings cache of ShadowSharingSink: same hits per request
+    sink = ShadowSharingSink(clock=lambda: 0)
+    for e in events:
+        sink.record(e)
+    counts = sink._counts[sink.engine_config]
+    mine = sum(r.shadow_hit_tokens for r in result.requests if r.status == "finished")
+    assert mine == counts.finished_hit_tokens
+    # a hashes-mode copy of the same log attributes the same tokens
+    hasher = ContentHasher("test-salt")
+    hashed = miss_causes_of_events([hasher(e) for e in events], engine=header.engine)
+    assert hashed.total.by_cause() == result.total.by_cause()
+
+
+def test_vllm_fixture_causes():
+    """vllm_demo: 2,810 missed tokens; vLLM cached 3,968 of 6,778 and the shadow held no more."""
+    path = DATA / "vllm_demo/demo_16req_seed1.kvlog.gz"
+    events = list(iter_events(path))
+    got = miss_causes_of_events(events, engine="vllm").total.by_cause()
+    assert sum(got.values()) == 6778 - 3968
+    assert got["engine_skip"] == 0 and got["unknown"] == 0 and got["cold"] > 0
+
+
+def test_logs_frames_replay_equals_the_event_stream():
+    from kvdiag.diagnosis.frames import load
+    path = DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"
+    logs, _ = load([path])
+    (node,) = logs.nodes
+    a = miss_causes_of_logs(logs)[node].total.by_cause()
+    b = miss_causes_of_events(iter_events(path), engine="transformers-cb").total.by_cause()
+    assert a == b
+    assert b["preemption"] > 0  # transformers counts cached tokens at the last admission
+    assert len(node_events(logs, node)) > 0
+
+
+def test_generated_blocks_enter_the_shadow_at_finish():
+    """A follow-up turn that continues a previous answer hits the answer's stored block."""
+    prompt = list(range(8))
+    answer = list(range(8, 12))
+    ev = [_pool(4, 16), _arrive(10, "t1", prompt),
+          BlockStored(ts_ns=11, block_id=0, block_hash=1, num_tokens=4, request_id="t1", token_ids=answer),
+          _finish(12, "t1", 8, 0), _arrive(20, "t2", prompt + answer + [99]), _finish(21, "t2", 13, 0)]
+    got = _per_request(ev)
+    assert got["t2"] == Counter({"engine_skip": 12, "below_block": 1})
+
+
+def test_bounded_state_on_a_long_stream():
+    fold = MissCauseFold(ghost_factor=2)
+    fold.feed(_pool(4, 8))
+    for i in range(400):
+        toks = [i * 10 + k for k in range(16)]
+        fold.feed(_arrive(i * 10 + 1, f"r{i}", toks))
+        fold.feed(_finish(i * 10 + 2, f"r{i}", 16, 0))
+    assert len(fold._shadow) <= 8 and fold._shadow.history_len <= 16 and not fold._live
+    assert fold.tally.by_cause()["cold"] == 400 * 16  # a last block not held is not below_block
+
+
+def test_doctor_prints_and_returns_the_miss_causes_per_window(capsys):
+    from kvdiag.cli import main
+    path = str(DATA / "demo_preempt/demo_16req_pool40.kvlog.gz")
+    main(["doctor", path, "--json", "--miss-window-s", "30"])
+    out = json.loads(capsys.readouterr().out)
+    (node,) = out["miss_causes"]
+    m = out["miss_causes"][node]
+    assert m["window_s"] == 30 and len(m["windows"]) >= 3
+    assert sum(w["missed_tokens"] for w in m["windows"]) == m["total"]["missed_tokens"] == 4762
+    for w in m["windows"]:
+        assert sum(w["tokens"].values()) == w["missed_tokens"]
+    main(["doctor", path, "--miss-window-s", "30"])
+    text = capsys.readouterr().out
+    assert "Why prompt tokens missed the prefix cache" in text and "preemption" in text
+
+
+def test_report_stacks_the_causes_per_window():
+    from kvdiag.diagnosis.frames import load
+    from kvdiag.reports.html import figure
+    from kvdiag.reports.sections import miss_causes_blocks
+    logs, _ = load([DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"])
+    (chart,) = miss_causes_blocks(logs, logs.time_range_ns()[0])
+    fig = figure(chart)
+    assert fig["layout"]["barmode"] == "stack"
+    assert {t["name"] for t in fig["data"]} == set(CAUSES)
+    assert sum(sum(t["y"]) for t in fig["data"]) == 4762  # the engine's missed tokens
+    assert chart.table["tokens"].sum() == 4762
+
+
+def test_live_state_and_exporter_fold_the_same_causes_as_the_doctor():
+    """top (LiveState) and the exporter feed the one MissCauseFold: same counts as offline."""
+    from kvdiag.prometheus.exporter import PrometheusSink
+    from kvdiag.live.state import LiveState
+    from kvdiag.tui.panels import _misses_line
+    path = DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"
+    header = read_header(path)
+    events = list(iter_events(path))
+    offline = miss_causes_of_events(events, engine=header.engine).total.by_cause()
+    state = LiveState()
+    state.set_header(header)
+    state.feed_all(events)
+    sh = state.snapshot(events[-1].ts_ns).sharing
+    assert dict(sh.miss_causes) == offline and sh.missed_tokens == 4762
+    assert _misses_line(sh).plain.startswith("missed 4,762 tok: cold 42%")
+    sink = PrometheusSink(header)
+    try:
+        for e in events:
+            sink.record(e)
+        fam = {f.name: f for f in sink.collect()}["kvdiag_prompt_tokens_missed"]
+        served = {smp.labels["cause"]: smp.value for smp in fam.samples if smp.name.endswith("_total")}
+    finally:
+        sink.close()
+    assert served == {c: float(n) for c, n in offline.items()}
+
+
+def test_evicted_beyond_the_history_is_still_evicted_without_a_distance():
+    """Keys that fell off the evicted-key history (ghost_factor x capacity) reach the Bloom
+    filter: still evicted, not cold, with no reuse distance."""
+    ev, t = [_pool(4, 2)], 10
+    for rid, toks in (("a", A[:8]), ("b", B_), ("c", C_), ("d", list(range(400, 408))),
+                      ("a-again", A[:8])):
+        ev += [_arrive(t, rid, toks), _finish(t + 1, rid, 8, 0)]
+        t += 10
+    recs = {r.request_id: r for r in miss_causes_of_events(ev, ghost_factor=1).requests}
+    again = recs["a-again"]
+    assert dict(zip(CAUSES, again.tokens))["evicted"] == 8
+    assert [(d, age) for d, age, _ in again.evicted] == [(None, None), (None, None)]
+
+
+def test_bloom_filter_has_no_false_negative_and_few_false_positives():
+    from kvdiag.diagnosis.miss_causes import _Bloom
+    rnd = random.Random(3)
+    bloom = _Bloom(1 << 23)
+    keys = [rnd.getrandbits(63) for _ in range(200_000)]
+    for k in keys:
+        bloom.add(k)
+    assert all(k in bloom for k in keys)
+    fresh = sum(rnd.getrandbits(63) in bloom for _ in range(200_000))
+    assert fresh < 200  # theory: (1 - e^(-3 x 200k / 2^23))^3 = 3.4e-4, about 70 of 200k
+
+
+def test_a_request_the_fold_fails_on_still_counts_as_unknown(monkeypatch):
+    events, expected = planted_stream()
+    fold = MissCauseFold(engine="transformers-cb")
+
+    def broken(*a, **k):
+        raise RuntimeError("planted")
+    monkeypatch.setattr(fold, "_store_finished", broken)
+    fold.feed_all(events)
+    total = sum(sum(v.values()) for v in expected.values())
+    assert fold.tally.missed_tokens == total == fold.tally.by_cause()["unknown"]
+    assert fold.errors == len(expected) - 1  # all but the request that never arrived
