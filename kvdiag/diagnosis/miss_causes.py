@@ -56,6 +56,12 @@ Memory: per live request its blocks' causes at arrival; per content key the shad
 from cold beyond that (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M
 keys fallen off the history per MiB of filter, the default).
 
+Speed: the shadow is arrays and its per-block loops are compiled (numba,
+:mod:`kvdiag.simulation._misskernels`; a plain-Python reference in
+tests/integration/test_miss_causes_reference.py gives the same causes), two kernel calls per request. They
+load in a background thread from the fold's creation: from numba's cache in well under a
+second, or compiled the first time on a machine (seconds; a request that arrives before waits).
+
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
 the doctor and the report replay a log through it (:func:`miss_causes_of_events`).
 """
@@ -63,12 +69,12 @@ the doctor and the report replay a log through it (:func:`miss_causes_of_events`
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.loaders import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
 from kvdiag.events.schema import (BlockStored, Event, KVPoolInfo, RequestArrived, RequestFinished,
@@ -85,10 +91,6 @@ _MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
 _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
 
 
-def _bin(v: int) -> int:
-    return min(int(v).bit_length(), REUSE_BINS - 1)
-
-
 def _domain_mask(domain: Optional[str]) -> int:
     """The 63-bit mask that moves a content key into ``domain`` (0: the default domain)."""
     if not domain:
@@ -97,41 +99,92 @@ def _domain_mask(domain: Optional[str]) -> int:
 
 
 _M64 = 0xFFFFFFFFFFFFFFFF
-_P1, _P2, _P3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
 
 
 class _Bloom:
-    """A fixed-size Bloom filter of 63-bit keys, 3 probes (multiplicative hashes of the key,
-    already a hash). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in
-    the default 2^23 bits, 1 MiB)."""
+    """A fixed-size Bloom filter of 64-bit keys, 3 probes (bit ``((key * P) mod 2^64 >> 32)
+    mod bits`` for three multipliers P: the key is already a hash; ``bits`` rounded up to a
+    whole byte). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in the
+    default 2^23 bits, 1 MiB). Its bits (``a``) are the shadow kernels' filter."""
 
     def __init__(self, bits: int) -> None:
-        self.bits = max(64, int(bits))
-        self.a = bytearray((self.bits + 7) // 8)
-        self.added = 0
+        self.a = np.zeros((max(64, int(bits)) + 7) // 8, np.uint8)
+        self.bits = 8 * len(self.a)
 
     def add(self, key: int) -> None:
-        a, bits = self.a, self.bits
-        self.added += 1
-        i = (((key * _P1) & _M64) >> 32) % bits
-        a[i >> 3] |= 1 << (i & 7)
-        i = (((key * _P2) & _M64) >> 32) % bits
-        a[i >> 3] |= 1 << (i & 7)
-        i = (((key * _P3) & _M64) >> 32) % bits
-        a[i >> 3] |= 1 << (i & 7)
+        K.bloom_add(self.a, _i64(key))
 
     def __contains__(self, key: int) -> bool:
-        if not self.added:
-            return False
-        a, bits = self.a, self.bits
-        i = (((key * _P1) & _M64) >> 32) % bits
-        if not a[i >> 3] & (1 << (i & 7)):
-            return False
-        i = (((key * _P2) & _M64) >> 32) % bits
-        if not a[i >> 3] & (1 << (i & 7)):
-            return False
-        i = (((key * _P3) & _M64) >> 32) % bits
-        return bool(a[i >> 3] & (1 << (i & 7)))
+        return bool(K.bloom_has(self.a, _i64(key)))
+
+
+def _i64(key: int) -> int:
+    """A 64-bit key as a signed int64 value (the same bits)."""
+    key &= _M64
+    return key - (1 << 64) if key >> 63 else key
+
+
+class _Shadow:
+    """The shadow prefix cache: LRU at ``capacity_blocks`` entries (keys in their domain), the
+    last ``history_keys`` evicted keys with their tick and time of last use, the older ones in
+    a Bloom filter, and a block-reference clock (``tick``). State in arrays, loops compiled
+    (:mod:`kvdiag.simulation._misskernels`)."""
+
+    def __init__(self, capacity_blocks: int, history_keys: int, bloom_bits: int) -> None:
+        self.capacity_blocks = int(capacity_blocks)
+        self.history_keys = max(int(history_keys), 0)
+        self.bloom = _Bloom(bloom_bits)
+        self._max_nodes = max(self.capacity_blocks, 0) + self.history_keys + 1
+        self.state = K.new_state(min(self._max_nodes, 1024), 8)
+        self.state["bloom"] = self.bloom.a
+        self._full_size = len(self.state["nodes"]) >= self._max_nodes  # never grows again
+
+    @property
+    def tick(self) -> int:
+        return int(self.state["meta"][K.M_TICK])
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        return int(self.state["meta"][K.M_CLEN])
+
+    @property
+    def history_len(self) -> int:
+        """Evicted keys remembered with their last use."""
+        return int(self.state["meta"][K.M_GLEN])
+
+    def arrive(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int):
+        """A prompt's lookup then its touches: (h, codes, distances, ages) of blocks ``h..``
+        (:func:`_misskernels.arrive`)."""
+        n = len(dkeys)
+        st = self._room(n)
+        codes = np.empty(n, np.int8)
+        dist = np.empty(n, np.int64)
+        age = np.empty(n, np.int64)
+        h = K.arrive(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys,
+                     masked, now_ns, self.capacity_blocks, self.history_keys, codes, dist, age)
+        return h, codes[:n - h].tobytes(), dist[:n - h], age[:n - h]
+
+    def touch(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int) -> None:
+        """Touch or insert each block in order (:func:`_misskernels.touch`)."""
+        if self.capacity_blocks <= 0:
+            self.state["meta"][K.M_TICK] += len(dkeys)
+            return
+        st = self._room(len(dkeys))
+        K.touch(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys, masked,
+                now_ns, self.capacity_blocks, self.history_keys)
+
+    def _room(self, n: int) -> dict:
+        """The state, grown to hold ``n`` more nodes where it could not."""
+        st = self.state
+        if self._full_size:
+            return st
+        meta = st["meta"]
+        need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
+        size = len(st["nodes"])
+        if need > size:
+            st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
+            self._full_size = len(st["nodes"]) >= self._max_nodes
+        return st
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,18 +221,24 @@ class MissTally:
     evicted_unknown_tokens: int = 0
 
     def add(self, r: RequestMisses) -> None:
+        self.count(r.prompt_tokens, r.cached_prompt_tokens, r.missed_tokens, r.tokens, r.evicted)
+
+    def count(self, prompt_tokens: int, cached_tokens: int, missed_tokens: int, tokens, evicted) -> None:
+        """:meth:`add` of a request given by its fields (as :class:`RequestMisses` names them)."""
         self.requests += 1
-        self.prompt_tokens += r.prompt_tokens
-        self.cached_tokens += r.cached_prompt_tokens
-        self.missed_tokens += r.missed_tokens
-        for i, n in enumerate(r.tokens):
-            self.tokens[i] += n
-        for reuse, age_ns, n in r.evicted:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self.missed_tokens += missed_tokens
+        mine = self.tokens
+        for i, n in enumerate(tokens):
+            mine[i] += n
+        last = REUSE_BINS - 1
+        for reuse, age_ns, n in evicted:
             if reuse is None:
                 self.evicted_unknown_tokens += n
-            else:
-                self.reuse_hist[_bin(reuse)] += n
-                self.age_ms_hist[_bin(age_ns // 1_000_000)] += n
+            else:  # the log2 bin (REUSE_BINS)
+                self.reuse_hist[min(int(reuse).bit_length(), last)] += n
+                self.age_ms_hist[min(int(age_ns // 1_000_000).bit_length(), last)] += n
 
     def by_cause(self) -> dict[str, int]:
         return dict(zip(CAUSES, self.tokens))
@@ -204,15 +263,21 @@ def _hist_median(hist: list[int]) -> Optional[int]:
 
 
 class _Live:
-    __slots__ = ("content", "domain", "codes", "reuse", "hit_blocks", "stored", "preempted", "keys",
-                 "dkeys")
+    __slots__ = ("content", "domain", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
+                 "keys", "dkeys")
 
-    def __init__(self, content, domain, codes, reuse, hit_blocks, keys, dkeys) -> None:
-        self.content, self.domain, self.codes, self.reuse = content, domain, codes, reuse
+    def __init__(self, content, domain, codes, dist, age, hit_blocks, keys, dkeys) -> None:
+        self.content, self.domain, self.codes = content, domain, codes
+        self.dist, self.age = dist, age  # per block from hit_blocks: evicted ones' figures, -1: none
         self.hit_blocks = hit_blocks
         self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
         self.stored: list = []
         self.preempted = False
+
+    def evicted_figures(self, k: int) -> tuple[Optional[int], Optional[int]]:
+        """Block ``hit_blocks + k``'s reuse distance and time since last use (None: unknown)."""
+        d, a = int(self.dist[k]), int(self.age[k])
+        return (d if d >= 0 else None, a if a >= 0 else None)
 
 
 class MissCauseFold:
@@ -238,6 +303,7 @@ class MissCauseFold:
         self._live: dict[str, _Live] = {}
         self._before_pool: Optional[list[Event]] = []
         self.errors = 0
+        K.warm_up_in_background()  # the shadow's kernels are loaded by the time requests arrive
 
     def set_engine(self, engine: str) -> None:
         """The engine's name (a log header's ``engine``): vLLM counts cached tokens at a
@@ -245,11 +311,9 @@ class MissCauseFold:
         self.first_admission = (engine or "").startswith("vllm")
 
     def _reset_shadow(self) -> None:
-        self._cache: OrderedDict[int, tuple[int, int, int]] = OrderedDict()  # dkey -> plain, tick, ns
-        self._domain_plain: dict[int, int] = {}  # plain key -> entries held under a non-default domain
-        self._ghost: OrderedDict[int, tuple[int, int]] = OrderedDict()  # evicted dkey -> tick, ns
-        self._bloom = _Bloom(self.bloom_bits)
-        self._tick = 0
+        cap = self.capacity_blocks
+        self._shadow = (None if cap is None else
+                        _Shadow(cap, self.ghost_factor * max(cap, 0), self.bloom_bits))
 
     # ------------------------------------------------------------------ feeding
     def feed(self, ev: Event) -> None:
@@ -303,54 +367,19 @@ class MissCauseFold:
         config = (int(ev.block_size_tokens), int(ev.num_blocks))
         if config != (self.block_size_tokens, self.capacity_blocks):
             if self.block_size_tokens is not None:  # another pool: a new engine, a new cache
-                self._reset_shadow()
                 self._live.clear()
             self.block_size_tokens, self.capacity_blocks = config
+            self._reset_shadow()
         pending, self._before_pool = self._before_pool or [], None
         for e in pending:
             self.feed(e)
 
     # ------------------------------------------------------------------ the shadow
-    def _keys(self, content: Content) -> Optional[list[int]]:
+    def _keys(self, content: Content) -> Optional[np.ndarray]:
         bs = self.block_size_tokens
         if bs is None or not content.can_key(bs):
             return None
-        return content.keys(bs, algorithm=self.hash_algorithm).tolist()
-
-    def _touch_all(self, dkeys: list[int], keys: list[int], mask: int, now_ns: int) -> None:
-        """Touch or insert each block in order (LRU), as :class:`PrefixCacheSim` does; an
-        evicted key goes to the evicted-key history, the oldest of which to the Bloom filter."""
-        cache, ghost = self._cache, self._ghost
-        move, ghost_pop = cache.move_to_end, ghost.pop
-        cap = self.capacity_blocks
-        if cap is not None and cap <= 0:
-            self._tick += len(dkeys)
-            return
-        ghost_cap = self.ghost_factor * cap if cap is not None else 0
-        tick = self._tick
-        for j, d in enumerate(dkeys):
-            tick += 1
-            if d in cache:
-                move(d)
-                cache[d] = (keys[j], tick, now_ns)
-                continue
-            if cap is not None:
-                while len(cache) >= cap:
-                    old, (oplain, otick, ons) = cache.popitem(last=False)
-                    if old != oplain:
-                        n = self._domain_plain[oplain] - 1
-                        if n:
-                            self._domain_plain[oplain] = n
-                        else:
-                            del self._domain_plain[oplain]
-                    ghost[old] = (otick, ons)
-                    if len(ghost) > ghost_cap:
-                        self._bloom.add(ghost.popitem(last=False)[0])
-            ghost_pop(d, None)
-            cache[d] = (keys[j], tick, now_ns)
-            if mask:
-                self._domain_plain[keys[j]] = self._domain_plain.get(keys[j], 0) + 1
-        self._tick = tick
+        return np.ascontiguousarray(content.keys(bs, algorithm=self.hash_algorithm), np.int64)
 
     def _arrived(self, ev: RequestArrived) -> None:
         if len(self._live) >= _MAX_LIVE:
@@ -361,43 +390,9 @@ class MissCauseFold:
             return  # its misses are unknown
         domain = getattr(ev, "cache_domain", None)
         mask = _domain_mask(domain)
-        dkeys = [k ^ mask for k in keys] if mask else keys
-        cache = self._cache
-        h = 0
-        while h < len(dkeys) and dkeys[h] in cache:
-            h += 1
-        codes = bytearray()
-        reuse: list[tuple[Optional[int], Optional[int]]] = []
-        now = ev.ts_ns
-        brk: tuple[Optional[int], Optional[int]] = (None, None)
-        for j in range(h, len(dkeys)):
-            d = dkeys[j]
-            entry = cache.get(d)
-            if entry is not None:  # held, but its prefix broke before it
-                codes.append(EVICTED)
-                reuse.append(brk)
-                continue
-            g = self._ghost.get(d)
-            if g is not None:
-                codes.append(EVICTED)
-                info = (self._tick - g[0], max(now - g[1], 0))
-                reuse.append(info)
-            elif d in self._bloom:
-                codes.append(EVICTED)
-                info = (None, None)
-                reuse.append(info)
-            elif (mask and keys[j] in cache) or self._domain_plain.get(keys[j], 0) > 0:
-                codes.append(HASH_DOMAIN)
-                reuse.append((None, None))
-                continue
-            else:
-                codes.append(COLD)
-                reuse.append((None, None))
-                continue
-            if j == h:
-                brk = info
-        self._touch_all(dkeys, keys, mask, now)
-        self._live[ev.request_id] = _Live(content, domain, bytes(codes), reuse, h, keys, dkeys)
+        dkeys = keys ^ mask if mask else keys
+        h, codes, dist, age = self._shadow.arrive(dkeys, keys, bool(mask), ev.ts_ns)
+        self._live[ev.request_id] = _Live(content, domain, codes, dist, age, h, keys, dkeys)
 
     def _finished(self, ev: RequestFinished) -> None:
         live = self._live.pop(ev.request_id, None)
@@ -416,20 +411,19 @@ class MissCauseFold:
             # the partial tail (and anything past the prompt the engine reported)
             tail_start = max(start, full * bs)
             tokens[BELOW_BLOCK] += prompt - tail_start
-            codes, reuse = live.codes, live.reuse
+            codes = live.codes
             j = start // bs
+            held_end = min(h, full)
+            if j < held_end:  # blocks the shadow held: one cause, but a block-aligned last one
+                n = held_end * bs - start
+                if held_end == full and prompt % bs == 0:
+                    last = full * bs - max((full - 1) * bs, start)
+                    tokens[BELOW_BLOCK] += last
+                    n -= last
+                tokens[PREEMPTION if live.preempted and not self.first_admission else ENGINE_SKIP] += n
+                j = held_end
             while j < full:
                 n = (j + 1) * bs - max(j * bs, start)
-                if j < h:
-                    if j == full - 1 and prompt % bs == 0:
-                        cause = BELOW_BLOCK
-                    elif live.preempted and not self.first_admission:
-                        cause = PREEMPTION
-                    else:
-                        cause = ENGINE_SKIP
-                    tokens[cause] += n
-                    j += 1
-                    continue
                 if n == bs:  # whole blocks from here on: counted by code, evicted ones listed
                     lo = j - h
                     hi = max(lo, min(full - h, len(codes)))
@@ -437,13 +431,14 @@ class MissCauseFold:
                     for c in (COLD, EVICTED, HASH_DOMAIN):
                         tokens[c] += part.count(c) * bs
                     if EVICTED in part:
-                        evicted += [(*reuse[k], bs) for k in range(lo, hi) if codes[k] == EVICTED]
+                        evicted += [live.evicted_figures(k) + (bs,) for k in range(lo, hi)
+                                    if codes[k] == EVICTED]
                     tokens[UNKNOWN] += (full - h - hi) * bs  # the arrival keyed fewer blocks
                     break
                 if j - h < len(codes):
                     cause = codes[j - h]
                     if cause == EVICTED:
-                        evicted.append((*reuse[j - h], n))
+                        evicted.append(live.evicted_figures(j - h) + (n,))
                 else:
                     cause = UNKNOWN
                 tokens[cause] += n
@@ -459,18 +454,20 @@ class MissCauseFold:
         if tokens is None:
             tokens = [0] * len(CAUSES)
             tokens[UNKNOWN] = missed
+        if self.on_request is None:  # the tally alone: no record to build
+            self.tally.count(prompt, cached, missed, tokens, evicted)
+            return
         rec = RequestMisses(ts_ns=ev.ts_ns, request_id=str(ev.request_id), prompt_tokens=prompt,
                             cached_prompt_tokens=cached, missed_tokens=missed, tokens=tuple(tokens),
                             evicted=tuple(evicted), status=ev.status, shadow_hit_tokens=shadow_hit_tokens)
         self.tally.add(rec)
-        if self.on_request is not None:
-            self.on_request(rec)
+        self.on_request(rec)
 
     def _store_finished(self, live: _Live, now_ns: int) -> None:
         """Touch or insert the full blocks of the prompt and generated tokens (no lookup)."""
         content = live.content
         if not live.stored:  # no generated block stored: the prompt's blocks again
-            self._touch_all(live.dkeys, live.keys, _domain_mask(live.domain), now_ns)
+            self._shadow.touch(live.dkeys, live.keys, bool(_domain_mask(live.domain)), now_ns)
             return
         if content.token_ids is not None:
             seq = full_sequence(content.token_ids, live.stored)
@@ -479,10 +476,10 @@ class MissCauseFold:
             keys, n = full_sequence_chunks(content.chunk_keys, content.num_tokens, live.stored)
             whole = Content(n, chunk_keys=keys)
         keys = self._keys(whole)
-        if not keys:
+        if keys is None or not len(keys):
             return
         mask = _domain_mask(live.domain)
-        self._touch_all([k ^ mask for k in keys] if mask else keys, keys, mask, now_ns)
+        self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
 
 
 def _content(event: RequestArrived) -> Optional[Content]:

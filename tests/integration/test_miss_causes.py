@@ -258,7 +258,7 @@ def test_bounded_state_on_a_long_stream():
         toks = [i * 10 + k for k in range(16)]
         fold.feed(_arrive(i * 10 + 1, f"r{i}", toks))
         fold.feed(_finish(i * 10 + 2, f"r{i}", 16, 0))
-    assert len(fold._cache) <= 8 and len(fold._ghost) <= 16 and not fold._live
+    assert len(fold._shadow) <= 8 and fold._shadow.history_len <= 16 and not fold._live
     assert fold.tally.by_cause()["cold"] == 400 * 16  # a last block not held is not below_block
 
 
