@@ -1,5 +1,6 @@
 """Where ``kvdiag top`` gets its events: a recorded log replayed as if live, the kvdiag agent's
-Unix socket stream of a running server, or a host-level view of a process from outside.
+Unix socket stream of a running server, a served engine without the agent read from outside by
+attach's collectors (its /metrics and KV events), or a host-level view of a process.
 
 Every source has the same small interface: ``poll()`` returns the events available now,
 ``now_ns()`` is the source's event-time clock (wall clock when live, the replay position when
