@@ -208,3 +208,21 @@ async def test_the_ui_names_the_outside_source(tmp_path, anyio_backend):
     finally:
         source.close()
         server.stop()
+
+
+def test_the_exporter_serves_the_engine_gauges_without_the_agent():
+    """attach --prometheus on a server without the agent: the exporter reads the same fold,
+    the usage gauge as occupancy and the requests' blocks, the free blocks unknown."""
+    from kvdiag.collectors.metrics import engine_metrics, parse_prometheus
+    from kvdiag.eventlog import make_header
+    from kvdiag.exporter import PrometheusSink
+
+    sink = PrometheusSink(make_header(engine="sglang", model="m", node="n"))
+    for i, which in enumerate(("before", "after")):
+        sink.record(engine_metrics(parse_prometheus((DATA / f"sglang_{which}.prom").read_text()),
+                                   ts_ns=(i + 1) * 10**9))
+    families = {f.name: f.samples for f in sink.collect()}
+    sink.close()
+    assert families["kvdiag_kv_block_occupancy_ratio"][0].value == 0.375
+    blocks = {smp.labels.get("kind", smp.labels.get("state")): smp.value for smp in families["kvdiag_kv_blocks"]}
+    assert blocks == {"requests": 768}
