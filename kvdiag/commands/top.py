@@ -20,7 +20,7 @@ Without a kvdiag agent, --pid of a vLLM, SGLang or TensorRT-LLM server reads it 
 does: its /metrics (found on its ports, or --metrics-url) fill the KV pool (usage gauge), prefix
 hits (counter increases since top joined) and latency (histogram increases since the join); its
 KV events (found, or --kv-events ENDPOINT) feed the KV-event checks. The status line names it
-("pid N outside: /metrics + KV events (since join HH:MM:SS)").
+("pid N outside: /metrics + KV events (since join HH:MM:SS UTC)").
   kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
 
 Quitting never stops a server that top attached to; it stops the demo it started within

@@ -354,8 +354,8 @@ class OutsideSource:
     @property
     def description(self) -> str:
         """The source named in top's status line: what is read, and since when."""
-        since = time.strftime("%H:%M:%S", time.localtime(self.joined_ns / 1e9))
-        return f"pid {self.pid} outside: {self.collectors.describe()} (since join {since})"
+        since = time.strftime("%H:%M:%S", time.gmtime(self.joined_ns / 1e9))  # as the status line's clock
+        return f"pid {self.pid} outside: {self.collectors.describe()} (since join {since} UTC)"
 
     def _run(self) -> None:
         while not self._stop.is_set():
