@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvdiag.schema import CollectorStatus
+from kvdiag.events.schema import CollectorStatus
 
 METRICS_PROBE_PERIOD_S = 5.0
 """Seconds between two searches of the tree's listening ports for a ``/metrics``."""

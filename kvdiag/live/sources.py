@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Optional
 
 import msgspec
 
-from kvdiag import schema as s
-from kvdiag.child import kvdiag_module, reset_interrupt_signal
+from kvdiag.events import schema as s
+from kvdiag.demo.child_command import kvdiag_module, reset_interrupt_signal
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection, AgentProtocolError
 from kvdiag.paths import open_private
@@ -49,7 +49,7 @@ class ReplaySource:
 
     def __init__(self, path: str | os.PathLike, speed: float = 1.0, clock: Clock = time.monotonic,
                  start_paused: bool = False) -> None:
-        from kvdiag.eventlog import iter_events, read_header
+        from kvdiag.events.eventlog import iter_events, read_header
 
         if speed <= 0:
             raise ValueError(f"--speed must be positive, got {speed}")
@@ -327,8 +327,8 @@ class OutsideSource:
     def __init__(self, pid: int, period_s: float = 1.0, options=None) -> None:
         from kvdiag.collectors.outside import OutsideCollectors, OutsideOptions
         from kvdiag.collectors.procfs import ProcessCollector
-        from kvdiag.eventlog import make_header
-        from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, ContentHasher, HashingSink
+        from kvdiag.events.eventlog import make_header
+        from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, ContentHasher, HashingSink
 
         self.pid = pid
         self.processes = ProcessCollector(pid)  # raises TargetGone / TargetNotAccessible

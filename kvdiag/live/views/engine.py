@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from kvdiag import schema as s
+from kvdiag.events import schema as s
 from kvdiag.live.views.series import Series
 
 COUNTERS = ("prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "num_preemptions", "generation_tokens")
 LATENCY_HISTOGRAMS = {"ttft": "ttft_s", "tpot": "inter_token_s", "queue": "queue_s"}
 """Latency panel row -> ``EngineMetrics.histograms`` key (the offline reading's
-:data:`kvdiag.analysis.user_latency.ENGINE_HISTOGRAMS`: vLLM's inter-token histogram stands for
+:data:`kvdiag.diagnosis.user_latency.ENGINE_HISTOGRAMS`: vLLM's inter-token histogram stands for
 TPOT, one observation per output token)."""
 SOURCE = "engine /metrics"
 
@@ -80,9 +80,9 @@ class EngineFold:
     def latency_s(self, row: str) -> Optional[tuple[float, float, int]]:
         """(P50, P99, observations) in seconds of latency ``row`` (:data:`LATENCY_HISTOGRAMS`)
         over the histogram's increase since the baseline, interpolated within buckets as
-        PromQL's ``histogram_quantile`` (:mod:`kvdiag.analysis.engine_latency`); None without
+        PromQL's ``histogram_quantile`` (:mod:`kvdiag.diagnosis.engine_latency`); None without
         an increase."""
-        from kvdiag.analysis.engine_latency import histogram_increase, histogram_quantile
+        from kvdiag.diagnosis.engine_latency import histogram_increase, histogram_quantile
 
         key = LATENCY_HISTOGRAMS[row]
         if self.first is None or self.latest is self.first:
