@@ -49,6 +49,24 @@ kvdiag agent in its process tree, not a vLLM server; --any-process attaches anyw
 """
 
 
+def add_outside_arguments(parser: argparse.ArgumentParser) -> None:
+    """The outside collectors' options (:class:`kvdiag.collectors.outside.OutsideOptions`),
+    attach's and ``top --pid``'s alike."""
+    parser.add_argument("--metrics-url", help="Prometheus endpoint (default: probe the target's ports)")
+    parser.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                        help="subscribe to this ZMQ endpoint's KV events (BlockStored/BlockRemoved/"
+                             "AllBlocksCleared, msgpack: vLLM, SGLang, a TensorRT-LLM or LMCache relay); "
+                             "a wildcard or ipc endpoint is connected to, any other bound, as the "
+                             "publisher would expect")
+    parser.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                        help="ZMQ topic of --kv-events (default: every topic)")
+    parser.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
+                        help="the publisher's ROUTER replay endpoint, to fill lost batches")
+    parser.add_argument("--kv-events-publisher", metavar="NAME", default=None,
+                        help="who publishes --kv-events, named in the log (default: the engine "
+                             "recognised from the command line, else 'unknown')")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pid", help="process id of the server")
     parser.add_argument("--duration", type=float, default=30.0, metavar="S",
@@ -62,7 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pyspy-window", type=float, default=10.0, metavar="S",
                         help="seconds per phase profile (default 10)")
     parser.add_argument("--no-pyspy", action="store_true", help="do not sample Python stacks")
-    parser.add_argument("--metrics-url", help="Prometheus endpoint (default: probe the target's ports)")
     parser.add_argument("--socket", help="agent socket (default: found from the target's process tree)")
     parser.add_argument("--any-process", action="store_true",
                         help="attach also to a process that serves no recognised engine (no kvdiag agent "
@@ -73,18 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-tokens", action="store_true",
                         help="keep prompts' token ids when the target's agent records them "
                              "(KVDIAG_RECORD_TOKENS=1 there); default: hash them into the log")
-    parser.add_argument("--kv-events", metavar="ENDPOINT", default=None,
-                        help="subscribe to this ZMQ endpoint's KV events (BlockStored/BlockRemoved/"
-                             "AllBlocksCleared, msgpack: vLLM, SGLang, a TensorRT-LLM or LMCache relay); "
-                             "a wildcard or ipc endpoint is connected to, any other bound, as the "
-                             "publisher would expect")
-    parser.add_argument("--kv-events-topic", default="", metavar="TOPIC",
-                        help="ZMQ topic of --kv-events (default: every topic)")
-    parser.add_argument("--kv-events-replay", metavar="ENDPOINT", default=None,
-                        help="the publisher's ROUTER replay endpoint, to fill lost batches")
-    parser.add_argument("--kv-events-publisher", metavar="NAME", default=None,
-                        help="who publishes --kv-events, named in the log (default: the engine "
-                             "recognised from the command line, else 'unknown')")
+    add_outside_arguments(parser)
     parser.add_argument("--grace", type=float, default=5.0, metavar="S",
                         help="seconds after which a finished request's held blocks count as leaked")
 
@@ -145,138 +151,19 @@ def _default_out(pid: int) -> Path:
 
 
 class _Session:
-    """The collectors of one attach, sampled from the main loop."""
+    """The collectors of one attach, sampled from the main loop: the outside collectors
+    (:class:`kvdiag.collectors.outside.OutsideCollectors`, shared with ``top --pid``) and py-spy."""
 
     def __init__(self, args, procs, writer) -> None:
-        from kvdiag.collectors import metrics, nvml
+        from kvdiag.collectors.outside import OutsideCollectors, OutsideOptions
         self.args, self.procs, self.writer = args, procs, writer
-        self.nvml = nvml.NvmlCollector(pids=procs.pids)
-        writer.record(self.nvml.start())
-        from kvdiag.collectors.hardware import HardwareRecorder
-        # the target's device is not ours to allocate on: probe the GPU only through torch
-        # already imported here, else the host's memory
-        self.hardware = HardwareRecorder(writer).start()
-        self.metrics_url: Optional[str] = args.metrics_url
-        self.metrics_mod = metrics
-        self.next_probe = 0.0
+        self.outside = OutsideCollectors(procs, writer, OutsideOptions.from_args(
+            args, kv_events_raw=Path(str(args.out_path) + ".kvevents.jsonl")))
         self.recorder = None
         self.pyspy_failed: Optional[str] = None
-        from kvdiag.collectors import vllm
-        self.vllm = vllm.identify(procs.root)
-        from kvdiag.collectors import servers
-        self.other = servers.identify(procs.root) if self.vllm is None else None  # SGLang, TRT-LLM
-        self.engine = "vllm" if self.vllm is not None else self.other.engine if self.other else None
-        self.engine_probed = False
-        self.kv_events = None  # the ZMQ subscriber, once a vLLM server's stream is found
-        self.kv_events_tried = False
-        from kvdiag.events.schema import CollectorStatus
-        if self.vllm is not None:
-            writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm", available=True,
-                                          hint=self.vllm.describe()))
-        if self.other is not None:
-            writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=self.other.engine,
-                                          available=True, hint=self.other.describe()))
-        if args.kv_events:
-            self.kv_events_tried = True
-            self._subscribe({"endpoint": args.kv_events, "topic": args.kv_events_topic,
-                             "replay_endpoint": args.kv_events_replay})
-
-    def publisher(self) -> str:
-        """Who publishes the KV events: ``--kv-events-publisher``, else the recognised engine,
-        else ``unknown``."""
-        return self.args.kv_events_publisher or self.engine or "unknown"
-
-    def _subscribe(self, cfg: dict) -> None:
-        """Subscribe to one KV-event endpoint (the subscriber side decided by
-        :func:`kvdiag.collectors.vllm.subscriber_side`); the publisher named in the status."""
-        from kvdiag.collectors import vllm
-        from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-        from kvdiag.events.schema import CollectorStatus
-        mode, address = vllm.subscriber_side(cfg["endpoint"])
-        raw = Path(str(self.args.out_path) + ".kvevents.jsonl")
-        publisher = self.publisher()
-        try:
-            self.kv_events = KVEventSubscriber(address, self.writer, topic=cfg.get("topic") or "",
-                                               replay_endpoint=cfg.get("replay_endpoint"),
-                                               bind=(mode == "bind"), raw_path=raw,
-                                               publisher=publisher).start()
-        except Exception as exc:  # e.g. the address is taken by another subscriber
-            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events",
-                                               available=False, hint=f"{mode} {address}: {exc}"))
-            return
-        self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm-kv-events", available=True,
-                                           hint=f"publisher {publisher}: {mode} {address}; raw stream {raw}"))
-
-    def probe_metrics(self) -> None:
-        from kvdiag.collectors.procfs import connect_host
-        if self.metrics_url or time.monotonic() < self.next_probe:
-            return
-        self.next_probe = time.monotonic() + 5.0
-        ports = [(connect_host(ip), port) for _, ip, port in self.procs.listening_ports()]
-        self.metrics_url = self.metrics_mod.find_metrics_url(ports, timeout_s=1.0)
-        if self.metrics_url:
-            from kvdiag.events.schema import CollectorStatus
-            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="metrics", available=True,
-                                               hint=self.metrics_url))
-
-    def _engine_from_metrics(self) -> None:
-        """SGLang (``sglang:*``), TensorRT-LLM (``trtllm_*``) or vLLM (``vllm:*``) by the names
-        its /metrics serves; recorded as that engine's ``CollectorStatus``."""
-        from kvdiag.collectors import servers
-        from kvdiag.events.schema import CollectorStatus
-        try:
-            names = [m.name for m in self.metrics_mod.parse_prometheus(
-                self.metrics_mod.fetch_metrics_text(self.metrics_url, 1.0))]
-        except (OSError, ValueError):
-            return
-        engine = servers.engine_of_metrics(names)
-        if engine is not None:
-            self.engine = engine
-            self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=engine, available=True,
-                                               hint=f"recognised by its metric names at {self.metrics_url}"))
-
-    def subscribe_kv_events(self) -> None:
-        """A vLLM server's KV-event stream: from ``/kv_event_sources``, else its command line."""
-        from kvdiag.collectors import vllm
-        from kvdiag.events.schema import CollectorStatus
-        self.kv_events_tried = True
-        base_url = self.metrics_url.rsplit("/metrics", 1)[0]
-        self.vllm.base_url = base_url
-        try:
-            configs = vllm.kv_event_sources(base_url)
-        except (OSError, ValueError):
-            cfg = vllm.kv_events_from_cmdline(self.procs.root.cmdline())
-            configs = [cfg] if cfg and cfg.get("enable_kv_cache_events") else []
-        if not configs:
-            self.writer.record(CollectorStatus(
-                ts_ns=time.time_ns(), collector="vllm-kv-events", available=False,
-                hint="the server publishes no KV events (start it with --kv-events-config "
-                     "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}')"))
-            return
-        self._subscribe({"endpoint": configs[0]["endpoint"], "topic": configs[0].get("topic", "")})
 
     def sample(self) -> None:
-        for ev in self.procs.sample():  # raises TargetGone
-            self.writer.record(ev)
-        for ev in self.nvml.sample():
-            self.writer.record(ev)
-        self.hardware.sample()
-        self.probe_metrics()
-        if self.metrics_url and self.engine is None and not self.engine_probed:
-            self.engine_probed = True  # not recognised from its command line: its metric names
-            self._engine_from_metrics()
-        if self.metrics_url and self.vllm is not None and not self.kv_events_tried:
-            self.subscribe_kv_events()
-        if self.other is not None and self.other.engine == "sglang" and not self.kv_events_tried:
-            self.kv_events_tried = True  # SGLang takes vLLM's flag: --kv-events-config JSON
-            from kvdiag.collectors import vllm
-            cfg = vllm.kv_events_from_cmdline(self.procs.root.cmdline())
-            if cfg and cfg.get("publisher", "zmq") == "zmq":
-                self._subscribe({"endpoint": cfg.get("endpoint", "tcp://*:5557"),
-                                 "topic": cfg.get("topic", ""),
-                                 "replay_endpoint": cfg.get("replay_endpoint")})
-        if self.metrics_url:
-            self.metrics_mod.scrape_into(self.metrics_url, self.writer)
+        self.outside.sample()  # raises TargetGone
 
     def pyspy_tick(self, remaining_s: float) -> None:
         from kvdiag.collectors import pyspy
@@ -312,9 +199,7 @@ class _Session:
     def close(self) -> None:
         if self.recorder is not None:
             self._finish_window(self.recorder.stop)
-        if self.kv_events is not None:
-            self.kv_events.stop()
-        self.nvml.close()
+        self.outside.close()
 
 
 PYSPY_PROBES = 3
@@ -354,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from kvdiag.collectors import procfs
-    from kvdiag.collectors.vllm import vllm_root
+    from kvdiag.collectors.outside import recognised_server
     from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
                                                 process_label)
     from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_header
@@ -371,16 +256,9 @@ def run(args: argparse.Namespace) -> int:
     if pid == os.getpid():
         _err(f"PID {pid} is kvdiag itself")
         return 2
-    root = vllm_root(pid) if not args.socket else None
-    other = None
-    if root is None and not args.socket:  # SGLang, TensorRT-LLM: the process itself
-        import psutil
-
-        from kvdiag.collectors import servers
-        try:
-            other = servers.identify(psutil.Process(pid))
-        except psutil.Error:
-            other = None
+    served = recognised_server(pid) if not args.socket else None  # vLLM's tree; SGLang, TRT-LLM: pid itself
+    root = served.pid if served is not None and served.engine == "vllm" else None
+    other = served if served is not None and served.engine != "vllm" else None
     if root is not None and root != pid:  # an engine child: its server's /metrics and KV events too
         _err(f"PID {pid} is part of vLLM server {root}'s process tree: attaching to {root}")
         pid = args.pid = root

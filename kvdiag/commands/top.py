@@ -15,14 +15,20 @@ sharing (engine vs shadow), compression, attention locality, latency, requests a
   kvdiag top --engine vllm      the same demo on a real vLLM server (kvdiag fetch-engine vllm)
   kvdiag top --pid PID          watch a running server (its kvdiag agent, else from outside);
                                 PID: any process of its tree (kvdiag demo, the server, an engine child)
+
+Without a kvdiag agent, --pid of a vLLM, SGLang or TensorRT-LLM server reads it as `kvdiag attach`
+does: its /metrics (found on its ports, or --metrics-url) fill the KV pool (usage gauge), prefix
+hits (counter increases since top joined) and latency (histogram increases since the join); its
+KV events (found, or --kv-events ENDPOINT) feed the KV-event checks. The status line names it
+("pid N outside: /metrics + KV events (since join HH:MM:SS UTC)").
   kvdiag top --log FILE         replay a recorded log as if live (--speed, p pause, f seek)
 
 Quitting never stops a server that top attached to; it stops the demo it started within
 seconds (the requests in flight are cut). Press ? inside for the keys.
 Exit status 2 when the source cannot be opened: among others, --pid of no process, whose agent is not
 answering (no header within 5 s), refuses top (too many clients) or is another user's; 4 when
---pid serves no recognised engine (no kvdiag agent in its tree, not a vLLM server; --any-process
-watches it from outside anyway).
+--pid serves no recognised engine (no kvdiag agent in its tree, not a vLLM, SGLang or TensorRT-LLM
+server; --any-process watches it from outside anyway).
 """
 
 
@@ -38,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--socket", type=Path, metavar="PATH", help="read a kvdiag agent socket directly")
     parser.add_argument("--engine", choices=("transformers", "vllm"),
                         help="the demo's serving engine (default transformers)")
+    from kvdiag.commands.attach import add_outside_arguments
+    add_outside_arguments(parser)  # --pid of a server without the kvdiag agent: as attach reads it
     parser.add_argument("--speed", type=float, default=1.0, help="replay speed for --log (default 1.0)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--output-dir", type=Path, default=Path("."),
@@ -78,8 +86,11 @@ def open_source(args: argparse.Namespace):
         return sources.ReplaySource(args.log, speed=args.speed, start_paused=args.paused)
     if args.socket is not None:
         return sources.SocketSource(args.socket)
+    outside = _outside_options(args)
+    if (outside.metrics_url or outside.kv_events) and args.pid is None:
+        raise sources.SourceError("--metrics-url and --kv-events go with --pid (a server watched from outside)")
     if args.pid is not None:
-        return sources.attach(args.pid, any_process=args.any_process)
+        return sources.attach(args.pid, any_process=args.any_process, outside=outside)
     if not any(a.startswith("--model") for a in demo_args):
         from kvdiag.commands.fetch_model import resolve_with_progress
 
@@ -91,6 +102,13 @@ def open_source(args: argparse.Namespace):
     # its output beside its event log
     demo = sources.DemoSource(demo_args, log_dir=_demo_log(demo_args).parent if _demo_log(demo_args) else log_dir())
     return sources.with_host_view(demo, demo.child.pid)
+
+
+def _outside_options(args: argparse.Namespace):
+    """attach's outside collectors' options given to top (no hardware probe: top shows none)."""
+    from kvdiag.collectors.outside import OutsideOptions
+
+    return OutsideOptions.from_args(args, hardware=False)
 
 
 def _demo_log(demo_args: list[str]) -> Optional[Path]:

@@ -79,6 +79,18 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
     return float(_quantile_rows(q, *_normalize(bounds, counts))[0])
 
 
+def histogram_increase(first: list, last: list) -> Optional[list[tuple[float, float]]]:
+    """The bucket increases ``(le, count)`` of one histogram from scrape ``first`` to scrape
+    ``last`` (cumulative ``(le, count)`` lists); None when the bounds differ or a count fell
+    (the engine restarted) or nothing was observed in between."""
+    if not first or not last or [le for le, _ in first] != [le for le, _ in last]:
+        return None
+    inc = [(le, c1 - c0) for (le, c0), (_, c1) in zip(first, last)]
+    if any(c < 0 for _, c in inc) or not max(c for _, c in inc) > 0:
+        return None
+    return inc
+
+
 def _interval_quantiles(hists: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """For one histogram over consecutive scrapes: per interval k (scrape k to k + 1), the
     ``QUANTILES`` of its bucket increases (rows x quantiles) and its count increase. Unknown

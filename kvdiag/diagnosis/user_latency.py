@@ -189,17 +189,14 @@ TPOT histogram counts every inter-token interval, not one mean per request."""
 def _engine_stat(metric: str, em: pd.DataFrame) -> Optional[Stat]:
     """:data:`ENGINE_HISTOGRAMS`' reading of one latency on one node's scrapes (None without
     a histogram that grew in the window, or whose buckets changed or fell: a restart)."""
-    from kvdiag.diagnosis.engine_latency import histogram_quantile
+    from kvdiag.diagnosis.engine_latency import histogram_increase, histogram_quantile
     key = ENGINE_HISTOGRAMS[metric]
     hists = [h[key] for h in em.sort_values("ts_ns", kind="stable").get("histograms", pd.Series(dtype=object))
              if isinstance(h, dict) and h.get(key)]
     if len(hists) < 2:
         return None
-    first, last = hists[0], hists[-1]
-    if [le for le, _ in first] != [le for le, _ in last]:
-        return None
-    inc = [(le, c1 - c0) for (le, c0), (_, c1) in zip(first, last)]
-    if any(c < 0 for _, c in inc) or not max(c for _, c in inc) > 0:
+    inc = histogram_increase(hists[0], hists[-1])
+    if inc is None:
         return None
     count = int(max(c for _, c in inc))
     return Stat(metric, count, histogram_quantile(0.5, inc), histogram_quantile(0.99, inc),

@@ -76,6 +76,9 @@ class PoolView:
     finished_holding_requests: Optional[int] = None  # finished > the release grace ago, still holding
     finished_holding_blocks: Optional[int] = None  # the blocks those requests hold
     block_anomalies: tuple = ()  # (kind, count) per kvdiag.pool.blockledger.ANOMALY_KINDS
+    # where the figures come from: "" the kvdiag agent's pool events; else the engine's own
+    # gauges (kvdiag.live.views.engine: block occupancy = its KV cache usage gauge)
+    source: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,9 @@ class SharingView:
     # (kvdiag.diagnosis.miss_causes.CAUSES order: (cause, tokens)); they sum to missed_tokens
     miss_causes: tuple[tuple[str, int], ...] = ()
     missed_tokens: int = 0
+    # the engine's /metrics scrape its counter increases start from (this client's join), when
+    # engine_hit_rate is read from them (no finished requests seen); None otherwise
+    engine_counters_since_ns: Optional[int] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +194,9 @@ class LatencyView:
     queue_p99_ms: Optional[float] = None
     queue_p99_history: History = ()
     queue_reason: str = ""
+    # "" when read from the requests' events; else where the figures come from (the engine's
+    # /metrics histograms, their increase since the join: kvdiag.live.views.engine)
+    source: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """Where ``kvdiag top`` gets its events: a recorded log replayed as if live, the kvdiag agent's
-Unix socket stream of a running server, or a host-level view of a process from outside.
+Unix socket stream of a running server, a served engine without the agent read from outside by
+attach's collectors (its /metrics and KV events), or a host-level view of a process.
 
 Every source has the same small interface: ``poll()`` returns the events available now,
 ``now_ns()`` is the source's event-time clock (wall clock when live, the replay position when
@@ -298,6 +299,100 @@ class ProcessSource:
         self.nvml.close()
 
 
+class _QueueSink:
+    """Events recorded by the outside collectors, from the sampling thread and the KV-event
+    subscriber's (a deque: appends and pops are thread-safe), taken by :meth:`OutsideSource.poll`."""
+
+    def __init__(self) -> None:
+        self.queue: deque[s.Event] = deque()
+
+    def record(self, event: s.Event) -> None:
+        self.queue.append(event)
+
+    def flush(self) -> None:
+        pass
+
+
+class OutsideSource:
+    """A served engine without a kvdiag agent, read from outside by attach's collectors
+    (:class:`kvdiag.collectors.outside.OutsideCollectors`: process tree, NVML, the engine's
+    ``/metrics`` scraped every ``period_s``, its KV events): the pool, prefix-hit and latency
+    panels fill from the engine's own gauges, counters and histograms, counted since the join
+    (the first scrape seen; :mod:`kvdiag.live.views.engine`). Token ids of KV events are
+    hashed under a fresh salt, as attach does. A daemon thread samples; :meth:`poll` takes
+    what it recorded. ``options``: :class:`kvdiag.collectors.outside.OutsideOptions`."""
+
+    live = True
+
+    def __init__(self, pid: int, period_s: float = 1.0, options=None) -> None:
+        from kvdiag.collectors.outside import OutsideCollectors, OutsideOptions
+        from kvdiag.collectors.procfs import ProcessCollector
+        from kvdiag.events.eventlog import make_header
+        from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, ContentHasher, HashingSink
+
+        self.pid = pid
+        self.processes = ProcessCollector(pid)  # raises TargetGone / TargetNotAccessible
+        self._sink = _QueueSink()
+        hasher = ContentHasher()
+        self.collectors = OutsideCollectors(self.processes, HashingSink(self._sink, hasher),
+                                            options or OutsideOptions(hardware=False))
+        self.joined_ns = time.time_ns()
+        self.header = make_header(pid=pid, engine=self.collectors.engine or "attach", content="hashes",
+                                  content_salt=hasher.salt, content_chunk_tokens=CONTENT_CHUNK_TOKENS,
+                                  start_ns=self.joined_ns)
+        self.paused = False
+        self.finished = False
+        self._period_s = period_s
+        self._sink.record(s.CollectorStatus(
+            ts_ns=time.time_ns(), collector="agent-stream", available=False,
+            hint=f"no kvdiag agent in pid {pid}: pool, prefix hits and latency from the engine's /metrics "
+                 "and KV events; requests, compression and locality need the agent (its plugin)"))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdiag-outside", daemon=True)
+        self._thread.start()
+
+    @property
+    def description(self) -> str:
+        """The source named in top's status line: what is read, and since when."""
+        since = time.strftime("%H:%M:%S", time.gmtime(self.joined_ns / 1e9))  # as the status line's clock
+        return f"pid {self.pid} outside: {self.collectors.describe()} (since join {since} UTC)"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.collectors.sample()
+            except Exception as exc:  # the target exited (TargetGone) or became unreadable
+                self.finished = True
+                self._sink.record(s.CollectorStatus(ts_ns=time.time_ns(), collector="process",
+                                                    available=False, hint=str(exc)))
+                return
+            self._stop.wait(self._period_s)
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def poll(self, limit: Optional[int] = None) -> list[s.Event]:
+        out = []
+        queue = self._sink.queue
+        while queue and (limit is None or len(out) < limit):
+            out.append(queue.popleft())
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live view cannot seek."""
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.collectors.close()
+
+
 def find_agent_socket(pid: int) -> Optional[Path]:
     """The kvdiag agent socket serving any PID of a served process tree (see
     :func:`kvdiag.collectors.agent_client.find_agent_socket`), if one exists."""
@@ -347,26 +442,30 @@ def with_host_view(primary, pid: int):
         return primary
 
 
-def attach(pid: int, any_process: bool = False):
-    """A source for a running server: its agent socket if it has one, else the outside view.
+def attach(pid: int, any_process: bool = False, outside=None):
+    """A source for a running server: its agent socket if it has one; else, when its tree
+    serves a recognised engine (vLLM, SGLang, TensorRT-LLM) or ``outside`` names a
+    ``/metrics`` or KV-event endpoint, attach's outside collectors (:class:`OutsideSource`);
+    else the host view. ``outside``: :class:`kvdiag.collectors.outside.OutsideOptions`.
     Raises SourceError when there is no such process or it may not be read, and when its agent
     does not send its header within :data:`~kvdiag.collectors.agent_client.HEADER_TIMEOUT_S`
     ("the agent is not answering"), refuses us or is another user's; :class:`NoEngineError`
-    when the process serves no recognised engine (no agent in its tree, not a vLLM server),
-    unless ``any_process``."""
+    when the process serves no recognised engine (no agent in its tree, not a vLLM, SGLang or
+    TensorRT-LLM server), unless ``any_process``."""
     import psutil
+
+    from kvdiag.collectors.outside import OutsideOptions, recognised_server
 
     if not psutil.pid_exists(pid):
         raise SourceError(f"no process with PID {pid}")
     path = find_agent_socket(pid)
-    if path is None and not any_process:
-        from kvdiag.collectors.vllm import vllm_root
-
-        if vllm_root(pid) is None:
-            raise NoEngineError(
-                f"process {agent_client.process_label(pid)} serves no recognised engine: no kvdiag agent in "
-                "its process tree and not a vLLM server (--any-process watches it from outside anyway: "
-                "process tree, NVML, py-spy)")
+    served = recognised_server(pid) if path is None else None
+    endpoints = outside is not None and bool(outside.metrics_url or outside.kv_events)
+    if path is None and served is None and not endpoints and not any_process:
+        raise NoEngineError(
+            f"process {agent_client.process_label(pid)} serves no recognised engine: no kvdiag agent in "
+            "its process tree and not a vLLM, SGLang or TensorRT-LLM server (--any-process watches it "
+            "from outside anyway: process tree, NVML, py-spy)")
     if path is not None:
         try:
             conn = AgentConnection(path, timeout_s=agent_client.READ_TIMEOUT_S)
@@ -382,6 +481,10 @@ def attach(pid: int, any_process: bool = False):
                 raise SourceError(f"pid {pid}: {exc}") from None
             return with_host_view(SocketSource(path, description=f"pid {pid} agent", conn=conn), pid)
     try:
+        if served is not None or endpoints:
+            # an engine child (VLLM::EngineCore, ::Worker): its server's /metrics and KV events
+            return OutsideSource(served.pid if served is not None else pid,
+                                 options=outside or OutsideOptions(hardware=False))
         return ProcessSource(pid)
     except (RuntimeError, PermissionError) as exc:  # collectors' TargetGone / TargetNotAccessible
         raise SourceError(str(exc)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
@@ -25,6 +26,7 @@ from kvdiag.diagnosis.findings import Finding
 from kvdiag.diagnosis.miss_causes import FOLD_EVENTS as MISS_FOLD_EVENTS, MissCauseFold
 from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
 from kvdiag.live.snapshot import LatencyView, MemoryView, PoolView, RequestRow, RequestsView, Snapshot
+from kvdiag.live.views.engine import SOURCE as ENGINE_SOURCE, EngineFold
 from kvdiag.live.views.health import HealthFold
 from kvdiag.live.views.memory import MemoryFold
 from kvdiag.live.views.series import Series
@@ -101,7 +103,8 @@ class LiveState:
         self.memory = MemoryFold()
         self.shadow = ShadowFold()
         self.health = HealthFold()
-        self.sharing = SharingFold(lambda: self.finished_count)
+        self.engine = EngineFold()  # the engine's /metrics (the outside view's pool, hits, latency)
+        self.sharing = SharingFold(lambda: self.finished_count, self.engine)
         # pool
         self.pool_info: Optional[s.KVPoolInfo] = None
         self.pool_sample: Optional[s.KVPoolSample] = None
@@ -119,7 +122,7 @@ class LiveState:
         self.saw_scheduled = False
         self.rule_findings: tuple[Finding, ...] = ()  # run_rules over the events so far, run by the caller
         self._handlers = {t: h.__get__(self) for t, h in _HANDLERS.items()}
-        for fold in (self.memory, self.shadow, self.health, self.sharing):
+        for fold in (self.memory, self.shadow, self.health, self.sharing, self.engine):
             self._handlers.update(fold.handlers)
         metrics_view = self._handlers.get(s.EngineMetrics)
 
@@ -379,7 +382,7 @@ class LiveState:
         sharing = self.sharing.view(first, last, self._engine_history(first, last), self.pool_info)
         sharing = replace(sharing, miss_causes=tuple(self.misses.tally.by_cause().items()),
                           missed_tokens=self.misses.tally.missed_tokens)
-        latency = self._latency_view(first, last, window, window_s, latency_window)
+        latency = self._latency_view(first, last, window, window_s, latency_window, now_ns)
         requests = self._requests_view(now_ns)
         health = self.health.view()
         header = self.header
@@ -400,6 +403,7 @@ class LiveState:
             series.trim(first)
         self.memory.trim(first)
         self.sharing.trim(first)
+        self.engine.trim(first)
 
     def _engine_history(self, first: int, last: int) -> tuple:
         """The engine's token hit rate of the requests finished in each bin first..last."""
@@ -489,6 +493,10 @@ class LiveState:
         has_pool = info is not None or sample is not None or bool(ledger.holders)
         seen = ledger.block_events > 0
         holding = ledger.finished_holding_count(now_ns, RELEASE_GRACE_NS) if seen else (None, None)
+        if not has_pool:
+            gauges = self._engine_pool_view(first, last)
+            if gauges is not None:
+                return gauges
         return PoolView(
             num_blocks=num_blocks, block_size_tokens=block_size, blocks_used=used, blocks_cached=cached,
             block_occupancy=block_occ, token_occupancy=token_occ,
@@ -507,8 +515,43 @@ class LiveState:
             finished_holding_requests=holding[0], finished_holding_blocks=holding[1],
             block_anomalies=tuple((k, ledger.anomaly_counts[k]) for k in ANOMALY_KINDS) if seen else ())
 
+    def _engine_pool_view(self, first: int, last: int) -> Optional[PoolView]:
+        """Without the agent's pool events: the pool as the engine's /metrics gauges say
+        (:meth:`kvdiag.live.views.engine.EngineFold.pool`), None without a usage gauge."""
+        g = self.engine.pool()
+        if g is None:
+            return None
+        return PoolView(
+            num_blocks=g["num_blocks"], block_size_tokens=g["block_size_tokens"], blocks_used=g["blocks_used"],
+            blocks_cached=None, block_occupancy=g["usage"], token_occupancy=None, pool_fragmentation=None,
+            allocator_fragmentation=self.memory.allocator_fragmentation(), evictions_per_s=None,
+            preemptions=g["preemptions"], running_requests=g["running"], waiting_requests=g["waiting"],
+            occupancy_history=self.engine.usage.history(first, last, 10), reason="",
+            source=f"{ENGINE_SOURCE}: KV cache usage gauge")
+
+    def _engine_latency_view(self, first: int, last: int, window_s: float, now_ns: int) -> Optional[LatencyView]:
+        """Without finished requests: the engine's /metrics histograms, their increase since
+        the join (:meth:`kvdiag.live.views.engine.EngineFold.latency_s`); None without one."""
+        rows = {r: self.engine.latency_s(r) for r in ("ttft", "tpot", "queue")}
+        if all(v is None for v in rows.values()):
+            return None
+        ms = lambda r, i: rows[r][i] * 1e3 if rows[r] is not None else None  # noqa: E731
+        since = self.engine.since_ns()
+        at = time.strftime("%H:%M:%S", time.localtime(since / 1e9)) if since else "?"
+        none = (None,) * (last - first + 1)
+        return LatencyView(
+            ttft_p50_ms=ms("ttft", 0), ttft_p99_ms=ms("ttft", 1), tpot_p50_ms=ms("tpot", 0), tpot_p99_ms=ms("tpot", 1),
+            queue_p50_ms=ms("queue", 0), queue_p99_ms=ms("queue", 1),
+            queue_reason="" if rows["queue"] is not None else "the engine's /metrics have no queue-time histogram",
+            tokens_per_s=self.engine.tokens_per_s(now_ns, int(window_s * 1e9)),
+            ttft_p50_history=none, ttft_p99_history=none, tpot_p99_history=none, tokens_history=none,
+            queue_p99_history=none,
+            p99_verdict=next((f for f in self.rule_findings if f.rule == "p99.regression"), None), reason="",
+            nvml_memory_util_pct=self.memory.memory_util_pct(),
+            source=f"{ENGINE_SOURCE} histograms since {at} (within buckets)")
+
     def _latency_view(self, first: int, last: int, window: list[_Bin], window_s: float,
-                      latency_window: list[_Bin]) -> LatencyView:
+                      latency_window: list[_Bin], now_ns: int) -> LatencyView:
         ttft = [v for b in latency_window for v in b.ttft_ns]
         tpot = [v for b in latency_window for v in b.tpot_ns]
         queue = [v for b in latency_window for v in b.queue_ns]
@@ -529,6 +572,10 @@ class LiveState:
             qp99s.append(scaled(percentile(b.queue_ns, 99)) if b else None)
             toks.append(self._generated(b) / self.bin_s if b else (0.0 if self.finished_count else None))
         seen = self.finished_count or self.saw_steps
+        if not seen:
+            engine = self._engine_latency_view(first, last, window_s, now_ns)
+            if engine is not None:
+                return engine
         step_ns = sum(b.step_ns for b in window)
         kv_rate = sum(b.kv_read_bytes for b in window) / (step_ns / 1e9) if step_ns else None
         return LatencyView(

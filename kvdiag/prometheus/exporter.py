@@ -188,7 +188,9 @@ class _Families:
 def _pool(f: _Families, state: LiveState, snap) -> None:
     pool = snap.pool
     if pool.blocks_used is not None:
-        free = pool.num_blocks - pool.blocks_used - pool.blocks_cached if pool.num_blocks else None
+        # the engine's gauges (no agent) say nothing of cached blocks: then free is unknown
+        free = (pool.num_blocks - pool.blocks_used - pool.blocks_cached
+                if pool.num_blocks and pool.blocks_cached is not None else None)
         block_bytes = state.pool_info.block_bytes if state.pool_info is not None else None
         for label, blocks in (("requests", pool.blocks_used), ("prefix_cache", pool.blocks_cached),
                               ("free", free)):

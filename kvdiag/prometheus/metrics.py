@@ -33,9 +33,11 @@ METRICS: tuple[MetricDef, ...] = (
               "(blocks x KVPoolInfo.block_bytes).", ("state",)),
     MetricDef("kvdiag_kv_blocks", "gauge", "blocks",
               "KV pool blocks by state (requests, prefix_cache, free); the latest pool sample, or "
-              "counted from block events without samples.", ("state",)),
+              "counted from block events without samples; without the agent, requests only: the "
+              "engine's KV cache usage gauge x its pool blocks.", ("state",)),
     MetricDef("kvdiag_kv_block_occupancy_ratio", "gauge", "ratio",
-              "Blocks held by live requests / blocks in the pool."),
+              "Blocks held by live requests / blocks in the pool (without the agent: the engine's KV "
+              "cache usage gauge, e.g. vllm:kv_cache_usage_perc)."),
     MetricDef("kvdiag_kv_token_occupancy_ratio", "gauge", "ratio",
               "Tokens written / token slots of the blocks held by live requests (pool samples only)."),
     MetricDef("kvdiag_kv_pool_fragmentation_ratio", "gauge", "ratio",

@@ -174,6 +174,7 @@ class KvTopApp(App):
                     events = self.source.poll(CHUNK_EVENTS)
                     if self.source.header is not None and self.state.header is None:
                         self.state.set_header(self.source.header)
+                    self.state.source = self.source.description  # an outside source names what it found
                     if self.recorder is not None:
                         for ev in events:
                             self.recorder.record(ev)

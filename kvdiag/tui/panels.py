@@ -145,6 +145,7 @@ class PoolPanel(Panel):
         rows = [
             _spark(f"blocks  {used:>8} {fmt_pct(p.block_occupancy, 0):>4} ", p.occupancy_history, width,
                    "magenta", lo=0, hi=1),
+            line((f"from {p.source}", DIM)) if p.source else
             line(f"tokens  {fmt_pct(p.token_occupancy, 0):>8} ",
                  ("bad sample: see alerts", WARN) if p.inconsistency else "of held slots"),
             line("frag    ", (f"{fmt_pct(p.pool_fragmentation):>8}", frag_style),
@@ -166,6 +167,9 @@ class SharingPanel(Panel):
     def body(self, snap: Snapshot, width: int, height: int) -> list[Text]:
         sh = snap.sharing
         rows = [_spark(f"engine hit {fmt_pct(sh.engine_hit_rate):>6} ", sh.engine_history, width, "cyan", lo=0, hi=1)]
+        if sh.engine_counters_since_ns is not None:  # the engine's counters, since the join
+            since = time.strftime("%H:%M:%S", time.localtime(sh.engine_counters_since_ns / 1e9))
+            rows.append(line((f"engine /metrics counters since join {since}", DIM)))
         if sh.reason:
             rows += _reason(sh.reason, width)
             rows.append(line((f"finished requests {sh.finished_requests}", DIM)))
@@ -357,6 +361,8 @@ class LatencyPanel(Panel):
                    width, "yellow", lo=0) if not lat.queue_reason else line((f"queue wait n/a: {lat.queue_reason}", DIM)),
             _spark(f"tokens/s {fmt_num(lat.tokens_per_s):>6}{'':12}", lat.tokens_history, width, "green", lo=0),
         ]
+        if lat.source:
+            rows.append(line((f"from {lat.source}", DIM)))
         verdict = lat.p99_verdict
         if verdict is None:
             rows.append(line(("P99 check: waiting for the rules' first run", DIM)))

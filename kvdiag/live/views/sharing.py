@@ -11,6 +11,7 @@ from kvdiag.events import schema as s
 from kvdiag.simulation.live_sharing import engine_token_hit_rate, headline_config, sharing_window
 from kvdiag.diagnosis.rules import MIN_SHARING_REQUESTS, sharing_gap_status, too_few
 from kvdiag.live.snapshot import SharingView, WhatIfPoint
+from kvdiag.live.views.engine import EngineFold
 from kvdiag.live.views.series import Series
 from kvdiag.live.views.shadow import NO_SHADOW
 
@@ -18,27 +19,21 @@ from kvdiag.live.views.shadow import NO_SHADOW
 class SharingFold:
     """``finished_count``: how many requests have finished (the requests' fold keeps it)."""
 
-    def __init__(self, finished_count: Callable[[], int]) -> None:
+    def __init__(self, finished_count: Callable[[], int], engine: EngineFold) -> None:
         self._finished_count = finished_count
+        self.engine = engine  # the engine's /metrics: its counters' increases since the join
         self.shadow: dict[tuple, s.ShadowSharing] = {}
         self.baseline: dict[tuple, s.ShadowSharing] = {}  # each configuration's first result
         self.drained: dict[tuple, s.ShadowSharing] = {}  # its latest with no request in flight
         self.series: dict[tuple, Series] = {}
-        self.engine_metrics: Optional[s.EngineMetrics] = None
-        self.engine_metrics_first: Optional[s.EngineMetrics] = None  # the baseline of its counters
         self.engine_prompt_tokens = 0  # of the requests finished (status "finished") here
         self.engine_cached_tokens = 0
-        self.handlers = {s.ShadowSharing: self.on_shadow_sharing, s.EngineMetrics: self.on_metrics}
+        self.handlers = {s.ShadowSharing: self.on_shadow_sharing}
 
     def finished(self, ev: s.RequestFinished) -> None:
         """A request finished (status "finished"): its prompt and cached tokens count."""
         self.engine_prompt_tokens += ev.prompt_tokens
         self.engine_cached_tokens += ev.cached_prompt_tokens
-
-    def on_metrics(self, ev: s.EngineMetrics, b, idx: int) -> None:
-        self.engine_metrics = ev
-        if self.engine_metrics_first is None:
-            self.engine_metrics_first = ev
 
     def on_shadow_sharing(self, ev: s.ShadowSharing, b, idx: int) -> None:
         key = (ev.policy, ev.block_size_tokens, ev.capacity_blocks)
@@ -63,13 +58,16 @@ class SharingFold:
         """Over the requests finished since this state began, else the increase of the
         engine's counters since its first metrics scrape seen here (never their totals since
         the engine started: the client may have joined late)."""
-        m, m0 = self.engine_metrics, self.engine_metrics_first
-
-        def delta(name: str) -> Optional[float]:
-            now, then = (getattr(x, name) if x is not None else None for x in (m, m0))
-            return now - then if now is not None and then is not None and m is not m0 else None
+        delta = self.engine.delta
         return engine_token_hit_rate(self.engine_prompt_tokens, self.engine_cached_tokens,
                                      delta("prefix_cache_queries_tokens"), delta("prefix_cache_hits_tokens"))
+
+    def engine_counters_since_ns(self) -> Optional[int]:
+        """The scrape the engine hit rate's counter increases start from, when it is read from
+        the counters (no finished requests seen); else None."""
+        if self.engine_prompt_tokens or not self.engine.delta("prefix_cache_queries_tokens"):
+            return None
+        return self.engine.since_ns()
 
     def headline_key(self, pool_info: Optional[s.KVPoolInfo]) -> Optional[tuple]:
         """The shadow configuration closest to the engine's (the same choice as the
@@ -113,7 +111,8 @@ class SharingFold:
             what_if=what_if, finished_requests=self._finished_count(),
             reason="" if head else NO_SHADOW,
             window_start_ns=window.start_ns if window is not None else None,
-            window_requests=window.requests if window is not None else None, gap_status=status)
+            window_requests=window.requests if window is not None else None, gap_status=status,
+            engine_counters_since_ns=self.engine_counters_since_ns())
 
 
 def point(ev: s.ShadowSharing) -> WhatIfPoint:
