@@ -134,6 +134,7 @@ class _Hooks(UsesHookErrors):
         self.sample_lock = threading.Lock()  # the step's sample and the idle thread's, one at a time
         self.idle_stop = threading.Event()
         self.idle_thread: Optional[threading.Thread] = None
+        self.worker: Any = None  # kvdiag.collectors.vllm_worker.WorkerShadow (None: shadow off)
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -470,6 +471,8 @@ class VllmAdapter:
 
     def uninstall(self) -> None:
         self.hooks.idle_stop.set()
+        if self.hooks.worker is not None:
+            self.hooks.worker.detach()  # the shadow's final counts while the sink still records
         self.hooks.error_policy.report_totals()
         self.hooks.sink = NullSink()
 
@@ -492,6 +495,7 @@ def _start_agent(h: _Hooks, sched) -> None:
         h.record_token_ids, h.content_salt = bool(record_token_ids), content_salt
         for status in h.methods.statuses(_now()):
             sink.record(status)
+        _attach_worker(h, sink)
         return VllmAdapter(h)
 
     try:
@@ -510,6 +514,7 @@ def _start_agent(h: _Hooks, sched) -> None:
                               extra={"vllm_version": version},
                               prometheus=os.environ.get("KVDIAG_PROMETHEUS") or None)
     h.agent = agent
+    _warm_up_worker(h, sched)
     # the engine core is a multiprocessing child: it leaves through os._exit, which skips
     # atexit, so the last events (final pool sample, shadow results) are flushed by vLLM's own
     # shutdown (Scheduler.shutdown, wrapped below) or multiprocessing's exit finalizers
@@ -519,6 +524,36 @@ def _start_agent(h: _Hooks, sched) -> None:
         util.Finalize(agent, agent_mod.stop, exitpriority=100)
     except Exception:
         pass
+
+
+def _attach_worker(h: _Hooks, sink: Sink) -> None:
+    """The worker's shadow records into the agent's sink (the worker runs in this process:
+    :mod:`kvdiag.collectors.vllm_worker`); malformed ``KVDIAG_SHADOW_*`` settings turn it off,
+    said as a ``CollectorStatus``."""
+    if h.worker is None:
+        return
+    from kvdiag.collectors import vllm_worker
+    from kvdiag.schema import CollectorStatus
+    try:
+        options = vllm_worker.shadow_options()
+    except ValueError as exc:
+        sink.record(CollectorStatus(ts_ns=_now(), collector=f"{vllm_worker.COLLECTOR}:shadow",
+                                    available=False, hint=f"shadow off: {exc}"))
+        h.worker = None
+        return
+    with h.error_policy.guard("worker_shadow"):
+        h.worker.attach(sink, **options)
+
+
+def _warm_up_worker(h: _Hooks, sched) -> None:
+    """Pay the worker's shadow kernels' one-time costs before the server takes traffic."""
+    if h.worker is None or h.worker.runner is None:
+        return
+    with h.error_policy.guard("worker_shadow"):
+        cfg = sched.vllm_config
+        spec = sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        h.worker.warm_up(int(spec.num_kv_heads), int(cfg.model_config.get_num_attention_heads(cfg.parallel_config)),
+                         int(spec.head_size))
 
 
 def _shutdown(h: _Hooks):
@@ -560,6 +595,11 @@ def install_hooks() -> _Hooks:
     h.wrap(Scheduler, "schedule", (), after, before)
     h.wrap(Scheduler, "update_from_output", ("scheduler_output",), _update_from_output(h))
     h.wrap(Scheduler, "shutdown", (), _shutdown(h))
+    try:  # the worker's shadow (same process with vLLM's one-worker executor)
+        from kvdiag.collectors import vllm_worker
+        h.worker = vllm_worker.install(h.error_policy, h.methods)
+    except Exception as exc:  # counted and said; the scheduler's hooks stay
+        h.failed("worker_hooks", exc)
     _HOOKS = h
     return h
 
