@@ -38,6 +38,11 @@ vLLM                                            kvdiag event
                                                 daemon thread while no step runs
 ==============================================  =============================================
 
+The worker's hooks (``GPUModelRunner.execute_model`` and the attention backend's ``forward``:
+shadow compression and per-head locality on vLLM's own paged KV) are in
+:mod:`kvdiag.collectors.vllm_worker`; with one worker (vLLM's ``uni`` executor) they run in this
+process and record through the same agent: one log and one socket per server.
+
 An idle engine core takes no steps (it waits for requests), so the pool would be sampled only
 with traffic and a client's pool view would go stale when traffic stops: a daemon thread
 (``kvdiag-vllm-idle-sampler``) takes the sample instead once no step ran for a sample interval.
@@ -62,7 +67,8 @@ live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it; ``KV
 names it, else it is the engine core's per-pid agent socket);
 ``KVDIAG_PROMETHEUS=[HOST:]PORT`` serves kvdiag's metrics from the engine core (127.0.0.1
 unless a host is given; docs/metrics.md);
-``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
+``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_SHADOW=0`` and ``KVDIAG_SHADOW_*`` (the
+worker's shadow, :mod:`kvdiag.collectors.vllm_worker`); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
 raise (fault injection, to check that vLLM keeps serving).
 """
 
