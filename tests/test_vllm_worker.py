@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SITE = Path(__file__).parent / "vllm_site"
 METHODS = "fp8_e4m3:s=1,int4"
 DUMP_STEPS = 3
+SKIPPED = "vllm-plugin:GPUModelRunner.execute_model"  # the worker's step hook, as its status names it
 # every decode step sampled, every layer, no CPU budget: each measured step has its twin offline
 SHADOW_ENV = {"KVDIAG_SHADOW_RATE": "1", "KVDIAG_SHADOW_BUDGET": "0", "KVDIAG_SHADOW_LAYERS": "0",
               "KVDIAG_SHADOW_METHODS": METHODS}
@@ -42,10 +43,14 @@ def _wait_for(predicate, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _serve(server, events: ListSink) -> tuple[list, list[str]]:
+def _serve(server, events: ListSink, shadow: bool = True) -> tuple[list, list[str]]:
     """One request with a prompt no cache holds (its decode steps are dumped), then the chats;
-    returns (the events up to the first request's end, the chats' answers)."""
+    returns (the events up to the first request's end, the chats' answers). ``shadow``: first
+    wait until the worker says its shadow is ready (linked to the engine core, kernels warm)."""
     stream = AgentStream(server.socket_path, sink=events).start()
+    if shadow:
+        _wait_for(lambda: any(isinstance(e, CollectorStatus) and e.collector == "vllm-worker:shadow"
+                              and e.available for e in events.events), timeout_s=120)
     finished = lambda: [e for e in events.events if isinstance(e, RequestFinished)]  # noqa: E731
     chat(server, "Hi", system=f"[worker test {uuid.uuid4().hex}] {SYSTEM[:600]}", max_tokens=DUMP_STEPS + 1)
     _wait_for(lambda: len(finished()) >= 1)
@@ -112,10 +117,10 @@ def test_worker_shadow_equals_offline_kernels_on_vllms_own_kv(shadowed):
                 assert ev.sink_mass == pytest.approx(float(p[h, :sinks].sum()), abs=1e-5)
                 entropy = float(-(p[h] * p[h].clamp_min(1e-300).log()).sum())
                 assert ev.entropy_nats == pytest.approx(entropy, rel=1e-4, abs=1e-5)
-    # memory in the worker: the agent samples the worker's own process, and the pool's bytes are
-    # the KV tensors' (every layer's cache, the null block included)
+    # memory in the worker: its own process (VLLM::Worker, beside the engine core's) is sampled,
+    # and the pool's bytes are the KV tensors' (every layer's cache, the null block included)
     pid = next(iter(steps.values()))["pid"]
-    assert {e.pid for e in first if isinstance(e, ProcessSample)} == {pid}
+    assert pid in {e.pid for e in first if isinstance(e, ProcessSample)}
     kv_bytes = sum(next(iter(steps.values()))["kv_bytes"].values())
     assert info.block_bytes * (info.num_blocks + 1) == kv_bytes
 
@@ -125,10 +130,10 @@ def test_missing_worker_hook_leaves_answers_intact(shadowed, vllm_python, model_
     events = ListSink()
     with running_vllm(vllm_python, model_dir, tmp_path,
                       extra_env=_site_env(KVDIAG_TEST_HIDE_HOOK="1")) as server:
-        _, hidden = _serve(server, events)
+        _, hidden = _serve(server, events, shadow=False)
     assert hidden == answers  # greedy: the same answers with and without the worker's shadow
-    skipped = [e for e in events.events if isinstance(e, CollectorStatus) and not e.available
-               and e.collector == "vllm-plugin:GPUModelRunner.execute_model"]
+    skipped = [e for e in events.events if isinstance(e, CollectorStatus) and e.collector == SKIPPED]
+    assert not skipped[0].available
     assert skipped and "scheduler_output" in skipped[0].hint
     assert not any(isinstance(e, ShadowCompression) for e in events.events)
     assert any(isinstance(e, RequestFinished) for e in events.events)  # the scheduler's hooks record on

@@ -110,3 +110,23 @@ def test_engine_recommendation_one_setting_for_every_layer_and_the_capacity_it_f
     assert over.iloc[0]["setting"] is None and "keep the cache's dtype" in over.iloc[0]["reason"]
     none = engine_recommendation(_table([("1-6", "int4", 6.0, 0.001)]), "vllm")
     assert none.iloc[0]["setting"] is None and "fp8_e4m3:s=1" in none.iloc[0]["reason"]
+
+
+def test_worker_events_reach_the_engine_cores_sink_through_the_inbox(tmp_path):
+    from kvdiag.collectors.vllm_worker import WorkerInbox, WorkerLink
+    from kvdiag.hooks import HookErrors
+    from kvdiag.schema import ProcessSample
+    from kvdiag.sinks import ListSink
+
+    path = str(tmp_path / "inbox.sock")
+    assert WorkerLink.connect(path) is None  # not listening yet: the worker tries again later
+    received, errors = ListSink(), HookErrors(ListSink(), "test")
+    inbox = WorkerInbox(path, received, errors)
+    link = WorkerLink.connect(path)
+    sent = [ProcessSample(ts_ns=i, pid=7, rss_bytes=1000 + i) for i in range(500)]
+    for ev in sent:
+        link.record(ev)
+    link.close()
+    inbox.close()
+    assert received.events == sent and link.dropped == 0 and errors.total == 0
+    assert not (tmp_path / "inbox.sock").exists()

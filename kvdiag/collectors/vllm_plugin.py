@@ -40,8 +40,10 @@ vLLM                                            kvdiag event
 
 The worker's hooks (``GPUModelRunner.execute_model`` and the attention backend's ``forward``:
 shadow compression and per-head locality on vLLM's own paged KV) are in
-:mod:`kvdiag.collectors.vllm_worker`; with one worker (vLLM's ``uni`` executor) they run in this
-process and record through the same agent: one log and one socket per server.
+:mod:`kvdiag.collectors.vllm_worker`; a worker in its own process (``VLLM::Worker``, vLLM's
+``mp`` executor: how the API server runs) sends its events to this agent through a private
+inbox socket (``WorkerInbox``), a worker in this process (``uni`` executor) records into it
+directly: one log and one live socket per server.
 
 An idle engine core takes no steps (it waits for requests), so the pool would be sampled only
 with traffic and a client's pool view would go stale when traffic stops: a daemon thread
@@ -141,6 +143,7 @@ class _Hooks(UsesHookErrors):
         self.idle_stop = threading.Event()
         self.idle_thread: Optional[threading.Thread] = None
         self.worker: Any = None  # kvdiag.collectors.vllm_worker.WorkerShadow (None: shadow off)
+        self.inbox: Any = None  # kvdiag.collectors.vllm_worker.WorkerInbox: workers' events, here
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -479,6 +482,8 @@ class VllmAdapter:
         self.hooks.idle_stop.set()
         if self.hooks.worker is not None:
             self.hooks.worker.detach()  # the shadow's final counts while the sink still records
+        if self.hooks.inbox is not None:
+            self.hooks.inbox.close()  # what the workers sent until now
         self.hooks.error_policy.report_totals()
         self.hooks.sink = NullSink()
 
@@ -548,7 +553,12 @@ def _attach_worker(h: _Hooks, sink: Sink) -> None:
         h.worker = None
         return
     with h.error_policy.guard("worker_shadow"):
-        h.worker.attach(sink, **options)
+        backend = getattr(h.scheduler.vllm_config.parallel_config, "distributed_executor_backend", None)
+        if backend in ("uni", "external_launcher"):  # the worker runs in this process
+            h.worker.attach(sink, **options)
+            return
+        # workers in processes of their own (VLLM::Worker): they send their events here
+        h.inbox = vllm_worker.WorkerInbox(vllm_worker.choose_worker_socket(), sink, h.error_policy)
 
 
 def _warm_up_worker(h: _Hooks, sched) -> None:
@@ -604,6 +614,8 @@ def install_hooks() -> _Hooks:
     try:  # the worker's shadow (same process with vLLM's one-worker executor)
         from kvdiag.collectors import vllm_worker
         h.worker = vllm_worker.install(h.error_policy, h.methods)
+        if h.worker is not None:
+            vllm_worker.choose_worker_socket()  # before the engine core starts its workers
     except Exception as exc:  # counted and said; the scheduler's hooks stay
         h.failed("worker_hooks", exc)
     _HOOKS = h

@@ -7,6 +7,8 @@ is missing or changed is skipped and said as a ``CollectorStatus``, never an err
 ==============================================  =============================================
 vLLM                                            what the hook does
 ==============================================  =============================================
+``GPUModelRunner.initialize_kv_cache``          a worker in its own process starts linking to
+                                                the engine core's agent (below)
 ``GPUModelRunner.execute_model``                before: on a step with a request in decode
 (``CPUModelRunner`` inherits it)                (one scheduled token), asks the shadow runner
                                                 whether to sample (its rate and CPU budget,
@@ -24,12 +26,18 @@ vLLM                                            what the hook does
                                                 this step's token
 ==============================================  =============================================
 
-Where the events go: vLLM runs the worker in the engine core's process when the server has one
-worker (``distributed_executor_backend="uni"``, its default for tensor-parallel size 1, on the
-CPU and on one GPU), so the worker's hooks record through the agent the plugin starts there: one
-log and one socket per server, the shadow's events beside the scheduler's. A worker in a
-process of its own (``mp`` executor: several GPUs) has no agent; its hooks return at their
-first check and record nothing (not measured yet).
+Where the events go: to the engine core's agent, so that a server has one log and one live
+socket, the worker's events beside the scheduler's. vLLM 0.32 serves with its ``mp`` executor
+even with one worker (the API server's engine core starts a ``VLLM::Worker`` process): the
+worker's hooks then link to the engine core through a private Unix socket
+(:class:`WorkerInbox` there, :class:`WorkerLink` here; its path ``KVDIAG_WORKER_SOCKET`` is
+chosen by the first process that loads the plugin and inherited by the ones it starts), from a
+daemon thread that tries once a second from the worker's KV cache set-up (before the engine
+core's scheduler and agent exist) until the agent listens; the engine's thread only queues events (a full queue drops and counts). With
+the ``uni`` executor (offline ``LLM`` without multiprocessing) the worker runs in the engine
+core's process and records through the same agent directly. A second socket that attach and top
+merge would have given every client two streams to join and order; the relay keeps one. The
+first tensor-parallel rank measures the shadow; every rank sends its memory.
 
 KV layouts read (vLLM 0.32; logical per-layer cache ``[blocks, kv_heads, block_size, 2 x
 head_dim]``, :func:`gather_kv`): the CPU backend's ``vec`` ISA (fp32/fp16 caches) stores a
@@ -38,8 +46,9 @@ head_dim]``; FlashAttention stores each token's key and value side by side (``[.
 ``[..., D:]``). Any other layout (the CPU's ``amx``/``neon`` ISAs, fp8 caches) is not read: a
 ``CollectorStatus`` says so once and the worker's shadow stays off.
 
-Memory in the worker: the agent samples its own process's RSS/PSS (``ProcessSample``), which is
-the worker's; the KV tensors' total size is the pool's ``KVPoolInfo`` (block bytes from vLLM's
+Memory in the worker: the worker samples its own process's RSS/PSS (``ProcessSample``, its pid
+beside the engine core's; with the ``uni`` executor the agent's own sampler is the worker's);
+the KV tensors' total size is the pool's ``KVPoolInfo`` (block bytes from vLLM's
 ``kv_cache_tensors``). On CUDA, the worker also samples torch's allocator (``AllocatorSample``,
 :mod:`kvdiag.collectors.allocator`) every sample interval and the agent's hardware recorder
 reads NVML for the process's device.
@@ -70,6 +79,7 @@ VLLM_METHODS = ("fp8_e4m3:s=1", "fp8_e5m2:s=1", "fp16", "bf16", "fp8_e4m3", "fp8
 (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``: a plain cast with one scale of 1.0 per tensor,
 as vLLM stores them without calibrated scales)."""
 
+STEP_HOOK = "GPUModelRunner.execute_model"
 CPU_LAYOUT_ISAS = ("vec",)
 """CPU attention ISAs whose KV block layout :func:`gather_kv` reads."""
 
@@ -163,6 +173,11 @@ class WorkerShadow:
         self.allocator = None  # kvdiag.collectors.allocator.AllocatorCollector on CUDA
         self.next_allocator_ns = 0
         self.sample_interval_ns = int(float(os.environ.get("KVDIAG_SAMPLE_INTERVAL_S", "0.5")) * 1e9)
+        # a worker in its own process: its link to the engine core's inbox (module doc)
+        self.link_path = os.environ.get(ENV_WORKER_SOCKET)
+        self.link: Optional[WorkerLink] = None
+        self.linker = None  # the thread that links to the engine core's inbox
+        self.host_sampler = None  # kvdiag.collectors.procfs.ProcessSampler of the worker's process
 
     # ------------------------------------------------------------------ set-up
 
@@ -171,7 +186,11 @@ class WorkerShadow:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         self.methods.wrap(GPUModelRunner, "execute_model", self._after_step, self._before_step,
-                          ("scheduler_output",), where="GPUModelRunner.execute_model")
+                          ("scheduler_output",), where=STEP_HOOK)
+        # at start-up, once the worker's KV cache exists: begin linking to the engine core
+        self.methods.wrap(GPUModelRunner, "initialize_kv_cache",
+                          lambda _note, _result, model_runner, *a, **kw: self._maybe_link(model_runner),
+                          None, ("kv_cache_config",), where="GPUModelRunner.initialize_kv_cache")
         impls = []
         try:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -217,6 +236,10 @@ class WorkerShadow:
             self.runner.close()
         if self.allocator is not None:
             self.allocator.stop()
+        if self.host_sampler is not None:
+            self.host_sampler.stop()
+        if self.link is not None:
+            self.link.close()
 
     def _say(self, key: str, available: bool, hint: str) -> None:
         """One ``CollectorStatus`` per ``key`` in this process."""
@@ -228,7 +251,62 @@ class WorkerShadow:
 
     # ------------------------------------------------------------------ the hooks
 
+    def _maybe_link(self, model_runner) -> None:
+        """In a worker process whose shadow is not attached: start (once) the daemon thread that
+        links to the engine core's inbox as soon as it listens (:meth:`_link`)."""
+        if self.linker is not None or not self.link_path or self.runner is not None:
+            return
+        import threading
+
+        self.linker = threading.Thread(target=self._link, args=(model_runner,), name="kvdiag-worker-link",
+                                       daemon=True)
+        self.linker.start()
+
+    def _link(self, model_runner) -> None:
+        """Try the inbox every :data:`LINK_RETRY_S` until it answers (or the shadow was attached
+        in this process: the worker runs in the engine core's); then record into it this
+        process's statuses and host memory and, with the step's hook, the shadow (kernels
+        warmed first, off the engine's thread; a ``CollectorStatus`` says when it is ready)."""
+        import threading
+
+        wait = threading.Event()
+        while self.runner is None:
+            link = WorkerLink.connect(self.link_path)
+            if link is not None:
+                break
+            wait.wait(LINK_RETRY_S)
+        else:
+            return
+        self.link = link
+        self.errors.sink = link  # this process's hook errors and statuses go there too
+        for status in self.methods.statuses():
+            link.record(status)
+        with self.errors.guard("worker_memory"):
+            from kvdiag.collectors.procfs import ProcessSampler
+            self.host_sampler = ProcessSampler.of_self(link, interval_s=self.sample_interval_ns / 1e9).start()
+        if model_runner is None or not _first_rank():
+            # without the step's hook nothing is sampled; tensor-parallel ranks after the first
+            # hold a slice of the heads: memory and statuses only
+            return
+        try:
+            options = shadow_options()
+        except ValueError as exc:
+            link.record(CollectorStatus(ts_ns=time.time_ns(), collector=f"{COLLECTOR}:shadow",
+                                        available=False, hint=f"shadow off: {exc}"))
+            return
+        with self.errors.guard("worker_shadow"):
+            self.attach(link, **options)
+            self.active = False  # until the kernels are warm
+            cfg, par = model_runner.model_config, model_runner.parallel_config
+            seconds = self.warm_up(int(cfg.get_num_kv_heads(par)), int(cfg.get_num_attention_heads(par)),
+                                   int(cfg.get_head_size()))
+            link.record(CollectorStatus(ts_ns=time.time_ns(), collector=f"{COLLECTOR}:shadow", available=True,
+                                        hint=f"worker pid {os.getpid()}: shadow kernels ready in {seconds:.1f} s"))
+            self.active = True
+
     def _before_step(self, model_runner, *a, **kw) -> None:
+        if not self.active:
+            self._maybe_link(model_runner)
         if not self.active or self.layout_off:
             return None
         self.step_id += 1
@@ -274,6 +352,8 @@ class WorkerShadow:
 
     def _attention(self, kind: str):
         def after(_note, _result, impl, layer, query, key, value, kv_cache, attn_metadata, *a, **kw) -> None:
+            if self.link is None and STEP_HOOK in self.methods.skipped:
+                self._maybe_link(None)  # the step's hook is missing: link from here (memory, statuses)
             armed = self.armed
             if armed is None or attn_metadata is None:
                 return
@@ -308,6 +388,15 @@ class WorkerShadow:
         return layout
 
 
+def _first_rank() -> bool:
+    """True unless vLLM says this worker is a tensor-parallel rank after the first."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:
+        return True
+
+
 def install(errors: HookErrors, methods: MethodHooks) -> Optional[WorkerShadow]:
     """The worker's hooks on ``methods`` (the plugin's), or None when ``KVDIAG_SHADOW=0``."""
     if not shadow_enabled():
@@ -317,3 +406,164 @@ def install(errors: HookErrors, methods: MethodHooks) -> Optional[WorkerShadow]:
     return shadow
 
 
+
+
+# ------------------------------------------------------------------ a worker in its own process
+
+ENV_WORKER_SOCKET = "KVDIAG_WORKER_SOCKET"
+LINK_RETRY_S = 1.0  # the worker tries the engine core's inbox at most this often until it links
+LINK_QUEUE_EVENTS = 20_000  # events the worker holds for the inbox; beyond, dropped and counted
+
+
+def choose_worker_socket() -> str:
+    """The inbox path of this server, decided by the first vLLM process that loads the plugin
+    (the API server) and inherited by the engine core and the workers it starts
+    (``KVDIAG_WORKER_SOCKET``)."""
+    path = os.environ.get(ENV_WORKER_SOCKET)
+    if not path:
+        from kvdiag.paths import runtime_dir
+        path = str(runtime_dir() / f"kvdiag-worker-{os.getpid()}-{os.urandom(3).hex()}.sock")
+        os.environ[ENV_WORKER_SOCKET] = path
+    return path
+
+
+class WorkerInbox:
+    """In the engine core: a Unix socket (mode 0600, in the private runtime dir) where the
+    worker processes send their events as JSON lines; each is decoded and recorded into the
+    agent's ``sink``, so that one log and one live socket carry the server's events. A line
+    that does not decode is counted (``errors``), reported once, and skipped."""
+
+    def __init__(self, path: str, sink: Sink, errors: HookErrors) -> None:
+        import socket
+        import threading
+
+        from kvdiag.paths import make_private_dirs
+
+        self.path, self.sink, self.errors = path, sink, errors
+        make_private_dirs(os.path.dirname(path))
+        if os.path.exists(path):
+            os.unlink(path)
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._server.bind(path)
+        finally:
+            os.umask(old)
+        self._server.listen(8)
+        self._stop = threading.Event()
+        self.connections = 0
+        self._threads: list = []
+        self._accepting = threading.Thread(target=self._accept, name="kvdiag-worker-inbox", daemon=True)
+        self._accepting.start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            t = threading.Thread(target=self._read, args=(conn,), name="kvdiag-worker-inbox-conn", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _read(self, conn) -> None:
+        import msgspec
+
+        from kvdiag.schema import AnyEvent
+
+        decoder = msgspec.json.Decoder(AnyEvent)
+        rest = b""
+        with conn:
+            while True:
+                try:
+                    chunk = conn.recv(1 << 16)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    try:
+                        self.sink.record(decoder.decode(line))
+                    except Exception as exc:
+                        self.errors.failed("worker_inbox", exc)
+
+    def close(self, drain_s: float = 2.0) -> None:
+        """Stop accepting; give the open connections up to ``drain_s`` to deliver what they sent."""
+        self._stop.set()
+        try:
+            self._server.close()
+        finally:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=drain_s)
+
+
+class WorkerLink:
+    """In a worker process: the sink that sends events to the engine core's :class:`WorkerInbox`
+    from a daemon thread (the engine's thread only queues them; a full queue drops and counts,
+    ``dropped``, never blocks)."""
+
+    def __init__(self, sock) -> None:
+        import queue
+        import threading
+
+        import msgspec
+
+        self._sock = sock
+        self._encoder = msgspec.json.Encoder()
+        self._queue: "queue.Queue" = queue.Queue(maxsize=LINK_QUEUE_EVENTS)
+        self.dropped = 0
+        self.closed = False
+        self._thread = threading.Thread(target=self._send, name="kvdiag-worker-link", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def connect(cls, path: str) -> Optional["WorkerLink"]:
+        """A link to the inbox at ``path``, or None when it is not listening (yet)."""
+        import socket
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            return None
+        return cls(sock)
+
+    def record(self, event) -> None:
+        import queue
+
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self) -> None:
+        pass
+
+    def _send(self) -> None:
+        while True:
+            event = self._queue.get()
+            if event is None:
+                return
+            try:
+                self._sock.sendall(self._encoder.encode(event) + b"\n")
+            except OSError:  # the engine core went away: nothing more to deliver
+                self.closed = True
+                return
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (up to ``timeout_s``), then close."""
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except Exception:
+            pass
+        self._thread.join(timeout=timeout_s)
+        self._sock.close()
