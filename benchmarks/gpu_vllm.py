@@ -51,7 +51,6 @@ def main() -> int:
 
     from kvdiag.collectors.vllm_worker import gather_kv
 
-    written: dict = {}
     layout_checks: list[bool] = []
     update = FlashAttentionImpl.do_kv_cache_update
 

@@ -125,6 +125,33 @@ def test_worker_shadow_equals_offline_kernels_on_vllms_own_kv(shadowed):
     assert info.block_bytes * (info.num_blocks + 1) == kv_bytes
 
 
+def test_top_and_report_fill_their_compression_and_locality_from_the_worker(shadowed, tmp_path):
+    """The live view (top) and the report read the worker's events as they read the embedded
+    engine's; the report names vLLM's setting for the recommendation."""
+    from kvdiag.analysis.logs import load as load_logs
+    from kvdiag.eventlog import LogWriter, make_header
+    from kvdiag.live.state import LiveState
+    from kvdiag.reports.sections import compression as compression_section
+    from kvdiag.schema import LogHeader
+
+    _first, _answers, _steps, events = shadowed
+    recorded = [e for e in events.events if not isinstance(e, LogHeader)]
+    state = LiveState()
+    state.feed_all(recorded)
+    snap = state.snapshot(max(e.ts_ns for e in recorded))
+    assert {r.method for r in snap.compression.rows} == set(METHODS.split(","))
+    assert snap.locality.samples > 0 and snap.locality.num_layers == 30
+    assert all(v is not None for row in snap.locality.cells["recent_mass"] for v in row)
+    log = tmp_path / "worker.kvlog"
+    writer = LogWriter(log, make_header(engine="vllm", model="m"))
+    for e in recorded:
+        writer.record(e)
+    writer.close()
+    section = compression_section(load_logs([log])[0])
+    titles = [getattr(b, "title", "") for b in section.blocks]
+    assert any(t.startswith("In vLLM's terms") for t in titles), titles
+
+
 def test_missing_worker_hook_leaves_answers_intact(shadowed, vllm_python, model_dir, tmp_path):
     _first, answers, _steps, _events = shadowed
     events = ListSink()
