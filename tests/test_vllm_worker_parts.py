@@ -130,3 +130,27 @@ def test_worker_events_reach_the_engine_cores_sink_through_the_inbox(tmp_path):
     inbox.close()
     assert received.events == sent and link.dropped == 0 and errors.total == 0
     assert not (tmp_path / "inbox.sock").exists()
+
+
+def test_inbox_closes_within_its_drain_time_while_a_worker_stays_connected(tmp_path):
+    import time
+
+    from kvdiag.collectors.vllm_worker import WorkerInbox, WorkerLink
+    from kvdiag.hooks import HookErrors
+    from kvdiag.schema import ProcessSample
+    from kvdiag.sinks import ListSink
+
+    received = ListSink()
+    inbox = WorkerInbox(str(tmp_path / "inbox.sock"), received, HookErrors(ListSink(), "test"))
+    link = WorkerLink.connect(str(tmp_path / "inbox.sock"))
+    link.record(ProcessSample(ts_ns=1, pid=7, rss_bytes=1))
+    deadline = time.monotonic() + 10
+    while not received.events:  # delivered while connected
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    started = time.monotonic()
+    inbox.close(drain_s=0.5)
+    assert time.monotonic() - started < 2.0
+    link.record(ProcessSample(ts_ns=2, pid=7, rss_bytes=2))  # after close: not recorded, no error
+    link.close(timeout_s=1.0)
+    assert [e.ts_ns for e in received.events] == [1]

@@ -451,8 +451,10 @@ class WorkerInbox:
             os.umask(old)
         self._server.listen(8)
         self._stop = threading.Event()
+        self._closed = False
         self.connections = 0
         self._threads: list = []
+        self._conns: list = []
         self._accepting = threading.Thread(target=self._accept, name="kvdiag-worker-inbox", daemon=True)
         self._accepting.start()
 
@@ -465,6 +467,7 @@ class WorkerInbox:
             except OSError:
                 return
             self.connections += 1
+            self._conns.append(conn)
             t = threading.Thread(target=self._read, args=(conn,), name="kvdiag-worker-inbox-conn", daemon=True)
             self._threads.append(t)
             t.start()
@@ -486,6 +489,8 @@ class WorkerInbox:
                     return
                 *lines, rest = (rest + chunk).split(b"\n")
                 for line in lines:
+                    if self._closed:
+                        return
                     try:
                         self.sink.record(decoder.decode(line))
                     except Exception as exc:
@@ -501,8 +506,15 @@ class WorkerInbox:
                 os.unlink(self.path)
             except OSError:
                 pass
-        for t in self._threads:
-            t.join(timeout=drain_s)
+        deadline = time.monotonic() + drain_s
+        for t in self._threads:  # workers that exit close their end: their last events arrive
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._closed = True  # what a live worker sends from now on is not recorded
+        for conn in self._conns:
+            try:
+                conn.shutdown(2)  # socket.SHUT_RDWR: the reader sees the end
+            except OSError:
+                pass
 
 
 class WorkerLink:
