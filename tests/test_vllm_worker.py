@@ -141,7 +141,7 @@ def test_top_and_report_fill_their_compression_and_locality_from_the_worker(shad
     snap = state.snapshot(max(e.ts_ns for e in recorded))
     assert {r.method for r in snap.compression.rows} == set(METHODS.split(","))
     assert snap.locality.samples > 0 and snap.locality.num_layers == 30
-    assert all(v is not None for row in snap.locality.cells["recent_mass"] for v in row)
+    assert all(v is not None for row in snap.locality.cells["recent"] for v in row)
     log = tmp_path / "worker.kvlog"
     writer = LogWriter(log, make_header(engine="vllm", model="m"))
     for e in recorded:
