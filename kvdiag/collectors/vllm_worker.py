@@ -1,7 +1,7 @@
 """kvdiag in vLLM's worker: shadow compression and per-head locality on vLLM's own paged KV.
 
 Installed by the vLLM plugin (:mod:`kvdiag.collectors.vllm_plugin`) with ``KVDIAG_AGENT=1``,
-through the same :class:`~kvdiag.hooks.MethodHooks` (checked signatures; a hook whose method
+through the same :class:`~kvdiag.events.hooks.MethodHooks` (checked signatures; a hook whose method
 is missing or changed is skipped and said as a ``CollectorStatus``, never an error in vLLM):
 
 ==============================================  =============================================
@@ -12,7 +12,7 @@ vLLM                                            what the hook does
 ``GPUModelRunner.execute_model``                before: on a step with a request in decode
 (``CPUModelRunner`` inherits it)                (one scheduled token), asks the shadow runner
                                                 whether to sample (its rate and CPU budget,
-                                                :class:`~kvdiag.kernels.shadow.ShadowRunner`)
+                                                :class:`~kvdiag.shadow.runner.ShadowRunner`)
                                                 and arms the capture; after: hands the copies
                                                 to the runner (``maybe_run``), which measures
                                                 the compression table, the attention-output
@@ -67,9 +67,9 @@ import re
 import time
 from typing import Any, Optional
 
-from kvdiag.hooks import HookErrors, MethodHooks
-from kvdiag.schema import CollectorStatus
-from kvdiag.sinks import Sink
+from kvdiag.events.hooks import HookErrors, MethodHooks
+from kvdiag.events.schema import CollectorStatus
+from kvdiag.events.sinks import Sink
 
 COLLECTOR = "vllm-worker"
 ENV_SHADOW = "KVDIAG_SHADOW"
@@ -90,9 +90,9 @@ def shadow_enabled() -> bool:
 
 
 def shadow_options() -> dict:
-    """:class:`~kvdiag.kernels.shadow.ShadowRunner` arguments from the environment (module doc);
+    """:class:`~kvdiag.shadow.runner.ShadowRunner` arguments from the environment (module doc);
     ValueError names a malformed variable."""
-    from kvdiag.collectors.transformers_cb_shadow import (DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN,
+    from kvdiag.shadow.transformers_cb import (DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN,
                                                           DEFAULT_SAMPLE_RATE)
 
     def number(name: str, default: float) -> float:
@@ -162,7 +162,7 @@ class WorkerShadow:
     def __init__(self, errors: HookErrors, methods: MethodHooks) -> None:
         self.errors = errors
         self.methods = methods
-        self.runner = None  # kvdiag.kernels.shadow.ShadowRunner, made by attach
+        self.runner = None  # kvdiag.shadow.runner.ShadowRunner, made by attach
         self.active = False
         self.step_id = 0
         self.armed: Optional[dict] = None  # the sampled step's capture
@@ -212,7 +212,7 @@ class WorkerShadow:
     def attach(self, sink: Sink, **options) -> None:
         """Start recording into ``sink`` (the agent's) with a runner of ``options``
         (:func:`shadow_options`)."""
-        from kvdiag.kernels.shadow import ShadowRunner
+        from kvdiag.shadow.runner import ShadowRunner
 
         self.runner = ShadowRunner(sink, max_batch=1, locality=True, **options)
         self.active = True
@@ -333,7 +333,7 @@ class WorkerShadow:
                 self.allocator.sample()
         if armed is None:
             return
-        from kvdiag.kernels.shadow import PerLayer
+        from kvdiag.shadow.runner import PerLayer
 
         kv, q = armed["kv"], armed["q"]
         if set(kv) != armed["layers"]:  # a layer not seen (another backend, a skipped hook)
@@ -475,7 +475,7 @@ class WorkerInbox:
     def _read(self, conn) -> None:
         import msgspec
 
-        from kvdiag.schema import AnyEvent
+        from kvdiag.events.schema import AnyEvent
 
         decoder = msgspec.json.Decoder(AnyEvent)
         rest = b""
