@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import msgspec
 import numpy as np
 
-from kvdiag import blockfacts
+from kvdiag import blockfacts, latencyfacts
 from kvdiag import schema as s
 from kvdiag.analysis import doctor, logs
 from kvdiag.analysis.findings import Finding
@@ -194,6 +194,7 @@ class RuleInputs:
     facts_batches: dict
     events: int
     kv_health: Optional[object] = None  # the KV-event stream's StreamHealthCounts (kvdiag.kv_stream_health)
+    latency: Optional[dict] = None  # the latency series (kvdiag.latencyfacts), by name
 
 
 class LiveRules:
@@ -211,6 +212,7 @@ class LiveRules:
         self._next = clock()  # the first verdict as soon as there are events
         self._seen = 0
         self.events = 0
+        self.latency = latencyfacts.LatencyFacts()  # what the P99 rules compare, as sketches
 
     def record(self, events: list[s.Event]) -> None:
         """Keep the events the rules judge one by one (the caller folds every event, block
@@ -224,6 +226,7 @@ class LiveRules:
             if table is None:
                 table = tables[t] = _Table(t)
             table.append(ev)
+        self.latency.record(events)
         self._seen += len(events)
         self.events += len(events)
 
@@ -236,7 +239,7 @@ class LiveRules:
         self._seen = 0
         rows, batches = facts.copy_rows()
         return RuleInputs({s.event_tag(cls): t.copy() for cls, t in self.tables.items()}, rows, batches,
-                          self.events, facts.health.counts)
+                          self.events, facts.health.counts, self.latency.copy_series())
 
     def run(self, header: Optional[s.LogHeader], inputs: RuleInputs) -> tuple[Finding, ...]:
         """Run every rule over ``inputs``; returns (and keeps) the findings."""
@@ -260,4 +263,5 @@ class LiveRules:
         frames = {tag: table.frame(node, shared) for tag, table in inputs.tables.items()}
         derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node, health=inputs.kv_health)
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
-        return logs.Logs(headers={node: hdr}, frames=frames, derived=derived)
+        return logs.Logs(headers={node: hdr}, frames=frames, derived=derived,
+                         sketches=dict(inputs.latency or {}))
