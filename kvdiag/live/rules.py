@@ -30,9 +30,12 @@ from kvdiag.analysis.findings import Finding
 
 SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
 """Event types the rules read only through the block facts."""
-NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes"))}
+NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes", "conversation_id")),
+              s.EngineStep: frozenset(("step_id", "phase"))}
 """Fields no rule reads, not kept (their columns hold None): a prompt's content (a few KB a
-request) is judged by the shadow, which runs in the agent, not by the rules."""
+request) is judged by the shadow, which runs in the agent, not by the rules; a step's id and
+phase and a request's conversation are shown by top's panels, never judged (kept as Python
+objects they cost ~40-90 bytes a row)."""
 
 
 def _column_kind(tp) -> str:
