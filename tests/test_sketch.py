@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,3 +118,42 @@ def test_a_day_long_series_stays_flat():
     bins_max = int(np.log(1e12) / np.log((1 + ALPHA) / (1 - ALPHA))) + 1  # 1 ns .. 1000 s
     assert sizes[-1] <= MAX_BUCKETS * bins_max * 8
     assert series.count == 24 * 50_000
+
+
+# ---------------------------------------------------------------- the latency series of a log
+
+DATA = Path(__file__).parent / "data"
+RECORDED = sorted(p for p in DATA.rglob("*") if p.name.endswith((".kvlog", ".kvlog.gz")))
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.parent.name + "/" + p.name)
+def test_live_fold_equals_the_doctors_and_its_quantiles_the_raw_ones(path):
+    """top's LiveRules fold of a replayed log holds the same latency series as the doctor's
+    fold of the file, and each series' P50/P99 lies within ALPHA of the exact quantile of the
+    raw samples (kvdiag.analysis.latency.samples over the log's frames)."""
+    from kvdiag import latencyfacts
+    from kvdiag.analysis import latency
+    from kvdiag.analysis.logs import load
+    from kvdiag.eventlog import iter_events
+    from kvdiag.live.rules import LiveRules
+
+    rules = LiveRules(clock=lambda: 0.0)
+    batch: list = []
+    for ev in iter_events(path):
+        batch.append(ev)
+        if len(batch) == 1_000:
+            rules.record(batch)
+            batch = []
+    rules.record(batch)
+    live = rules.latency.copy_series()
+    logs = load([path])[0]
+    offline = latencyfacts.series(logs)
+    assert live == offline
+    for metric in latencyfacts.SERIES:
+        raw = latency.samples(logs, metric)["value_ns"].to_numpy()
+        total = offline[metric].total()
+        assert total.count == len(raw), metric
+        for q in (0.5, 0.99):
+            if len(raw):
+                exact = latency.quantile(raw, q)
+                assert abs(total.quantile(q) - exact) <= ALPHA * abs(exact) * (1 + 1e-12), (metric, q)
