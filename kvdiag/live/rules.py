@@ -6,9 +6,12 @@ A failing run becomes a finding, never an exception. Pure: no UI library is impo
 
 No raw block event is kept: the block and KV-event streams (98% of a busy GPU engine's
 events) are folded as they pass into the block facts (:mod:`kvdiag.blockfacts`, kept by
-``LiveState`` over its ledger), which the rules read as the doctor reads them from a log; the
-other events (requests, steps, samples: what the rules judge one by one) are kept column by
-column in typed arrays, 4 or 8 bytes a number. Memory grows by about 1 byte per event of a
+``LiveState`` over its ledger), which the rules read as the doctor reads them from a log. The
+latencies ``p99.regression`` compares (engine steps, TTFT, TPOT) are folded into
+per-time-bucket sketches (:mod:`kvdiag.latencyfacts`, bounded: a fixed number of buckets), the
+same fold the doctor runs over a log. The other events (requests, steps, samples: what the
+other rules still judge one by one) are kept column by column in typed arrays, 4 or 8 bytes a
+number, without the fields no rule reads (:data:`NOT_JUDGED`): about 1 byte per event of a
 vLLM-shaped stream (``benchmarks/bench_top.py --rss --with-rules``).
 """
 
