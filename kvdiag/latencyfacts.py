@@ -28,6 +28,9 @@ from kvdiag import schema as s
 from kvdiag.analysis.sketch import SketchSeries
 
 SERIES = ("step", "ttft", "per_token")
+FLUSH_SAMPLES = 8_192
+"""Samples buffered before they go into the sketches (a numpy call per bucket touched: batching
+keeps the fold's cost per event small); :meth:`LatencyFacts.copy_series` flushes first."""
 INPUTS = (s.EngineStep, s.RequestArrived, s.RequestFirstToken, s.RequestFinished)
 _RANK = {s.RequestArrived: 0, s.RequestFirstToken: 1, s.EngineStep: 1, s.RequestFinished: 2}
 
@@ -59,7 +62,8 @@ class LatencyFacts:
                     rec[1], rec[2] = ev.ts_ns, _opt(ev.ttft_ns)
             elif t is s.RequestFinished:
                 self._finished(ev)
-        self.flush()
+        if len(st_ts) + len(self._req["ttft"][0]) + len(self._req["per_token"][0]) >= FLUSH_SAMPLES:
+            self.flush()
 
     def _finished(self, ev: s.RequestFinished) -> None:
         arrived, ft_ns, ft_ttft = self._open.pop(ev.request_id, None) or (None, None, None)
@@ -117,6 +121,7 @@ def fold(events: Iterable[s.Event]) -> LatencyFacts:
                      key=lambda ev: (ev.ts_ns, _RANK[type(ev)]))
     facts = LatencyFacts()
     facts.record(ordered)
+    facts.flush()
     return facts
 
 
