@@ -104,6 +104,19 @@ def test_series_is_a_function_of_its_samples():
     assert one.total(start_ns=cut) == direct
 
 
+def test_series_of_different_widths_merge_into_the_series_of_the_union():
+    rng = np.random.default_rng(4)
+    short_ts = 10**12 + rng.integers(0, 10**9, 500)  # one second: 1 ms buckets
+    long_ts = rng.integers(0, 7 * 86_400 * 10**9, 500)  # a week: wide buckets
+    v1, v2 = _samples("pareto", 500, rng), _samples("lognormal", 500, rng)
+    a, b, both = SketchSeries(), SketchSeries(), SketchSeries()
+    a.add(short_ts, v1)
+    b.add(long_ts, v2)
+    both.add(np.r_[short_ts, long_ts], np.r_[v1, v2])
+    assert a.width_ns < b.width_ns
+    assert a.copy().merge(b) == both == b.copy().merge(a)
+
+
 def test_a_day_long_series_stays_flat():
     """Memory of a series fed a day of samples equals that after an hour's within a factor set by
     the cap: at most MAX_BUCKETS sketches of at most the value range's bins."""
