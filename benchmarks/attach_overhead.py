@@ -33,8 +33,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DemoServer
-    from kvdiag.model import ensure_model
-    from kvdiag.traffic import TrafficPlan, chat
+    from kvdiag.demo.smollm import ensure_model
+    from kvdiag.demo.traffic import TrafficPlan, chat
 
     model_dir = ensure_model()
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-"))
@@ -91,8 +91,8 @@ def main() -> int:
     finally:
         stop.set()
         server.stop()
-    from kvdiag.eventlog import iter_events
-    from kvdiag.schema import EngineStep
+    from kvdiag.events.eventlog import iter_events
+    from kvdiag.events.schema import EngineStep
     steps.extend(e for e in iter_events(tmp / "demo.jsonl") if isinstance(e, EngineStep))
     without = (rate(t0, t1) + rate(t4, t5)) / 2
     with_attach = rate(t2, t3)

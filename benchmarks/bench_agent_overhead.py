@@ -41,10 +41,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
 
-    from kvdiag.commands._server_process import ServerProcess, free_port
+    from kvdiag.demo.server_process import ServerProcess, free_port
     from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_NUM_BLOCKS, DEFAULT_PAGE_SIZE, DemoServer
-    from kvdiag.model import ensure_model
-    from kvdiag.traffic import chat
+    from kvdiag.demo.smollm import ensure_model
+    from kvdiag.demo.traffic import chat
 
     model_dir = ensure_model()
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-agent-"))

@@ -15,7 +15,7 @@ conditions so that machine noise hits both:
   CPU-second move by +-10% from round to round, which leaves a 2% goal undecided.
 
 "on" = the engine
-adapter's shadow glue (:mod:`kvdiag.collectors.transformers_cb_shadow`) at the default sampling
+adapter's shadow glue (:mod:`kvdiag.shadow.transformers_cb`) at the default sampling
 (rate at most 0.005, CPU budget 1%, three layers per sampled step, in the engine thread, all
 methods + locality), after a warm-up that pays the kernels' one-time costs; the runner's
 CPU clock leaves out the CPU of "off" rounds, as if it were the only server. Printed:
@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from kvdiag.collectors.transformers_cb_shadow import DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN, DEFAULT_SAMPLE_RATE
-from kvdiag.analysis.intervals import goal_verdict
+from kvdiag.shadow.transformers_cb import DEFAULT_BUDGET_FRAC, DEFAULT_LAYERS_PER_RUN, DEFAULT_SAMPLE_RATE
+from kvdiag.diagnosis.intervals import goal_verdict
 from overhead import Goal, InstructionCounter, RoundCost, StepArms, perf_instructions_available, report, run_interleaved
 
 
@@ -65,12 +65,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-    from kvdiag.collectors.transformers_cb_shadow import CBShadow, decode_row
-    from kvdiag.analysis.compression import frame_of, sampling_summary
-    from kvdiag.kernels.shadow import CpuClock, ShadowRunner
-    from kvdiag.schema import ShadowBudget
-    from kvdiag.model import resolve_model
-    from kvdiag.sinks import ListSink
+    from kvdiag.shadow.transformers_cb import CBShadow, decode_row
+    from kvdiag.diagnosis.compression import frame_of, sampling_summary
+    from kvdiag.shadow.runner import CpuClock, ShadowRunner
+    from kvdiag.events.schema import ShadowBudget
+    from kvdiag.demo.smollm import resolve_model
+    from kvdiag.events.sinks import ListSink
 
     path = str(resolve_model(args.model))
     tok = AutoTokenizer.from_pretrained(path)

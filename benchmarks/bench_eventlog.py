@@ -13,8 +13,8 @@ import os
 import tempfile
 import time
 
-from kvdiag.eventlog import LogWriter, iter_events, make_header, read_log
-from kvdiag.schema import BlockAllocated, BlockReleased, BlockStored, EngineStep, PrefixHit
+from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_log
+from kvdiag.events.schema import BlockAllocated, BlockReleased, BlockStored, EngineStep, PrefixHit
 
 
 def make_events(n: int):

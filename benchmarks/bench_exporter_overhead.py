@@ -44,9 +44,9 @@ from pathlib import Path
 
 import msgspec
 
-from kvdiag.eventlog import LogWriter, iter_events, read_header
-from kvdiag.exporter import serve
-from kvdiag.sinks import FanoutSink
+from kvdiag.events.eventlog import LogWriter, iter_events, read_header
+from kvdiag.prometheus.exporter import serve
+from kvdiag.events.sinks import FanoutSink
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_LOG = ROOT / "tests/data/demo_small/demo_24req_seed1.kvlog.gz"
@@ -128,7 +128,7 @@ def vllm_rate(rate: float, trials: int, events_per_trial: int = 300_000) -> None
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
 
-    from kvdiag.exporter import PrometheusSink
+    from kvdiag.prometheus.exporter import PrometheusSink
 
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     events = list(vllm_stream.events(events_per_trial))

@@ -6,7 +6,7 @@ time by the source's duration plus 1 s, request ids suffixed ``~copy``), under t
 node name ``node-i``, with every timestamp further shifted by i x 1 s. Each measurement runs
 in a fresh process (imports included); peak memory is that process's ru_maxrss.
 Measured: `kvdiag export --parquet` (once); the per-node table from the JSONL logs (read
-every log, then pandas) against ``analysis.fleet.fleet_table`` (DuckDB over the files);
+every log, then pandas) against ``diagnosis.fleet.fleet_table`` (DuckDB over the files);
 `kvdiag report --fleet --format md` from the logs (read and checked by kvdiag's reader, then
 the same DuckDB queries over the frames) and from the dataset (DuckDB over the files);
 with --whole-report, also the whole report both ways; Parquet bytes / JSONL bytes. The goal (issue 15) is >= 20 nodes and >= 10M events; the default is 1M events
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from bench_report import DEFAULT_SOURCE, build, measure  # the same repeated log, the same probe
 
-_JSONL_FLEET = """from kvdiag.analysis.logs import load
-from kvdiag.analysis.memory import pool_occupancy
+_JSONL_FLEET = """from kvdiag.diagnosis.frames import load
+from kvdiag.diagnosis.memory import pool_occupancy
 logs, _ = load({logs!r})
 fin = logs.frame("request_finished")
 fin = fin[fin["status"] == "finished"]
@@ -57,7 +57,7 @@ def main() -> None:
         print(f"export --parquet:            {et:7.1f} s, peak RSS {em:6.0f} MiB; Parquet "
               f"{pq_b / 2**20:.1f} MiB = {pq_b / jsonl_b:.3f} of the JSONL bytes")
         jt, jm = measure(_JSONL_FLEET.format(logs=logs))
-        dt, dm = measure(f"from kvdiag.analysis.fleet import fleet_table\nfleet_table([{str(ds)!r}])")
+        dt, dm = measure(f"from kvdiag.diagnosis.fleet import fleet_table\nfleet_table([{str(ds)!r}])")
         print(f"per-node table, JSONL+pandas: {jt:7.1f} s, peak RSS {jm:6.0f} MiB")
         print(f"per-node table, DuckDB:       {dt:7.1f} s, peak RSS {dm:6.0f} MiB  -> {jt / dt:.0f}x faster")
         reports = [("fleet report", ["--fleet"])] + ([("whole report", [])] if args.whole_report else [])

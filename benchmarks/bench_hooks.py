@@ -21,7 +21,7 @@ from pathlib import Path
 
 def demo_prompts(tokenizer, num_requests: int, seed: int) -> list[list[int]]:
     """First turns of the demo's chat traffic (shared system prompts, short and long questions)."""
-    from kvdiag.traffic import TrafficPlan
+    from kvdiag.demo.traffic import TrafficPlan
 
     prompts = []
     for planned in TrafficPlan(seed=seed, rate_per_s=1.0).requests():
@@ -48,8 +48,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
     from kvdiag.collectors.transformers_cb import install
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.model import ensure_model
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.demo.smollm import ensure_model
 
     torch.set_num_threads(1)
     model_dir = ensure_model()

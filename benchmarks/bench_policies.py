@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import sys
 
-from kvdiag.analysis.learned_policies import LeCaRPolicy, PrefixLRUPolicy
-from kvdiag.analysis.policies import FIFOPolicy, LFUPolicy, LRUPolicy
-from kvdiag.analysis.policy_replay import simulate_policy
-from kvdiag.analysis.sharing import simulate
-from kvdiag.analysis.traces import load_trace
+from kvdiag.simulation.learned_policies import LeCaRPolicy, PrefixLRUPolicy
+from kvdiag.simulation.policies import FIFOPolicy, LFUPolicy, LRUPolicy
+from kvdiag.simulation.policy_replay import simulate_policy
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.loaders import load_trace
 from _common import DEFAULT_TRACE, best_cpu_seconds
 
 

@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from kvdiag.analysis import latency
+from kvdiag.diagnosis import latency
 
 SIZES = (100, 200, 500, 1000, 2000, 5000)
 SIGMAS = (0.05, 0.1, 0.2, 0.3, 0.5)
@@ -33,7 +33,7 @@ def flagged(n: int, sigma: float, shift: float, trials: int = 100) -> int:
 
 
 def measured(path: str) -> list[tuple[str, int, float]]:
-    from kvdiag.analysis.logs import load
+    from kvdiag.diagnosis.frames import load
     logs, _ = load([path])
     out = []
     for metric in latency.METRICS:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvdiag.eventlog import LogWriter, iter_events, read_header
+from kvdiag.events.eventlog import LogWriter, iter_events, read_header
 
 DEFAULT_SOURCE = Path(__file__).resolve().parent.parent / "tests/data/demo_small"
 
@@ -87,7 +87,7 @@ def main() -> None:
         n = build(src, big, args.events)
         size = os.path.getsize(big) / 2**20
         print(f"log: {n:,} events from {src.name} repeated, {size:.0f} MiB")
-        rt, rm = measure(f"from kvdiag.eventlog import read_log\nread_log({str(big)!r})")
+        rt, rm = measure(f"from kvdiag.events.eventlog import read_log\nread_log({str(big)!r})")
         print(f"read_log alone:     {rt:6.1f} s, peak RSS {rm:6.0f} MiB")
         results = {}
         for fmt in ("html", "md"):

@@ -12,10 +12,10 @@ import time
 import torch
 
 from kvdiag.commands.shadow import PROMPTS
-from kvdiag.model import load_model, resolve_model
-from kvdiag.kernels.shadow import CpuClock, ShadowRunner
-from kvdiag.kernels.shadow_hf import shadow_generate
-from kvdiag.sinks import ListSink
+from kvdiag.demo.smollm import load_model, resolve_model
+from kvdiag.shadow.runner import CpuClock, ShadowRunner
+from kvdiag.shadow.hf_decoder import shadow_generate
+from kvdiag.events.sinks import ListSink
 
 
 def p99(xs):

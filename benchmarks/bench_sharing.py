@@ -48,9 +48,9 @@ def ordered_dict_replay(requests, capacity):
 
 RSS_SCRIPT = """
 import resource, sys, psutil
-from kvdiag.analysis.traces import load_trace, iter_requests
-from kvdiag.analysis.sharing import simulate, lru_curve, replay_stream
-import kvdiag.analysis._simkernels
+from kvdiag.traces.loaders import load_trace, iter_requests
+from kvdiag.simulation.sharing import simulate, lru_curve, replay_stream
+import kvdiag.simulation._simkernels
 before = psutil.Process().memory_info().rss
 if sys.argv[2] == "streamed":  # what `kvdiag replay` does for Mooncake and token-id traces
     bs, records = iter_requests(sys.argv[1])
@@ -67,9 +67,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, refs, distinct,
 
 
 def main() -> None:
-    from kvdiag.analysis.sharing import POLICIES, lru_curve, simulate
-    from kvdiag.analysis.traces import load_trace
-    from kvdiag.kernels.hashing import chunk_hashes
+    from kvdiag.simulation.sharing import POLICIES, lru_curve, simulate
+    from kvdiag.traces.loaders import load_trace
+    from kvdiag.pool.hashing import chunk_hashes
 
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_TRACE
     trace = load_trace(path)

@@ -31,9 +31,9 @@ def main() -> None:
     args = ap.parse_args()
     load0 = os.getloadavg()
 
-    from kvdiag.analysis.sharing import simulate
-    from kvdiag.analysis.tiers import Tier, simulate_tiers
-    from kvdiag.analysis.traces import load_trace
+    from kvdiag.simulation.sharing import simulate
+    from kvdiag.simulation.tiers import Tier, simulate_tiers
+    from kvdiag.traces.loaders import load_trace
 
     trace = load_trace(args.trace).repeated(args.repeat)
     refs = trace.block_refs

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tui_data import write_constructed_log  # noqa: E402
 
-from kvdiag.eventlog import iter_events  # noqa: E402
+from kvdiag.events.eventlog import iter_events  # noqa: E402
 from kvdiag.live.state import LiveState  # noqa: E402
 
 INTERVAL_S = 1.0
@@ -127,8 +127,8 @@ def fold_rate(n_events: int, rounds: int = 5) -> None:
     import msgspec
 
     import vllm_stream
-    from kvdiag.blockledger import BlockLedger
-    from kvdiag.schema import AnyEvent
+    from kvdiag.pool.blockledger import BlockLedger
+    from kvdiag.events.schema import AnyEvent
 
     events = list(vllm_stream.events(n_events))
     n = len(events)
@@ -188,7 +188,7 @@ def rss_flat(n_events: int, with_rules: bool = False) -> None:
     from prometheus_client.core import CollectorRegistry
 
     import vllm_stream
-    from kvdiag.exporter import PrometheusSink
+    from kvdiag.prometheus.exporter import PrometheusSink
 
     proc = psutil.Process()
     from kvdiag.live.rules import LiveRules

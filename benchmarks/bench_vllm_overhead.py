@@ -36,7 +36,7 @@ import numpy as np
 from overhead import Attached, Goal, InstructionCounter, RoundCost, perf_instructions_available, report, \
     round_prompts, run_interleaved, tree_cpu_s, tree_pids
 
-from kvdiag.traffic import CHAT_ROUTE
+from kvdiag.demo.traffic import CHAT_ROUTE
 
 
 def stream_chat(base_url: str, model: str, system: str, question: str, max_tokens: int) -> tuple[int, list[float]]:
@@ -71,8 +71,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvdiag.commands._demo_vllm import VllmServer
-    from kvdiag.engines import SETUP_HINT, vllm_python
-    from kvdiag.model import resolve_model
+    from kvdiag.demo.vllm_env import SETUP_HINT, vllm_python
+    from kvdiag.demo.smollm import resolve_model
 
     python = vllm_python()
     if python is None:

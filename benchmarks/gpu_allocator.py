@@ -43,14 +43,14 @@ def main() -> int:
         print(f"no CUDA device (torch {torch.__version__}): nothing recorded")
         return 0
 
-    from kvdiag.analysis import fragmentation as fr
+    from kvdiag.diagnosis import fragmentation as fr
     from kvdiag.collectors.allocator import AllocatorCollector, sample_from_stats
-    from kvdiag.snapshot_io import load_snapshot, save_snapshot_json
-    from kvdiag.sinks import ListSink
+    from kvdiag.events.snapshot_io import load_snapshot, save_snapshot_json
+    from kvdiag.events.sinks import ListSink
 
     model_dir = Path(args.model_dir) if args.model_dir else None
     if model_dir is None:
-        from kvdiag.model import default_model_dir
+        from kvdiag.demo.smollm import default_model_dir
         model_dir = default_model_dir()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,6 @@ python3 benchmarks/gpu_collectors.py --out "$out/oom" || status=1
 echo "== allocator snapshot"
 python3 benchmarks/gpu_allocator.py ${model:+--model-dir "$model"} --out "$out/cuda_allocator" || status=1
 echo "== the snapshot test on this CUDA device"
-python3 -m pytest -q -p no:cacheprovider tests/test_fragmentation.py -k cuda_snapshot || status=1
+python3 -m pytest -q -p no:cacheprovider tests/integration/test_fragmentation.py -k cuda_snapshot || status=1
 echo "gpu_check: exit $status"
 exit $status

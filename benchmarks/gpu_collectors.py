@@ -12,7 +12,7 @@ Checks, each printed as ``ok``/``FAIL`` with the figures compared (exit 1 on any
   writes a snapshot that kvdiag's safe loader reads back, and records a sample whose
   ``num_ooms`` is one more than before, and whose device totals equal ``memory_stats`` read
   right after the OOM (written beside it as snapshot.json and memory_stats.json: the real
-  CUDA fixture of tests/test_fragmentation.py); the process keeps running;
+  CUDA fixture of tests/integration/test_fragmentation.py); the process keeps running;
 - **NVML**: ``NvmlCollector`` reads the device's used/total memory and this process's own
   memory; the total is CUDA's plus the driver's reserve (at most 1%); used memory agrees with ``torch.cuda.mem_get_info`` within what other processes and
   the driver's own reservations hold (reported), and this process holds at least torch's
@@ -39,11 +39,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(f"no CUDA device (torch {torch.__version__}): nothing measured")
         return 0
-    from kvdiag.analysis import fragmentation as fr
+    from kvdiag.diagnosis import fragmentation as fr
     from kvdiag.collectors.allocator import AllocatorCollector
     from kvdiag.collectors.nvml import NvmlCollector
-    from kvdiag.sinks import ListSink
-    from kvdiag.snapshot_io import load_snapshot
+    from kvdiag.events.sinks import ListSink
+    from kvdiag.events.snapshot_io import load_snapshot
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvdiag-gpu-"))
     failures = 0
@@ -97,7 +97,7 @@ def main() -> int:
                 f"{stats_after_oom['reserved_bytes.all.current']}, allocated {int(dev['allocated_bytes'])} / "
                 f"{stats_after_oom['allocated_bytes.all.current']}")
         # a small real snapshot and the allocator's own counters of the same moment: the
-        # fixture tests/test_fragmentation.py checks kvdiag's snapshot analysis against
+        # fixture tests/integration/test_fragmentation.py checks kvdiag's snapshot analysis against
         (out / "snapshot.json").write_bytes(snaps[0].read_bytes())
         (out / "memory_stats.json").write_text(json.dumps(stats_after_oom, indent=1, sort_keys=True))
     after = col.sample()[0]

@@ -17,9 +17,9 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from kvdiag.analysis import locality
-from kvdiag.eventlog import read_log
-from kvdiag.schema import DISTANCE_EDGES
+from kvdiag.diagnosis import locality
+from kvdiag.events.eventlog import read_log
+from kvdiag.events.schema import DISTANCE_EDGES
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ embedded engine), bench_demo_shadow.py (shadow in the engine) and bench_vllm_ove
   overhead (conservative).
 - **Intervals and verdicts.** tokens per CPU-second of each condition over the baseline's, as a
   paired ratio with a 95% bootstrap interval over rounds, and a verdict on the goal: met,
-  missed or undecided (:mod:`kvdiag.analysis.intervals`, the definitions the report uses).
+  missed or undecided (:mod:`kvdiag.diagnosis.intervals`, the definitions the report uses).
 - **The machine's load** (1-minute load average) before, during (sampled every round) and after.
 """
 
@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import psutil
 
-from kvdiag.analysis.intervals import Estimate, goal_verdict, paired_rate_ratio, paired_ratio
+from kvdiag.diagnosis.intervals import Estimate, goal_verdict, paired_rate_ratio, paired_ratio
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -121,7 +121,7 @@ class Attached:
         self.proc: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> "Attached":
-        from kvdiag.child import reset_interrupt_signal
+        from kvdiag.demo.child_command import reset_interrupt_signal
 
         self.proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(self.pid), "--duration", "3600",
                                       "--out", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -186,7 +186,7 @@ class Results:
 def round_prompts(seed: int, requests: int) -> list[tuple[str, str]]:
     """A round's chats: (system prompt, question), seeded; one system prompt per round, shared
     by its chats (prefix caching at work), varied questions from kvdiag's traffic corpus."""
-    from kvdiag.traffic import load_corpus
+    from kvdiag.demo.traffic import load_corpus
 
     corpus = load_corpus()
     rng = random.Random(seed)

@@ -19,7 +19,7 @@ import random
 from collections import OrderedDict
 from typing import Iterator
 
-from kvdiag import schema as s
+from kvdiag.events import schema as s
 
 BLOCK_TOKENS = 16
 

@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "unless given; docs/metrics.md)")
     args = parser.parse_args(argv[:split])
     if args.prometheus is not None:
-        from kvdiag.exporter import parse_address
+        from kvdiag.prometheus.exporter import parse_address
         try:
             parse_address(args.prometheus)
         except ValueError as exc:
@@ -124,7 +124,7 @@ def start_agent(args: argparse.Namespace, command: list[str]) -> None:
     """Start the agent here, or where the server runs its engine when that is another process
     (``transformers serve`` from 5.25 on); its default socket is named after this process, the
     one the user started, so that ``--pid`` finds it either way."""
-    from kvdiag.collectors import transformers_serve
+    from kvdiag.agent import transformers_serve
 
     kwargs = agent_kwargs(args, command)
     if not transformers_serve.serves_in_a_child(command):
@@ -141,7 +141,7 @@ def start_agent(args: argparse.Namespace, command: list[str]) -> None:
 
 
 def shadow_options(args: argparse.Namespace) -> dict:
-    """``kvdiag.collectors.transformers_cb_shadow.install`` options from the flags; a flag not
+    """``kvdiag.shadow.transformers_cb.install`` options from the flags; a flag not
     given keeps install's default (the one definition of each)."""
     options = {"methods": args.shadow_methods, "budget_frac": args.shadow_budget or None}
     if args.shadow_rate is not None:

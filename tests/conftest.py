@@ -33,7 +33,7 @@ _unexpected_skips: list[str] = []
 def model_dir(pytestconfig):
     """The converted SmolLM2 folder. The first test that needs it fetches it, with the
     progress bar shown on the terminal (a fetch takes a minute); later sessions reuse it."""
-    from kvdiag.model import default_model_dir, model_ready
+    from kvdiag.demo.smollm import default_model_dir, model_ready
 
     if model_ready():
         return default_model_dir()
@@ -71,7 +71,7 @@ VLLM_SKIP = "needs vLLM: run `kvdiag fetch-engine vllm` (.ci/run always does)"
 @pytest.fixture(scope="session")
 def vllm_python():
     """The interpreter of vLLM's environment (``kvdiag fetch-engine vllm``), or a skip."""
-    from kvdiag.engines import check_vllm_python, vllm_python as find
+    from kvdiag.demo.vllm_env import check_vllm_python, vllm_python as find
 
     python = find()
     if python is None:
@@ -87,7 +87,7 @@ def vllm_server(vllm_python, model_dir, tmp_path_factory):
     """One real vLLM server for the session: prefix caching, KV events and kvdiag's plugin on."""
     from vllm_harness import running_vllm
 
-    from kvdiag.commands._server_process import free_port
+    from kvdiag.demo.server_process import free_port
 
     prometheus_port = free_port()  # kvdiag's own metrics, served by the plugin in the engine core
     with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-main"),

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdiag import schema as s
-from kvdiag.eventlog import LogWriter, make_header
+from kvdiag.events import schema as s
+from kvdiag.events.eventlog import LogWriter, make_header
 
 BLOCK = 16
 BLOCK_BYTES = 16 * 1024

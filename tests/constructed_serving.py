@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvdiag import schema as s
-from kvdiag.eventlog import LogWriter, make_header
+from kvdiag.events import schema as s
+from kvdiag.events.eventlog import LogWriter, make_header
 
 BLOCK = 16
 BYTES_PER_TOKEN = 46_080

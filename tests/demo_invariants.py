@@ -12,8 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from kvdiag.collectors.transformers_cb import fold_hash
-from kvdiag.eventlog import iter_events, read_header
-from kvdiag.schema import (
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.events.schema import (
     BlockAllocated,
     BlockDeduplicated,
     BlockEvicted,

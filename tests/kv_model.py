@@ -1,6 +1,6 @@
 """The real SmolLM2 model for the compression/locality tests, loaded once per session.
 
-Where it comes from: ``kvdiag.model.ensure_model()`` (the kvdiag cache, fetched on first use).
+Where it comes from: ``kvdiag.demo.smollm.ensure_model()`` (the kvdiag cache, fetched on first use).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars i
 
 @functools.lru_cache(maxsize=1)
 def _load():
-    from kvdiag.model import ensure_model, load_model
+    from kvdiag.demo.smollm import ensure_model, load_model
 
     torch.set_num_threads(1)
     return load_model(ensure_model(), attn_implementation="eager")

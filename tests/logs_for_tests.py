@@ -42,10 +42,10 @@ def _leak_run() -> tuple[str, tuple[str, ...]]:
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    from kvdiag.analysis.rules import RELEASE_GRACE_NS
+    from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.eventlog import LogWriter, make_header
-    from kvdiag.model import ensure_model
+    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.demo.smollm import ensure_model
 
     model_dir = ensure_model()
     torch.set_num_threads(1)

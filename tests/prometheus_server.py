@@ -98,8 +98,8 @@ def replaying(paths: list[Path], nodes: Optional[list[str]] = None) -> Iterator[
     log (``nodes``: header node names to tell logs of one host apart); closed on exit."""
     import msgspec
 
-    from kvdiag.eventlog import iter_events, read_header
-    from kvdiag.exporter import serve
+    from kvdiag.events.eventlog import iter_events, read_header
+    from kvdiag.prometheus.exporter import serve
 
     started = []
     try:

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from kvdiag.commands._demo_vllm import VllmServer
-from kvdiag.traffic import CHAT_ROUTE
+from kvdiag.demo.traffic import CHAT_ROUTE
 
 SYSTEM = ("You are the support assistant of ACME Rail. Answer briefly and politely. " * 24).strip()
 QUESTIONS = ["When does the first train leave?", "Can I bring a bicycle?", "Is there Wi-Fi on board?",

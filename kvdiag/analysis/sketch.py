@@ -8,12 +8,12 @@ value of the bin (relative). Negative values are counted alike in a mirrored sto
 zero count. Counts, sums, minimum and maximum are exact; two sketches merge by adding their
 bins, exactly (the merge of two sketches is the sketch of the union of their values).
 
-Quantiles follow :func:`kvdiag.analysis.latency.quantile` (the inverse empirical CDF: the
+Quantiles follow :func:`kvdiag.diagnosis.latency.quantile` (the inverse empirical CDF: the
 ``ceil(q n)``-th smallest value). The sketch returns the value standing for the bin that holds
 that rank, clamped to the exact [min, max]; the exact ``ceil(q n)``-th smallest value lies in
 that bin, so **the sketch's quantile differs from numpy's ``inverted_cdf`` percentile of the
 same values by at most ALPHA relative** (``|est - exact| <= ALPHA |exact|``), a property of the
-construction, not a measured tolerance (``tests/test_sketch.py`` checks it against brute force).
+construction, not a measured tolerance (``tests/integration/test_sketch.py`` checks it against brute force).
 
 :class:`SketchSeries` keeps one sketch per time bucket of fixed width. Bucket ``k`` holds the
 samples with ``k = ts_ns // width_ns``; the width starts at :data:`BASE_WIDTH_NS` and doubles
@@ -165,7 +165,7 @@ class Sketch:
 
     def quantile(self, q: float) -> float:
         """The q-quantile (inverse empirical CDF: the ``ceil(q n)``-th smallest value, as
-        :func:`kvdiag.analysis.latency.quantile`) within ALPHA relative; NaN when empty."""
+        :func:`kvdiag.diagnosis.latency.quantile`) within ALPHA relative; NaN when empty."""
         if not self.count:
             return math.nan
         rank = min(max(int(math.ceil(q * self.count - 1e-9)), 1), self.count)

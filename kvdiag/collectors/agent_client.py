@@ -27,8 +27,8 @@ from typing import Callable, Iterator, Optional
 import msgspec
 import psutil
 
-from kvdiag.schema import AnyEvent, CollectorError, Event, LogHeader
-from kvdiag.sinks import Sink
+from kvdiag.events.schema import AnyEvent, CollectorError, Event, LogHeader
+from kvdiag.events.sinks import Sink
 
 NAME = "agent"
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from kvdiag.schema import AllocatorSample, CollectorError, CollectorStatus
-from kvdiag.sinks import NullSink, Sink
+from kvdiag.events.schema import AllocatorSample, CollectorError, CollectorStatus
+from kvdiag.events.sinks import NullSink, Sink
 
 NAME = "cuda-allocator"
 
@@ -92,7 +92,7 @@ class AllocatorCollector:
             return None
         try:
             import torch
-            from kvdiag.snapshot_io import save_snapshot_json
+            from kvdiag.events.snapshot_io import save_snapshot_json
             from kvdiag.paths import make_private_dirs
             make_private_dirs(self.snapshot_dir)
             path = self.snapshot_dir / f"{self.snapshot_prefix}-{reason}-{time.time_ns()}.json"

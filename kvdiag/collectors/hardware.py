@@ -1,5 +1,5 @@
 """What a recorder writes about the machine, beside the engine's events: the memory bandwidth
-probe (:mod:`kvdiag.bandwidth_probe`, the peak that KV bandwidth utilisation divides by), host
+probe (:mod:`kvdiag.collectors.bandwidth_probe`, the peak that KV bandwidth utilisation divides by), host
 energy readings (:mod:`kvdiag.collectors.rapl`) and, in the agent, NVML readings of the GPUs
 (energy counter, memory-controller utilisation: :mod:`kvdiag.collectors.nvml`), at the start,
 every ``interval_s`` and at the end of a run. Failures become ``CollectorError`` /
@@ -12,8 +12,8 @@ import time
 from typing import Optional
 
 from kvdiag.collectors.rapl import RaplCollector
-from kvdiag.schema import CollectorError, Event
-from kvdiag.sinks import Sink
+from kvdiag.events.schema import CollectorError, Event
+from kvdiag.events.sinks import Sink
 
 NAME = "bandwidth-probe"
 
@@ -21,7 +21,7 @@ NAME = "bandwidth-probe"
 def probe_event(device: Optional[str] = None) -> Event:
     """The (per-host cached) bandwidth probe of ``device`` (default: the process's CUDA device
     if it uses one, else the CPU), or the error that prevented it."""
-    from kvdiag import bandwidth_probe
+    from kvdiag.collectors import bandwidth_probe
     try:
         return bandwidth_probe.probe(device or bandwidth_probe.default_device())
     except Exception as exc:  # no memory for the buffers, a CUDA error: the run goes on

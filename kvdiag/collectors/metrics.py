@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdiag.schema import INT64_MAX, EngineMetrics
+from kvdiag.events.schema import INT64_MAX, EngineMetrics
 
 
 class PrometheusParseError(ValueError):
@@ -218,7 +218,7 @@ def find_metrics_url(candidates: Iterable[tuple[str, int]], timeout_s: float = 1
 def scrape_into(url: str, sink, timeout_s: float = 2.0) -> bool:
     """GET ``url`` once and record its ``EngineMetrics`` into ``sink``; a failure is recorded as
     a ``CollectorError`` (never raised). True when the scrape succeeded."""
-    from kvdiag.schema import CollectorError
+    from kvdiag.events.schema import CollectorError
 
     try:
         sink.record(engine_metrics(parse_prometheus(fetch_metrics_text(url, timeout_s))))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from kvdiag.schema import CollectorStatus, NvmlSample
+from kvdiag.events.schema import CollectorStatus, NvmlSample
 
 NAME = "nvml"
 

@@ -18,8 +18,8 @@ from typing import Optional
 
 import psutil
 
-from kvdiag.schema import CollectorError, ProcessSample
-from kvdiag.sinks import Sink
+from kvdiag.events.schema import CollectorError, ProcessSample
+from kvdiag.events.sinks import Sink
 
 COLLECTOR = "procfs"
 # share of wall time the smaps_rollup page-table walk (PSS, swap) may take: it costs ~15 ms per

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from kvdiag.schema import CollectorStatus, PhaseProfile
+from kvdiag.events.schema import CollectorStatus, PhaseProfile
 
 NAME = "py-spy"
 PHASES = ("attention", "kv_cache", "compression", "sampling", "scheduler", "http", "model", "idle", "other")

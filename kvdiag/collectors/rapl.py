@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvdiag.schema import CollectorStatus, HostEnergySample
+from kvdiag.events.schema import CollectorStatus, HostEnergySample
 
 NAME = "rapl"
 POWERCAP = Path("/sys/class/powercap")

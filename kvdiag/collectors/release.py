@@ -3,7 +3,7 @@
 Two tools:
 
 - :class:`ReleaseMonitor`, a sink for an engine adapter's block events that keeps a live
-  :class:`~kvdiag.blockledger.BlockLedger` (the one pool ledger: blocks held per request,
+  :class:`~kvdiag.pool.blockledger.BlockLedger` (the one pool ledger: blocks held per request,
   cached, free, finished requests still holding, bad releases; flat memory) and forwards every
   event to an inner sink;
 - :class:`Tracker` behind ``kvdiag.track(obj, nbytes, owner=...)``, for engines without an
@@ -20,9 +20,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
-from kvdiag.blockledger import BlockLedger
-from kvdiag.schema import Event
-from kvdiag.sinks import NullSink, Sink
+from kvdiag.pool.blockledger import BlockLedger
+from kvdiag.events.schema import Event
+from kvdiag.events.sinks import NullSink, Sink
 
 
 class ReleaseMonitor:

@@ -28,7 +28,7 @@ What is observed, and where:
 
 The hooks do no per-token work beyond one wrapper call in ``update_and_check_completion``;
 block-level work happens only when blocks change hands. Hooks are installed through
-:class:`kvdiag.hooks.MethodHooks`: a method whose signature changed is skipped and said
+:class:`kvdiag.events.hooks.MethodHooks`: a method whose signature changed is skipped and said
 (``CollectorStatus``); a hook that fails is counted, the first of each (hook, error type) is
 reported as a ``CollectorError`` and each hook's total at uninstall; nothing propagates into
 the engine.
@@ -46,9 +46,9 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from kvdiag.hooks import HookErrors, MethodHooks, step_phase
-from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
-from kvdiag.schema import (
+from kvdiag.events.hooks import HookErrors, MethodHooks, step_phase
+from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
+from kvdiag.events.schema import (
     MASK63,
     elapsed_ns,
     BlockAllocated,
@@ -68,7 +68,7 @@ from kvdiag.schema import (
     RequestPreempted,
     RequestScheduled,
 )
-from kvdiag.sinks import Sink
+from kvdiag.events.sinks import Sink
 
 COLLECTOR = "transformers-cb"
 
@@ -131,7 +131,7 @@ class TransformersCBAdapter:
         # hashes mode (no token ids): content as chunk hashes under this salt (None: no content)
         self.content_salt = None if record_token_ids else content_salt
         self.leaked_requests: list[str] = []
-        # the one error policy of engine adapters (kvdiag.hooks): errors per hook
+        # the one error policy of engine adapters (kvdiag.events.hooks): errors per hook
         self.error_policy = HookErrors(sink, COLLECTOR, clock_ns=clock_ns)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -153,7 +153,7 @@ class TransformersCBAdapter:
 
     @property
     def error_count(self) -> int:
-        """Errors in the hooks and the sink, all counted (:class:`kvdiag.hooks.HookErrors`)."""
+        """Errors in the hooks and the sink, all counted (:class:`kvdiag.events.hooks.HookErrors`)."""
         return self.error_policy.total
 
     @property
@@ -372,7 +372,7 @@ def _distinct_tokens_held(allocator, active_requests: dict) -> int:
 # ---------------------------------------------------------------------- hooks
 #
 # One function per hooked engine method: ``hook(adapter, methods, cls, name)`` installs it
-# through :class:`kvdiag.hooks.MethodHooks` (signature checked, errors counted and reported by
+# through :class:`kvdiag.events.hooks.MethodHooks` (signature checked, errors counted and reported by
 # the one policy, never raised into the engine). Most are ``before``/``after`` pairs around the
 # engine's own call; the two whose control flow differs (finish_request's fault injection, the
 # status property) replace the method and guard their own part.

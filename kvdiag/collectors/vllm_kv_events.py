@@ -6,7 +6,7 @@ multipart message per engine step with cache changes: ``(topic, seq, payload)``,
 big-endian counting batches from 0, ``payload`` msgpack of ``[ts, [event, ...], dp_rank?]``
 (``ts``: wall-clock seconds). Events are tagged maps (``{"type": "BlockStored", ...}``; arrays
 ``["BlockStored", ...]`` before vLLM 0.11). Each becomes a ``PrefixCacheStored``,
-``PrefixCacheRemoved`` or ``PrefixCacheCleared`` (:mod:`kvdiag.prefix_cache`), with the
+``PrefixCacheRemoved`` or ``PrefixCacheCleared`` (:mod:`kvdiag.pool.prefix_cache`), with the
 batch's ``ts`` as ``ts_ns`` and its ``seq``.
 
 vLLM binds a wildcard endpoint (``tcp://*:5557``) and connects to any other: for those the
@@ -22,7 +22,7 @@ a new expectation; an undecodable payload is counted and reported as one ``Colle
 
 With ``raw_path`` every batch is also appended as one JSON line ``{"seq", "ts", "events"}``
 (bytes as lists of ints), which ``kvdiag replay --format vllm`` reads and
-:func:`kvdiag.analysis.traces.kv_event_gaps` checks for gaps.
+:func:`kvdiag.traces.loaders.kv_event_gaps` checks for gaps.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag.kv_stream_health import StreamHealth
-from kvdiag.prefix_cache import (DUPLICATE_BATCH_MESSAGE, INT64_MAX, VLLM_KV_EVENTS_COLLECTOR,
+from kvdiag.pool.kv_stream_health import StreamHealth
+from kvdiag.pool.prefix_cache import (DUPLICATE_BATCH_MESSAGE, INT64_MAX, VLLM_KV_EVENTS_COLLECTOR,
                                  PrefixCacheTally, SeqTracker, batch_ts_ns, checked_int,
                                  event_dicts, schema_event)
-from kvdiag.schema import CollectorError, CollectorGap, CollectorStatus, Event
-from kvdiag.sinks import Sink
+from kvdiag.events.schema import CollectorError, CollectorGap, CollectorStatus, Event
+from kvdiag.events.sinks import Sink
 
 COLLECTOR = VLLM_KV_EVENTS_COLLECTOR
 END_SEQ = b"\xff" * 8  # vLLM's end-of-replay marker: seq -1 as 8 signed big-endian bytes
@@ -53,7 +53,7 @@ class MalformedBatch(ValueError):
 
 def decode_batch(payload: bytes, seq: int) -> tuple[float, list, list[Event], Optional[int]]:
     """(ts in seconds, the raw events, their schema events, data-parallel rank) of one
-    payload, every field checked as :func:`kvdiag.prefix_cache.schema_event` does (the
+    payload, every field checked as :func:`kvdiag.pool.prefix_cache.schema_event` does (the
     replay loader checks recorded batches the same way); raises :class:`MalformedBatch`."""
     try:
         obj = msgspec.msgpack.decode(payload)
@@ -95,14 +95,14 @@ class KVEventSubscriber:
     recorded), ``replayed_batches``, ``gaps`` and ``dropped_batches`` (lost, not replayed),
     ``restarts`` (seq went back), ``malformed`` (undecodable messages) and ``errors``
     (malformed messages plus sink or file failures). ``tally`` counts stored, duplicate,
-    removed and cleared blocks (:class:`kvdiag.prefix_cache.PrefixCacheTally`).
+    removed and cleared blocks (:class:`kvdiag.pool.prefix_cache.PrefixCacheTally`).
     ``replay_history``: on the first batch, also ask the replay endpoint for everything
     before it (a subscriber that joined a running engine learns what its cache holds).
 
     Any publisher of the wire format (vLLM, SGLang; LMCache and Mooncake publish through
     them; TensorRT-LLM's serialized events through a relay): ``publisher`` names it (``kvdiag
     attach`` writes it in its ``CollectorStatus``). ``health`` folds the stream
-    (:class:`kvdiag.kv_stream_health.StreamHealth`, ``pool_blocks`` its balance check's pool
+    (:class:`kvdiag.pool.kv_stream_health.StreamHealth`, ``pool_blocks`` its balance check's pool
     size); a batch received again (same seq and timestamp) is dropped, not recorded, and
     counted in ``duplicate_batches`` (one ``CollectorError`` at stop)."""
 

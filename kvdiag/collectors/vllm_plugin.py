@@ -74,14 +74,14 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from kvdiag.hooks import HookErrors, MethodHooks, UsesHookErrors, step_phase
-from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
-from kvdiag.prefix_cache import fold_block_hash
-from kvdiag.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored,
+from kvdiag.events.hooks import HookErrors, MethodHooks, UsesHookErrors, step_phase
+from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted_chunk_hashes
+from kvdiag.pool.prefix_cache import fold_block_hash
+from kvdiag.events.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored,
                            EngineStep, KVPoolInfo, KVPoolSample, PrefixHit,
                            RequestArrived, RequestFinished, RequestFirstToken, RequestPreempted,
                            RequestScheduled, elapsed_ns)
-from kvdiag.sinks import NullSink, Sink
+from kvdiag.events.sinks import NullSink, Sink
 
 ENGINE = "vllm"
 COLLECTOR = "vllm-plugin"
@@ -98,7 +98,7 @@ def enabled() -> bool:
 def fold_hash(key: Any) -> Optional[int]:
     """A block's key in vLLM's pool (its hash bytes followed by a 4-byte group id) as the key
     vLLM publishes for it in its KV events (the hash's low 64 bits, big-endian, as
-    ``maybe_convert_block_hash`` makes it), folded by :func:`kvdiag.prefix_cache.fold_block_hash`:
+    ``maybe_convert_block_hash`` makes it), folded by :func:`kvdiag.pool.prefix_cache.fold_block_hash`:
     a block's ``BlockStored`` from the plugin and its ``PrefixCacheStored`` share one key."""
     if key is None:
         return None
@@ -112,7 +112,7 @@ class _Hooks(UsesHookErrors):
     """The wrapped methods, the sink they record into, and their error counts."""
 
     def __init__(self) -> None:
-        # the one error policy and method wrapping of engine adapters (kvdiag.hooks)
+        # the one error policy and method wrapping of engine adapters (kvdiag.events.hooks)
         self.error_policy = HookErrors(NullSink(), COLLECTOR, clock_ns=_now)
         self.methods = MethodHooks(self.error_policy, os.environ.get("KVDIAG_FAIL_HOOK", ""))
         # prompts as token ids (KVDIAG_RECORD_TOKENS=1) or chunk hashes under the log's salt
@@ -144,13 +144,13 @@ class _Hooks(UsesHookErrors):
         self.sink.record(event)
 
     def failed(self, hook: str, exc: BaseException) -> None:
-        """The error policy of :class:`kvdiag.hooks.HookErrors`: counted, the first of each
+        """The error policy of :class:`kvdiag.events.hooks.HookErrors`: counted, the first of each
         (hook, type) reported at once, never raised into vLLM."""
         self.error_policy.failed(hook, exc)
 
     def wrap(self, cls: type, name: str, params: tuple[str, ...],
              after: Callable[..., None], before: Optional[Callable[..., Any]] = None) -> None:
-        """Wrap ``cls.name`` (:meth:`kvdiag.hooks.MethodHooks.wrap`): vLLM's method runs
+        """Wrap ``cls.name`` (:meth:`kvdiag.events.hooks.MethodHooks.wrap`): vLLM's method runs
         unchanged; ``before(self, *a, **kw)`` may take a note first, ``after(note, result, self,
         *a, **kw)`` records. Skipped (and said) when the method or one of ``params`` is missing."""
         self.methods.wrap(cls, name, after, before, params)

@@ -1,1 +1,5 @@
-"""One module per CLI subcommand, each with `add_arguments(parser)` and `run(args) -> int`."""
+"""One module per ``kvdiag`` subcommand (``cli`` finds them), and their private helpers
+(underscore modules).
+
+Top layer: may import every other package; nothing imports it but ``kvdiag.cli``.
+"""

@@ -4,7 +4,7 @@
 ``python -m kvdiag.run --shadow ...``); at the end the per-layer-group table and the
 recommendation are computed from the ShadowCompression events of the log.
 ``--shadow-logits`` loads the model in the demo process after the traffic, runs the
-teacher-forced comparison (:func:`kvdiag.kernels.shadow_hf.shadow_logits`) on a fixed text,
+teacher-forced comparison (:func:`kvdiag.shadow.hf_decoder.shadow_logits`) on a fixed text,
 appends the ShadowLogits events to the log and prints them.
 """
 
@@ -76,9 +76,9 @@ def run_logits(model_dir: Path, log_path: Path, args) -> int:
     import torch
 
     from kvdiag.commands.shadow import LOGITS_TEXT
-    from kvdiag.kernels.shadow_hf import shadow_logits
-    from kvdiag.model import load_model
-    from kvdiag.sinks import ListSink
+    from kvdiag.shadow.hf_decoder import shadow_logits
+    from kvdiag.demo.smollm import load_model
+    from kvdiag.events.sinks import ListSink
 
     torch.set_num_threads(max(1, args.threads))
     model, tokenizer = load_model(model_dir)
@@ -87,7 +87,7 @@ def run_logits(model_dir: Path, log_path: Path, args) -> int:
     shadow_logits(model, ids, _methods(args), sink)
     encoder = msgspec.json.Encoder()
     if log_path.exists():
-        from kvdiag.eventlog import _open_for_append
+        from kvdiag.events.eventlog import _open_for_append
 
         with _open_for_append(log_path) as f:
             f.write(b"".join(encoder.encode(ev) + b"\n" for ev in sink.events))
@@ -98,10 +98,10 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
     """The compression table + recommendation (``shadow``) and the logits table (``logits``)."""
     from rich.console import Console
 
-    from kvdiag.analysis import compression, locality
-    from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
+    from kvdiag.diagnosis import compression, locality
+    from kvdiag.diagnosis.rules import COMPRESSION_ERROR_BUDGET
     from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table
-    from kvdiag.eventlog import read_log
+    from kvdiag.events.eventlog import read_log
 
     log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
                                     "shadow_budget", "collector_error"])

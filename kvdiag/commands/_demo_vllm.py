@@ -1,6 +1,6 @@
 """`kvdiag demo --engine vllm`: the same model and traffic on a real vLLM server.
 
-vLLM runs in its own environment (:mod:`kvdiag.engines`) as
+vLLM runs in its own environment (:mod:`kvdiag.demo.vllm_env`) as
 ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, fp32 on the CPU, with prefix
 caching on, KV events published over ZMQ and kvdiag's plugin loaded (``KVDIAG_AGENT=1``). This
 process records one kvdiag log from three sources: the plugin's live stream (block and request
@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from kvdiag.commands._server_process import ServerProcess, free_port
+from kvdiag.demo.server_process import ServerProcess, free_port
 from kvdiag.paths import runtime_dir
 
 READY_TIMEOUT_S = 420.0  # a first start compiles the model (~2 min on 2 cores)
@@ -110,7 +110,7 @@ class Recording:
         from kvdiag.collectors.agent_client import AgentStream
         from kvdiag.collectors.vllm import subscriber_side
         from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-        from kvdiag.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import LogWriter, make_header
 
         self.agent = AgentStream(server.socket_path, sink=None) if server.plugin else None
         ah = self.agent.header if self.agent else None
@@ -134,7 +134,7 @@ class Recording:
         mode, address = subscriber_side(server.events_endpoint)
         events_sink = self.writer
         if header.content == "hashes":  # the engine's own KV events carry token ids: drop them
-            from kvdiag.kernels.hashing import ContentHasher, HashingSink
+            from kvdiag.pool.hashing import ContentHasher, HashingSink
             events_sink = HashingSink(self.writer, ContentHasher(header.content_salt))
         self.events = KVEventSubscriber(address, events_sink, topic="kv", bind=(mode == "bind"),
                                         raw_path=self.raw_events_path).start()

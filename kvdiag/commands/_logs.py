@@ -17,8 +17,8 @@ from typing import Iterable, Optional
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvdiag.analysis.logs import Logs, load
-from kvdiag.eventlog import LogFormatError
+from kvdiag.diagnosis.frames import Logs, load
+from kvdiag.events.eventlog import LogFormatError
 
 
 def _estimated_lines(path: Path) -> Optional[int]:

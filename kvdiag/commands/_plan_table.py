@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvdiag.analysis.plan import Plan, formula
-from kvdiag.units import format_bytes
+from kvdiag.simulation.capacity_plan import Plan, formula
+from kvdiag.events.units import format_bytes
 
 
 def human_bytes(n: float) -> str:

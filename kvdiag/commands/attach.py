@@ -93,7 +93,7 @@ def _content_of(agent_header, record_tokens: bool):
     """(the hasher every recorded event goes through, or None; the log header's content
     fields): the agent's own hashes and salt when it records hashes, token ids (the agent's,
     an engine's KV events') hashed under a fresh salt unless ``--record-tokens`` keeps them."""
-    from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
+    from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
 
     if agent_header.content == "hashes":
         if record_tokens:
@@ -169,7 +169,7 @@ class _Session:
         self.engine_probed = False
         self.kv_events = None  # the ZMQ subscriber, once a vLLM server's stream is found
         self.kv_events_tried = False
-        from kvdiag.schema import CollectorStatus
+        from kvdiag.events.schema import CollectorStatus
         if self.vllm is not None:
             writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="vllm", available=True,
                                           hint=self.vllm.describe()))
@@ -191,7 +191,7 @@ class _Session:
         :func:`kvdiag.collectors.vllm.subscriber_side`); the publisher named in the status."""
         from kvdiag.collectors import vllm
         from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-        from kvdiag.schema import CollectorStatus
+        from kvdiag.events.schema import CollectorStatus
         mode, address = vllm.subscriber_side(cfg["endpoint"])
         raw = Path(str(self.args.out_path) + ".kvevents.jsonl")
         publisher = self.publisher()
@@ -215,7 +215,7 @@ class _Session:
         ports = [(connect_host(ip), port) for _, ip, port in self.procs.listening_ports()]
         self.metrics_url = self.metrics_mod.find_metrics_url(ports, timeout_s=1.0)
         if self.metrics_url:
-            from kvdiag.schema import CollectorStatus
+            from kvdiag.events.schema import CollectorStatus
             self.writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="metrics", available=True,
                                                hint=self.metrics_url))
 
@@ -223,7 +223,7 @@ class _Session:
         """SGLang (``sglang:*``), TensorRT-LLM (``trtllm_*``) or vLLM (``vllm:*``) by the names
         its /metrics serves; recorded as that engine's ``CollectorStatus``."""
         from kvdiag.collectors import servers
-        from kvdiag.schema import CollectorStatus
+        from kvdiag.events.schema import CollectorStatus
         try:
             names = [m.name for m in self.metrics_mod.parse_prometheus(
                 self.metrics_mod.fetch_metrics_text(self.metrics_url, 1.0))]
@@ -238,7 +238,7 @@ class _Session:
     def subscribe_kv_events(self) -> None:
         """A vLLM server's KV-event stream: from ``/kv_event_sources``, else its command line."""
         from kvdiag.collectors import vllm
-        from kvdiag.schema import CollectorStatus
+        from kvdiag.events.schema import CollectorStatus
         self.kv_events_tried = True
         base_url = self.metrics_url.rsplit("/metrics", 1)[0]
         self.vllm.base_url = base_url
@@ -305,7 +305,7 @@ class _Session:
     def _pyspy_unavailable(self, message: str) -> None:
         """Phases become N/A for the rest of the session; the reason is recorded once."""
         from kvdiag.collectors import pyspy
-        from kvdiag.schema import CollectorError
+        from kvdiag.events.schema import CollectorError
         self.pyspy_failed = message
         self.writer.record(CollectorError(ts_ns=time.time_ns(), collector=pyspy.NAME, message=message))
 
@@ -323,7 +323,7 @@ PYSPY_PROBES = 3
 def _check_pyspy(pid: int, writer) -> Optional[str]:
     """Record py-spy's status; returns a fatal message (no permission) or None."""
     from kvdiag.collectors import pyspy
-    from kvdiag.schema import CollectorStatus
+    from kvdiag.events.schema import CollectorStatus
     st = pyspy.status()
     if not st.available:
         writer.record(st)
@@ -357,10 +357,10 @@ def run(args: argparse.Namespace) -> int:
     from kvdiag.collectors.vllm import vllm_root
     from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
                                                 process_label)
-    from kvdiag.eventlog import LogWriter, iter_events, make_header, read_header
+    from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_header
     from kvdiag.paths import make_private_dirs
-    from kvdiag.schema import CollectorStatus
-    from kvdiag.sinks import FanoutSink
+    from kvdiag.events.schema import CollectorStatus
+    from kvdiag.events.sinks import FanoutSink
 
     pid = parse_pid(args.pid)
     if pid is None:
@@ -429,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     exporter = None
     if args.prometheus is not None:
-        from kvdiag.exporter import serve
+        from kvdiag.prometheus.exporter import serve
         try:
             exporter = serve(args.prometheus, header)
         except (ValueError, OSError) as exc:
@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
     log_writer = LogWriter(out, header, interval_s=0.5)
     writer = FanoutSink([log_writer, exporter.sink]) if exporter else log_writer
     if hasher is not None:  # every event, the agent's and the KV events' alike
-        from kvdiag.kernels.hashing import HashingSink
+        from kvdiag.pool.hashing import HashingSink
         writer = HashingSink(writer, hasher)
     session = None
     try:
@@ -489,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         if exporter is not None:
             exporter.close()
 
-    from kvdiag.analysis.attach_summary import summarize
+    from kvdiag.diagnosis.attach_summary import summarize
     summary = summarize(iter_events(out), read_header(out), grace_s=args.grace)
     summary["log"] = str(out)
     if session is not None and session.pyspy_failed and code != 3:
@@ -510,10 +510,10 @@ def _pct(x) -> str:
 
 
 def _latency_lines(lat) -> list[str]:
-    """The latency block of the summary (kvdiag.analysis.user_latency's figures)."""
+    """The latency block of the summary (kvdiag.diagnosis.user_latency's figures)."""
     if not lat:
         return []
-    from kvdiag.analysis.user_latency import LABELS, METRICS, fmt_s
+    from kvdiag.diagnosis.user_latency import LABELS, METRICS, fmt_s
     o = lat["overall"]
     out = [f"latency of finished requests ({o['requests_finished']}; P50 / P99)"]
     for m in METRICS:

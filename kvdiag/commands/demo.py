@@ -30,16 +30,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from kvdiag.child import kvdiag_module, reset_interrupt_signal
+from kvdiag.demo.child_command import kvdiag_module
 from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.commands import _demo_shadow
-from kvdiag.commands._server_process import ServerProcess, free_port
+from kvdiag.demo.server_process import ServerProcess, free_port
 from kvdiag.commands.fetch_model import resolve_with_progress
-from kvdiag.hit_rate import counts_toward_hit_rate, engine_token_hit_rate
-from kvdiag.model import ModelFetchError
+from kvdiag.pool.hit_rate import counts_toward_hit_rate, engine_token_hit_rate
+from kvdiag.demo.smollm import ModelFetchError
 from kvdiag.paths import log_dir, runtime_dir
-from kvdiag.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished
-from kvdiag.traffic import Result, TrafficDriver, TrafficPlan, chat
+from kvdiag.events.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished
+from kvdiag.demo.traffic import Result, TrafficDriver, TrafficPlan, chat
 
 DESCRIPTION = __doc__
 
@@ -96,18 +96,6 @@ def add_arguments(parser) -> None:
     _demo_shadow.add_arguments(parser)
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the demo process dies, so no server is left behind."""
-    reset_interrupt_signal()  # stop() escalates to SIGINT: it must not be ignored
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-
 def _default_log_path() -> Path:
     return log_dir() / time.strftime("demo-%Y%m%d-%H%M%S.kvlog")
 
@@ -130,7 +118,7 @@ class LiveStats:
 
     @property
     def prefix_hit_rate(self) -> Optional[float]:
-        """The engine's token hit rate (:mod:`kvdiag.hit_rate`) over the requests seen so far."""
+        """The engine's token hit rate (:mod:`kvdiag.pool.hit_rate`) over the requests seen so far."""
         return engine_token_hit_rate(self.prompt_tokens, self.cached_prompt_tokens)
 
     def follow(self, path: Path) -> None:
@@ -432,7 +420,7 @@ def _prometheus_problem(args) -> str:
     """Why ``--prometheus`` cannot be used as given ("" when it can)."""
     if args.prometheus is None:
         return ""
-    from kvdiag.exporter import parse_address
+    from kvdiag.prometheus.exporter import parse_address
     try:
         parse_address(args.prometheus)
     except ValueError as exc:
@@ -445,7 +433,7 @@ def _resolve_prometheus_port(args) -> None:
     exporter runs in the server's process)."""
     if args.prometheus is None:
         return
-    from kvdiag.exporter import parse_address
+    from kvdiag.prometheus.exporter import parse_address
     host, port = parse_address(args.prometheus)
     if port == 0:
         args.prometheus = f"[{host}]:{free_port()}" if ":" in host else f"{host}:{free_port()}"
@@ -453,7 +441,7 @@ def _resolve_prometheus_port(args) -> None:
 
 def prometheus_url(address: str) -> str:
     """The ``/metrics`` URL of an exporter serving on ``[HOST:]PORT``."""
-    from kvdiag.exporter import parse_address
+    from kvdiag.prometheus.exporter import parse_address
     host, port = parse_address(address)
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
@@ -481,7 +469,7 @@ def _prometheus_args(args) -> list[str]:
 def _run_vllm(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
     """The demo on a real vLLM server (see :mod:`kvdiag.commands._demo_vllm`)."""
     from kvdiag.commands import _demo_vllm
-    from kvdiag.engines import SETUP_HINT, vllm_python
+    from kvdiag.demo.vllm_env import SETUP_HINT, vllm_python
 
     python = vllm_python()
     if python is None:

@@ -7,14 +7,14 @@ import json
 import math
 import sys
 
-from kvdiag.analysis import rules
+from kvdiag.diagnosis import rules
 from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S, NO_ENGINE_EXIT
 from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
                                    skipped_lines, tell_skipped)
 from kvdiag.paths import open_private
 
 DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts
-are these same rules over the events it has seen (kvdiag/analysis/rules.py defines them):
+are these same rules over the events it has seen (kvdiag/diagnosis/rules.py defines them):
 
 latency       printed first: TTFT, TPOT (inter-token), queue wait and end to end of finished
               requests (count, P50, P99), arrival vs completion rate; latency.queueing warns
@@ -82,9 +82,9 @@ def _clean(x):
 def _snapshot(path: str):
     """(summary, fragmentation finding) of a snapshot file; raises ``ValueError`` with a
     one-line message naming the file."""
-    from kvdiag.analysis.fragmentation import (SnapshotInvariantError, allocator_fragmentation_finding,
+    from kvdiag.diagnosis.fragmentation import (SnapshotInvariantError, allocator_fragmentation_finding,
                                                snapshot_summary)
-    from kvdiag.snapshot_io import load_snapshot
+    from kvdiag.events.snapshot_io import load_snapshot
     snap = load_snapshot(path)  # SnapshotLoadError: "path: ..."
     try:
         return snapshot_summary(snap), allocator_fragmentation_finding(snap)
@@ -93,7 +93,7 @@ def _snapshot(path: str):
 
 
 def _write_prometheus_rules(target: str) -> int:
-    from kvdiag.prom_rules import rules_yaml
+    from kvdiag.prometheus.alert_rules import rules_yaml
     text = rules_yaml()
     if target == "-":
         sys.stdout.write(text)
@@ -134,15 +134,15 @@ def run(args: argparse.Namespace) -> int:
         except LogFormatError as exc:
             return fail("doctor", str(exc))
         tell_skipped("doctor", problems)
-        from kvdiag.analysis.doctor import run_rules
-        from kvdiag.analysis.user_latency import summarize
+        from kvdiag.diagnosis.doctor import run_rules
+        from kvdiag.diagnosis.user_latency import summarize
         findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
         lat = summarize(logs)
         if args.json:
-            from kvdiag.analysis.fleet import fleet_for
+            from kvdiag.diagnosis.fleet import fleet_for
             from kvdiag.commands._logs import expand
             fleet = fleet_for(expand(args.logs), logs.nodes)
-    from kvdiag.analysis.findings import worst
+    from kvdiag.diagnosis.findings import worst
     findings += [snapshot[1]] if snapshot else []
     status = worst(findings)
     try:
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _checklist(findings) -> list[dict]:
     """The article's P99 checklist: each question, the rule answering it, status, measured."""
-    from kvdiag.analysis.doctor import p99_checklist
+    from kvdiag.diagnosis.doctor import p99_checklist
     return [{"question": q, "rule": f.rule, "status": f.status, "measured": f.message}
             for q, f in p99_checklist(findings)]
 
@@ -201,11 +201,11 @@ def _print(findings, with_checklist: bool = False, latency=None) -> None:
 
 
 def _print_latency(console, summary, queueing, style) -> None:
-    """The latency table (:mod:`kvdiag.analysis.user_latency`), the rates and the queueing verdict."""
+    """The latency table (:mod:`kvdiag.diagnosis.user_latency`), the rates and the queueing verdict."""
     from rich.markup import escape
     from rich.table import Table
 
-    from kvdiag.analysis.user_latency import rates_line, rows
+    from kvdiag.diagnosis.user_latency import rates_line, rows
     t = Table(title="Latency of finished requests (as users saw it)")
     shown = rows(summary)
     multi = len({r["node"] for r in shown}) > 1

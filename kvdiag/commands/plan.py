@@ -106,10 +106,10 @@ def _check_options(args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdiag.analysis.model_shapes import ModelConfigError
-    from kvdiag.analysis.trace_lines import ReadOptions, TraceFormatError
-    from kvdiag.analysis.workload import WorkloadError
-    from kvdiag.eventlog import LogFormatError
+    from kvdiag.pool.kv_shape import ModelConfigError
+    from kvdiag.traces.lines import ReadOptions, TraceFormatError
+    from kvdiag.traces.workload import WorkloadError
+    from kvdiag.events.eventlog import LogFormatError
 
     read = ReadOptions(strict=args.strict, partial=args.partial)
     try:
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     tell_skipped("plan", read.problems)
     try:
         if args.json:
-            from kvdiag.analysis.plan import to_json
+            from kvdiag.simulation.capacity_plan import to_json
 
             out = to_json(plan)
             out["skipped_lines"] = skipped_lines(read.problems)
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _detect(path: str) -> str:
-    from kvdiag.analysis.traces import detect_format
+    from kvdiag.traces.loaders import detect_format
 
     fmt = detect_format(path)
     if fmt not in ("mooncake", "tokens", "kvdiag"):
@@ -147,9 +147,9 @@ def _detect(path: str) -> str:
 
 
 def _build_plan(args, read):
-    from kvdiag.analysis import workload as W
-    from kvdiag.analysis.model_shapes import resolve_model, shape_from_pool
-    from kvdiag.analysis.plan import PlanSettings, derived_timing, make_plan
+    from kvdiag.traces import workload as W
+    from kvdiag.pool.kv_shape import resolve_model, shape_from_pool
+    from kvdiag.simulation.capacity_plan import PlanSettings, derived_timing, make_plan
 
     model = resolve_model(args.model) if args.model else None
     logs = None
@@ -264,7 +264,7 @@ def _set_compression(args, settings, logs, model) -> None:
 
 def _recommended_ratio(events, num_layers: int) -> Optional[float]:
     """Overall ratio of the recommended method per layer group: layers / sum(layers_g / r_g)."""
-    from kvdiag.analysis.compression import ARTICLE_GROUPS, compression_table, parse_groups, recommend
+    from kvdiag.diagnosis.compression import ARTICLE_GROUPS, compression_table, parse_groups, recommend
 
     rec = recommend(compression_table(events))
     if rec.empty:

@@ -11,8 +11,8 @@ import sys
 from typing import Optional
 
 from kvdiag.commands._logs import add_input_arguments, skipped_lines, tell_skipped
-from kvdiag.hit_rate import engine_token_hit_rate
-from kvdiag.units import BYTE_UNITS, format_bytes
+from kvdiag.pool.hit_rate import engine_token_hit_rate
+from kvdiag.events.units import BYTE_UNITS, format_bytes
 
 DESCRIPTION = """\
 Replay a trace through shadow prefix caches and print hit rates per policy and capacity.
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eviction policy; repeat for several (default: lru, or lru, "
                              "s3fifo and opt beside --policy-file)")
     parser.add_argument("--policy-file", action="append", metavar="FILE",
-                        help="a Python file defining kvdiag.analysis.policies.Policy subclasses "
+                        help="a Python file defining kvdiag.simulation.policies.Policy subclasses "
                              "to replay too (it is code and runs as you: see docs/policies.md); "
                              "repeat for several")
     parser.add_argument("--capacity", action="append", metavar="C",
@@ -145,7 +145,7 @@ def _progress(total: Optional[int], quiet: bool):
 def _policies(args) -> list:
     """The policies to replay, in order: built-in names (str) and plug-in classes (the names of
     shipped plug-ins, then every policy of each --policy-file)."""
-    from kvdiag.analysis.policy_replay import load_policy_file, plugin_by_name
+    from kvdiag.simulation.policy_replay import load_policy_file, plugin_by_name
 
     names = args.policy or (["lru", "s3fifo", "opt"] if args.policy_file else ["lru"])
     out = [plugin_by_name(n) or n for n in names]
@@ -165,8 +165,8 @@ def _streamable(args, fmt: str, policies: list) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdiag.analysis.policy_replay import PolicyError
-    from kvdiag.analysis.traces import ReadOptions, TraceFormatError, detect_format
+    from kvdiag.simulation.policy_replay import PolicyError
+    from kvdiag.traces.loaders import ReadOptions, TraceFormatError, detect_format
 
     read = ReadOptions(strict=args.strict, partial=args.partial)
     try:
@@ -246,8 +246,8 @@ def _capacities(caps, block_size: int, bpt: Optional[int]) -> list[Optional[int]
 
 
 def _replay_streamed(args, fmt, policies, caps, read):
-    from kvdiag.analysis import sharing
-    from kvdiag.analysis.traces import iter_requests
+    from kvdiag.simulation import sharing
+    from kvdiag.traces.loaders import iter_requests
 
     block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash, read)
     bpt = args.bytes_per_token
@@ -275,8 +275,8 @@ def _replay_streamed(args, fmt, policies, caps, read):
 
 
 def _replay_loaded(args, fmt, policies, caps, read):
-    from kvdiag.analysis import sharing
-    from kvdiag.analysis.traces import load_trace
+    from kvdiag.simulation import sharing
+    from kvdiag.traces.loaders import load_trace
 
     trace = load_trace(args.trace, format=fmt, block_size_tokens=args.block_size,
                        hash_algorithm=args.hash, read=read)
@@ -309,12 +309,12 @@ def _replay_loaded(args, fmt, policies, caps, read):
 
 def _run_similarity(args: argparse.Namespace, read) -> int:
     """K/V cosine similarity of the trace's prompts on the real model (module docstring of
-    kvdiag.analysis.similarity has the definition)."""
+    kvdiag.diagnosis.similarity has the definition)."""
     import msgspec
 
-    from kvdiag.analysis.similarity import kv_similarity
-    from kvdiag.analysis.traces import TraceFormatError, prompt_token_ids
-    from kvdiag.model import load_model
+    from kvdiag.diagnosis.similarity import kv_similarity
+    from kvdiag.traces.loaders import TraceFormatError, prompt_token_ids
+    from kvdiag.demo.smollm import load_model
 
     try:
         prompts = prompt_token_ids(args.trace, args.format, read)
@@ -323,7 +323,7 @@ def _run_similarity(args: argparse.Namespace, read) -> int:
         return 2
     tell_skipped("replay", read.problems)
     from kvdiag.commands.fetch_model import resolve_with_progress
-    from kvdiag.model import ModelFetchError
+    from kvdiag.demo.smollm import ModelFetchError
 
     try:
         model, tokenizer = load_model(resolve_with_progress(None))
@@ -365,7 +365,7 @@ def _run_similarity(args: argparse.Namespace, read) -> int:
 
 
 def _curve_rows(trace, policies, grid, bpt, quiet) -> list[dict]:
-    from kvdiag.analysis import sharing
+    from kvdiag.simulation import sharing
 
     rows: list[dict] = []
     curve = sharing.lru_curve(trace, bytes_per_token=bpt)
@@ -379,8 +379,8 @@ def _curve_rows(trace, policies, grid, bpt, quiet) -> list[dict]:
 
 def _simulate(trace, policy, capacities, bpt, progress=None) -> list:
     """One policy (a built-in name or a plug-in class) at every capacity."""
-    from kvdiag.analysis import sharing
-    from kvdiag.analysis.policy_replay import simulate_plugins
+    from kvdiag.simulation import sharing
+    from kvdiag.simulation.policy_replay import simulate_plugins
 
     if isinstance(policy, str):
         return sharing.simulate_many(trace, [policy], capacities, bytes_per_token=bpt,
@@ -437,9 +437,9 @@ def _print_table(info: dict, rows, curve: bool) -> None:
 
 
 def _run_tiers(args: argparse.Namespace, read) -> int:
-    """``--tiers``: the trace through a stack of LRU tiers (kvdiag.analysis.tiers)."""
-    from kvdiag.analysis import tiers as T
-    from kvdiag.analysis.traces import TraceFormatError, detect_format, load_trace
+    """``--tiers``: the trace through a stack of LRU tiers (kvdiag.simulation.tiers)."""
+    from kvdiag.simulation import tiers as T
+    from kvdiag.traces.loaders import TraceFormatError, detect_format, load_trace
 
     clash = [flag for flag, on in (("--policy", args.policy), ("--policy-file", args.policy_file),
                                    ("--capacity", args.capacity), ("--curve", args.curve)) if on]

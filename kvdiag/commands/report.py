@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     busy = (Console(stderr=True).status(f"analysing {logs.num_events():,} events")
             if sys.stderr.isatty() else contextlib.nullcontext())
     with busy:
-        from kvdiag.analysis.fleet import fleet_for
+        from kvdiag.diagnosis.fleet import fleet_for
         fleet = fleet_for(expand(args.logs), logs.nodes)
         report, findings = sections.build(logs, baseline, problems, title=args.title, fleet=fleet)
         write_atomic(out, render(report))
@@ -80,15 +80,15 @@ def run(args: argparse.Namespace) -> int:
 def _fleet(args: argparse.Namespace, fmt: str, out: Path) -> int:
     """``--fleet``: DuckDB over the datasets' files when every input is a dataset, else over
     the logs as read."""
-    from kvdiag.analysis import fleet
-    from kvdiag.dataset import is_dataset, read_headers
+    from kvdiag.diagnosis import fleet
+    from kvdiag.events.dataset import is_dataset, read_headers
 
     if args.baseline:
         return fail("report", "--fleet compares nodes, not a baseline: leave out --baseline")
     paths = expand(args.logs)
     try:
         if all(is_dataset(p) for p in paths):
-            from kvdiag.analysis.logs import distinct_names
+            from kvdiag.diagnosis.frames import distinct_names
             order = distinct_names([n for p in paths for n in read_headers(p)["node"]])
             src = fleet.from_datasets(*fleet.dataset_names(paths, order))
             inputs = f"{len(paths)} Parquet dataset(s)"

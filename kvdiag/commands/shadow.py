@@ -9,7 +9,7 @@ agreement per method. ``--log FILE`` records every event.
 model with prefix sharing, write each conversation's KV blocks out after every turn and
 measure what a writer needs per block (full, deduplicated, quantized delta against the most
 similar stored block, delta against the block's previous version): ShadowDelta events and
-the per-layer-group table (kvdiag.analysis.delta).
+the per-layer-group table (kvdiag.diagnosis.delta_writes).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvdiag.analysis.rules import COMPRESSION_ERROR_BUDGET
+from kvdiag.diagnosis.rules import COMPRESSION_ERROR_BUDGET
 from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table
 
 DESCRIPTION = __doc__
@@ -74,12 +74,12 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import torch
 
-    from kvdiag.analysis import compression, locality
+    from kvdiag.diagnosis import compression, locality
     from kvdiag.kernels.methods import DEFAULT_METHODS, parse_methods
-    from kvdiag.kernels.shadow import ShadowRunner
-    from kvdiag.kernels.shadow_hf import shadow_generate, shadow_logits
-    from kvdiag.schema import ShadowCompression, ShadowLocality, ShadowLogits
-    from kvdiag.sinks import FanoutSink, ListSink
+    from kvdiag.shadow.runner import ShadowRunner
+    from kvdiag.shadow.hf_decoder import shadow_generate, shadow_logits
+    from kvdiag.events.schema import ShadowCompression, ShadowLocality, ShadowLogits
+    from kvdiag.events.sinks import FanoutSink, ListSink
 
     try:
         methods = parse_methods(args.methods or ",".join(DEFAULT_METHODS))
@@ -93,7 +93,7 @@ def run(args) -> int:
         return 2
     torch.set_num_threads(1)
     from kvdiag.commands.fetch_model import resolve_with_progress
-    from kvdiag.model import ModelFetchError, load_model
+    from kvdiag.demo.smollm import ModelFetchError, load_model
 
     try:
         path = str(resolve_with_progress(args.model))
@@ -109,9 +109,9 @@ def run(args) -> int:
     memory = ListSink()
     writer = None
     if args.log:
-        from kvdiag.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import LogWriter, make_header
 
-        from kvdiag.kv_shape import kv_bytes_per_token
+        from kvdiag.pool.kv_bytes import kv_bytes_per_token
 
         cfg = model.config
         bytes_per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -154,7 +154,7 @@ def run(args) -> int:
 def _print(result, runner, table, rec, loc, logits) -> None:
     from rich.console import Console
 
-    from kvdiag.analysis import locality
+    from kvdiag.diagnosis import locality
 
     console = Console()
     console.print(f"generated {result.decode_tokens} tokens at {result.tokens_per_s():.1f} tok/s; "
@@ -177,10 +177,10 @@ def _print(result, runner, table, rec, loc, logits) -> None:
 def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
     from rich.progress import Progress
 
-    from kvdiag.analysis import compression, delta
+    from kvdiag.diagnosis import compression, delta_writes as delta
     from kvdiag.kernels.delta import DeltaWriter
-    from kvdiag.kernels.delta_hf import delta_traffic, demo_turns
-    from kvdiag.schema import ShadowDelta
+    from kvdiag.shadow.delta_traffic import delta_traffic, demo_turns
+    from kvdiag.events.schema import ShadowDelta
 
     dw = DeltaWriter(sink, bound=args.delta_bound)
     turns = demo_turns(args.turns, seed=args.seed)

@@ -63,7 +63,7 @@ def open_source(args: argparse.Namespace):
     if args.engine and (args.log or args.pid or args.socket):
         raise sources.SourceError("--engine chooses the demo's engine; it does not go with --log/--pid/--socket")
     if args.engine == "vllm":
-        from kvdiag.engines import SETUP_HINT, vllm_python
+        from kvdiag.demo.vllm_env import SETUP_HINT, vllm_python
 
         if vllm_python() is None:
             raise sources.SourceError(SETUP_HINT)
@@ -104,8 +104,8 @@ def _demo_log(demo_args: list[str]) -> Optional[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdiag.eventlog import LogFormatError
-    from kvdiag.model import ModelFetchError
+    from kvdiag.events.eventlog import LogFormatError
+    from kvdiag.demo.smollm import ModelFetchError
     from kvdiag.collectors.agent_client import NO_ENGINE_EXIT
     from kvdiag.live.sources import NoEngineError, SourceError
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from kvdiag.schema import DISTANCE_EDGES
-from kvdiag.schema import ShadowLocality
+from kvdiag.events.schema import DISTANCE_EDGES
+from kvdiag.events.schema import ShadowLocality
 
 RECENT_FRAC = 0.2
 SINK_TOKENS = 4

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvdiag.schema import ShadowDelta
+from kvdiag.events.schema import ShadowDelta
 
 WIDTHS = (0, 2, 4, 8, 16, 32)  # bits per value of each width class (32: raw fp32)
 LIMITS = (0, 1, 7, 127, 32767)  # largest |code| of classes 0-4

@@ -1,7 +1,7 @@
 """The shadow's CPU budget: which offered engine steps get measured. Pure: no threads, no
 tensors, no clock of its own; the caller passes CPU times in, so tests drive it exactly.
 
-Rules (``kvdiag.kernels.shadow`` runs the measurements they allow):
+Rules (``kvdiag.shadow.runner`` runs the measurements they allow):
 
 - every offered step updates the engine's CPU per step, an EWMA of (process CPU since the
   last offer - shadow CPU spent in between);

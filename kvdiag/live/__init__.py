@@ -1,6 +1,6 @@
-"""The live path of ``kvdiag top``: event sources (a log replayed, an agent's socket, a process
-seen from outside, the embedded demo), the incremental state folded from their events, the
-immutable snapshots the TUI renders, and the rules run over the events seen so far.
+"""The live path of ``kvdiag top``: event sources (a log, a socket, top's demo), the incremental
+state folded from them, immutable snapshots and the live evaluation of the doctor's rules.
 
-Pure data: no UI library is imported here (a test checks it in a subprocess).
+May import :mod:`kvdiag.collectors`, :mod:`kvdiag.diagnosis` and the layers below; never a UI
+library.
 """

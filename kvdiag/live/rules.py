@@ -1,14 +1,14 @@
-"""The doctor's rules (``kvdiag.analysis.doctor.run_rules``) live, for the alerts of ``kvdiag
+"""The doctor's rules (``kvdiag.diagnosis.doctor.run_rules``) live, for the alerts of ``kvdiag
 top``: the first run as soon as events arrive, then every ``period_s``, and once more when a
 replayed log ends, so that top's final verdict is the doctor's on that log. Its cost is
 measured on each run and the period grows so that it stays under ``max_share`` of one core.
 A failing run becomes a finding, never an exception. Pure: no UI library is imported here.
 
 No raw block event is kept: the block and KV-event streams (98% of a busy GPU engine's
-events) are folded as they pass into the block facts (:mod:`kvdiag.blockfacts`, kept by
+events) are folded as they pass into the block facts (:mod:`kvdiag.pool.blockfacts`, kept by
 ``LiveState`` over its ledger), which the rules read as the doctor reads them from a log. The
 latencies ``p99.regression`` compares (engine steps, TTFT, TPOT) are folded into
-per-time-bucket sketches (:mod:`kvdiag.latencyfacts`, bounded: a fixed number of buckets), the
+per-time-bucket sketches (:mod:`kvdiag.diagnosis.latency_facts`, bounded: a fixed number of buckets), the
 same fold the doctor runs over a log. The other events (requests, steps, samples: what the
 other rules still judge one by one) are kept column by column in typed arrays, 4 or 8 bytes a
 number, without the fields no rule reads (:data:`NOT_JUDGED`): about 1 byte per event of a
@@ -28,10 +28,11 @@ from typing import Callable, Optional
 import msgspec
 import numpy as np
 
-from kvdiag import blockfacts, latencyfacts
-from kvdiag import schema as s
-from kvdiag.analysis import doctor, logs
-from kvdiag.analysis.findings import Finding
+from kvdiag.pool import blockfacts
+from kvdiag.diagnosis import latency_facts as latencyfacts
+from kvdiag.events import schema as s
+from kvdiag.diagnosis import doctor, frames as logs
+from kvdiag.diagnosis.findings import Finding
 
 SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
 """Event types the rules read only through the block facts."""
@@ -217,12 +218,12 @@ class RuleInputs:
     facts_rows: dict
     facts_batches: dict
     events: int
-    kv_health: Optional[object] = None  # the KV-event stream's StreamHealthCounts (kvdiag.kv_stream_health)
-    latency: Optional[dict] = None  # the latency series (kvdiag.latencyfacts), by name
+    kv_health: Optional[object] = None  # the KV-event stream's StreamHealthCounts (kvdiag.pool.kv_stream_health)
+    latency: Optional[dict] = None  # the latency series (kvdiag.diagnosis.latency_facts), by name
 
 
 class LiveRules:
-    """Runs :func:`kvdiag.analysis.doctor.run_rules` over every event seen so far, so that at
+    """Runs :func:`kvdiag.diagnosis.doctor.run_rules` over every event seen so far, so that at
     the end of a log top's alerts are the doctor's findings on that log."""
 
     def __init__(self, period_s: float = 15.0, max_share: float = 0.05,

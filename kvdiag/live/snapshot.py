@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvdiag.analysis.findings import Finding
+from kvdiag.diagnosis.findings import Finding
 
 History = tuple[Optional[float], ...]
 
@@ -69,13 +69,13 @@ class PoolView:
     occupancy_history: History  # block occupancy per bin
     reason: str
     inconsistency: str = ""  # why a sampled number was rejected ("" when all are plausible)
-    # from the block ledger (kvdiag.blockledger), None without block events
+    # from the block ledger (kvdiag.pool.blockledger), None without block events
     ledger_held_blocks: Optional[int] = None
     ledger_cached_blocks: Optional[int] = None
     ledger_free_blocks: Optional[int] = None  # also None without a KVPoolInfo
     finished_holding_requests: Optional[int] = None  # finished > the release grace ago, still holding
     finished_holding_blocks: Optional[int] = None  # the blocks those requests hold
-    block_anomalies: tuple = ()  # (kind, count) per kvdiag.blockledger.ANOMALY_KINDS
+    block_anomalies: tuple = ()  # (kind, count) per kvdiag.pool.blockledger.ANOMALY_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +128,14 @@ class CompressionRow:
     attn_out_error: Optional[float]
     decode_us: Optional[float]
     samples: int
-    recommendation: str  # "use", "check" or "avoid" (kvdiag.analysis.rules.compression_verdict)
+    recommendation: str  # "use", "check" or "avoid" (kvdiag.diagnosis.rules.compression_verdict)
 
 
 @dataclass(frozen=True, slots=True)
 class CompressionView:
     rows: tuple[CompressionRow, ...]
     reason: str
-    sampling: str = ""  # kvdiag.analysis.compression.sampling_line of the latest ShadowBudget
+    sampling: str = ""  # kvdiag.diagnosis.compression.sampling_line of the latest ShadowBudget
 
 
 LOCALITY_METRICS = ("recent", "sink", "entropy", "share")
@@ -171,14 +171,14 @@ class LatencyView:
     tokens_history: History
     p99_verdict: Optional[Finding]  # the p99.regression rule's latest finding (None before its first run)
     reason: str
-    # demanded KV read bandwidth over the rate window (kvdiag.analysis.bandwidth): bytes/s,
+    # demanded KV read bandwidth over the rate window (kvdiag.diagnosis.bandwidth): bytes/s,
     # and its share of the log's measured copy bandwidth (None without a probe)
     kv_read_bytes_per_s: Optional[float] = None
     kv_bandwidth_utilisation: Optional[float] = None
     kv_bandwidth_history: History = ()  # per bin: utilisation in %, or GB/s without a probe
     kv_bandwidth_history_unit: str = "%"
     nvml_memory_util_pct: Optional[float] = None  # NVML memory-controller utilisation, mean of devices
-    # queue wait = first scheduling - arrival (kvdiag.analysis.user_latency), requests finished in
+    # queue wait = first scheduling - arrival (kvdiag.diagnosis.user_latency), requests finished in
     # the latency window; queue_reason says why there is none (no scheduling events)
     queue_p50_ms: Optional[float] = None
     queue_p99_ms: Optional[float] = None

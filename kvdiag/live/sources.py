@@ -21,8 +21,8 @@ from typing import Callable, Iterator, Optional
 
 import msgspec
 
-from kvdiag import schema as s
-from kvdiag.child import kvdiag_module, reset_interrupt_signal
+from kvdiag.events import schema as s
+from kvdiag.demo.child_command import kvdiag_module, reset_interrupt_signal
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection, AgentProtocolError
 from kvdiag.paths import open_private
@@ -48,7 +48,7 @@ class ReplaySource:
 
     def __init__(self, path: str | os.PathLike, speed: float = 1.0, clock: Clock = time.monotonic,
                  start_paused: bool = False) -> None:
-        from kvdiag.eventlog import iter_events, read_header
+        from kvdiag.events.eventlog import iter_events, read_header
 
         if speed <= 0:
             raise ValueError(f"--speed must be positive, got {speed}")

@@ -16,12 +16,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
-from kvdiag import schema as s
-from kvdiag.blockfacts import BlockFacts
-from kvdiag.blockledger import ANOMALY_KINDS, BlockLedger
-from kvdiag.analysis import leaks, pressure
-from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.rules import RELEASE_GRACE_NS
+from kvdiag.events import schema as s
+from kvdiag.pool.blockfacts import BlockFacts
+from kvdiag.pool.blockledger import ANOMALY_KINDS, BlockLedger
+from kvdiag.diagnosis import leaks
+from kvdiag.pool import pressure
+from kvdiag.diagnosis.findings import Finding
+from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
 from kvdiag.live.snapshot import LatencyView, MemoryView, PoolView, RequestRow, RequestsView, Snapshot
 from kvdiag.live.views.health import HealthFold
 from kvdiag.live.views.memory import MemoryFold
@@ -75,7 +76,7 @@ class _Request:
     output_tokens: Optional[int] = None
     ttft_ns: Optional[int] = None
     finished_ns: Optional[int] = None
-    queue_ns: Optional[int] = None  # first scheduling - arrival (kvdiag.analysis.user_latency)
+    queue_ns: Optional[int] = None  # first scheduling - arrival (kvdiag.diagnosis.user_latency)
 
 
 class LiveState:
@@ -290,7 +291,7 @@ class LiveState:
             req.state = "waiting"
 
     def _on_step(self, ev: s.EngineStep, b: _Bin, idx: int) -> None:
-        """Also the step's demanded KV read (kvdiag.analysis.bandwidth): blocks held when it
+        """Also the step's demanded KV read (kvdiag.diagnosis.bandwidth): blocks held when it
         started (the block facts' row: a live feed sees the step after its own block events)
         x block bytes, over its duration."""
         self.saw_steps = True
@@ -310,7 +311,7 @@ class LiveState:
         self.pool_info = ev
         self.ledger.apply(ev)
 
-    # block state is the ledger's (kvdiag.blockledger: holdings, cache, bad releases); the
+    # block state is the ledger's (kvdiag.pool.blockledger: holdings, cache, bad releases); the
     # handlers below add only the per-request figures top shows
 
     def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
@@ -429,7 +430,7 @@ class LiveState:
 
     def kv_demand(self) -> Optional[tuple[float, float]]:
         """(needed blocks, free blocks) of ``forecast.memory_pressure`` now, over the live
-        requests admitted by the scheduler (:mod:`kvdiag.analysis.pressure`); None without a
+        requests admitted by the scheduler (:mod:`kvdiag.pool.pressure`); None without a
         pool sample or a block size. Requests without max_new_tokens are assumed to produce
         the P90 output length of the recently finished requests."""
         sample = self.pool_sample
@@ -567,7 +568,7 @@ class LiveState:
         return RequestsView(rows=tuple(rows), live=len(self.live), finished=self.finished_count, reason=reason)
 
     def _alerts(self, snap: Snapshot) -> tuple[Finding, ...]:
-        """The rules' findings (:func:`kvdiag.analysis.doctor.run_rules`, run by the caller
+        """The rules' findings (:func:`kvdiag.diagnosis.doctor.run_rules`, run by the caller
         over the events seen so far, in ``rule_findings``; the release-path and double-release
         rules from the block ledger, over every event), then collector health: events
         dropped, collector errors and collectors not available here."""

@@ -1,7 +1,7 @@
 """`kvdiag report --fleet`: the fleet at a glance, every figure computed by DuckDB.
 
 No event is loaded into Python for Parquet datasets: the tables and the chart are the queries
-of :mod:`kvdiag.analysis.fleet` over the files, so a fleet-day of logs reports in seconds
+of :mod:`kvdiag.diagnosis.fleet` over the files, so a fleet-day of logs reports in seconds
 and in bounded memory. The per-node sections of the full report (findings, memory, sharing,
 latency ...) need every event of a node: run ``kvdiag report`` on that node's log for them.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvdiag.analysis import fleet
-from kvdiag.reports.model import Absent, Chart, Report, Section, Table, Text
+from kvdiag.diagnosis import fleet
+from kvdiag.reports.document import Absent, Chart, Report, Section, Table, Text
 
 NOTE = ("KV pressure: peak blocks used / pool blocks; fragmentation: empty token slots / token "
         "slots of held blocks over the pool samples (the doctor's fragmentation.kv_pool); hit "

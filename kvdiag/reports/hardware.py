@@ -1,5 +1,5 @@
 """Report blocks for memory bandwidth and hardware: the demanded KV bandwidth over time (shown
-next to P99) and the platform comparison of several logs (:mod:`kvdiag.analysis.platform`)."""
+next to P99) and the platform comparison of several logs (:mod:`kvdiag.diagnosis.platform`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from kvdiag.analysis import bandwidth
-from kvdiag.analysis.logs import Logs
-from kvdiag.analysis.platform import NA, platform_table
-from kvdiag.reports.model import Absent, Block, Chart, Section, Table, Text
-from kvdiag.schema import NvmlSample
+from kvdiag.diagnosis import bandwidth
+from kvdiag.diagnosis.frames import Logs
+from kvdiag.diagnosis.platform import NA, platform_table
+from kvdiag.reports.document import Absent, Block, Chart, Section, Table, Text
+from kvdiag.events.schema import NvmlSample
 
 
 def kv_bandwidth_blocks(logs: Logs, t0: int, thin) -> list[Block]:

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 from plotly.offline import get_plotlyjs
 
-from kvdiag.reports.model import Absent, Block, Chart, Report, Table, Text
+from kvdiag.reports.document import Absent, Block, Chart, Report, Table, Text
 
 _CONFIG = {"displaylogo": False, "responsive": True, "showLink": False, "showEditInChartStudio": False}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvdiag.reports.model import Absent, Block, Chart, Report, Table, Text
+from kvdiag.reports.document import Absent, Block, Chart, Report, Table, Text
 
 MAX_ROWS = 60  # a chart's table is cut to this many rows (the HTML has the full chart)
 

@@ -13,23 +13,23 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from kvdiag.analysis import compression as _compression  # aliases: sections of the same names
-from kvdiag.analysis import delta as _delta
-from kvdiag.analysis import latency
-from kvdiag.analysis import locality as _locality
-from kvdiag.analysis import user_latency
-from kvdiag.analysis.doctor import forecast_frame, run_rules
-from kvdiag.analysis.engine_latency import engine_latency_frame
-from kvdiag.analysis.findings import Finding
-from kvdiag.analysis.logs import Logs
-from kvdiag.analysis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
-from kvdiag.analysis.requests import request_table
-from kvdiag.hit_rate import counted, frame_hit_rate
-from kvdiag.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
+from kvdiag.diagnosis import compression as _compression  # aliases: sections of the same names
+from kvdiag.diagnosis import delta_writes as _delta
+from kvdiag.diagnosis import latency
+from kvdiag.diagnosis import locality as _locality
+from kvdiag.diagnosis import user_latency
+from kvdiag.diagnosis.doctor import forecast_frame, run_rules
+from kvdiag.diagnosis.engine_latency import engine_latency_frame
+from kvdiag.diagnosis.findings import Finding
+from kvdiag.diagnosis.frames import Logs
+from kvdiag.diagnosis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
+from kvdiag.diagnosis.requests import request_table
+from kvdiag.pool.hit_rate import counted, frame_hit_rate
+from kvdiag.events.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
                            ShadowBudget, ShadowCompression, ShadowDelta, ShadowLocality, ShadowLogits,
                            ShadowSharing)
 from kvdiag.reports.hardware import kv_bandwidth_blocks, platform_section
-from kvdiag.reports.model import Absent, Block, Chart, Report, Section, Table, Text
+from kvdiag.reports.document import Absent, Block, Chart, Report, Section, Table, Text
 
 
 MAX_POINTS = 1500  # per series: charts stay light for million-event logs
@@ -100,7 +100,7 @@ def per_node(logs: Logs, lat: pd.DataFrame) -> pd.DataFrame:
 def latency_summary(logs: Logs, findings: list[Finding]) -> list[Block]:
     """The report's first blocks: TTFT, TPOT, queue wait and e2e of finished requests (count,
     P50, P99), the arrival and completion rates and the ``latency.queueing`` verdict
-    (:mod:`kvdiag.analysis.user_latency`, the same figures ``kvdiag doctor`` prints first)."""
+    (:mod:`kvdiag.diagnosis.user_latency`, the same figures ``kvdiag doctor`` prints first)."""
     summ = user_latency.summarize(logs)
     shown = pd.DataFrame(user_latency.rows(summ)).rename(columns={"metric": "latency"})
     if shown["node"].nunique() <= 1:
@@ -550,7 +550,7 @@ def build(logs: Logs, baseline: Optional[Logs] = None, problems: Optional[list[s
           title: str = "kvdiag report", fleet: Optional[pd.DataFrame] = None
           ) -> tuple[Report, list[Finding]]:
     """The whole report, and the findings behind its summary; ``fleet``: the per-node table
-    of ``analysis.fleet`` when the input holds Parquet datasets."""
+    of ``diagnosis.fleet`` when the input holds Parquet datasets."""
     problems = problems or []
     findings, comps = run_rules(logs, baseline)
     t0 = logs.time_range_ns()[0]

@@ -280,7 +280,7 @@ class KvTopApp(App):
         self.notify(f"screenshot saved: {path}")
 
     def action_toggle_record(self) -> None:
-        from kvdiag.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import LogWriter, make_header
 
         with self._lock:
             if self.recorder is not None:

@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.widget import Widget
 
-from kvdiag.analysis.rules import FRAGMENTATION_LIMIT, within_fragmentation_limit
+from kvdiag.diagnosis.rules import FRAGMENTATION_LIMIT, within_fragmentation_limit
 from kvdiag.live.snapshot import LOCALITY_METRICS, Snapshot
 from kvdiag.tui.render import (
     NA,

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 from rich.style import Style
 from rich.text import Text
 
-from kvdiag.units import format_bytes
+from kvdiag.events.units import format_bytes
 
 NA = "N/A"
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -16,7 +16,7 @@ SHADES = " ░▒▓█"
 
 
 def fmt_bytes(n: Optional[float]) -> str:
-    """Binary units, 3 significant digits: 1.23G, 456M, 12.0K (:func:`kvdiag.units.format_bytes`)."""
+    """Binary units, 3 significant digits: 1.23G, 456M, 12.0K (:func:`kvdiag.events.units.format_bytes`)."""
     return format_bytes(n, compact=True)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag import schema as s
+from kvdiag.events import schema as s
 from kvdiag.live.snapshot import HealthView
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from kvdiag import schema as s
+from kvdiag.events import schema as s
 from kvdiag.live.snapshot import History, MemoryView
 from kvdiag.live.views.series import Series
 

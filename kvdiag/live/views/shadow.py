@@ -8,9 +8,9 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag import schema as s
-from kvdiag.analysis.rules import compression_verdict
-from kvdiag.analysis.shadow_sampling import sampling_line
+from kvdiag.events import schema as s
+from kvdiag.diagnosis.rules import compression_verdict
+from kvdiag.shadow.sampling import sampling_line
 from kvdiag.live.snapshot import LOCALITY_METRICS, CompressionRow, CompressionView, LocalityView
 
 NO_SHADOW = "no shadow data: start with --shadow"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from kvdiag import schema as s
-from kvdiag.analysis.live_sharing import engine_token_hit_rate, headline_config, sharing_window
-from kvdiag.analysis.rules import MIN_SHARING_REQUESTS, sharing_gap_status, too_few
+from kvdiag.events import schema as s
+from kvdiag.simulation.live_sharing import engine_token_hit_rate, headline_config, sharing_window
+from kvdiag.diagnosis.rules import MIN_SHARING_REQUESTS, sharing_gap_status, too_few
 from kvdiag.live.snapshot import SharingView, WhatIfPoint
 from kvdiag.live.views.series import Series
 from kvdiag.live.views.shadow import NO_SHADOW

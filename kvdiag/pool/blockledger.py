@@ -1,0 +1,382 @@
+"""The one owner of a KV block pool's state, folded incrementally from block events.
+
+Every view reads this ledger: ``kvdiag top`` (:mod:`kvdiag.live.state`), the Prometheus
+exporter, the release monitor (:mod:`kvdiag.collectors.release`) and the doctor's leak,
+free-list and bandwidth analyses, so that they count one stream the same way.
+
+State (updated in O(1) per event; every counter read in O(1)):
+
+- a block is *held* while at least one request holds it (``BlockAllocated``, ``PrefixHit`` and
+  ``BlockDeduplicated`` add the request as a holder, ``BlockReleased`` removes it);
+- *cached* once its last holder released it with ``cached=True``, until ``BlockEvicted``, a new
+  allocation or a hit; *free* otherwise: ``free_blocks = num_blocks - held_blocks - cached_blocks``;
+- ``holdings``: the sum over requests of the blocks each holds (a shared block counts once
+  per holder: what attention reads per step);
+- finished requests that still hold blocks, and how many blocks they hold.
+
+Bad events, defined once here (counted in ``anomaly_counts`` by kind, never raised):
+
+- ``double_release``: a request releases a block it does not hold and released earlier in the
+  block's current allocation (since its last ``BlockAllocated``; the last
+  :data:`RELEASERS_KEPT` releasers of a block are remembered); nothing else changes;
+- ``release_unheld``: a request releases a block it does not hold and did not release before
+  (also normal for blocks allocated before the stream was joined). When no request holds the
+  block it takes the released state (cached with ``cached=True``: the engine says so);
+- ``alloc_in_use``: a block is allocated while requests hold it: the engine reassigned it, so
+  the previous holders lose it;
+- ``evict_held``: a held block is evicted; it stays held (and leaves the cache).
+
+Memory is flat over a long session: a request's entry goes when it holds nothing, anomalies
+are counted (the first :data:`EXAMPLES_KEPT` of each kind are kept as examples). With
+``keep_history=True`` (offline analyses of a finite log) the ledger also keeps one
+:class:`RequestRecord` per request and one :class:`Episode` per block allocation, for
+``kvdiag.diagnosis.leaks``' request and episode frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal, Optional
+
+from kvdiag.events.schema import (BlockAllocated, BlockDeduplicated, BlockEvicted, BlockId, BlockReleased, Event, KVPoolInfo,
+                           PrefixHit, RequestArrived, RequestFinished, RequestId)
+
+AnomalyKind = Literal["double_release", "release_unheld", "alloc_in_use", "evict_held"]
+ANOMALY_KINDS: tuple[str, ...] = ("double_release", "release_unheld", "alloc_in_use", "evict_held")
+EXAMPLES_KEPT = 20
+"""Anomalies kept as examples per kind (the rest are counted)."""
+RELEASERS_KEPT = 64
+"""Releasers remembered per block allocation, to tell a double release from a release of an
+unheld block (a block shared by more requests than this forgets its oldest releasers)."""
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request did to the pool (``keep_history`` only). Counts are events, not
+    distinct block ids."""
+
+    request_id: RequestId
+    arrived_ns: Optional[int] = None
+    finished_ns: Optional[int] = None
+    status: Optional[str] = None
+    blocks_allocated: int = 0
+    blocks_prefix_hit: int = 0
+    blocks_deduplicated: int = 0  # adopted an identical cached block in place of its own
+    blocks_released: int = 0
+    blocks_released_cached: int = 0
+    blocks_evicted_later: int = 0  # released by it as cached, later evicted
+    double_releases: int = 0
+
+
+@dataclass(slots=True)
+class Episode:
+    """One allocation of a block, from ``BlockAllocated`` until its last holder let it go
+    (``released_ns``) and, for cached blocks, until eviction (``evicted_ns``)."""
+
+    block_id: BlockId
+    request_id: RequestId
+    allocated_ns: int
+    released_ns: Optional[int] = None
+    cached: bool = False
+    evicted_ns: Optional[int] = None
+    hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    kind: AnomalyKind
+    ts_ns: int
+    block_id: BlockId
+    request_id: Optional[RequestId] = None
+
+
+class BlockLedger:
+    """Feed events in time order with :meth:`apply` (one) or :meth:`apply_all` (a batch);
+    read the counters and :meth:`held_by_finished`."""
+
+    def __init__(self, keep_history: bool = False) -> None:
+        self.keep_history = keep_history
+        self.num_blocks: Optional[int] = None
+        self.held: dict[RequestId, set] = {}  # request -> blocks it holds (requests holding >= 1)
+        self.holders: dict[BlockId, object] = {}  # block -> its holder (a request id) or a set of them
+        self.cached: dict[BlockId, None] = {}  # blocks held only by the prefix cache
+        self.holdings = 0  # sum over requests of len(held[request])
+        self.finished_holding: dict[RequestId, int] = {}  # finished requests still holding -> finished_ns
+        self.finished_holding_blocks = 0  # sum of len(held[r]) over finished_holding
+        self.finished_requests = 0  # RequestFinished events
+        self.block_events = 0
+        self.anomaly_counts: dict[str, int] = dict.fromkeys(ANOMALY_KINDS, 0)
+        self.anomalies: list[Anomaly] = []  # all of them with keep_history, else EXAMPLES_KEPT per kind
+        self.double_release_requests: set = set()  # requests that released a block twice
+        self._released_by: dict[BlockId, object] = {}  # block -> releasers since its allocation
+        self.last_ts_ns = 0  # the latest event folded by apply/apply_all
+        # history (keep_history only)
+        self.requests: dict[RequestId, RequestRecord] = {}
+        self.episodes: list[Episode] = []
+        self._open: dict[BlockId, Episode] = {}
+        self._cached_ep: dict[BlockId, Episode] = {}
+        self._cached_by: dict[BlockId, RequestId] = {}
+        h = self._handlers = {
+            BlockAllocated: self.allocated, PrefixHit: self.hit, BlockDeduplicated: self.hit,
+            BlockReleased: self.released, BlockEvicted: self.evicted, RequestFinished: self.finished,
+            KVPoolInfo: self._pool_info}
+        if keep_history:
+            h[RequestArrived] = self._arrived
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def held_blocks(self) -> int:
+        """Distinct blocks held by at least one request."""
+        return len(self.holders)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks held only by the prefix cache."""
+        return len(self.cached)
+
+    @property
+    def free_blocks(self) -> Optional[int]:
+        """num_blocks - held - cached (None before a ``KVPoolInfo``)."""
+        return None if self.num_blocks is None else self.num_blocks - len(self.holders) - len(self.cached)
+
+    def blocks_of(self, request_id: RequestId) -> set:
+        """The blocks ``request_id`` holds now (empty when none; do not modify)."""
+        return self.held.get(request_id, _EMPTY)
+
+    def held_by_finished(self, now_ns: int, grace_ns: int) -> dict[RequestId, list[BlockId]]:
+        """Requests that finished at least ``grace_ns`` before ``now_ns`` and still hold
+        blocks, with those blocks (sorted). O(such requests)."""
+        cutoff = now_ns - grace_ns
+        return {r: sorted(self.held[r]) for r, t in self.finished_holding.items() if t <= cutoff}
+
+    def finished_holding_count(self, now_ns: int, grace_ns: int) -> tuple[int, int]:
+        """(requests, blocks) of :meth:`held_by_finished` without building it."""
+        cutoff = now_ns - grace_ns
+        n = blocks = 0
+        for r, t in self.finished_holding.items():
+            if t <= cutoff:
+                n += 1
+                blocks += len(self.held[r])
+        return n, blocks
+
+    # ------------------------------------------------------------------ folding
+
+    def apply(self, ev: Event) -> None:
+        """Fold one event (other event types are ignored)."""
+        h = self._handlers.get(type(ev))
+        if h is not None:
+            h(ev)
+            if ev.ts_ns > self.last_ts_ns:
+                self.last_ts_ns = ev.ts_ns
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        """Fold a batch of events in order."""
+        get = self._handlers.get
+        last = self.last_ts_ns
+        for ev in events:
+            h = get(type(ev))
+            if h is not None:
+                h(ev)
+                if ev.ts_ns > last:
+                    last = ev.ts_ns
+        self.last_ts_ns = last
+
+    def _anomaly(self, kind: str, ts_ns: int, block_id: BlockId, request_id: Optional[RequestId]) -> None:
+        n = self.anomaly_counts[kind]
+        self.anomaly_counts[kind] = n + 1
+        if n < EXAMPLES_KEPT or self.keep_history:
+            self.anomalies.append(Anomaly(kind, ts_ns, block_id, request_id))
+
+    def _pool_info(self, ev: KVPoolInfo) -> None:
+        self.num_blocks = ev.num_blocks
+
+    def _take(self, rid: RequestId, b: BlockId) -> bool:
+        """Make ``rid`` a holder of ``b``; False when it already held it."""
+        blocks = self.held.get(rid)
+        if blocks is None:
+            self.held[rid] = {b}
+        elif b in blocks:
+            return False
+        else:
+            blocks.add(b)
+        self.holdings += 1
+        if rid in self.finished_holding:
+            self.finished_holding_blocks += 1
+        return True
+
+    def _drop(self, rid: RequestId, b: BlockId) -> None:
+        """``rid`` no longer holds ``b`` (it did)."""
+        blocks = self.held[rid]
+        blocks.discard(b)
+        self.holdings -= 1
+        fh = self.finished_holding
+        if rid in fh:
+            self.finished_holding_blocks -= 1
+            if not blocks:
+                del fh[rid]
+        if not blocks:
+            del self.held[rid]
+
+    def allocated(self, ev: BlockAllocated) -> None:
+        b, rid, ts = ev.block_id, ev.request_id, ev.ts_ns
+        self.block_events += 1
+        prev = self.holders.get(b)
+        if prev is not None:  # reassigned while held: the previous holders lose it
+            self._anomaly("alloc_in_use", ts, b, rid)
+            for r in (list(prev) if type(prev) is set else (prev,)):
+                self._drop(r, b)
+        self.cached.pop(b, None)
+        self._released_by.pop(b, None)
+        self.holders[b] = rid
+        blocks = self.held.get(rid)
+        if blocks is None:
+            self.held[rid] = {b}
+            self.holdings += 1
+        elif b not in blocks:
+            blocks.add(b)
+            self.holdings += 1
+        if rid in self.finished_holding:
+            self.finished_holding_blocks += 1
+        if self.keep_history:
+            self._hist_allocated(ev)
+
+    def hit(self, ev: PrefixHit | BlockDeduplicated) -> None:
+        """``PrefixHit`` and ``BlockDeduplicated``: the request now holds ``block_id``."""
+        b, rid = ev.block_id, ev.request_id
+        self.block_events += 1
+        if self._take(rid, b):
+            prev = self.holders.get(b)
+            if prev is None:
+                self.holders[b] = rid
+                self.cached.pop(b, None)
+            elif type(prev) is set:
+                prev.add(rid)
+            else:
+                self.holders[b] = {prev, rid}
+        rel = self._released_by.get(b)
+        if rel is not None:
+            if type(rel) is dict:
+                rel.pop(rid, None)
+            elif rel == rid:
+                del self._released_by[b]
+        if self.keep_history:
+            self._hist_hit(ev)
+
+    def released(self, ev: BlockReleased) -> None:
+        b, rid = ev.block_id, ev.request_id
+        self.block_events += 1
+        holders = self.holders
+        prev = holders.get(b)
+        if prev is None or (prev != rid if type(prev) is not set else rid not in prev):
+            self._bad_release(ev, prev)
+            return
+        self._drop(rid, b)
+        if type(prev) is set:
+            prev.discard(rid)
+            if len(prev) == 1:
+                holders[b] = next(iter(prev))
+            last = False
+        else:
+            del holders[b]
+            last = True
+        if last and ev.cached:
+            self.cached[b] = None
+        rel = self._released_by.get(b)
+        if rel is None:
+            self._released_by[b] = rid
+        elif type(rel) is dict:
+            rel[rid] = None
+            if len(rel) > RELEASERS_KEPT:
+                del rel[next(iter(rel))]
+        else:
+            self._released_by[b] = {rel: None, rid: None}
+        if self.keep_history:
+            self._hist_released(ev, last)
+
+    def _bad_release(self, ev: BlockReleased, prev: object) -> None:
+        b, rid = ev.block_id, ev.request_id
+        rel = self._released_by.get(b)
+        if rel is not None and (rel == rid if type(rel) is not dict else rid in rel):
+            self._anomaly("double_release", ev.ts_ns, b, rid)
+            self.double_release_requests.add(rid)
+            if self.keep_history:
+                self._record(rid).double_releases += 1
+            return
+        self._anomaly("release_unheld", ev.ts_ns, b, rid)
+        if prev is None and ev.cached:  # not held by anyone we know of: the engine caches it
+            self.cached[b] = None
+
+    def evicted(self, ev: BlockEvicted) -> None:
+        b = ev.block_id
+        self.block_events += 1
+        if b in self.holders:
+            self._anomaly("evict_held", ev.ts_ns, b, None)
+        self.cached.pop(b, None)
+        if self.keep_history:
+            ep = self._cached_ep.pop(b, None)
+            if ep is not None:
+                ep.evicted_ns = ev.ts_ns
+            owner = self._cached_by.pop(b, None)
+            if owner is not None:
+                self._record(owner).blocks_evicted_later += 1
+
+    def finished(self, ev: RequestFinished) -> None:
+        rid = ev.request_id
+        self.finished_requests += 1
+        blocks = self.held.get(rid)
+        if blocks and rid not in self.finished_holding:
+            self.finished_holding[rid] = ev.ts_ns
+            self.finished_holding_blocks += len(blocks)
+        if self.keep_history:
+            rec = self._record(rid)
+            rec.finished_ns, rec.status = ev.ts_ns, ev.status
+
+    # ------------------------------------------------------------------ history
+
+    def _record(self, rid: RequestId) -> RequestRecord:
+        rec = self.requests.get(rid)
+        if rec is None:
+            rec = self.requests[rid] = RequestRecord(rid)
+        return rec
+
+    def _arrived(self, ev: RequestArrived) -> None:
+        self._record(ev.request_id).arrived_ns = ev.ts_ns
+
+    def _hist_allocated(self, ev: BlockAllocated) -> None:
+        stale = self._cached_ep.pop(ev.block_id, None)
+        if stale is not None:  # reused without an eviction event: treat as evicted now
+            stale.evicted_ns = ev.ts_ns
+        self._cached_by.pop(ev.block_id, None)
+        self._record(ev.request_id).blocks_allocated += 1
+        ep = Episode(ev.block_id, ev.request_id, ev.ts_ns)
+        self.episodes.append(ep)
+        self._open[ev.block_id] = ep
+
+    def _hist_hit(self, ev: PrefixHit | BlockDeduplicated) -> None:
+        rec = self._record(ev.request_id)
+        if isinstance(ev, PrefixHit):
+            rec.blocks_prefix_hit += 1
+        else:
+            rec.blocks_deduplicated += 1
+        ep = self._cached_ep.pop(ev.block_id, None) or self._open.get(ev.block_id)
+        if ep is not None:
+            ep.hits += 1
+            self._open[ev.block_id] = ep
+
+    def _hist_released(self, ev: BlockReleased, last: bool) -> None:
+        rec = self._record(ev.request_id)
+        rec.blocks_released += 1
+        rec.blocks_released_cached += int(ev.cached)
+        if not last:
+            return
+        ep = self._open.pop(ev.block_id, None)
+        if ep is not None:
+            ep.released_ns, ep.cached = ev.ts_ns, ev.cached
+            if ev.cached:
+                self._cached_ep[ev.block_id] = ep
+        if ev.cached:
+            self._cached_by[ev.block_id] = ev.request_id
+
+
+_EMPTY: frozenset = frozenset()

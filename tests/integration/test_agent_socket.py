@@ -1,0 +1,268 @@
+"""The agent's live socket under misbehaving clients (issue 14, item 3): a client that never
+reads, too many clients, file-descriptor exhaustion, and an agent that accepts but never
+answers (``kvdiag doctor --pid`` and ``kvdiag top --pid`` must say so, not hang).
+
+Events are CONSTRUCTED TEST DATA (BlockAllocated lines of about 1 KB). Waits poll a condition
+with a bounded deadline; nothing sleeps for a fixed time to let something happen."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvdiag.agent import LiveSocketSink
+from kvdiag.collectors import agent_client
+from kvdiag.collectors.agent_client import AgentConnection
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.schema import BlockAllocated, CollectorGap
+
+PAD = "r" * 1000  # request id that makes one event line about 1 KB
+MARKER = 10**9  # block id of the event a test waits for (beyond every flooded id)
+
+
+def _sink(tmp_path, **limits) -> LiveSocketSink:
+    return LiveSocketSink(tmp_path / "agent-1.sock", make_header(engine="test"), **limits)
+
+
+def _wait_for(condition, timeout_s: float = 5.0, what: str = "condition") -> float:
+    """Seconds until ``condition()`` is true; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def _flood(sink: LiveSocketSink, n: int, first_ts_ns: int = 1) -> None:
+    for i in range(n):
+        sink.record(BlockAllocated(ts_ns=first_ts_ns + i, request_id=PAD, block_id=i))
+
+
+class Reader(threading.Thread):
+    """Reads one connection's events into ``events``; ``seen(block_id)`` is set when that block's
+    event arrives."""
+
+    def __init__(self, path, timeout_s: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.conn = AgentConnection(path, timeout_s=timeout_s)
+        self.header = self.conn.read_header()
+        self.events: list = []
+        self.arrived: dict[int, float] = {}
+        self.start()
+
+    def run(self) -> None:
+        for ev in self.conn.events():
+            self.events.append(ev)
+            if isinstance(ev, BlockAllocated):
+                self.arrived[ev.block_id] = time.monotonic()
+
+
+def test_a_client_that_never_reads_does_not_stall_the_others(tmp_path):
+    sink = _sink(tmp_path)
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.connect(str(sink.path))  # connected, never reads
+    reader = Reader(sink.path)
+    try:
+        _wait_for(lambda: sink.num_clients == 2, what="both clients accepted")
+        _flood(sink, 2000)  # 2 MB: far beyond the stuck client's socket buffer, within its queue
+        sent_s = time.monotonic()
+        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
+        _wait_for(lambda: MARKER in reader.arrived, timeout_s=5.0, what="the reading client's marker")
+        assert reader.arrived[MARKER] - sent_s < 1.0
+    finally:
+        stuck.close()
+        reader.conn.close()
+        sink.close()
+
+
+def test_a_slow_client_is_told_how_many_events_it_lost(tmp_path):
+    sink = _sink(tmp_path, client_queue_bytes=64 * 1024, client_stall_s=60.0)
+    slow = AgentConnection(sink.path, timeout_s=10.0)
+    try:
+        slow.read_header()
+        _wait_for(lambda: sink.num_clients == 1)
+        n = 4000
+        _flood(sink, n)
+        _wait_for(lambda: sink.client_dropped_events > 0, what="drops for the slow client")
+        got, gaps = 0, []
+        events = slow.events()
+        for ev in events:  # now it reads: the queued events, then what it lost
+            if isinstance(ev, CollectorGap):
+                gaps.append(ev)
+                break
+            got += 1
+        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
+        for ev in events:
+            if isinstance(ev, CollectorGap):
+                gaps.append(ev)
+            elif ev.block_id == MARKER:
+                break
+            else:
+                got += 1
+    finally:
+        slow.close()
+        sink.close()
+    assert gaps and all(g.collector == "agent-socket" for g in gaps)
+    lost = sum(g.dropped_events for g in gaps)
+    assert lost > 0 and got + lost == n  # every event arrived or was counted as lost
+    assert all(1 <= g.start_ns <= g.end_ns <= n for g in gaps)
+
+
+def test_a_client_that_never_reads_is_disconnected(tmp_path):
+    sink = _sink(tmp_path, client_queue_bytes=64 * 1024, client_stall_s=0.5)
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.connect(str(sink.path))
+    try:
+        _wait_for(lambda: sink.num_clients == 1)
+        _flood(sink, 4000)
+        waited_s = _wait_for(lambda: sink.num_clients == 0, timeout_s=5.0, what="stuck client dropped")
+        assert waited_s >= 0.4
+        stuck.settimeout(5.0)
+        while stuck.recv(1 << 16):  # what was in its socket buffer, then end of stream
+            pass
+    finally:
+        stuck.close()
+        sink.close()
+
+
+def test_clients_past_the_cap_are_refused_at_once(tmp_path):
+    sink = _sink(tmp_path, max_clients=2)
+    first, second = AgentConnection(sink.path, timeout_s=5), AgentConnection(sink.path, timeout_s=5)
+    try:
+        first.read_header()
+        second.read_header()
+        start = time.monotonic()
+        with pytest.raises(agent_client.AgentRefused, match="too many clients"):
+            with AgentConnection(sink.path, timeout_s=5) as third:
+                third.read_header()
+        assert time.monotonic() - start < 1.0
+        first.close()  # a freed slot is taken again
+        _wait_for(lambda: sink.num_clients == 1, what="the closed client's slot freed")
+        with AgentConnection(sink.path, timeout_s=5) as again:
+            assert again.read_header().engine == "test"
+    finally:
+        first.close()
+        second.close()
+        sink.close()
+
+
+FD_EXHAUSTION = r"""
+import os, resource, sys
+from kvdiag.agent import LiveSocketSink
+from kvdiag.events.eventlog import make_header
+sink = LiveSocketSink(sys.argv[1], make_header(engine="test"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fds = []
+try:
+    while True:
+        fds.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print("full", flush=True)
+sys.stdin.readline()
+for fd in fds:
+    os.close(fd)
+print("freed", flush=True)
+sys.stdin.readline()
+sink.close()
+"""
+
+
+def _readline(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            raise AssertionError(f"no line from the child within {timeout_s} s")
+    return proc.stdout.readline().strip()
+
+
+def test_the_agent_accepts_again_after_running_out_of_file_descriptors(tmp_path):
+    path = tmp_path / "agent-fd.sock"
+    proc = subprocess.Popen([sys.executable, "-c", FD_EXHAUSTION, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert _readline(proc) == "full"
+        start = time.monotonic()
+        with pytest.raises(agent_client.AgentRefused, match="file descriptors"):
+            with AgentConnection(path, timeout_s=5) as conn:  # refused at once, not left hanging
+                conn.read_header()
+        assert time.monotonic() - start < 1.0
+        proc.stdin.write("free\n")
+        proc.stdin.flush()
+        assert _readline(proc) == "freed"
+        with AgentConnection(path, timeout_s=5) as conn:
+            assert conn.read_header().engine == "test"
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class SilentAgent:
+    """A socket that accepts clients and never sends a byte."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(8)
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                self.held.append(self.server.accept()[0])
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.server.shutdown(socket.SHUT_RDWR)
+        self.server.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_doctor_pid_says_the_agent_is_not_answering(tmp_path, capsys, monkeypatch):
+    from kvdiag.cli import main
+
+    monkeypatch.setattr(agent_client, "HEADER_TIMEOUT_S", 0.5)
+    silent = SilentAgent(tmp_path / "agent-silent.sock")
+    try:
+        start = time.monotonic()
+        rc = main(["doctor", "--pid", str(os.getpid()), "--socket", str(silent.path), "--seconds", "30"])
+        took_s = time.monotonic() - start
+    finally:
+        silent.close()
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and took_s < 5.0
+    assert "the agent is not answering" in err and len(err.splitlines()) == 1
+
+
+def test_top_pid_says_the_agent_is_not_answering(tmp_path, capsys, monkeypatch):
+    from kvdiag.cli import main
+    from kvdiag.live import sources
+
+    monkeypatch.setattr(agent_client, "HEADER_TIMEOUT_S", 0.5)
+    silent = SilentAgent(tmp_path / "agent-silent.sock")  # found among this process's sockets
+    try:
+        start = time.monotonic()
+        with pytest.raises(sources.SourceError, match="the agent is not answering"):
+            sources.attach(os.getpid()).close()
+        assert time.monotonic() - start < 5.0
+        assert main(["top", "--pid", str(os.getpid())]) == 2
+    finally:
+        silent.close()
+    err = capsys.readouterr().err.strip()
+    assert "the agent is not answering" in err and len(err.splitlines()) == 1
