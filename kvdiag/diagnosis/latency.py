@@ -34,7 +34,7 @@ import pandas as pd
 from kvdiag.diagnosis.causes import Cause, attribute
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.diagnosis.rules import GROSS_SHIFT_THRESHOLD, P99_THRESHOLD, REGRESSION_MIN_SAMPLES
-from kvdiag.analysis.sketch import Sketch, SketchSeries
+from kvdiag.diagnosis.sketch import Sketch, SketchSeries
 from kvdiag.events.schema import EngineStep, RequestArrived, RequestFinished, RequestFirstToken
 
 Metric = Literal["ttft", "per_token", "step"]
@@ -343,7 +343,7 @@ def compare_sketches(baseline: Sketch, current: Sketch, metric: str = "",
                      threshold: float = DEFAULT_THRESHOLD, conf: float = 0.90, n_boot: int = 4000,
                      seed: int = 0, q: float = 0.99) -> Optional[Comparison]:
     """:func:`compare` on sketches: every quantile (the bootstrap's order statistics too) is the
-    sketch's, within :data:`kvdiag.analysis.sketch.ALPHA` relative of the exact one."""
+    sketch's, within :data:`kvdiag.diagnosis.sketch.ALPHA` relative of the exact one."""
     need = REGRESSION_MIN_SAMPLES[q]
     if baseline.count < need or current.count < need:
         return None

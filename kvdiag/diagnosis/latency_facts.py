@@ -1,5 +1,5 @@
 """The latency samples the P99 rules compare, folded as the events pass into per-time-bucket
-sketches (:class:`kvdiag.analysis.sketch.SketchSeries`), so that no step or request row is
+sketches (:class:`kvdiag.diagnosis.sketch.SketchSeries`), so that no step or request row is
 needed to judge them: ``kvdiag top`` (:class:`kvdiag.live.rules.LiveRules`) folds the stream,
 the doctor folds a recorded log by the same :class:`LatencyFacts` (:func:`series`), and a
 series is a function of its samples alone, so both hold the same state.
@@ -25,7 +25,7 @@ import math
 from typing import Iterable, Optional
 
 from kvdiag.events import schema as s
-from kvdiag.analysis.sketch import SketchSeries
+from kvdiag.diagnosis.sketch import SketchSeries
 
 SERIES = ("step", "ttft", "per_token")
 FLUSH_SAMPLES = 8_192

@@ -1,4 +1,4 @@
-"""The latency sketches (kvdiag.analysis.sketch): quantiles within ALPHA of numpy's exact
+"""The latency sketches (kvdiag.diagnosis.sketch): quantiles within ALPHA of numpy's exact
 percentiles (the bound is the construction's guarantee), exact merges, and a series whose
 state depends on its samples only (order, splits and merges do not matter) in bounded memory."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvdiag.diagnosis.latency import quantile as exact_quantile
-from kvdiag.analysis.sketch import ALPHA, MAX_BUCKETS, Sketch, SketchSeries
+from kvdiag.diagnosis.sketch import ALPHA, MAX_BUCKETS, Sketch, SketchSeries
 
 QS = (0.0, 0.01, 0.1, 0.25, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0)
 

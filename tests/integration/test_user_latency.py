@@ -261,7 +261,7 @@ def test_p99_rule_flags_the_ttft_rise_of_a_recorded_48_request_queued_demo():
     for P99, the rule compares TTFT P50 between the halves (by first-token time, split at the
     latency series' bucket boundary nearest the middle request), fails, and the compared values
     are within the sketches' ALPHA of the nearest-rank P50s of the raw events on either side."""
-    from kvdiag.analysis.sketch import ALPHA
+    from kvdiag.diagnosis.sketch import ALPHA
 
     path = DATA / "overload_48req_rate30.kvlog.gz"
     raw = sorted(_raw(path).values(), key=lambda r: r["arrived"] + r["ttft"])

@@ -1,1 +1,0 @@
-"""Pure analyses: events or DataFrames in, DataFrames and dataclasses out. No UI imports."""
