@@ -48,6 +48,9 @@ class Logs:
     derived: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
     """Figures folded from the events rather than recorded (:mod:`kvdiag.diagnosis.block_facts`),
     by tag, with ``ts_ns`` and ``node`` columns; cut with the frames by :meth:`window`."""
+    sketches: dict = field(default_factory=dict, repr=False)
+    """The latency series (:func:`kvdiag.diagnosis.latency_facts.series`, by name), handed over by ``kvdiag
+    top`` or folded on first use; a window folds its own."""
 
     @property
     def nodes(self) -> list[NodeName]:

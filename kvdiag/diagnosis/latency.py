@@ -34,6 +34,7 @@ import pandas as pd
 from kvdiag.diagnosis.causes import Cause, attribute
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.diagnosis.rules import GROSS_SHIFT_THRESHOLD, P99_THRESHOLD, REGRESSION_MIN_SAMPLES
+from kvdiag.diagnosis.sketch import Sketch, SketchSeries
 from kvdiag.events.schema import EngineStep, RequestArrived, RequestFinished, RequestFirstToken
 
 Metric = Literal["ttft", "per_token", "step"]
@@ -295,51 +296,140 @@ def detect(logs: Logs, baseline: Optional[Logs] = None, threshold: float = DEFAU
     return detect_all(logs, baseline, threshold, metrics, seed)[0]
 
 
+def change_point_series(series: SketchSeries, min_size: int = MIN_SAMPLES) -> Optional[int]:
+    """Pettitt's change point (:func:`change_point`) of a latency series, on its bucket
+    boundaries: the start time (ns) of the first bucket after the split that maximises
+    |U| = |#(before > after) - #(before < after)| over pairs of samples (values in one sketch
+    bin count as ties). None if no boundary leaves ``min_size`` samples on both sides."""
+    starts, _, m = series.matrix()
+    if len(starts) < 2:
+        return None
+    prefix = np.cumsum(m, axis=0)[:-1]  # before each boundary
+    after = m.sum(axis=0)[None, :] - prefix
+    n_before = prefix.sum(axis=1)
+    n = int(m.sum())
+    below = np.cumsum(after, axis=1) - after  # samples after the boundary in lower bins
+    above = after.sum(axis=1)[:, None] - below - after
+    u = np.abs((prefix * below).sum(axis=1) - (prefix * above).sum(axis=1)).astype("float64")
+    ok = (n_before >= min_size) & (n - n_before >= min_size)
+    if not ok.any():
+        return None
+    j = int(np.argmax(np.where(ok, u, -1.0)))
+    return int(starts[j + 1])
+
+
+def middle_split(series: SketchSeries) -> Optional[int]:
+    """The bucket boundary nearest the middle sample (the halves of a series on bucket
+    boundaries): the start time (ns) of the first bucket after it; None with one bucket."""
+    keys = sorted(series.buckets)
+    if len(keys) < 2:
+        return None
+    counts = np.cumsum([series.buckets[k].count for k in keys])[:-1]
+    j = int(np.argmin(np.abs(counts - counts[-1] / 2 - series.buckets[keys[-1]].count / 2)))
+    return int(keys[j + 1] * series.width_ns)
+
+
+def cliffs_delta_sketch(baseline: Sketch, current: Sketch) -> float:
+    """:func:`cliffs_delta` over two sketches' bins (values in one bin count as ties)."""
+    vb, cb = baseline.bins()
+    vc, cc = current.bins()
+    cum = np.r_[0, np.cumsum(cb)]
+    below = cum[np.searchsorted(vb, vc, side="left")]
+    above = cum[-1] - cum[np.searchsorted(vb, vc, side="right")]
+    return float(((cc * below).sum() - (cc * above).sum()) / (baseline.count * current.count))
+
+
+def compare_sketches(baseline: Sketch, current: Sketch, metric: str = "",
+                     threshold: float = DEFAULT_THRESHOLD, conf: float = 0.90, n_boot: int = 4000,
+                     seed: int = 0, q: float = 0.99) -> Optional[Comparison]:
+    """:func:`compare` on sketches: every quantile (the bootstrap's order statistics too) is the
+    sketch's, within :data:`kvdiag.diagnosis.sketch.ALPHA` relative of the exact one."""
+    need = REGRESSION_MIN_SAMPLES[q]
+    if baseline.count < need or current.count < need:
+        return None
+    rng = np.random.default_rng(seed)
+
+    def boot(sk: Sketch) -> np.ndarray:
+        n = sk.count
+        k = _rank(n, q)
+        u = rng.beta(k, n + 1 - k, size=n_boot)
+        return sk.at_ranks(np.clip(np.ceil(u * n).astype(np.int64), 1, n))
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = boot(current) / boot(baseline)
+    alpha = (1 - conf) / 2
+    lo, hi = np.quantile(ratio - 1, [alpha, 1 - alpha])
+    qb = {x: baseline.quantile(x) for x in (*QUANTILES, q)}
+    qc = {x: current.quantile(x) for x in (*QUANTILES, q)}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return Comparison(
+            metric=metric, n_baseline=baseline.count, n_current=current.count,
+            p99_baseline_ns=float(qb[0.99]), p99_current_ns=float(qc[0.99]),
+            change=float(np.float64(qc[q]) / qb[q] - 1), ci_low=float(lo), ci_high=float(hi),
+            threshold=threshold, flagged=bool(lo > threshold),
+            cliffs_delta=cliffs_delta_sketch(baseline, current),
+            p50_change=float(np.float64(qc[0.5]) / qb[0.5] - 1),
+            p95_change=float(np.float64(qc[0.95]) / qb[0.95] - 1),
+            quantile=q, q_baseline_ns=float(qb[q]), q_current_ns=float(qc[q]),
+        )
+
+
 def detect_all(logs: Logs, baseline: Optional[Logs] = None, threshold: float = DEFAULT_THRESHOLD,
                metrics: tuple[Metric, ...] = METRICS, seed: int = 0
                ) -> tuple[list[Comparison], list[Skipped]]:
-    """One comparison per metric: ``logs`` against ``baseline`` when given, otherwise the
-    part of ``logs`` after its change point against the part before (P99, at least
+    """One comparison per metric, over the latency series (:func:`kvdiag.diagnosis.latency_facts.series`:
+    per-time-bucket sketches, the same fold in ``kvdiag top`` and the doctor): ``logs``
+    against ``baseline`` when given, otherwise the buckets after the metric's change point
+    (:func:`change_point_series`, on bucket boundaries) against those before (P99, at least
     ``MIN_P99_SAMPLES`` per side). With too few samples for P99 the comparison falls back to
     the highest quantile the counts allow (:func:`fallback_quantile`) against
-    ``rules.GROSS_SHIFT_THRESHOLD``, between the two halves of the samples (by time) when there
-    is no baseline; a metric with fewer still is returned as :class:`Skipped`. Flagged
+    ``rules.GROSS_SHIFT_THRESHOLD``, between the halves of the series (:func:`middle_split`)
+    when there is no baseline; a metric with fewer still is returned as :class:`Skipped`.
+    Quantiles are the sketches' (within ALPHA = 1% relative of the exact ones). Flagged
     comparisons carry their attributed causes."""
-    req = request_latency(logs)
-    base_req = request_latency(baseline) if baseline is not None else None
+    from kvdiag.diagnosis.latency_facts import series as latency_series
+
+    cur_all = latency_series(logs)
+    base_all = latency_series(baseline) if baseline is not None else None
     p50_need = REGRESSION_MIN_SAMPLES[min(REGRESSION_MIN_SAMPLES)]
     out, skipped = [], []
     for metric in metrics:
-        cur = samples(logs, metric, req)
-        if baseline is not None:
-            base = samples(baseline, metric, base_req)
+        cur = cur_all[metric]
+        if base_all is not None:
+            b, c = base_all[metric].total(), cur.total()
             base_logs, cur_logs = baseline, logs
             bw = baseline.time_range_ns()
             cw = logs.time_range_ns()
-            q = fallback_quantile(min(len(base), len(cur)))
+            q = fallback_quantile(min(b.count, c.count))
             method = "against the baseline"
             if q is None:
-                skipped.append(Skipped(metric, min(len(base), len(cur)), p50_need))
+                skipped.append(Skipped(metric, min(b.count, c.count), p50_need))
                 continue
         else:
-            split = change_point(cur["value_ns"].to_numpy(), MIN_P99_SAMPLES)
+            split_ns = change_point_series(cur, MIN_P99_SAMPLES)
             q, method = 0.99, "after the change point vs before"
-            if split is None:  # too few for P99 on both sides of a change point: halves
-                q, split, method = fallback_quantile(len(cur) // 2), len(cur) // 2, "second half vs first half"
+            if split_ns is not None:
+                b, c = cur.total(end_ns=split_ns), cur.total(start_ns=split_ns)
+            else:  # too few for P99 on both sides of a change point: halves
+                split_ns, method = middle_split(cur), "second half vs first half"
+                n = cur.count
+                if split_ns is None:
+                    q = None
+                else:
+                    b, c = cur.total(end_ns=split_ns), cur.total(start_ns=split_ns)
+                    q = fallback_quantile(min(b.count, c.count))
                 if q is None:
-                    if len(cur):
-                        skipped.append(Skipped(metric, len(cur), 2 * p50_need))
+                    if n:
+                        skipped.append(Skipped(metric, n, 2 * p50_need))
                     continue
-            split_ns = int(cur["ts_ns"].iloc[split])
             t0, t1 = logs.time_range_ns()
             bw, cw = (t0, split_ns), (split_ns, t1 + 1)
-            base, cur = cur.iloc[:split], cur.iloc[split:]
             base_logs = cur_logs = None  # cut only for a flagged comparison's causes
-        cmp = compare(base["value_ns"].to_numpy(), cur["value_ns"].to_numpy(), metric,
-                      threshold=threshold if q == 0.99 else max(threshold, GROSS_SHIFT_THRESHOLD),
-                      seed=seed, q=q)
+        cmp = compare_sketches(b, c, metric,
+                               threshold=threshold if q == 0.99 else max(threshold, GROSS_SHIFT_THRESHOLD),
+                               seed=seed, q=q)
         if cmp is None:
-            skipped.append(Skipped(metric, min(len(base), len(cur)), REGRESSION_MIN_SAMPLES[q]))
+            skipped.append(Skipped(metric, min(b.count, c.count), REGRESSION_MIN_SAMPLES[q]))
             continue
         cmp.baseline_window_ns, cmp.current_window_ns = bw, cw
         cmp.method = method

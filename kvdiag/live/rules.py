@@ -6,14 +6,19 @@ A failing run becomes a finding, never an exception. Pure: no UI library is impo
 
 No raw block event is kept: the block and KV-event streams (98% of a busy GPU engine's
 events) are folded as they pass into the block facts (:mod:`kvdiag.pool.blockfacts`, kept by
-``LiveState`` over its ledger), which the rules read as the doctor reads them from a log; the
-other events (requests, steps, samples: what the rules judge one by one) are kept column by
-column in typed arrays, 4 or 8 bytes a number. Memory grows by about 1 byte per event of a
+``LiveState`` over its ledger), which the rules read as the doctor reads them from a log. The
+latencies ``p99.regression`` compares (engine steps, TTFT, TPOT) are folded into
+per-time-bucket sketches (:mod:`kvdiag.diagnosis.latency_facts`, bounded: a fixed number of buckets), the
+same fold the doctor runs over a log. The other events (requests, steps, samples: what the
+other rules still judge one by one) are kept column by column in typed arrays, 4 or 8 bytes a
+number, without the fields no rule reads (:data:`NOT_JUDGED`): about 1 byte per event of a
 vLLM-shaped stream (``benchmarks/bench_top.py --rss --with-rules``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 import typing
 from array import array
@@ -24,15 +29,20 @@ import msgspec
 import numpy as np
 
 from kvdiag.pool import blockfacts
+from kvdiag.diagnosis import latency_facts as latencyfacts
 from kvdiag.events import schema as s
 from kvdiag.diagnosis import doctor, frames as logs
 from kvdiag.diagnosis.findings import Finding
 
 SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
 """Event types the rules read only through the block facts."""
-NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes"))}
+_TIMED = frozenset(latencyfacts.INPUTS)
+NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes", "conversation_id")),
+              s.EngineStep: frozenset(("step_id", "phase"))}
 """Fields no rule reads, not kept (their columns hold None): a prompt's content (a few KB a
-request) is judged by the shadow, which runs in the agent, not by the rules."""
+request) is judged by the shadow, which runs in the agent, not by the rules; a step's id and
+phase and a request's conversation are shown by top's panels, never judged (kept as Python
+objects they cost ~40-90 bytes a row)."""
 
 
 def _column_kind(tp) -> str:
@@ -184,6 +194,21 @@ class _Table:
         return df
 
 
+def release_freed_memory() -> None:
+    """Give back to the OS the memory a rules run allocated and freed (its frames): pyarrow's
+    pool (pandas' strings) and glibc's heap keep freed pages for reuse otherwise, and a run
+    over a long session's inputs would leave top's RSS at the run's peak (measured: ~+40 MiB
+    at 20 M events, ``benchmarks/bench_top.py --rss --with-rules``). A no-op where neither
+    is present."""
+    pa = sys.modules.get("pyarrow")
+    if pa is not None:
+        pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc only
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class RuleInputs:
     """What one run of the rules reads: the kept events' tables and the block facts' rows
@@ -194,6 +219,7 @@ class RuleInputs:
     facts_batches: dict
     events: int
     kv_health: Optional[object] = None  # the KV-event stream's StreamHealthCounts (kvdiag.pool.kv_stream_health)
+    latency: Optional[dict] = None  # the latency series (kvdiag.diagnosis.latency_facts), by name
 
 
 class LiveRules:
@@ -211,19 +237,24 @@ class LiveRules:
         self._next = clock()  # the first verdict as soon as there are events
         self._seen = 0
         self.events = 0
+        self.latency = latencyfacts.LatencyFacts()  # what the P99 rules compare, as sketches
 
     def record(self, events: list[s.Event]) -> None:
         """Keep the events the rules judge one by one (the caller folds every event, block
         events included, into its ``LiveState`` and so its block facts)."""
         tables = self.tables
+        timed = []  # what the latency fold reads (2% of a vLLM-shaped stream)
         for ev in events:
             t = type(ev)
             if t in SKIPPED:
                 continue
+            if t in _TIMED:
+                timed.append(ev)
             table = tables.get(t)
             if table is None:
                 table = tables[t] = _Table(t)
             table.append(ev)
+        self.latency.record(timed)
         self._seen += len(events)
         self.events += len(events)
 
@@ -236,7 +267,7 @@ class LiveRules:
         self._seen = 0
         rows, batches = facts.copy_rows()
         return RuleInputs({s.event_tag(cls): t.copy() for cls, t in self.tables.items()}, rows, batches,
-                          self.events, facts.health.counts)
+                          self.events, facts.health.counts, self.latency.copy_series())
 
     def run(self, header: Optional[s.LogHeader], inputs: RuleInputs) -> tuple[Finding, ...]:
         """Run every rule over ``inputs``; returns (and keeps) the findings."""
@@ -247,6 +278,7 @@ class LiveRules:
         except Exception as exc:  # a rule that breaks on partial live data must not stop top
             self.findings = (Finding("doctor.error", "n/a", "doctor rules failed on live data",
                                      f"{type(exc).__name__}: {exc}"),)
+        release_freed_memory()
         self.last_run_s = self._clock() - start
         self.period_s = max(self.period_s, self.last_run_s / self.max_share)
         self._next = self._clock() + self.period_s
@@ -260,4 +292,5 @@ class LiveRules:
         frames = {tag: table.frame(node, shared) for tag, table in inputs.tables.items()}
         derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node, health=inputs.kv_health)
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
-        return logs.Logs(headers={node: hdr}, frames=frames, derived=derived)
+        return logs.Logs(headers={node: hdr}, frames=frames, derived=derived,
+                         sketches=dict(inputs.latency or {}))

@@ -258,17 +258,24 @@ def test_p99_rule_on_the_recorded_queued_demo_names_what_it_could_not_compare():
 
 def test_p99_rule_flags_the_ttft_rise_of_a_recorded_48_request_queued_demo():
     """48 queued requests (the issue's case in small: TTFT grows as the queue does): too few
-    for P99, the rule compares TTFT P50 between the halves (by first-token time), fails, and
-    the compared values are the halves' nearest-rank P50s of the raw events."""
+    for P99, the rule compares TTFT P50 between the halves (by first-token time, split at the
+    latency series' bucket boundary nearest the middle request), fails, and the compared values
+    are within the sketches' ALPHA of the nearest-rank P50s of the raw events on either side."""
+    from kvdiag.diagnosis.sketch import ALPHA
+
     path = DATA / "overload_48req_rate30.kvlog.gz"
     raw = sorted(_raw(path).values(), key=lambda r: r["arrived"] + r["ttft"])
-    half = len(raw) // 2
     reg, *_ = doctor.p99(load([path])[0])[0]
     comps = {c["metric"]: c for c in reg.evidence["comparisons"]}
     ttft = comps["ttft"]
     assert reg.status == "fail" and ttft["flagged"] and ttft["quantile"] == 0.5
-    assert ttft["method"] == "second half vs first half" and (ttft["n_baseline"], ttft["n_current"]) == (half, len(raw) - half)
-    assert ttft["q_baseline_ns"] == _q([r["ttft"] for r in raw[:half]], 0.5)
-    assert ttft["q_current_ns"] == _q([r["ttft"] for r in raw[half:]], 0.5)
+    split = ttft["current_window_ns"][0]
+    before = [r["ttft"] for r in raw if r["arrived"] + r["ttft"] < split]
+    after = [r["ttft"] for r in raw if r["arrived"] + r["ttft"] >= split]
+    assert ttft["method"] == "second half vs first half" and (ttft["n_baseline"], ttft["n_current"]) == (
+        len(before), len(after))
+    assert min(len(before), len(after)) >= rules.REGRESSION_MIN_SAMPLES[0.5]
+    assert abs(ttft["q_baseline_ns"] - _q(before, 0.5)) <= ALPHA * _q(before, 0.5)
+    assert abs(ttft["q_current_ns"] - _q(after, 0.5)) <= ALPHA * _q(after, 0.5)
     assert ttft["q_current_ns"] > (1 + rules.GROSS_SHIFT_THRESHOLD) * ttft["q_baseline_ns"]
     assert "ttft P50" in reg.message
