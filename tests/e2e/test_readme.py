@@ -107,6 +107,16 @@ def _doctor_reads(person: Newcomer, log: Path, cwd: Path) -> None:
     assert '"rule"' in proc.stdout and "Traceback" not in proc.stderr
 
 
+def _install_as_the_readme_says(person: Newcomer, checkout: Path) -> None:
+    """The README's CPU install line (its main command up to ``kvdiag demo``) when the newcomer
+    has not run it yet: the vLLM section follows the install, and this test must not lean on
+    another test having run first (``-m vllm`` selects it alone)."""
+    if person.sh("kvdiag --version", checkout).returncode == 0:
+        return
+    command = main_command()
+    person.ok(command[:command.index("kvdiag demo")].rstrip().removesuffix("&&").rstrip(), cwd=checkout)
+
+
 def test_readme_main_command_from_the_checkout_root_and_from_an_empty_folder(newcomer):
     person, checkout, base = newcomer
     command = main_command()
@@ -172,6 +182,7 @@ def test_readme_vllm_commands(newcomer, vllm_python):
     assert len(lines) == 1 and "kvdiag fetch-engine vllm" in lines[0]
     line, count = re.subn(r"--requests \d+", f"--requests {SMALL_REQUESTS}", lines[0])
     assert count == 1 and "kvdiag demo --engine vllm" in line
+    _install_as_the_readme_says(person, checkout)
     person.ok("pip install -q --no-deps .", cwd=checkout)
     person.env["KVDIAG_VLLM_ENV"] = str(vllm_env_dir())
     here = base / "vllm-user"
