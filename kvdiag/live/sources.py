@@ -40,6 +40,15 @@ class SourceError(Exception):
     """A source that cannot be opened; the message says what to do (one line)."""
 
 
+def _drain(queue, limit: Optional[int]) -> list[s.Event]:
+    """Up to ``limit`` events (all when None) taken from the left of a live source's deque,
+    which its reader thread appends to."""
+    out = []
+    while queue and (limit is None or len(out) < limit):
+        out.append(queue.popleft())
+    return out
+
+
 class ReplaySource:
     """Replays a recorded log at ``speed`` × real time. The replay position starts at the first
     event; pausing stops it; ``seek(seconds)`` jumps forward in log time. At the end of the log
@@ -217,11 +226,7 @@ class SocketSource:
                                     message=f"{self.path}: expected an event line: {exc}"))
 
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
-        out = []
-        queue = self._queue
-        while queue and (limit is None or len(out) < limit):
-            out.append(queue.popleft())
-        return out
+        return _drain(self._queue, limit)
 
     def pause(self) -> None:
         self.paused = True
@@ -372,11 +377,7 @@ class OutsideSource:
         return time.time_ns()
 
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
-        out = []
-        queue = self._sink.queue
-        while queue and (limit is None or len(out) < limit):
-            out.append(queue.popleft())
-        return out
+        return _drain(self._sink.queue, limit)
 
     def pause(self) -> None:
         self.paused = True
