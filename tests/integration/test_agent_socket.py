@@ -250,19 +250,38 @@ def test_doctor_pid_says_the_agent_is_not_answering(tmp_path, capsys, monkeypatc
     assert "the agent is not answering" in err and len(err.splitlines()) == 1
 
 
+SILENT_AGENT_PROCESS = """
+import socket, sys
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen(8)
+print("listening", flush=True)
+held = []
+while True:
+    held.append(server.accept()[0])
+"""
+
+
 def test_top_pid_says_the_agent_is_not_answering(tmp_path, capsys, monkeypatch):
+    """A process of its own holds the silent agent socket, so the search finds that socket and
+    no other (this test process may have children with live agents: a server fixture's)."""
     from kvdiag.cli import main
     from kvdiag.live import sources
 
     monkeypatch.setattr(agent_client, "HEADER_TIMEOUT_S", 0.5)
-    silent = SilentAgent(tmp_path / "agent-silent.sock")  # found among this process's sockets
+    path = tmp_path / "agent-silent.sock"
+    proc = subprocess.Popen([sys.executable, "-c", SILENT_AGENT_PROCESS, str(path)],
+                            stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout.readline().strip() == "listening"
+        assert agent_client.find_agent_socket(proc.pid) == path
         start = time.monotonic()
         with pytest.raises(sources.SourceError, match="the agent is not answering"):
-            sources.attach(os.getpid()).close()
+            sources.attach(proc.pid).close()
         assert time.monotonic() - start < 5.0
-        assert main(["top", "--pid", str(os.getpid())]) == 2
+        assert main(["top", "--pid", str(proc.pid)]) == 2
     finally:
-        silent.close()
+        proc.kill()
+        proc.wait()
     err = capsys.readouterr().err.strip()
     assert "the agent is not answering" in err and len(err.splitlines()) == 1
