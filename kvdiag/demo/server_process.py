@@ -1,5 +1,6 @@
 """A server the demo runs as a child process: started with its output in a file, waited for
-with a bound, stopped gracefully then forcibly, and never left behind."""
+with a bound, stopped gracefully then forcibly, and never left behind, nor its own children
+(a vLLM server's engine core) when it exits without stopping them."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ class ServerProcess:
     ready_path = "/v1/models"
     # (signal, seconds to wait for the exit after it), in order; SIGKILL last
     stop_signals: tuple = ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0))
+    orphan_wait_s = 10.0  # SIGTERM to a descendant left behind, then SIGKILL after this
     proc: Optional[subprocess.Popen] = None
+    _descendants: Optional[dict] = None
 
     def start(self, preexec_fn: Optional[Callable[[], None]] = None) -> None:
 
@@ -64,6 +67,7 @@ class ServerProcess:
         server log when the child exits first or the time runs out."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self._note_descendants()
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with code {self.proc.returncode}; "
                                    f"see {self.server_log}:\n{self.tail()}")
@@ -82,14 +86,58 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def stop(self, signals: Optional[tuple] = None) -> int:
-        """Send ``signals`` (default :attr:`stop_signals`) in turn until the child exits; its exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        for sig, wait_s in signals or self.stop_signals:
-            self.proc.send_signal(sig)
+    def _note_descendants(self) -> None:
+        """Remember the child's process tree as it is now, so that :meth:`stop` can end what
+        the child leaves behind (psutil's handles tell a reused PID from the process seen)."""
+        import psutil
+
+        if self._descendants is None:
+            self._descendants = {}
+        try:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                self._descendants.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
+    def _end_descendants(self) -> None:
+        """SIGTERM to each remembered descendant still running, SIGKILL after
+        :attr:`orphan_wait_s` to those that outlive it."""
+        import psutil
+
+        def running(p) -> bool:  # a zombie has exited (init may not reap it in a container)
             try:
-                return self.proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                return False
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in (self._descendants or {}).values() if running(p)]
+            for p in alive:
+                try:
+                    p.send_signal(sig)
+                except psutil.Error:
+                    pass
+            deadline = time.monotonic() + self.orphan_wait_s
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+                alive = [p for p in alive if running(p)]
+            if not alive:
+                break
+        self._descendants = {}
+
+    def stop(self, signals: Optional[tuple] = None) -> int:
+        """Send ``signals`` (default :attr:`stop_signals`) in turn until the child exits, then
+        end the descendants it left running (seen while waiting for it or now); its exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self._note_descendants()
+            for sig, wait_s in signals or self.stop_signals:
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._end_descendants()
         return self.proc.returncode
