@@ -53,7 +53,6 @@ LEFT: dict[str, str] = {
     "commands/demo.py::run": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
     "simulation/policy_replay.py::_replay": TO_SPLIT,
-    "commands/doctor.py::run": TO_SPLIT,
 }
 
 
