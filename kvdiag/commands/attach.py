@@ -14,11 +14,13 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from kvdiag.commands._attach_session import Session, check_pyspy
+from kvdiag.commands._attach_text import format_summary
 
 DESCRIPTION = """\
 Join a running server from outside: its process tree (RSS, threads, CPU time), NVIDIA GPUs
@@ -150,112 +152,36 @@ def _default_out(pid: int) -> Path:
     return log_dir() / f"attach-{pid}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
 
 
-class _Session:
-    """The collectors of one attach, sampled from the main loop: the outside collectors
-    (:class:`kvdiag.collectors.outside.OutsideCollectors`, shared with ``top --pid``) and py-spy."""
-
-    def __init__(self, args, procs, writer) -> None:
-        from kvdiag.collectors.outside import OutsideCollectors, OutsideOptions
-        self.args, self.procs, self.writer = args, procs, writer
-        self.outside = OutsideCollectors(procs, writer, OutsideOptions.from_args(
-            args, kv_events_raw=Path(str(args.out_path) + ".kvevents.jsonl")))
-        self.recorder = None
-        self.pyspy_failed: Optional[str] = None
-
-    def sample(self) -> None:
-        self.outside.sample()  # raises TargetGone
-
-    def pyspy_tick(self, remaining_s: float) -> None:
-        from kvdiag.collectors import pyspy
-        if self.args.no_pyspy or self.pyspy_failed:
-            return
-        if self.recorder is not None and self.recorder.done():
-            self._finish_window(self.recorder.result)
-        if self.recorder is None and remaining_s >= 1.0:
-            window = min(self.args.pyspy_window, remaining_s)
-            try:
-                self.recorder = pyspy.PySpyRecorder(self.args.pid, window, rate_hz=self.args.pyspy_rate,
-                                                    exclude_pids=self.procs.excluded_pids())
-            except (pyspy.PySpyError, OSError) as exc:  # not installed, or not executable
-                self._pyspy_unavailable(str(exc))
-
-    def _finish_window(self, get) -> None:
-        from kvdiag.collectors import pyspy
-        try:
-            raw = get()
-            if raw.stacks:
-                self.writer.record(pyspy.phase_profile(raw))
-        except pyspy.PySpyError as exc:
-            self._pyspy_unavailable(str(exc))
-        self.recorder = None
-
-    def _pyspy_unavailable(self, message: str) -> None:
-        """Phases become N/A for the rest of the session; the reason is recorded once."""
-        from kvdiag.collectors import pyspy
-        from kvdiag.events.schema import CollectorError
-        self.pyspy_failed = message
-        self.writer.record(CollectorError(ts_ns=time.time_ns(), collector=pyspy.NAME, message=message))
-
-    def close(self) -> None:
-        if self.recorder is not None:
-            self._finish_window(self.recorder.stop)
-        self.outside.close()
-
-
-PYSPY_PROBES = 3
-
-
-def _check_pyspy(pid: int, writer) -> Optional[str]:
-    """Record py-spy's status; returns a fatal message (no permission) or None."""
-    from kvdiag.collectors import pyspy
-    from kvdiag.events.schema import CollectorStatus
-    st = pyspy.status()
-    if not st.available:
-        writer.record(st)
-        return None
-    # a non-blocking dump reads the target's memory while it runs and can catch it mid-update
-    # (py-spy then fails to copy an object): only a dump that fails every time, or for want of
-    # permission, makes the phases N/A
-    for attempt in range(PYSPY_PROBES):
-        try:
-            pyspy.dump(pid)
-            break
-        except (pyspy.PySpyError, subprocess.TimeoutExpired) as exc:
-            msg = str(exc)
-            if "may not read" in msg or attempt == PYSPY_PROBES - 1:
-                writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=False,
-                                              hint=msg))
-                return msg if "may not read" in msg else None
-    writer.record(CollectorStatus(ts_ns=time.time_ns(), collector=pyspy.NAME, available=True,
-                                  hint="non-blocking sampling"))
-    return None
-
-
 def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run(args: argparse.Namespace) -> int:
-    import signal
+class _Exit(Exception):
+    """Ends ``attach`` before recording: ``code`` is its exit status (the message was said)."""
 
-    from kvdiag.collectors import procfs
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _fail(code: int, message: str) -> _Exit:
+    _err(message)
+    return _Exit(code)
+
+
+def _target(args: argparse.Namespace):
+    """The process to attach to, checked (``args.pid`` set to it: an engine child of a vLLM
+    server becomes its server), and the recognised server: (pid, vLLM root or None, another
+    recognised engine or None)."""
     from kvdiag.collectors.outside import recognised_server
-    from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
-                                                process_label)
-    from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_header
-    from kvdiag.paths import make_private_dirs
-    from kvdiag.events.schema import CollectorStatus
-    from kvdiag.events.sinks import FanoutSink
 
     pid = parse_pid(args.pid)
     if pid is None:
         shown = args.pid if args.pid.lstrip("-").isdigit() else repr(args.pid)
-        _err(f"PID {shown} is not a process id: expected an integer from 1 to {pid_max()}")
-        return 2
+        raise _fail(2, f"PID {shown} is not a process id: expected an integer from 1 to {pid_max()}")
     args.pid = pid
     if pid == os.getpid():
-        _err(f"PID {pid} is kvdiag itself")
-        return 2
+        raise _fail(2, f"PID {pid} is kvdiag itself")
     served = recognised_server(pid) if not args.socket else None  # vLLM's tree; SGLang, TRT-LLM: pid itself
     root = served.pid if served is not None and served.engine == "vllm" else None
     other = served if served is not None and served.engine != "vllm" else None
@@ -263,35 +189,49 @@ def run(args: argparse.Namespace) -> int:
         _err(f"PID {pid} is part of vLLM server {root}'s process tree: attaching to {root}")
         pid = args.pid = root
     if args.duration <= 0 or args.interval <= 0:
-        _err("expected --duration and --interval > 0")
-        return 2
-    try:
-        procs = procfs.ProcessCollector(pid)
-    except (procfs.TargetGone, procfs.TargetNotAccessible) as exc:
-        _err(str(exc))
-        return 1
+        raise _fail(2, "expected --duration and --interval > 0")
+    return pid, root, other
+
+
+def _out_path(args: argparse.Namespace) -> Path:
+    """The log to write (``--out``, else one under the log folder); it must not exist yet."""
+    from kvdiag.paths import make_private_dirs
+
     out = Path(args.out) if args.out else _default_out(args.pid)
     if out.exists():
-        _err(f"{out}: already exists; choose another --out")
-        return 2
+        raise _fail(2, f"{out}: already exists; choose another --out")
     make_private_dirs(out.parent)
     args.out_path = out
+    return out
 
-    agent = None
+
+def _agent(args: argparse.Namespace, pid: int, served: bool):
+    """The kvdiag agent's stream in the target's tree, connected (None when there is none),
+    and why not; exits when the target serves nothing recognised (``served``: a vLLM, SGLang
+    or TensorRT-LLM server) and nothing was asked for by hand."""
+    from kvdiag.collectors.agent_client import (NO_ENGINE_EXIT, AgentStream, find_agent_socket,
+                                                process_label)
+
     found = find_agent_socket(pid) if not args.socket else None
     socks = [Path(args.socket)] if args.socket else [found] if found else []
-    if not (socks or args.metrics_url or args.any_process or root is not None or other is not None
-            or args.kv_events):
-        _err(f"process {process_label(pid)} serves no recognised engine: no kvdiag agent in its process "
-             f"tree and not a vLLM server (--any-process attaches to it anyway: process tree, NVML, py-spy)")
-        return NO_ENGINE_EXIT
-    agent_problem = "the target runs no kvdiag agent (start it with python -m kvdiag.run)"
+    if not (socks or args.metrics_url or args.any_process or served or args.kv_events):
+        raise _fail(NO_ENGINE_EXIT, f"process {process_label(pid)} serves no recognised engine: no "
+                    "kvdiag agent in its process tree and not a vLLM server (--any-process "
+                    "attaches to it anyway: process tree, NVML, py-spy)")
+    problem = "the target runs no kvdiag agent (start it with python -m kvdiag.run)"
     for path in socks:
         try:
-            agent = AgentStream(path, sink=None)  # sink set once the writer exists
-            break
+            return AgentStream(path, sink=None), problem  # sink set once the writer exists
         except (OSError, ConnectionError) as exc:
-            agent_problem = f"{path}: {exc}"
+            problem = f"{path}: {exc}"
+    return None, problem
+
+
+def _log_header(args: argparse.Namespace, procs, agent):
+    """The attach log's header (the agent's model and KV shape when it has one) and the
+    content hasher its events go through (None: token ids as recorded)."""
+    from kvdiag.events.eventlog import make_header
+
     try:
         cmdline = " ".join(procs.root.cmdline())
     except Exception:
@@ -303,56 +243,130 @@ def run(args: argparse.Namespace) -> int:
                          bytes_per_token=ah.bytes_per_token, node=socket.gethostname(),
                          extra={"target_cmdline": cmdline, "agent_engine": ah.engine,
                                 "agent_socket": str(agent.path) if agent else None})
+    return header, hasher
+
+
+class _Sinks:
+    """Where the session's events go: the log, the Prometheus exporter with ``--prometheus``,
+    through the content hasher when there is one (``writer`` records into all)."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, header, hasher) -> None:
+        from kvdiag.events.eventlog import LogWriter
+        from kvdiag.events.sinks import FanoutSink
+
+        self.exporter = None
+        if args.prometheus is not None:
+            from kvdiag.prometheus.exporter import serve
+            try:
+                self.exporter = serve(args.prometheus, header)
+            except (ValueError, OSError) as exc:
+                raise _fail(2, f"--prometheus {args.prometheus}: {exc}") from None
+            _err(f"serving kvdiag metrics on http://{self.exporter.host}:{self.exporter.port}/metrics")
+        self.log = LogWriter(out, header, interval_s=0.5)
+        writer = FanoutSink([self.log, self.exporter.sink]) if self.exporter else self.log
+        if hasher is not None:  # every event, the agent's and the KV events' alike
+            from kvdiag.pool.hashing import HashingSink
+            writer = HashingSink(writer, hasher)
+        self.writer = writer
+
+    def close(self) -> None:
+        self.log.close()
+        if self.exporter is not None:
+            self.exporter.close()
+
+
+def _start(args: argparse.Namespace, pid: int, procs, agent, agent_problem: str, writer) -> "Session":
+    """Record what is known at the start (the agent, kvdiag's own processes in the target's
+    tree, py-spy's status), start the agent's stream and open the collectors' session."""
+    from kvdiag.events.schema import CollectorStatus
+
+    writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="agent", available=agent is not None,
+                                  hint=str(agent.path) if agent else agent_problem))
+    if agent is not None:
+        agent.sink = writer
+        agent.start()
+    if procs.lineage:
+        writer.record(CollectorStatus(
+            ts_ns=time.time_ns(), collector="procfs", available=True,
+            hint=f"PID {pid} is an ancestor of kvdiag: kvdiag's own processes "
+                 f"({', '.join(map(str, procs.lineage))} and below) are left out of its tree"))
+    fatal = None if args.no_pyspy else check_pyspy(args.pid, writer)
+    if fatal:
+        raise _fail(1, fatal)
+    return Session(args, procs, writer)
+
+
+def _sample_until_done(args: argparse.Namespace, session: "Session", out: Path) -> int:
+    """Sample every ``--interval`` for ``--duration`` seconds, or until Ctrl-C or SIGTERM
+    (which end the session as its end would); 3 when the target exited meanwhile, else 0."""
+    import signal
+
+    from kvdiag.collectors import procfs
+
+    # SIGTERM (a supervisor, a script that started attach in the background, where SIGINT
+    # is ignored) ends the session as Ctrl-C does: summary printed, log kept
+    signal.signal(signal.SIGTERM, _interrupted)
+    deadline = time.monotonic() + args.duration
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            session.pyspy_tick(deadline - now)
+            session.sample()
+            time.sleep(max(0.0, min(args.interval, deadline - time.monotonic())))
+    except procfs.TargetGone as exc:
+        _err(f"{exc} while attached; the log recorded so far is kept in {out}")
+        return 3
+    except KeyboardInterrupt:
+        _err("interrupted; summarising what was recorded")
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, out: Path, session: Optional["Session"], code: int) -> None:
+    """The summary of the recorded log (:func:`kvdiag.diagnosis.attach_summary.summarize`)."""
+    from kvdiag.diagnosis.attach_summary import summarize
+    from kvdiag.events.eventlog import iter_events, read_header
+
+    summary = summarize(iter_events(out), read_header(out), grace_s=args.grace)
+    summary["log"] = str(out)
+    if session is not None and session.pyspy_failed and code != 3:
+        summary["pyspy_error"] = session.pyspy_failed
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print(format_summary(summary))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Attach: check the target, connect to what it offers, record until the end, summarise.
+    Whatever happens while recording, the collectors stop and the log is closed and kept."""
+    try:
+        return _attach(args)
+    except _Exit as stop:
+        return stop.code
+
+
+def _attach(args: argparse.Namespace) -> int:
+    import signal
+
+    from kvdiag.collectors import procfs
+
+    pid, root, other = _target(args)
+    try:
+        procs = procfs.ProcessCollector(pid)
+    except (procfs.TargetGone, procfs.TargetNotAccessible) as exc:
+        raise _fail(1, str(exc)) from None
+    out = _out_path(args)
+    agent, agent_problem = _agent(args, pid, served=root is not None or other is not None)
+    header, hasher = _log_header(args, procs, agent)
     code = 0
     previous_sigterm = signal.getsignal(signal.SIGTERM)
-    exporter = None
-    if args.prometheus is not None:
-        from kvdiag.prometheus.exporter import serve
-        try:
-            exporter = serve(args.prometheus, header)
-        except (ValueError, OSError) as exc:
-            _err(f"--prometheus {args.prometheus}: {exc}")
-            return 2
-        _err(f"serving kvdiag metrics on http://{exporter.host}:{exporter.port}/metrics")
-    log_writer = LogWriter(out, header, interval_s=0.5)
-    writer = FanoutSink([log_writer, exporter.sink]) if exporter else log_writer
-    if hasher is not None:  # every event, the agent's and the KV events' alike
-        from kvdiag.pool.hashing import HashingSink
-        writer = HashingSink(writer, hasher)
+    sinks = _Sinks(args, out, header, hasher)
     session = None
     try:
-        writer.record(CollectorStatus(ts_ns=time.time_ns(), collector="agent", available=agent is not None,
-                                      hint=str(agent.path) if agent else agent_problem))
-        if agent is not None:
-            agent.sink = writer
-            agent.start()
-        if procs.lineage:
-            writer.record(CollectorStatus(
-                ts_ns=time.time_ns(), collector="procfs", available=True,
-                hint=f"PID {pid} is an ancestor of kvdiag: kvdiag's own processes "
-                     f"({', '.join(map(str, procs.lineage))} and below) are left out of its tree"))
-        fatal = None if args.no_pyspy else _check_pyspy(args.pid, writer)
-        if fatal:
-            _err(fatal)
-            return 1
-        session = _Session(args, procs, writer)
-        # SIGTERM (a supervisor, a script that started attach in the background, where SIGINT
-        # is ignored) ends the session as Ctrl-C does: summary printed, log kept
-        signal.signal(signal.SIGTERM, _interrupted)
-        deadline = time.monotonic() + args.duration
-        try:
-            while True:
-                now = time.monotonic()
-                if now >= deadline:
-                    break
-                session.pyspy_tick(deadline - now)
-                session.sample()
-                time.sleep(max(0.0, min(args.interval, deadline - time.monotonic())))
-        except procfs.TargetGone as exc:
-            _err(f"{exc} while attached; the log recorded so far is kept in {out}")
-            code = 3
-        except KeyboardInterrupt:
-            _err("interrupted; summarising what was recorded")
+        session = _start(args, pid, procs, agent, agent_problem, sinks.writer)
+        code = _sample_until_done(args, session, out)
     finally:
         if previous_sigterm is not None:  # None: set from C, not restorable
             signal.signal(signal.SIGTERM, previous_sigterm)
@@ -363,96 +377,6 @@ def run(args: argparse.Namespace) -> int:
                 _err(f"py-spy did not stop cleanly: {exc}")
         if agent is not None:
             agent.close(drain_s=0.5 if code == 0 else 0.0)
-        log_writer.close()
-        if exporter is not None:
-            exporter.close()
-
-    from kvdiag.diagnosis.attach_summary import summarize
-    summary = summarize(iter_events(out), read_header(out), grace_s=args.grace)
-    summary["log"] = str(out)
-    if session is not None and session.pyspy_failed and code != 3:
-        summary["pyspy_error"] = session.pyspy_failed
-    if args.json:
-        print(json.dumps(summary, indent=2, default=str))
-    else:
-        print(format_summary(summary))
+        sinks.close()
+    _print_summary(args, out, session, code)
     return code
-
-
-def _mib(x) -> str:
-    return "N/A" if x is None else f"{x / 2**20:,.1f} MiB"
-
-
-def _pct(x) -> str:
-    return "N/A" if x is None else f"{x:.1%}"
-
-
-def _latency_lines(lat) -> list[str]:
-    """The latency block of the summary (kvdiag.diagnosis.user_latency's figures)."""
-    if not lat:
-        return []
-    from kvdiag.diagnosis.user_latency import LABELS, METRICS, fmt_s
-    o = lat["overall"]
-    out = [f"latency of finished requests ({o['requests_finished']}; P50 / P99)"]
-    for m in METRICS:
-        st = o["stats"][m]
-        out.append(f"  {LABELS[m]:<18} " + (f"{fmt_s(st['p50_s'])} / {fmt_s(st['p99_s'])} (n {st['count']})"
-                                           if st["p50_s"] is not None else st["reason"]))
-    rate = lambda x: "N/A" if x is None else f"{x:.2f}/s"  # noqa: E731
-    out += [f"  arrivals           {rate(o['arrival_rate_per_s'])}, completions {rate(o['completion_rate_per_s'])}", ""]
-    return out
-
-
-def _sharing_lines(sh: dict) -> list[str]:
-    """Shadow vs engine over the same requests, with the window they cover."""
-    if sh.get("requests") is None:
-        return []
-    start = sh.get("window_start_ns")
-    since = (f"since join at {time.strftime('%H:%M:%S', time.localtime(start / 1e9))}" if start
-             else "since the shadow started")
-    return [f"  prefix sharing     {since}, {sh['requests']} requests: engine {_pct(sh.get('engine_hit_rate'))},"
-            f" shadow {_pct(sh.get('shadow_hit_rate'))}"
-            + (f" (gap {sh['gap'] * 100:+.1f} pts)" if sh.get("gap") is not None else "")]
-
-
-def format_summary(s: dict) -> str:
-    """The human-readable summary (what --json prints as data)."""
-    m, kv, hr, ph = s["memory"], s["kv"], s["hit_rate"], s["phases"]
-    lines = [f"kvdiag attach: PID {s['target_pid']}, {s['window']['duration_s']:.1f} s, "
-             f"{s['events']} events -> {s['log']}", "",
-             *_latency_lines(s.get("latency")),
-             "memory by source",
-             f"  process tree RSS   {_mib(m.get('process_rss_bytes'))} (peak {_mib(m.get('process_rss_peak_bytes'))},"
-             f" {m.get('processes', 'N/A')} processes)",
-             f"  GPU (NVML)         {_mib(m.get('gpu_process_bytes'))} of target, {_mib(m.get('gpu_used_bytes'))} device",
-             f"  CUDA allocator     {_mib(m.get('allocator_reserved_bytes'))} reserved,"
-             f" {_mib(m.get('allocator_allocated_bytes'))} allocated",
-             f"  KV pool            {_mib(m.get('kv_used_bytes'))} used, {_mib(m.get('kv_cached_bytes'))} cached,"
-             f" {_mib(m.get('kv_pool_bytes'))} total", "",
-             "KV pool"]
-    if "num_blocks" in kv:
-        lines += [f"  blocks             {kv['blocks_used']} used, {kv['blocks_cached']} cached, {kv['blocks_free']} free"
-                  f" of {kv['num_blocks']} (block {kv['block_size_tokens']} tokens)",
-                  f"  occupancy          blocks {_pct(kv.get('block_occupancy'))}, tokens {_pct(kv.get('token_occupancy'))}"
-                  f" (mean {_pct(kv.get('mean_block_occupancy'))} / {_pct(kv.get('mean_token_occupancy'))})"]
-    else:
-        lines.append("  N/A (no kvdiag agent events)")
-    lines += [f"  block events       {kv['blocks_allocated']} allocated, {kv['blocks_released']} released,"
-              f" {kv['blocks_evicted']} evicted, {kv['prefix_hits']} prefix hits",
-              f"  requests finished  {kv['requests_finished']} ({kv['prompt_tokens']} prompt tokens,"
-              f" {kv['output_tokens']} generated)",
-              f"  prefix hit rate    {_pct(hr.get('token_hit_rate'))} of prompt tokens"
-              + (f"; engine counters {_pct(hr.get('engine_hit_rate'))}" if "engine_hit_rate" in hr else ""),
-              *_sharing_lines(s.get("sharing") or {}),
-              f"  fragmentation      {_pct(s['fragmentation']['kv_empty_slot_share'])} empty slots in used blocks;"
-              f" allocator {_pct(s['fragmentation']['allocator'])}", "",
-              f"phases (py-spy, {ph['samples']} samples)"]
-    if ph["shares"]:
-        lines += [f"  {p:<18} {v:6.1%}" for p, v in ph["shares"].items()]
-        lines += ["  hottest: " + "; ".join(f"{fn} {v:.1%}" for fn, v in ph["top_functions"][:3])]
-    else:
-        lines.append("  N/A" + (f" ({s['pyspy_error']})" if s.get("pyspy_error") else ""))
-    lines += ["", "collectors"] + [f"  {c['collector']:<18} {'ok' if c['available'] else 'N/A'}  {c['hint']}"
-                                   for c in s["collectors"]]
-    lines += ["", "findings"] + [f"  [{f['status']:>4}] {f['rule']}: {f['message']}" for f in s["findings"]]
-    return "\n".join(lines)

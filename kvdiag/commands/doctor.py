@@ -158,17 +158,8 @@ def run(args: argparse.Namespace) -> int:
     status = worst(findings)
     try:
         if args.json:
-            out = {} if lat is None else {"latency": lat.to_dict()}  # first, as in the text output
-            out.update({"status": status, "logs": paths, "findings": [f.to_dict() for f in findings],
-                        "skipped_lines": skipped_lines(problems)})
-            if args.logs:
-                out["p99_checklist"] = _checklist(findings)
-            if snapshot:
-                out["snapshot"] = snapshot[0]
-            if misses:
-                out["miss_causes"] = {node: m.to_dict() for node, m in misses.items()}
-            if fleet is not None:  # Parquet datasets: their nodes, worst first
-                out["fleet"] = fleet.to_dict(orient="records")
+            out = _json_object(status, paths, findings, problems, lat, bool(args.logs), snapshot,
+                               misses, fleet)
             print(json.dumps(_clean(out), indent=1))
         else:
             _print(findings, with_checklist=bool(args.logs), latency=lat)
@@ -177,6 +168,25 @@ def run(args: argparse.Namespace) -> int:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as Python's docs advise
     return 1 if status == "fail" else 0
+
+
+def _json_object(status, paths, findings, problems, lat, checklist: bool, snapshot, misses,
+                 fleet) -> dict:
+    """``doctor --json``: the latency summary first (as in the text output), the verdict, the
+    findings, the lines skipped, the P99 checklist (over logs), the snapshot's figures, the
+    miss causes per node and, for Parquet datasets, the fleet's nodes worst first."""
+    out = {} if lat is None else {"latency": lat.to_dict()}
+    out.update({"status": status, "logs": paths, "findings": [f.to_dict() for f in findings],
+                "skipped_lines": skipped_lines(problems)})
+    if checklist:
+        out["p99_checklist"] = _checklist(findings)
+    if snapshot:
+        out["snapshot"] = snapshot[0]
+    if misses:
+        out["miss_causes"] = {node: m.to_dict() for node, m in misses.items()}
+    if fleet is not None:
+        out["fleet"] = fleet.to_dict(orient="records")
+    return out
 
 
 def _checklist(findings) -> list[dict]:

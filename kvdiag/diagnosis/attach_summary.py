@@ -21,7 +21,7 @@ from kvdiag.diagnosis import fragmentation, leaks, user_latency
 from kvdiag.diagnosis.findings import Finding
 from kvdiag.diagnosis.frames import merge
 from kvdiag.events.eventlog import events_to_frames
-from kvdiag.pool.hit_rate import frame_hit_rate
+from kvdiag.pool.hit_rate import engine_token_hit_rate, frame_hit_rate
 from kvdiag.events.schema import SCHEMA_VERSION, Event, LogHeader
 
 
@@ -117,7 +117,9 @@ def _hit_rate(frames: dict) -> dict:
     if len(em) >= 2:
         dq = em["prefix_cache_queries_tokens"].iloc[-1] - em["prefix_cache_queries_tokens"].iloc[0]
         dh = em["prefix_cache_hits_tokens"].iloc[-1] - em["prefix_cache_hits_tokens"].iloc[0]
-        out["engine_hit_rate"] = _num(dh / dq) if dq and dq == dq else None
+        rate = engine_token_hit_rate(0, 0, metrics_queries_tokens=dq if dq == dq else None,
+                                     metrics_hits_tokens=dh)
+        out["engine_hit_rate"] = None if rate is None else _num(rate)
     return out
 
 

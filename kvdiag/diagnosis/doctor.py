@@ -32,6 +32,7 @@ import pandas as pd
 from kvdiag.diagnosis import fragmentation as _fragmentation
 from kvdiag.diagnosis import bandwidth, block_facts, engine_numbers, latency, user_latency
 from kvdiag.pool import pressure
+from kvdiag.pool.hit_rate import counted, frame_hit_rate
 from kvdiag.diagnosis import leaks as _leaks
 from kvdiag.diagnosis import rules
 from kvdiag.diagnosis.findings import Finding
@@ -288,8 +289,9 @@ def _over_log(logs: Logs, item: str) -> str:
     if fin.empty:
         return "no finished requests"
     if item == "prefix_hit_rate":
-        return (f"token hit rate {fin['cached_prompt_tokens'].sum() / max(fin['prompt_tokens'].sum(), 1):.1%} "
-                f"over {len(fin)} requests")
+        rate, n = frame_hit_rate(fin), len(counted(fin))
+        return ("token hit rate N/A (no request finished normally)" if rate is None else
+                f"token hit rate {rate:.1%} over {n} requests that finished normally")
     p = fin["prompt_tokens"].to_numpy(dtype="float64")
     return f"prompts P50 {np.median(p):.0f}, P90 {np.quantile(p, 0.9):.0f}, longest {p.max():.0f} tokens"
 

@@ -77,15 +77,14 @@ import numpy as np
 from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.loaders import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
-from kvdiag.events.schema import (BlockStored, Event, KVPoolInfo, RequestArrived, RequestFinished,
-                           RequestPreempted)
+from kvdiag.events.schema import (MASK63, BlockStored, Event, KVPoolInfo, RequestArrived,
+                                  RequestFinished, RequestPreempted)
 
 CAUSES = ("cold", "evicted", "hash_domain", "below_block", "preemption", "engine_skip", "unknown")
 """Every cause, in the order tables list them."""
 COLD, EVICTED, HASH_DOMAIN, BELOW_BLOCK, PREEMPTION, ENGINE_SKIP, UNKNOWN = range(len(CAUSES))
 HELD = -1  # a block the shadow served at arrival
 
-MASK63 = (1 << 63) - 1
 REUSE_BINS = 48  # log2 bins: [k] holds values 2^(k-1) .. 2^k - 1 ([0]: 0)
 _MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
 _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
@@ -384,7 +383,7 @@ class MissCauseFold:
     def _arrived(self, ev: RequestArrived) -> None:
         if len(self._live) >= _MAX_LIVE:
             self._live.pop(next(iter(self._live)))
-        content = _content(ev)
+        content = Content.of_arrival(ev)
         keys = None if content is None else self._keys(content)
         if keys is None:
             return  # its misses are unknown
@@ -480,15 +479,6 @@ class MissCauseFold:
             return
         mask = _domain_mask(live.domain)
         self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
-
-
-def _content(event: RequestArrived) -> Optional[Content]:
-    """A request's prompt as recorded: token ids, else chunk hashes, else None."""
-    if event.token_ids is not None:
-        return Content(len(event.token_ids), token_ids=list(event.token_ids))
-    if event.chunk_hashes is not None:
-        return Content(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
-    return None
 
 
 # ---------------------------------------------------------------- offline: windows

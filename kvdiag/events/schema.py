@@ -1,5 +1,7 @@
 """The one event schema of kvdiag, shared by live streams and recorded logs.
 
+Long: the schema is one file by design, so that what a log may hold is read in one place.
+
 Every observation is a tagged ``msgspec.Struct``; the tag (``type``) names it in JSON. Rules
 that keep a log recorded today loadable next year:
 

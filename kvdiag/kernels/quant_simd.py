@@ -19,6 +19,9 @@ fast-math flag is set on any instruction), so codes, scales and zeros are bit-id
 The format (``kind``: 8, 4, 2 integer bits, or -3, -2 for fp8 e4m3, e5m2), the group size and
 the head_dim are compile-time constants: the loops are built per combination
 (:func:`token_kernels`, :func:`channel_kernels`) and hand them to the blocks as literals.
+
+Long: the vector blocks, the intrinsics that emit them and the loops built per format share
+one set of code-generation helpers and constants, and are checked bit for bit as one unit.
 """
 
 from __future__ import annotations
@@ -541,7 +544,9 @@ def channel_decode(typingctx, payload, pb, scale, zero, si, out, b, kind, group,
 @functools.cache
 def token_kernels(kind: int, group: int):
     """(round_trip, encode, decode) for format ``kind`` (:func:`_format`) in groups of ``group``
-    values per token."""
+    values per token.
+    Long: the three kernels are closures over one format's constants, compiled together, so they
+    are defined in the one function that binds them."""
     per_byte = _per_byte(kind)
     block = LANES * group
 

@@ -99,6 +99,8 @@ def _quant_kernel(x_ptr, out_ptr, scale_ptr, zero_ptr, H, T, sB, sH, sT, sD,
                   BITS: tl.constexpr, CHANNEL: tl.constexpr, FP8: tl.constexpr,
                   FMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
                   SUB_UP: tl.constexpr, SUB_DN: tl.constexpr):
+    """One tile of rows quantized in registers (:func:`quantize`'s formats). Long: a Triton
+    kernel is one program; its steps stay in registers only within it."""
     row0, t, ok, base = _stream_tile(H, T, sB, sH, sT, ROWS)
     DP: tl.constexpr = D // PPB
     QMAX: tl.constexpr = (1 << BITS) - 1

@@ -30,7 +30,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from kvdiag.events.schema import MASK63, BlockHash
+from kvdiag.events.schema import MASK63, BlockHash, RequestArrived
 
 ALGORITHMS = ("fast", "blake2b", "sha256")
 
@@ -203,6 +203,16 @@ class Content:
         if self.token_ids is not None:
             return chunk_hashes(self.token_ids, block_size_tokens, algorithm=algorithm)
         return keys_from_chunks(self.chunk_keys, block_size_tokens)
+
+    @classmethod
+    def of_arrival(cls, event: RequestArrived) -> Optional["Content"]:
+        """A request's prompt as its ``RequestArrived`` recorded it: token ids, else chunk
+        hashes (a log in hashes mode), else None (no content recorded)."""
+        if event.token_ids is not None:
+            return cls(len(event.token_ids), token_ids=list(event.token_ids))
+        if event.chunk_hashes is not None:
+            return cls(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
+        return None
 
 
 def full_sequence_chunks(prompt_keys: Sequence[int], prompt_tokens: int,

@@ -49,6 +49,9 @@ def _heap_remove(x, n, heap, hpos, hkey):
 
 @njit(cache=True)
 def run_prefix_lru(capacity, ids, offsets, num_blocks, hits_out, age_hist):
+    """The ``prefix-lru`` plug-in's replay (module docstring). Long: one compiled hot loop whose
+    steps share local state (list ends, counters, heaps) that helper calls would pass back and
+    forth at every block."""
     n = max(num_blocks, 1)
     cached = np.zeros(n, np.uint8)
     last_used = np.zeros(n, np.int64)
@@ -119,6 +122,9 @@ def run_prefix_lru(capacity, ids, offsets, num_blocks, hits_out, age_hist):
 @njit(cache=True)
 def run_lecar(capacity, ids, offsets, num_blocks, draws, learning_rate, discount, hits_out, age_hist,
               weights):
+    """The ``lecar`` plug-in's replay (module docstring). Long: one compiled hot loop whose
+    steps share local state (list ends, counters, heaps) that helper calls would pass back and
+    forth at every block."""
     n = max(num_blocks, 1)
     total_refs = len(ids)
     cached = np.zeros(n, np.uint8)

@@ -255,6 +255,8 @@ def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref,
     unbounded, ``capacity == 0``: nothing is ever cached). ``next_ref[i]`` (OPT only) is the
     position of the next reference to ``ids[i]``'s block, ``>= total_refs`` if none.
     ``r_base + r`` is the request's index in the whole stream (for idle ages).
+    Long: one compiled hot loop whose steps share local state (list ends, counters, heaps) that
+    helper calls would pass back and forth at every block.
     """
     for rl in range(r_begin, r_end):
         r = rl + r_base
@@ -326,7 +328,9 @@ def run_requests(policy, capacity, small_cap, ghost_cap, ids, offsets, next_ref,
 def run_lru_fifo(is_lru, capacity, ids, offsets, r_begin, r_end, r_base, where, prev, nxt,
                  heads, tails, sizes, last_req, counters, age_hist, hits_out):
     """:func:`run_requests` for LRU and FIFO, with the list ends in local variables: the same
-    semantics and state, about 20x faster (the hot loop of the article's policy)."""
+    semantics and state, about 20x faster (the hot loop of the article's policy).
+    Long: one compiled hot loop whose steps share local state (list ends, counters, heaps) that
+    helper calls would pass back and forth at every block."""
     head = heads[L_MAIN]
     tail = tails[L_MAIN]
     size = sizes[L_MAIN]
@@ -614,8 +618,9 @@ def run_tiers(num_tiers, caps, write_through, ids, offsets, block_tokens, counte
     = those served by tier ``t`` (the highest tier holding the block); rows with
     ``counted[r] == 0`` only move blocks. A block that enters a full tier evicts its least
     recent block, demoted to the tier below unless that tier holds it already, and so on down;
-    the last tier's victim is dropped. Its ~80 lines are one loop over a request's blocks:
-    split, the tier-0 locals would have to travel through every call."""
+    the last tier's victim is dropped.
+    Long: its ~80 lines are one loop over a request's blocks: split, the tier-0 locals would
+    have to travel through every call."""
     T = num_tiers
     c0 = _cap(caps, 0)
     p0 = prev[0]

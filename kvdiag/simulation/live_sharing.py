@@ -59,15 +59,6 @@ from kvdiag.events.sinks import NullSink, Sink
 _MAX_BEFORE_POOL = 1024
 
 
-def _content(event: RequestArrived) -> Optional[Content]:
-    """A request's prompt as recorded: token ids, else chunk hashes, else None."""
-    if event.token_ids is not None:
-        return Content(len(event.token_ids), token_ids=list(event.token_ids))
-    if event.chunk_hashes is not None:
-        return Content(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
-    return None
-
-
 def headline_config(keys: Iterable[tuple], block_size_tokens: Optional[int],
                     num_blocks: Optional[int]) -> tuple:
     """Of the shadow configurations ``keys`` (policy, block size, capacity or None), the one
@@ -210,7 +201,7 @@ class ShadowSharingSink:
     def _record(self, event: Event) -> None:
         try:
             added = False
-            prompt = _content(event) if isinstance(event, RequestArrived) else None
+            prompt = Content.of_arrival(event) if isinstance(event, RequestArrived) else None
             if prompt is not None:
                 hits = self._arrived(prompt)
                 self._remember_before_pool(True, prompt, event.request_id)

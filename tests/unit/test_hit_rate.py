@@ -25,3 +25,18 @@ def test_metric_counters_stand_in_without_requests():
     assert engine_token_hit_rate(0, 0, metrics_queries_tokens=200, metrics_hits_tokens=50) == 0.25
     assert engine_token_hit_rate(0, 0) is None
     assert engine_token_hit_rate(80, 40, metrics_queries_tokens=200, metrics_hits_tokens=50) == 0.5
+
+
+def test_doctor_describes_the_same_rate_as_every_view():
+    """The P99 checklist's 'over the log' line counts the requests the one definition counts
+    (an aborted request's tokens left out): 40 of 100 prompt tokens, not 90 of 150."""
+    from kvdiag.diagnosis.doctor import _over_log
+    from kvdiag.diagnosis.frames import Logs
+
+    fin = pd.DataFrame({"ts_ns": [1, 2], "node": ["", ""], "prompt_tokens": [100, 50],
+                        "cached_prompt_tokens": [40, 50], "status": ["finished", "aborted"]})
+    line = _over_log(Logs(headers={}, frames={"request_finished": fin}), "prefix_hit_rate")
+    assert line == "token hit rate 40.0% over 1 requests that finished normally"
+    fin["status"] = "aborted"
+    line = _over_log(Logs(headers={}, frames={"request_finished": fin}), "prefix_hit_rate")
+    assert line == "token hit rate N/A (no request finished normally)"
