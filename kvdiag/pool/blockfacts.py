@@ -3,8 +3,9 @@ that no raw block event is kept: ``kvdiag top`` judges a day-long stream in flat
 the doctor computes the same figures by the same fold over a recorded log.
 
 :class:`BlockFacts` reads a :class:`kvdiag.pool.blockledger.BlockLedger` (the one owner of block
-state; the caller applies each event to it first) and writes one row per ``EngineStep`` and
-per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
+state, which folds every block event, arrival and finish; the caller applies each event to it
+first, and the ledger calls back before the first such event after a pending row) and writes
+one row per ``EngineStep`` and per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
 
 - ``blocks_held``: the ledger's ``holdings`` after every block event with ``ts_ns`` at or
   before the row's (for a step, the start of its forward pass). A live stream delivers a step
@@ -61,7 +62,10 @@ KV_EVENTS = (s.PrefixCacheStored, s.PrefixCacheRemoved, s.PrefixCacheCleared)
 
 class BlockFacts:
     """Folds the stream into the rows of the module docstring; ``ledger`` is read, never
-    written (the caller applies every event to it before calling the matching method)."""
+    written (the caller applies every event to it before calling the matching method); it
+    keeps the holdings ring and the open requests' counts these rows read (the ledger's
+    ``track_holdings``, ``open_allocated``, ``open_hits``, ``evictions``). ``keep_rows=False``:
+    no row is kept (a state no rule reads), :meth:`step` still returns a step's holdings."""
 
     def __init__(self, ledger: BlockLedger, ring_block_events: int = RING_BLOCK_EVENTS,
                  keep_rows: bool = True) -> None:
