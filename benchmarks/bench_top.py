@@ -26,7 +26,14 @@
    LiveRules (the non-block events in typed arrays, block events folded into the block
    facts), run once at each mark.
 
+5. ``--compare REF``: the fold timings of 3. (and top's fold on the content stream of
+   ``--curve``, with and without the rules) for this checkout and for git revision REF (its
+   ``kvdiag`` extracted with ``git archive`` into a temp folder), each round in a fresh process
+   per tree (benchmarks/fold_worker.py), trees alternating; per-event microseconds and ratios
+   to msgspec's decode of the same stream, medians of the rounds, with the load.
+
 Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
+       python benchmarks/bench_top.py --compare main [--events 1000000] [--rounds 5]
        python benchmarks/bench_top.py --fold [--events 1000000] [--rss 20000000]
        python benchmarks/bench_top.py --curve [--events 1000000]
 """
@@ -313,6 +320,55 @@ def curve_rate(n_events: int, rounds: int = 5) -> None:
     print(f"  uptime after: {uptime}")
 
 
+def compare(ref: str, n_events: int, rounds: int) -> None:
+    """Rounds of benchmarks/fold_worker.py on this checkout and on ``ref``, alternating."""
+    import json
+    import statistics
+
+    import msgspec
+
+    import vllm_stream
+
+    root = Path(__file__).resolve().parents[1]
+    worker = Path(__file__).resolve().parent / "fold_worker.py"
+    with tempfile.TemporaryDirectory() as d:
+        old = Path(d) / "ref"
+        old.mkdir()
+        archive = subprocess.run(["git", "-C", str(root), "archive", ref, "kvdiag"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        plain, content = Path(d) / "plain.jsonl", Path(d) / "content.jsonl"
+        for path, kw in ((plain, {}), (content, {"content": True})):
+            with open(path, "wb") as f:
+                for ev in vllm_stream.events(n_events, **kw):
+                    f.write(msgspec.json.encode(ev) + b"\n")
+        trees = {"this checkout": root, ref: old}
+        results: dict[str, list[dict]] = {k: [] for k in trees}
+        print(f"compare: {n_events:,} vLLM-shaped events, {rounds} rounds, a fresh process per tree and round; "
+              f"load before {load()}")
+        for r in range(rounds):
+            for name in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+                env = dict(os.environ, PYTHONPATH=str(trees[name]))
+                proc = subprocess.run([sys.executable, str(worker), str(plain), str(content)], env=env,
+                                      capture_output=True, text=True, cwd=d)
+                if proc.returncode:
+                    raise SystemExit(f"{name}: fold_worker failed:\n{proc.stderr}")
+                results[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        for name, runs in results.items():
+            print(f"  {name}: kvdiag from {runs[0]['kvdiag'].replace(str(root), '.').replace(d, '<tmp>')}")
+        scale = "msgspec JSON decode (for scale)"
+        names = [k for k in results[ref][0] if k != "kvdiag"]
+        med = {t: {k: statistics.median(r[k] for r in results[t]) for k in names} for t in trees}
+        ratio = {t: {k: statistics.median(r[k] / r[scale] for r in results[t]) for k in names} for t in trees}
+        print(f"  {'us/event (x msgspec decode)':<42} {'this checkout':>22} {ref:>22} {'speed-up':>9} "
+              f"{'M events/s':>11}")
+        for k in names:
+            new, was = med["this checkout"][k], med[ref][k]
+            print(f"  {k:<42} {new:7.3f} us (x{ratio['this checkout'][k]:5.2f}) "
+                  f"{was:7.3f} us (x{ratio[ref][k]:5.2f}) {was / new:8.2f}x {1 / new:10.2f}")
+        print(f"  load after {load()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)
@@ -323,7 +379,12 @@ def main() -> None:
     ap.add_argument("--rss", type=int, default=0, metavar="N", help="only RSS at 1 M and N events (4.)")
     ap.add_argument("--curve", action="store_true", help="only top's fold with and without the capacity curve")
     ap.add_argument("--with-rules", action="store_true", help="--rss: also top's LiveRules event window")
+    ap.add_argument("--compare", metavar="REF", help="the fold timings of this checkout and of git revision REF")
+    ap.add_argument("--rounds", type=int, default=5, help="--compare: rounds")
     args = ap.parse_args()
+    if args.compare:
+        compare(args.compare, args.events, args.rounds)
+        return
     if args.curve:
         curve_rate(args.events)
         return

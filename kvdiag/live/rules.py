@@ -244,10 +244,9 @@ class LiveRules:
         events included, into its ``LiveState`` and so its block facts)."""
         tables = self.tables
         timed = []  # what the latency fold reads (2% of a vLLM-shaped stream)
-        for ev in events:
+        skipped = SKIPPED
+        for ev in [ev for ev in events if type(ev) not in skipped]:  # (97% are block events)
             t = type(ev)
-            if t in SKIPPED:
-                continue
             if t in _TIMED:
                 timed.append(ev)
             table = tables.get(t)

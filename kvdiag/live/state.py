@@ -73,7 +73,6 @@ class _Request:
     state: str = "waiting"
     hit_tokens: int = 0
     hit_blocks: int = 0
-    allocated_blocks: int = 0  # BlockAllocated events (the forecast's blocks already taken)
     arrival_seen: bool = False  # a RequestArrived was seen (its prompt length is known)
     scheduled_seen: bool = False  # admitted by the scheduler (a RequestScheduled was seen)
     max_new_tokens: Optional[int] = None
@@ -87,7 +86,10 @@ class LiveState:
     """Accumulates events; :meth:`snapshot` returns an immutable :class:`Snapshot`."""
 
     def __init__(self, bin_s: float = 1.0, history_bins: int = 120, rate_window_s: float = 10.0,
-                 source: str = "") -> None:
+                 source: str = "", keep_facts_rows: bool = True) -> None:
+        """``keep_facts_rows``: keep the block facts' rows, which the live rules read
+        (:class:`kvdiag.live.rules.LiveRules`, top); a state no rule reads (the exporter's)
+        keeps none, and its memory stays flat."""
         self.bin_ns = int(bin_s * 1e9)
         self.bin_s = bin_s
         self.history_bins = history_bins
@@ -96,7 +98,6 @@ class LiveState:
         self.header: Optional[s.LogHeader] = None
         self.start_ns: Optional[int] = None
         self.events = 0
-        self.bad_events = 0  # events feed_all could not fold (malformed)
         self.bins: dict[int, _Bin] = {}
         self.series: dict[str, Series] = {k: Series() for k in ("kv_pool", "occupancy")}
         # the views that need no request or block state (kvdiag/live/views)
@@ -109,7 +110,7 @@ class LiveState:
         self.pool_info: Optional[s.KVPoolInfo] = None
         self.pool_sample: Optional[s.KVPoolSample] = None
         self.ledger = BlockLedger()  # the one owner of block state (held, cached, per request, leaks)
-        self.facts = BlockFacts(self.ledger)  # what the rules need from block events (LiveRules)
+        self.facts = BlockFacts(self.ledger, keep_rows=keep_facts_rows)  # what the rules need from block events
         self.preemptions = 0
         self.peak_copy_bytes_per_s: Optional[float] = None  # the log's bandwidth probe
         self.kv_read_bytes_total = 0.0  # demanded KV read of every step counted, and their time
@@ -137,6 +138,11 @@ class LiveState:
             self._handlers[cls] = _fold_first(self.misses.feed, self._handlers.get(cls))
         self.curves = CurveFold(self.block_size_tokens, lambda: self.pool_info.num_blocks if self.pool_info else None)
         chain_handlers(self._handlers, self.curves.handlers)
+        for t in (s.BlockAllocated, s.BlockReleased, s.BlockEvicted):  # the ledger's alone
+            assert t not in self._handlers, f"{t.__name__} is folded by the ledger alone"
+        self._get_handler = self._handlers.get
+        self._evictions_mark = 0  # the ledger's evictions already counted in a bin
+        self.ledger.on_new_holder = self._new_holder
 
     @property
     def shadow_budget(self) -> Optional[s.ShadowBudget]:
@@ -160,61 +166,51 @@ class LiveState:
         if header.start_ns and self.start_ns is None:
             self.start_ns = header.start_ns
 
+    @property
+    def bad_events(self) -> int:
+        """Events the fold could not fold (malformed: raised), counted and skipped."""
+        return self.ledger.bad_events
+
     def feed_all(self, events: Iterable[s.Event]) -> None:
-        """Fold events in order: the same as :meth:`feed` on each, faster (the block events
-        that dominate a busy engine's stream go straight to the ledger); an event that raises
-        is counted in ``bad_events`` and skipped."""
+        """Fold events in order, in one loop: the ledger's (:meth:`BlockLedger.apply_all`),
+        which folds the block events that dominate a busy engine's stream itself and hands
+        every other event to its handler here; an event that raises is counted in
+        ``bad_events`` and skipped."""
         if self.start_ns is None:
             events = iter(events)
-            first = next(events, None)
-            if first is None:
+            for first in events:
+                if first.ts_ns is not None:
+                    self.start_ns = first.ts_ns
+                self.ledger.apply_all((first,), self._other, self.bin_ns, self._count_bin)
+                break
+            else:
                 return
-            self.feed(first)
-        get = self._handlers.get
-        bins, bin_ns = self.bins, self.bin_ns
-        ledger, facts = self.ledger, self.facts
-        allocated, released, evicted = ledger.allocated, ledger.released, ledger.evicted
-        facts_block, facts_allocated, facts_evicted = facts.block, facts.allocated, facts.evicted
-        live = self.live
-        ALLOC, REL, EVICT = s.BlockAllocated, s.BlockReleased, s.BlockEvicted
-        cur, b, run, n = None, None, 0, 0
-        for ev in events:
-            idx = ev.ts_ns // bin_ns
-            if idx != cur:
-                if b is not None:
-                    b.events += run
-                    n += run
-                b = bins.get(idx)
-                if b is None:
-                    b = bins[idx] = _Bin()
-                cur, run = idx, 0
-            run += 1
-            t = type(ev)
-            try:  # free unless raised (Python 3.11+)
-                if t is REL:
-                    released(ev)
-                    facts_block(ev.ts_ns)
-                elif t is ALLOC:
-                    allocated(ev)
-                    facts_allocated(ev)
-                    req = live.get(ev.request_id)
-                    if req is None:
-                        req = self._request(ev.request_id, ev.ts_ns)
-                    req.allocated_blocks += 1
-                elif t is EVICT:
-                    evicted(ev)
-                    facts_evicted(ev)
-                    b.evictions += 1
-                else:
-                    h = get(t)
-                    if h is not None:
-                        h(ev, b, idx)
-            except Exception:  # one malformed event costs its own figures, not the fold
-                self.bad_events += 1
-        if b is not None:
-            b.events += run
-            n += run
+        self.ledger.apply_all(events, self._other, self.bin_ns, self._count_bin)
+
+    def feed(self, ev: s.Event) -> None:
+        """Fold one event into the state (:meth:`feed_all` of one)."""
+        self.feed_all((ev,))
+
+    def _count_bin(self, idx: int, n: int) -> None:
+        """``n`` events fell in bin ``idx`` (and the evictions the ledger counted since the last call)."""
+        b = self.bins.get(idx)
+        if b is None:
+            b = self.bins[idx] = _Bin()
+        b.events += n
         self.events += n
+        evictions = self.ledger.evictions
+        b.evictions += evictions - self._evictions_mark
+        self._evictions_mark = evictions
+
+    def _other(self, ev: s.Event) -> None:
+        """An event other than the three block events the ledger folds alone."""
+        h = self._get_handler(type(ev))
+        if h is not None:
+            idx = ev.ts_ns // self.bin_ns
+            b = self.bins.get(idx)
+            if b is None:
+                b = self.bins[idx] = _Bin()
+            h(ev, b, idx)
 
     def _bin(self, ts_ns: int) -> _Bin:
         idx = ts_ns // self.bin_ns
@@ -231,26 +227,12 @@ class LiveState:
             req = self.live[request_id] = _Request(request_id, ts_ns)
         return req
 
-    def feed(self, ev: s.Event) -> None:
-        """Fold one event into the state."""
-        ts = ev.ts_ns
-        if self.start_ns is None:
-            self.start_ns = ts
-        self.events += 1
-        b = self._bin(ts)
-        b.events += 1
-        bin_idx = ts // self.bin_ns
-        handler = self._handlers.get(type(ev))
-        if handler is not None:
-            handler(ev, b, bin_idx)
-
     def _on_arrived(self, ev: s.RequestArrived, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
         req.arrived_ns = ev.ts_ns
         req.prompt_tokens = ev.prompt_tokens
         req.arrival_seen = True
         req.max_new_tokens = ev.max_new_tokens
-        self.facts.arrived(ev)
 
     def _on_scheduled(self, ev: s.RequestScheduled, b: _Bin, idx: int) -> None:
         req = self._request(ev.request_id, ev.ts_ns)
@@ -268,8 +250,6 @@ class LiveState:
         b.generated_tokens += 1
 
     def _on_finished(self, ev: s.RequestFinished, b: _Bin, idx: int) -> None:
-        self.ledger.finished(ev)
-        self.facts.finished(ev)
         req = self.live.pop(ev.request_id, None) or self.finished.get(ev.request_id)
         if req is None:
             req = _Request(ev.request_id, ev.ts_ns - (ev.e2e_ns or 0))
@@ -321,19 +301,17 @@ class LiveState:
 
     def _on_pool_info(self, ev: s.KVPoolInfo, b: _Bin, idx: int) -> None:
         self.pool_info = ev
-        self.ledger.apply(ev)
 
-    # block state is the ledger's (kvdiag.pool.blockledger: holdings, cache, bad releases); the
-    # handlers below add only the per-request figures top shows
+    # block state is the ledger's (kvdiag.pool.blockledger: holdings, cache, bad releases; it
+    # folds every block event before the handlers below see one): they add only the
+    # per-request figures top shows. BlockAllocated, BlockReleased and BlockEvicted reach no
+    # handler: a request first seen by its allocation gets its row from _new_holder.
 
-    def _on_allocated(self, ev: s.BlockAllocated, b: _Bin, idx: int) -> None:
-        self.ledger.allocated(ev)
-        self.facts.allocated(ev)
-        self._request(ev.request_id, ev.ts_ns).allocated_blocks += 1
+    def _new_holder(self, request_id: str, ts_ns: int) -> None:
+        """A ``BlockAllocated`` made ``request_id``, which held no block, a holder."""
+        self._request(request_id, ts_ns)
 
     def _on_hit(self, ev: s.PrefixHit, b: _Bin, idx: int) -> None:
-        self.ledger.hit(ev)
-        self.facts.hit(ev)
         req = self._request(ev.request_id, ev.ts_ns)
         req.hit_tokens += ev.num_tokens
         req.hit_blocks += 1
@@ -341,18 +319,7 @@ class LiveState:
     def _on_deduplicated(self, ev, b: _Bin, idx: int) -> None:
         """``BlockDeduplicated``: the request now holds the cached ``block_id`` (its duplicate
         is given back by the ``BlockReleased`` that follows)."""
-        self.ledger.hit(ev)
-        self.facts.block(ev.ts_ns)
         self._request(ev.request_id, ev.ts_ns)
-
-    def _on_released(self, ev: s.BlockReleased, b: _Bin, idx: int) -> None:
-        self.ledger.released(ev)
-        self.facts.block(ev.ts_ns)
-
-    def _on_evicted(self, ev: s.BlockEvicted, b: _Bin, idx: int) -> None:
-        self.ledger.evicted(ev)
-        self.facts.evicted(ev)
-        b.evictions += 1
 
     def _on_pool_sample(self, ev: s.KVPoolSample, b: _Bin, idx: int) -> None:
         self.pool_sample = ev
@@ -459,7 +426,8 @@ class LiveState:
         expected = sum(pressure.expected_blocks(
             r.prompt_tokens, r.max_new_tokens if r.max_new_tokens is not None else fallback,
             r.hit_blocks, block_size) for r in active)
-        allocated = sum(r.allocated_blocks for r in active)
+        opened = self.ledger.open  # BlockAllocated events since arrival (the forecast's blocks taken)
+        allocated = sum(opened[r.request_id][0] for r in active if r.request_id in opened)
         return float(pressure.needed_blocks(expected, allocated)), float(sample.blocks_free + sample.blocks_cached)
 
     def _pool_blocks(self) -> Optional[tuple[int, int]]:
@@ -675,10 +643,7 @@ _HANDLERS = {
     s.RequestPreempted: LiveState._on_preempted,
     s.EngineStep: LiveState._on_step,
     s.KVPoolInfo: LiveState._on_pool_info,
-    s.BlockAllocated: LiveState._on_allocated,
     s.PrefixHit: LiveState._on_hit,
-    s.BlockReleased: LiveState._on_released,
-    s.BlockEvicted: LiveState._on_evicted,
     s.KVPoolSample: LiveState._on_pool_sample,
     s.MemoryBandwidthProbe: LiveState._on_probe,
     s.PrefixCacheStored: lambda self, ev, b, idx: self.facts.kv_event(ev),

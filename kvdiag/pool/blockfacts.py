@@ -3,8 +3,9 @@ that no raw block event is kept: ``kvdiag top`` judges a day-long stream in flat
 the doctor computes the same figures by the same fold over a recorded log.
 
 :class:`BlockFacts` reads a :class:`kvdiag.pool.blockledger.BlockLedger` (the one owner of block
-state; the caller applies each event to it first) and writes one row per ``EngineStep`` and
-per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
+state, which folds every block event, arrival and finish; the caller applies each event to it
+first, and the ledger calls back before the first such event after a pending row) and writes
+one row per ``EngineStep`` and per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
 
 - ``blocks_held``: the ledger's ``holdings`` after every block event with ``ts_ns`` at or
   before the row's (for a step, the start of its forward pass). A live stream delivers a step
@@ -36,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.events import schema as s
-from kvdiag.pool.blockledger import BlockLedger
+from kvdiag.pool.blockledger import NEVER_NS, BlockLedger
 from kvdiag.pool.kv_stream_health import StreamHealth, StreamHealthCounts
 
 FACTS_TAG = "block_facts"
@@ -61,19 +62,24 @@ KV_EVENTS = (s.PrefixCacheStored, s.PrefixCacheRemoved, s.PrefixCacheCleared)
 
 class BlockFacts:
     """Folds the stream into the rows of the module docstring; ``ledger`` is read, never
-    written (the caller applies every event to it before calling the matching method)."""
+    written (the caller applies every event to it before calling the matching method); it
+    keeps the holdings ring and the open requests' counts these rows read (the ledger's
+    ``track_holdings``, ``open_allocated``, ``open_hits``, ``evictions``). ``keep_rows=False``:
+    no row is kept (a state no rule reads), :meth:`step` still returns a step's holdings."""
 
-    def __init__(self, ledger: BlockLedger, ring_block_events: int = RING_BLOCK_EVENTS) -> None:
+    def __init__(self, ledger: BlockLedger, ring_block_events: int = RING_BLOCK_EVENTS,
+                 keep_rows: bool = True) -> None:
         self.ledger = ledger
-        self._ring_ts: deque[int] = deque(maxlen=ring_block_events)
-        self._ring_held: deque[int] = deque(maxlen=ring_block_events)
-        self._active: dict[str, list[int]] = {}  # arrived, not finished: [allocated, hits]
-        self.active_allocated = 0
-        self.active_hits = 0
-        self.evictions = 0  # since the last row
+        self.keep_rows = keep_rows  # False: a step's holdings returned, no row kept (the exporter)
+        ledger.track_holdings(ring_block_events)
+        ledger.on_watch = self._settle_now
+        self._ring_ts: deque[int] = ledger.ring_ts
+        self._ring_held: deque[int] = ledger.ring_held
+        self._evictions_mark = 0  # the ledger's evictions at the last row
         self.late_rows = 0
         # rows no later block, arrival or finish has followed yet: events of their instant may
-        # still come (settled by the first event after them, or provisionally by copy_rows)
+        # still come (settled by the first event after them, which the ledger watches for, or
+        # provisionally by copy_rows)
         self._pending: deque[int] = deque()
         self._pending_ts: Optional[int] = None
         # the rows, column by column in typed arrays (29 bytes a row); kind: index in _KINDS
@@ -83,58 +89,46 @@ class BlockFacts:
         self.health = StreamHealth()
         self._engine_pool: Optional[int] = None
 
-    # ---------------------------------------------------------------- per event
+    @property
+    def active_allocated(self) -> int:
+        """``BlockAllocated`` events so far of the requests arrived and not finished (the
+        ledger's open requests)."""
+        return self.ledger.open_allocated
 
-    def block(self, ts_ns: int) -> None:
-        """After the ledger applied a block event (before the per-request counts change)."""
-        if self._pending_ts is not None and ts_ns > self._pending_ts:
-            self._settle(ts_ns, self._ring_held[-1] if self._ring_held else _NO_BLOCKS)
-        self._ring_ts.append(ts_ns)
-        self._ring_held.append(self.ledger.holdings)
+    @property
+    def active_hits(self) -> int:
+        return self.ledger.open_hits
+
+    @property
+    def evictions(self) -> int:
+        """``BlockEvicted`` events since the last row."""
+        return self.ledger.evictions - self._evictions_mark
+
+    # ---------------------------------------------------------------- per event
+    # block events, arrivals and finishes are the ledger's (it calls _settle_now before the
+    # first of them after a pending row); steps and pool samples write rows here
+
+    def _settle_now(self, ts_ns: int) -> None:
+        """Before the ledger folds a block event, arrival or finish at ``ts_ns``."""
+        self._settle(ts_ns, self._held_now())
 
     def _settle(self, ts_ns: int, held: float) -> None:
         """The pending rows before ``ts_ns`` take the state before the event at ``ts_ns``."""
         rows, pend = self.rows, self._pending
         row_ts = rows["ts_ns"]
+        ledger = self.ledger
         while pend and row_ts[pend[0]] < ts_ns:
             i = pend.popleft()
             rows["blocks_held"][i] = held
-            rows["active_allocated"][i] = self.active_allocated
-            rows["active_hits"][i] = self.active_hits
-            rows["evictions"][i] += self.evictions
-            self.evictions = 0
-        self._pending_ts = row_ts[pend[0]] if pend else None
+            rows["active_allocated"][i] = ledger.open_allocated
+            rows["active_hits"][i] = ledger.open_hits
+            rows["evictions"][i] += ledger.evictions - self._evictions_mark
+            self._evictions_mark = ledger.evictions
+        self._set_pending_ts(row_ts[pend[0]] if pend else None)
 
-    def allocated(self, ev: s.BlockAllocated) -> None:
-        self.block(ev.ts_ns)
-        counts = self._active.get(ev.request_id)
-        if counts is not None:
-            counts[0] += 1
-            self.active_allocated += 1
-
-    def hit(self, ev: s.PrefixHit) -> None:
-        self.block(ev.ts_ns)
-        counts = self._active.get(ev.request_id)
-        if counts is not None:
-            counts[1] += 1
-            self.active_hits += 1
-
-    def evicted(self, ev: s.BlockEvicted) -> None:
-        self.block(ev.ts_ns)
-        self.evictions += 1
-
-    def arrived(self, ev: s.RequestArrived) -> None:
-        if self._pending_ts is not None and ev.ts_ns > self._pending_ts:
-            self._settle(ev.ts_ns, self._held_now())
-        self._active.setdefault(ev.request_id, [0, 0])
-
-    def finished(self, ev: s.RequestFinished) -> None:
-        if self._pending_ts is not None and ev.ts_ns > self._pending_ts:
-            self._settle(ev.ts_ns, self._held_now())
-        counts = self._active.pop(ev.request_id, None)
-        if counts is not None:
-            self.active_allocated -= counts[0]
-            self.active_hits -= counts[1]
+    def _set_pending_ts(self, ts_ns: Optional[int]) -> None:
+        self._pending_ts = ts_ns
+        self.ledger.watch_ts = NEVER_NS if ts_ns is None else ts_ns
 
     def step(self, ev: s.EngineStep) -> float:
         """Writes the step's row; returns its ``blocks_held`` (NaN before any block event)."""
@@ -155,9 +149,12 @@ class BlockFacts:
         key = (ev.seq, ev.ts_ns)
         if key != self._batch:
             self._batch = key
+            if not self.keep_rows:
+                return
             for col, v in zip(KV_BATCHES_COLUMNS, (ev.ts_ns, ev.seq, 0)):
                 self.batches[col].append(v)
-        self.batches["events"][-1] += 1
+        if self.keep_rows:
+            self.batches["events"][-1] += 1
 
     def engine_metrics(self, ev: s.EngineMetrics) -> None:
         """The engine's own pool size (``num_blocks`` of its cache config): the KV-event
@@ -170,15 +167,19 @@ class BlockFacts:
         ring = self._ring_ts
         if ring and ring[-1] > ts_ns:  # reported after later block events: look it up
             held = self.held_at(ts_ns)
+            if not self.keep_rows:
+                return held
         else:
             held = self._held_now()
+            if not self.keep_rows:
+                return held
             self._pending.append(len(rows["ts_ns"]))
             if self._pending_ts is None:
-                self._pending_ts = ts_ns
+                self._set_pending_ts(ts_ns)
         for col, v in zip(FACTS_COLUMNS, (ts_ns, kind, held, self.active_allocated,
                                           self.active_hits, self.evictions)):
             rows[col].append(v)
-        self.evictions = 0
+        self._evictions_mark = self.ledger.evictions
         return held
 
     def _held_now(self) -> float:
@@ -270,8 +271,4 @@ def fold(events: Iterable[s.Event], engine_pool: Iterable[tuple[int, int]] = ())
     return facts
 
 
-_FOLD = {s.BlockAllocated: BlockFacts.allocated, s.PrefixHit: BlockFacts.hit,
-         s.BlockDeduplicated: lambda f, ev: f.block(ev.ts_ns),
-         s.BlockReleased: lambda f, ev: f.block(ev.ts_ns), s.BlockEvicted: BlockFacts.evicted,
-         s.RequestArrived: BlockFacts.arrived, s.RequestFinished: BlockFacts.finished,
-         s.EngineStep: BlockFacts.step, s.KVPoolSample: BlockFacts.pool_sample}
+_FOLD = {s.EngineStep: BlockFacts.step, s.KVPoolSample: BlockFacts.pool_sample}

@@ -72,7 +72,7 @@ class PrometheusSink:
 
     def __init__(self, header: Optional[s.LogHeader] = None) -> None:
         self._lock = threading.Lock()
-        self.state = LiveState()
+        self.state = LiveState(keep_facts_rows=False)  # no rule runs on it: no per-step rows
         self.labels = ("", "", "")
         if header is not None:
             self.set_header(header)
