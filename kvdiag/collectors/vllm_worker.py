@@ -421,8 +421,8 @@ def choose_worker_socket() -> str:
     (``KVDIAG_WORKER_SOCKET``)."""
     path = os.environ.get(ENV_WORKER_SOCKET)
     if not path:
-        from kvdiag.paths import runtime_dir
-        path = str(runtime_dir() / f"kvdiag-worker-{os.getpid()}-{os.urandom(3).hex()}.sock")
+        from kvdiag.paths import worker_inbox_path
+        path = str(worker_inbox_path())
         os.environ[ENV_WORKER_SOCKET] = path
     return path
 

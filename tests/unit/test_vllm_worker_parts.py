@@ -3,6 +3,8 @@ shadow settings, vLLM's fp8 cast as a method, and the recommendation in vLLM's t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -154,3 +156,33 @@ def test_inbox_closes_within_its_drain_time_while_a_worker_stays_connected(tmp_p
     link.record(ProcessSample(ts_ns=2, pid=7, rss_bytes=2))  # after close: not recorded, no error
     link.close(timeout_s=1.0)
     assert [e.ts_ns for e in received.events] == [1]
+
+
+def test_the_workers_inbox_is_never_taken_for_the_agents_socket(tmp_path, monkeypatch):
+    """The engine core listens on its agent socket and on the workers' inbox, both in the
+    runtime dir; vLLM's process title hides its environment from /proc, so the finder reads the
+    listening sockets: it must return the agent's alone (a client of the inbox reads nothing)."""
+    import os
+
+    from kvdiag import agent
+    from kvdiag.collectors.agent_client import candidate_sockets
+    from kvdiag.collectors.vllm_worker import WorkerInbox, choose_worker_socket
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.hooks import HookErrors
+    from kvdiag.events.sinks import ListSink
+    from kvdiag.paths import runtime_dir
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KVDIAG_WORKER_SOCKET", raising=False)
+    monkeypatch.delenv("KVDIAG_SOCKET", raising=False)
+    inbox_path = choose_worker_socket()
+    assert os.path.dirname(inbox_path) == str(runtime_dir())
+    inbox = WorkerInbox(inbox_path, ListSink(), HookErrors(ListSink(), "test"))
+    agent_path = runtime_dir() / "demo-1-2.sock"  # a name without the agent- prefix, as the demo's
+    live = agent.LiveSocketSink(agent_path, make_header(engine="vllm"))
+    try:
+        found = candidate_sockets([os.getpid()])
+        assert agent_path in found and Path(inbox_path) not in found
+    finally:
+        live.close()
+        inbox.close(drain_s=0.1)
