@@ -17,8 +17,11 @@ vLLM                                            what the hook does
                                                 to the runner (``maybe_run``), which measures
                                                 the compression table, the attention-output
                                                 error and the locality per head
-``CPUAttentionBackendImpl.forward`` (CPU),      while armed, for the layers the run measures:
-``FlashAttentionImpl.forward`` (CUDA)           copies the request's decode query (post-RoPE,
+``CPUAttentionBackendImpl.forward`` (CPU),      on the class only during a sampled step (the
+``FlashAttentionImpl.forward`` (CUDA)           step's hook puts it on and takes it off: other
+                                                steps run no kvdiag code per layer), for the
+                                                layers the run measures:
+                                                copies the request's decode query (post-RoPE,
                                                 ``[1, QH, 1, D]``) and its K/V, gathered from
                                                 the layer's KV cache tensor through the step's
                                                 block table (``attn_metadata.block_table`` row
@@ -178,6 +181,10 @@ class WorkerShadow:
         self.link: Optional[WorkerLink] = None
         self.linker = None  # the thread that links to the engine core's inbox
         self.host_sampler = None  # kvdiag.collectors.procfs.ProcessSampler of the worker's process
+        # the attention backends' forward hooks: (class, name, vLLM's own, own attribute, wrapper),
+        # on the classes only during a sampled step (:meth:`_gate`)
+        self.gated: list = []
+        self.gate_on = True  # as MethodHooks.wrap leaves them
 
     # ------------------------------------------------------------------ set-up
 
@@ -205,9 +212,29 @@ class WorkerShadow:
         except Exception:
             pass
         for cls, kind in impls:
-            self.methods.wrap(cls, "forward", self._attention(kind), None,
-                              ("layer", "query", "kv_cache", "attn_metadata"),
-                              where=f"{cls.__name__}.forward")
+            self._hook_attention(cls, kind)
+        if STEP_HOOK not in self.methods.skipped:
+            self._gate(False)  # the step's hook arms them on the sampled steps alone
+
+    def _hook_attention(self, cls: type, kind: str) -> None:
+        """Wrap an attention backend's ``forward`` (checked signature), kept for :meth:`_gate`."""
+        if self.methods.wrap(cls, "forward", self._attention(kind), None,
+                             ("layer", "query", "kv_cache", "attn_metadata"),
+                             where=f"{cls.__name__}.forward"):
+            _, name, original, own = self.methods.installed[-1]
+            self.gated.append((cls, name, original, own, cls.__dict__[name]))
+
+    def _gate(self, on: bool) -> None:
+        """Put the attention backends' wrapped ``forward`` on their classes (``on``: a sampled
+        step, whose layers it captures) or vLLM's own back: an unsampled step runs no kvdiag
+        code per layer. The step's hook calls it on vLLM's engine thread, between steps."""
+        if on == self.gate_on:
+            return
+        for cls, name, original, _own, wrapper in self.gated:
+            # an inherited forward is set on the class too, so that MethodHooks.restore finds
+            # the attribute it deletes
+            setattr(cls, name, wrapper if on else original)
+        self.gate_on = on
 
     def attach(self, sink: Sink, **options) -> None:
         """Start recording into ``sink`` (the agent's) with a runner of ``options``
@@ -283,7 +310,8 @@ class WorkerShadow:
             link.record(status)
         with self.errors.guard("worker_memory"):
             from kvdiag.collectors.procfs import ProcessSampler
-            self.host_sampler = ProcessSampler.of_self(link, interval_s=self.sample_interval_ns / 1e9).start()
+            interval_s = max(self.sample_interval_ns / 1e9, WORKER_MEMORY_INTERVAL_S)
+            self.host_sampler = ProcessSampler.of_self(link, interval_s=interval_s).start()
         if model_runner is None or not _first_rank():
             # without the step's hook nothing is sampled; tensor-parallel ranks after the first
             # hold a slice of the heads: memory and statuses only
@@ -305,6 +333,9 @@ class WorkerShadow:
             self.active = True
 
     def _before_step(self, model_runner, *a, **kw) -> None:
+        if self.armed is not None:  # the last sampled step raised in vLLM: disarm
+            self.armed = None
+            self._gate(False)
         if not self.active:
             self._maybe_link(model_runner)
         if not self.active or self.layout_off:
@@ -322,10 +353,12 @@ class WorkerShadow:
             self.num_layers = int(model_runner.model_config.hf_text_config.num_hidden_layers)
         layers = self.runner.layers_of_run(self.num_layers, self.runner.sampled)
         self.armed = {"request": target, "layers": set(layers), "kv": {}, "q": {}}
+        self._gate(True)
         return None
 
     def _after_step(self, _note, _result, model_runner, *a, **kw) -> None:
         armed, self.armed = self.armed, None
+        self._gate(False)  # also when a layer disarmed the step (an unread layout)
         if self.allocator is not None:
             now = time.monotonic_ns()
             if now >= self.next_allocator_ns:
@@ -413,6 +446,10 @@ def install(errors: HookErrors, methods: MethodHooks) -> Optional[WorkerShadow]:
 ENV_WORKER_SOCKET = "KVDIAG_WORKER_SOCKET"
 LINK_RETRY_S = 1.0  # the worker tries the engine core's inbox at most this often until it links
 LINK_QUEUE_EVENTS = 20_000  # events the worker holds for the inbox; beyond, dropped and counted
+LINK_BATCH_EVENTS = 512  # most events the link sends in one write
+WORKER_MEMORY_INTERVAL_S = 2.0
+"""Least seconds between two samples of the worker's own memory: its KV pool is allocated once
+at start, so it moves slowly, and the engine core samples its own every sample interval."""
 
 
 def choose_worker_socket() -> str:
@@ -561,14 +598,25 @@ class WorkerLink:
         pass
 
     def _send(self) -> None:
+        """Send what is queued, up to :data:`LINK_BATCH_EVENTS` lines per write."""
+        import queue
+
         while True:
-            event = self._queue.get()
-            if event is None:
-                return
+            batch = [self._queue.get()]
+            while batch[-1] is not None and len(batch) < LINK_BATCH_EVENTS:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            last = batch[-1] is None
+            lines = [self._encoder.encode(e) for e in (batch[:-1] if last else batch)]
             try:
-                self._sock.sendall(self._encoder.encode(event) + b"\n")
+                if lines:
+                    self._sock.sendall(b"\n".join(lines) + b"\n")
             except OSError:  # the engine core went away: nothing more to deliver
                 self.closed = True
+                return
+            if last:
                 return
 
     def close(self, timeout_s: float = 2.0) -> None:

@@ -186,3 +186,51 @@ def test_the_workers_inbox_is_never_taken_for_the_agents_socket(tmp_path, monkey
     finally:
         live.close()
         inbox.close(drain_s=0.1)
+
+
+def test_attention_hooks_run_on_sampled_steps_alone():
+    """Between sampled steps the attention backend's class holds vLLM's own ``forward`` (no
+    kvdiag code per layer); a sampled step puts the wrapper on and the step's end takes it off,
+    and ``MethodHooks.restore`` leaves vLLM's class as it was."""
+    from types import SimpleNamespace
+
+    from kvdiag.collectors.vllm_worker import WorkerShadow
+    from kvdiag.events.hooks import HookErrors, MethodHooks
+    from kvdiag.events.sinks import ListSink
+
+    class Base:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return "out"
+
+    class Impl(Base):  # inherits forward, as a backend may
+        pass
+
+    errors = HookErrors(ListSink(), "test")
+    methods = MethodHooks(errors)
+    shadow = WorkerShadow(errors, methods)
+    shadow._hook_attention(Impl, "cpu")
+    shadow._gate(False)
+    assert Impl.__dict__["forward"] is Base.forward
+
+    class Runner:
+        sampled = 0
+
+        def should_sample(self):
+            return True
+
+        def layers_of_run(self, n, sampled):
+            return [0]
+
+    shadow.active, shadow.runner = True, Runner()
+    shadow.num_layers = 1
+    step = SimpleNamespace(num_scheduled_tokens={"r": 1})
+    shadow._before_step(SimpleNamespace(), step)
+    assert Impl.__dict__["forward"] is not Base.forward  # armed: the wrapper is on
+    shadow.armed = None  # as a layer does when it cannot read the layout
+    shadow._after_step(None, None, SimpleNamespace())
+    assert Impl.__dict__["forward"] is Base.forward
+    # an unsampled step (prefill only) leaves vLLM's own method on
+    shadow._before_step(SimpleNamespace(), SimpleNamespace(num_scheduled_tokens={"r": 7}))
+    assert Impl.__dict__["forward"] is Base.forward and Impl().forward(*range(6)) == "out"
+    methods.restore()
+    assert "forward" not in Impl.__dict__ and errors.total == 0
