@@ -1,6 +1,7 @@
 """What kvdiag costs a real vLLM server: its plugin inside, and `kvdiag attach` outside.
 
     python benchmarks/bench_vllm_overhead.py [--rounds 6] [--requests 6]
+    python benchmarks/bench_vllm_overhead.py --compare shadow [--shadow-env VAR=VALUE ...]
 
 Two vLLM servers from vLLM's environment (``kvdiag fetch-engine vllm``), the same model and
 settings, up at the same time: one with kvdiag's plugin (``KVDIAG_AGENT=1``), one without. The
@@ -19,6 +20,11 @@ Rounds are interleaved and reported by the harness (benchmarks/overhead.py): eac
 against plain with the ratio, a 95% bootstrap interval over rounds (paired by round), the
 verdict on its goal, and the machine's load average before, during and after. Goals (issue 13): plugin
 cost <= 2% (tokens per CPU-second >= 0.98 of plain, P99 inter-token <= 1.02x), attach within 1%.
+
+``--compare shadow`` measures the worker's shadow alone (issue 31): two servers, both with the
+plugin, one with the worker's shadow on (``KVDIAG_SHADOW=1``, plus any ``--shadow-env``
+settings, e.g. ``KVDIAG_SHADOW_RATE=0`` to keep the hooks and drop the runs), one with it off
+(``KVDIAG_SHADOW=0``); goal: tokens per CPU-second >= 0.98 of the one without.
 """
 
 from __future__ import annotations
@@ -68,7 +74,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--requests", type=int, default=6, help="chats per round")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--compare", choices=("plugin", "shadow"), default="plugin",
+                        help="plugin: plugin, plain and plain+attach (default); shadow: the plugin with "
+                             "the worker's shadow against the plugin without it")
+    parser.add_argument("--shadow-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="with --compare shadow: more environment for the shadowed server")
     args = parser.parse_args()
+    shadow_env = dict(kv.split("=", 1) for kv in args.shadow_env)
 
     from kvdiag.commands._demo_vllm import VllmServer
     from kvdiag.demo.vllm_env import SETUP_HINT, vllm_python
@@ -80,13 +92,22 @@ def main() -> int:
         return 1
     model = resolve_model(None)
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-vllm-"))
-    servers = {"plugin": VllmServer(python, model, tmp / "plugin.kvlog", plugin=True),
-               "plain": VllmServer(python, model, tmp / "plain.kvlog", plugin=False)}
+    if args.compare == "shadow":
+        servers = {"shadow": VllmServer(python, model, tmp / "shadow.kvlog", plugin=True,
+                                        extra_env={"KVDIAG_SHADOW": "1", **shadow_env}),
+                   "no-shadow": VllmServer(python, model, tmp / "no-shadow.kvlog", plugin=True,
+                                           extra_env={"KVDIAG_SHADOW": "0"})}
+        conditions, baseline, goals = ("shadow", "no-shadow"), "no-shadow", [Goal("shadow", 0.98)]
+    else:
+        servers = {"plugin": VllmServer(python, model, tmp / "plugin.kvlog", plugin=True),
+                   "plain": VllmServer(python, model, tmp / "plain.kvlog", plugin=False)}
+        conditions, baseline = ("plugin", "plain", "plain+attach"), "plain"
+        goals = [Goal("plugin", 0.98), Goal("plain+attach", 0.99)]
     perf_note = perf_instructions_available()
     gaps: dict[str, list[float]] = {}
 
     def run_round(cond: str, r: int) -> RoundCost:
-        server = servers["plugin" if cond == "plugin" else "plain"]
+        server = servers[cond if cond in servers else "plain"]
         # every condition starts after the same pause: attach's start-up (probes done, py-spy
         # sampling) must not be the only idle gap before a measured round
         attached = Attached(server.proc.pid, tmp / f"attach-{r}.kvlog") if cond == "plain+attach" else nullcontext()
@@ -106,14 +127,16 @@ def main() -> int:
         for s in servers.values():  # one at a time: two compiling at once double the wait
             s.start()
             s.wait_ready()
-        res = run_interleaved(("plugin", "plain", "plain+attach"), "plain", args.rounds, run_round)
+        res = run_interleaved(conditions, baseline, args.rounds, run_round)
     finally:
         for s in servers.values():
             s.stop()
     res.perf_note = perf_note
-    p99_plain = float(np.percentile(gaps["plain"], 99))
-    p99 = {c: f"{float(np.percentile(gaps[c], 99)) / p99_plain:.3f}" for c in res.conditions}
-    print(report(res, [Goal("plugin", 0.98), Goal("plain+attach", 0.99)], extra={"P99 ITL ratio": p99}))
+    p99_base = float(np.percentile(gaps[baseline], 99))
+    p99 = {c: f"{float(np.percentile(gaps[c], 99)) / p99_base:.3f}" for c in res.conditions}
+    if shadow_env:
+        print(f"shadowed server's extra environment: {shadow_env}")
+    print(report(res, goals, extra={"P99 ITL ratio": p99}))
     return 0
 
 

@@ -181,6 +181,22 @@ def agent_socket_path(pid: int | None = None) -> Path:
     return runtime_dir() / f"agent-{pid if pid is not None else os.getpid()}.sock"
 
 
+WORKER_INBOX_PREFIX = "worker-inbox-"
+"""Name prefix of the private socket where a vLLM engine core's agent receives its workers'
+events (:class:`kvdiag.collectors.vllm_worker.WorkerInbox`): not an agent socket, no client reads it."""
+
+
+def worker_inbox_path() -> Path:
+    """A fresh inbox path for the workers of the server this process starts (its pid and a
+    random suffix, in the runtime dir)."""
+    return runtime_dir() / f"{WORKER_INBOX_PREFIX}{os.getpid()}-{os.urandom(3).hex()}.sock"
+
+
+def is_worker_inbox(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a workers' inbox (:func:`worker_inbox_path`)."""
+    return Path(path).name.startswith(WORKER_INBOX_PREFIX)
+
+
 _SOCKET_NAME = re.compile(r"(?:agent|demo)-(\d+)(?:-\d+)?\.sock")
 
 

@@ -29,6 +29,7 @@ import psutil
 
 from kvdiag.events.schema import AnyEvent, CollectorError, Event, LogHeader
 from kvdiag.events.sinks import Sink
+from kvdiag.paths import is_worker_inbox
 
 NAME = "agent"
 
@@ -209,9 +210,12 @@ def _refusal(line: bytes) -> Optional[str]:
 
 
 def _is_agent_socket(path: str) -> bool:
+    """A socket named like an agent's, or in a kvdiag runtime dir; never a vLLM workers' inbox
+    (the engine core listens on both, and the process title vLLM sets hides its environment's
+    ``KVDIAG_SOCKET`` from /proc)."""
     p = Path(path)
-    return p.suffix == ".sock" and (p.name.startswith("agent-") or p.parent.name == "kvdiag"
-                                    or p.parent.name.startswith("kvdiag-"))
+    return p.suffix == ".sock" and not is_worker_inbox(p) and (
+        p.name.startswith("agent-") or p.parent.name == "kvdiag" or p.parent.name.startswith("kvdiag-"))
 
 
 def _socket_from_cmdline(cmdline: list[str]) -> Optional[str]:

@@ -42,6 +42,13 @@ vLLM                                            kvdiag event
                                                 daemon thread while no step runs
 ==============================================  =============================================
 
+The worker's hooks (``GPUModelRunner.execute_model`` and the attention backend's ``forward``:
+shadow compression and per-head locality on vLLM's own paged KV) are in
+:mod:`kvdiag.collectors.vllm_worker`; a worker in its own process (``VLLM::Worker``, vLLM's
+``mp`` executor: how the API server runs) sends its events to this agent through a private
+inbox socket (``WorkerInbox``), a worker in this process (``uni`` executor) records into it
+directly: one log and one live socket per server.
+
 An idle engine core takes no steps (it waits for requests), so the pool would be sampled only
 with traffic and a client's pool view would go stale when traffic stops: a daemon thread
 (``kvdiag-vllm-idle-sampler``) takes the sample instead once no step ran for a sample interval.
@@ -66,7 +73,8 @@ live socket is always served: ``kvdiag attach`` and ``kvdiag top`` read it; ``KV
 names it, else it is the engine core's per-pid agent socket);
 ``KVDIAG_PROMETHEUS=[HOST:]PORT`` serves kvdiag's metrics from the engine core (127.0.0.1
 unless a host is given; docs/metrics.md);
-``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
+``KVDIAG_SAMPLE_INTERVAL_S`` (default 0.5); ``KVDIAG_SHADOW=0`` and ``KVDIAG_SHADOW_*`` (the
+worker's shadow, :mod:`kvdiag.collectors.vllm_worker`); ``KVDIAG_FAIL_HOOK=NAME`` makes that hook's recording
 raise (fault injection, to check that vLLM keeps serving).
 """
 
@@ -140,6 +148,8 @@ class _Hooks(UsesHookErrors):
         self.sample_lock = threading.Lock()  # the step's sample and the idle thread's, one at a time
         self.idle_stop = threading.Event()
         self.idle_thread: Optional[threading.Thread] = None
+        self.worker: Any = None  # kvdiag.collectors.vllm_worker.WorkerShadow (None: shadow off)
+        self.inbox: Any = None  # kvdiag.collectors.vllm_worker.WorkerInbox: workers' events, here
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -493,6 +503,10 @@ class VllmAdapter:
 
     def uninstall(self) -> None:
         self.hooks.idle_stop.set()
+        if self.hooks.worker is not None:
+            self.hooks.worker.detach()  # the shadow's final counts while the sink still records
+        if self.hooks.inbox is not None:
+            self.hooks.inbox.close()  # what the workers sent until now
         self.hooks.error_policy.report_totals()
         self.hooks.sink = NullSink()
 
@@ -515,6 +529,7 @@ def _start_agent(h: _Hooks, sched) -> None:
         h.record_token_ids, h.content_salt = bool(record_token_ids), content_salt
         for status in h.methods.statuses(_now()):
             sink.record(status)
+        _attach_worker(h, sink)
         return VllmAdapter(h)
 
     try:
@@ -533,6 +548,7 @@ def _start_agent(h: _Hooks, sched) -> None:
                               extra={"vllm_version": version},
                               prometheus=os.environ.get("KVDIAG_PROMETHEUS") or None)
     h.agent = agent
+    _warm_up_worker(h, sched)
     # the engine core is a multiprocessing child: it leaves through os._exit, which skips
     # atexit, so the last events (final pool sample, shadow results) are flushed by vLLM's own
     # shutdown (Scheduler.shutdown, wrapped below) or multiprocessing's exit finalizers
@@ -542,6 +558,41 @@ def _start_agent(h: _Hooks, sched) -> None:
         util.Finalize(agent, agent_mod.stop, exitpriority=100)
     except Exception:
         pass
+
+
+def _attach_worker(h: _Hooks, sink: Sink) -> None:
+    """The worker's shadow records into the agent's sink (the worker runs in this process:
+    :mod:`kvdiag.collectors.vllm_worker`); malformed ``KVDIAG_SHADOW_*`` settings turn it off,
+    said as a ``CollectorStatus``."""
+    if h.worker is None:
+        return
+    from kvdiag.collectors import vllm_worker
+    from kvdiag.events.schema import CollectorStatus
+    try:
+        options = vllm_worker.shadow_options()
+    except ValueError as exc:
+        sink.record(CollectorStatus(ts_ns=_now(), collector=f"{vllm_worker.COLLECTOR}:shadow",
+                                    available=False, hint=f"shadow off: {exc}"))
+        h.worker = None
+        return
+    with h.error_policy.guard("worker_shadow"):
+        backend = getattr(h.scheduler.vllm_config.parallel_config, "distributed_executor_backend", None)
+        if backend in ("uni", "external_launcher"):  # the worker runs in this process
+            h.worker.attach(sink, **options)
+            return
+        # workers in processes of their own (VLLM::Worker): they send their events here
+        h.inbox = vllm_worker.WorkerInbox(vllm_worker.choose_worker_socket(), sink, h.error_policy)
+
+
+def _warm_up_worker(h: _Hooks, sched) -> None:
+    """Pay the worker's shadow kernels' one-time costs before the server takes traffic."""
+    if h.worker is None or h.worker.runner is None:
+        return
+    with h.error_policy.guard("worker_shadow"):
+        cfg = sched.vllm_config
+        spec = sched.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        h.worker.warm_up(int(spec.num_kv_heads), int(cfg.model_config.get_num_attention_heads(cfg.parallel_config)),
+                         int(spec.head_size))
 
 
 def _shutdown(h: _Hooks):
@@ -585,6 +636,13 @@ def install_hooks(agent_api=None) -> _Hooks:
     h.wrap(Scheduler, "schedule", (), after, before)
     h.wrap(Scheduler, "update_from_output", ("scheduler_output",), _update_from_output(h))
     h.wrap(Scheduler, "shutdown", (), _shutdown(h))
+    try:  # the worker's shadow (same process with vLLM's one-worker executor)
+        from kvdiag.collectors import vllm_worker
+        h.worker = vllm_worker.install(h.error_policy, h.methods)
+        if h.worker is not None:
+            vllm_worker.choose_worker_socket()  # before the engine core starts its workers
+    except Exception as exc:  # counted and said; the scheduler's hooks stay
+        h.failed("worker_hooks", exc)
     _HOOKS = h
     return h
 

@@ -150,3 +150,71 @@ def sampling_summary(budgets: pd.DataFrame) -> Optional[str]:
     if budgets is None or budgets.empty:
         return None
     return sampling_line(budgets.sort_values("ts_ns").iloc[-1].to_dict())
+
+
+VLLM_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""``--kv-cache-dtype`` values of vLLM (0.32) that kvdiag's methods realise: vLLM stores fp8
+as a plain cast with one scale per tensor (1.0 unless calibrated), the methods
+``fp8_e4m3:s=1`` and ``fp8_e5m2:s=1`` (``fp8`` is vLLM's name for ``fp8_e4m3``). vLLM's CPU
+backend takes them on x86 with AVX-512 or AMX and a head size divisible by 32."""
+
+ENGINE_COLUMNS = ["setting", "method", "ratio", "error", "worst_group", "kv_bytes", "frees_bytes",
+                  "extra_tokens", "reason"]
+
+
+def vllm_setting(method: Optional[str]) -> Optional[str]:
+    """The vLLM flag that stores the KV cache as ``method`` does (``fp8_e4m3:s=1`` ->
+    ``--kv-cache-dtype fp8_e4m3``), or None when vLLM has none (group-wise, integer and sparse
+    methods; casts with another scale need calibrated scales, not a flag)."""
+    if not method:
+        return None
+    base, _, options = method.partition(":")
+    if base in ("fp8_e4m3", "fp8_e5m2") and options.replace(" ", "") in ("s=1", "s=1.0"):
+        return f"--kv-cache-dtype {base}"
+    return None
+
+
+def engine_recommendation(table: pd.DataFrame, engine: str, num_blocks: Optional[int] = None,
+                          block_bytes: Optional[int] = None, block_size_tokens: Optional[int] = None,
+                          error_budget: float = COMPRESSION_ERROR_BUDGET,
+                          error: str = "attn_out_rel_error") -> pd.DataFrame:
+    """The recommendation in the engine's terms: one setting for every layer (vLLM's
+    ``--kv-cache-dtype`` applies to the whole cache), so among the methods the engine realises
+    (:func:`vllm_setting`), the one with the highest ratio whose mean ``error`` is within
+    ``error_budget`` in every layer group of ``table`` (:func:`compression_table`). The capacity
+    it frees is measured on the server's own pool (its ``KVPoolInfo``: ``num_blocks`` x
+    ``block_bytes``, the KV tensors' size): ``frees_bytes`` = pool bytes x (1 - 1/ratio) at the
+    same tokens, or ``extra_tokens`` = pool tokens x (ratio - 1) in the same memory. One row
+    (``setting`` None with the reason when none qualifies); empty for engines without such
+    settings."""
+    if engine != "vllm" or table is None or table.empty:
+        return pd.DataFrame(columns=ENGINE_COLUMNS)
+    kv_bytes = num_blocks * block_bytes if num_blocks and block_bytes else None
+    rows = []
+    for method, sub in table.groupby("method", sort=False):
+        setting = vllm_setting(method)
+        if setting is None:
+            continue
+        worst = sub.sort_values(error, ascending=False).iloc[0]
+        rows.append((setting, method, float(sub["ratio"].mean()), float(worst[error]), str(worst["group"])))
+    if not rows:
+        return pd.DataFrame([{"setting": None, "method": None, "ratio": 1.0, "error": None, "worst_group": None,
+                              "kv_bytes": kv_bytes, "frees_bytes": None, "extra_tokens": None,
+                              "reason": "no method vLLM realises was measured (record with fp8_e4m3:s=1 "
+                                        "or fp8_e5m2:s=1 among the shadow's methods)"}], columns=ENGINE_COLUMNS)
+    ok = [r for r in rows if r[3] <= error_budget]
+    if not ok:
+        best = min(rows, key=lambda r: r[3])
+        return pd.DataFrame([{"setting": None, "method": best[1], "ratio": best[2], "error": best[3],
+                              "worst_group": best[4], "kv_bytes": kv_bytes, "frees_bytes": None,
+                              "extra_tokens": None,
+                              "reason": f"keep the cache's dtype: vLLM's fp8 exceeds {error} <= "
+                                        f"{error_budget:g} (best {best[1]}: {best[3]:.3g} in layers {best[4]})"}],
+                            columns=ENGINE_COLUMNS)
+    setting, method, ratio, err, group = max(ok, key=lambda r: (r[2], -r[3]))
+    frees = kv_bytes * (1 - 1 / ratio) if kv_bytes and ratio > 0 else None
+    extra = (num_blocks * block_size_tokens * (ratio - 1)) if num_blocks and block_size_tokens else None
+    return pd.DataFrame([{"setting": setting, "method": method, "ratio": ratio, "error": err, "worst_group": group,
+                          "kv_bytes": kv_bytes, "frees_bytes": frees, "extra_tokens": extra,
+                          "reason": f"highest ratio vLLM realises with {error} <= {error_budget:g} in every "
+                                    f"layer group (worst: layers {group})"}], columns=ENGINE_COLUMNS)

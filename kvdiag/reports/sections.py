@@ -26,7 +26,7 @@ from kvdiag.diagnosis.frames import Logs
 from kvdiag.diagnosis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy
 from kvdiag.diagnosis.requests import request_table
 from kvdiag.pool.hit_rate import counted, frame_hit_rate
-from kvdiag.events.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics,
+from kvdiag.events.schema import (CollectorError, CollectorGap, CollectorStatus, EngineMetrics, KVPoolInfo,
                            ShadowBudget, ShadowCompression, ShadowDelta, ShadowLocality, ShadowLogits,
                            ShadowSharing)
 from kvdiag.reports.hardware import kv_bandwidth_blocks, platform_section
@@ -308,6 +308,8 @@ def miss_causes_blocks(logs: Logs, t0: int, windows: int = 20) -> list[Block]:
                   "they sum to the engine's missed tokens)", "bar", data, "time_s", "tokens", color="cause",
                   x_title="window end (s)", y_title="missed prompt tokens",
                   table=pd.DataFrame(totals), options={"barmode": "stack"})]
+
+
 def _with_curves(sec: Section, logs: Logs) -> Section:
     sec.blocks += capacity_curves(logs)
     return sec
@@ -360,6 +362,28 @@ def capacity_curves(logs: Logs, points: int = 24) -> list[Block]:
     return out
 
 
+def _vllm_recommendation(logs: Logs, tbl: pd.DataFrame) -> Optional[Block]:
+    """The recommendation as vLLM's ``--kv-cache-dtype`` and the capacity it frees on the
+    server's own pool (:func:`kvdiag.diagnosis.compression.engine_recommendation`), for the first
+    vLLM log; None without one."""
+    node = next((n for n, h in logs.headers.items() if h.engine == "vllm"), None)
+    if node is None:
+        return None
+    info = logs.frame(KVPoolInfo)
+    info = info[info["node"] == node]
+    last = info.iloc[-1] if len(info) else None
+    rec = _compression.engine_recommendation(
+        tbl, "vllm", num_blocks=int(last["num_blocks"]) if last is not None else None,
+        block_bytes=int(last["block_bytes"]) if last is not None else None,
+        block_size_tokens=int(last["block_size_tokens"]) if last is not None else None)
+    if rec.empty:
+        return None
+    rec = rec.assign(kv_MiB=pd.to_numeric(rec["kv_bytes"], errors="coerce") / MIB,
+                     frees_MiB=pd.to_numeric(rec["frees_bytes"], errors="coerce") / MIB)
+    return Table("In vLLM's terms: one --kv-cache-dtype for every layer, and the pool capacity it frees",
+                 rec.drop(columns=["kv_bytes", "frees_bytes"]).round(4))
+
+
 def compression(logs: Logs) -> Section:
     sec = Section("compression", "KV compression",
                   "Is KV compression safe for our model, layer by layer: what error, ratio, decode latency?")
@@ -394,6 +418,9 @@ def compression(logs: Logs) -> Section:
                             y_title="relative error (%)",
                             table=pts.groupby("method")[["ratio", "error_pct"]].mean().round(3).reset_index()))
     sec.blocks.append(Table("Recommendation per layer group", rec))
+    engine_rec = _vllm_recommendation(logs, tbl)
+    if engine_rec is not None:
+        sec.blocks.append(engine_rec)
     lg = logs.frame(ShadowLogits)
     if len(lg):
         g = lg.groupby("method")
