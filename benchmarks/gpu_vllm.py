@@ -49,7 +49,7 @@ def main() -> int:
         return 2
     print("vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))
 
-    from kvdiag.collectors.vllm_worker import gather_kv
+    from kvdiag.collectors.vllm_kv_layout import gather_kv
 
     layout_checks: list[bool] = []
     update = FlashAttentionImpl.do_kv_cache_update

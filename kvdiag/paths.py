@@ -183,7 +183,7 @@ def agent_socket_path(pid: int | None = None) -> Path:
 
 WORKER_INBOX_PREFIX = "worker-inbox-"
 """Name prefix of the private socket where a vLLM engine core's agent receives its workers'
-events (:class:`kvdiag.collectors.vllm_worker.WorkerInbox`): not an agent socket, no client reads it."""
+events (:class:`kvdiag.collectors.vllm_worker_link.WorkerInbox`): not an agent socket, no client reads it."""
 
 
 def worker_inbox_path() -> Path:

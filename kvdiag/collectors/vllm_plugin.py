@@ -149,7 +149,7 @@ class _Hooks(UsesHookErrors):
         self.idle_stop = threading.Event()
         self.idle_thread: Optional[threading.Thread] = None
         self.worker: Any = None  # kvdiag.collectors.vllm_worker.WorkerShadow (None: shadow off)
-        self.inbox: Any = None  # kvdiag.collectors.vllm_worker.WorkerInbox: workers' events, here
+        self.inbox: Any = None  # kvdiag.collectors.vllm_worker_link.WorkerInbox: workers' events, here
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -566,7 +566,7 @@ def _attach_worker(h: _Hooks, sink: Sink) -> None:
     said as a ``CollectorStatus``."""
     if h.worker is None:
         return
-    from kvdiag.collectors import vllm_worker
+    from kvdiag.collectors import vllm_worker, vllm_worker_link
     from kvdiag.events.schema import CollectorStatus
     try:
         options = vllm_worker.shadow_options()
@@ -581,7 +581,7 @@ def _attach_worker(h: _Hooks, sink: Sink) -> None:
             h.worker.attach(sink, **options)
             return
         # workers in processes of their own (VLLM::Worker): they send their events here
-        h.inbox = vllm_worker.WorkerInbox(vllm_worker.choose_worker_socket(), sink, h.error_policy)
+        h.inbox = vllm_worker_link.WorkerInbox(vllm_worker_link.choose_worker_socket(), sink, h.error_policy)
 
 
 def _warm_up_worker(h: _Hooks, sched) -> None:
@@ -637,10 +637,10 @@ def install_hooks(agent_api=None) -> _Hooks:
     h.wrap(Scheduler, "update_from_output", ("scheduler_output",), _update_from_output(h))
     h.wrap(Scheduler, "shutdown", (), _shutdown(h))
     try:  # the worker's shadow (same process with vLLM's one-worker executor)
-        from kvdiag.collectors import vllm_worker
+        from kvdiag.collectors import vllm_worker, vllm_worker_link
         h.worker = vllm_worker.install(h.error_policy, h.methods)
         if h.worker is not None:
-            vllm_worker.choose_worker_socket()  # before the engine core starts its workers
+            vllm_worker_link.choose_worker_socket()  # before the engine core starts its workers
     except Exception as exc:  # counted and said; the scheduler's hooks stay
         h.failed("worker_hooks", exc)
     _HOOKS = h

@@ -33,7 +33,8 @@ Where the events go: to the engine core's agent, so that a server has one log an
 socket, the worker's events beside the scheduler's. vLLM 0.32 serves with its ``mp`` executor
 even with one worker (the API server's engine core starts a ``VLLM::Worker`` process): the
 worker's hooks then link to the engine core through a private Unix socket
-(:class:`WorkerInbox` there, :class:`WorkerLink` here; its path ``KVDIAG_WORKER_SOCKET`` is
+(:class:`~kvdiag.collectors.vllm_worker_link.WorkerInbox` there,
+:class:`~kvdiag.collectors.vllm_worker_link.WorkerLink` here; its path ``KVDIAG_WORKER_SOCKET`` is
 chosen by the first process that loads the plugin and inherited by the ones it starts), from a
 daemon thread that tries once a second from the worker's KV cache set-up (before the engine
 core's scheduler and agent exist) until the agent listens; the engine's thread only queues events (a full queue drops and counts). With
@@ -42,12 +43,7 @@ core's process and records through the same agent directly. A second socket that
 merge would have given every client two streams to join and order; the relay keeps one. The
 first tensor-parallel rank measures the shadow; every rank sends its memory.
 
-KV layouts read (vLLM 0.32; logical per-layer cache ``[blocks, kv_heads, block_size, 2 x
-head_dim]``, :func:`gather_kv`): the CPU backend's ``vec`` ISA (fp32/fp16 caches) stores a
-block's keys transposed, ``[head_dim, block_size]``, followed by its values ``[block_size,
-head_dim]``; FlashAttention stores each token's key and value side by side (``[..., :D]``,
-``[..., D:]``). Any other layout (the CPU's ``amx``/``neon`` ISAs, fp8 caches) is not read: a
-``CollectorStatus`` says so once and the worker's shadow stays off.
+KV layouts read: :mod:`kvdiag.collectors.vllm_kv_layout`.
 
 Memory in the worker: the worker samples its own process's RSS/PSS (``ProcessSample``, its pid
 beside the engine core's; with the ``uni`` executor the agent's own sampler is the worker's);
@@ -66,10 +62,11 @@ Environment (with ``KVDIAG_AGENT=1``): ``KVDIAG_SHADOW=0`` turns the worker's sh
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any, Optional
 
+from kvdiag.collectors.vllm_kv_layout import CPU_LAYOUT_ISAS, cpu_layout, gather_kv, layer_index
+from kvdiag.collectors.vllm_worker_link import ENV_WORKER_SOCKET, LINK_RETRY_S, WorkerLink
 from kvdiag.events.hooks import HookErrors, MethodHooks
 from kvdiag.events.schema import CollectorStatus
 from kvdiag.events.sinks import Sink
@@ -83,8 +80,9 @@ VLLM_METHODS = ("fp8_e4m3:s=1", "fp8_e5m2:s=1", "fp16", "bf16", "fp8_e4m3", "fp8
 as vLLM stores them without calibrated scales)."""
 
 STEP_HOOK = "GPUModelRunner.execute_model"
-CPU_LAYOUT_ISAS = ("vec",)
-"""CPU attention ISAs whose KV block layout :func:`gather_kv` reads."""
+WORKER_MEMORY_INTERVAL_S = 2.0
+"""Least seconds between two samples of the worker's own memory: its KV pool is allocated once
+at start, so it moves slowly, and the engine core samples its own every sample interval."""
 
 
 def shadow_enabled() -> bool:
@@ -113,49 +111,6 @@ def shadow_options() -> dict:
     methods = os.environ.get("KVDIAG_SHADOW_METHODS", "").strip() or ",".join(VLLM_METHODS)
     return dict(methods=methods, sample_rate=rate, budget_frac=budget if budget > 0 else None,
                 layers_per_run=layers if layers > 0 else None)
-
-
-def layer_index(layer_name: str) -> Optional[int]:
-    """The decoder layer of a vLLM attention layer's name (``model.layers.3.self_attn.attn`` ->
-    3): the number after ``layers.``, else the first number in the name, else None."""
-    m = re.search(r"layers\.(\d+)\.", layer_name) or re.search(r"(\d+)", layer_name)
-    return int(m.group(1)) if m else None
-
-
-def gather_kv(kv_cache, block_ids, seq_len_tokens: int, layout: str):
-    """Copies of one request's K and V ``[1, kv_heads, seq_len, head_dim]`` from one layer's
-    paged cache ``kv_cache`` ``[blocks, kv_heads, block_size, 2 x head_dim]``: its blocks
-    ``block_ids`` in order (its block-table row), the first ``seq_len_tokens`` tokens.
-    ``layout``: ``"cpu-vec"`` (keys transposed per block and head, then values) or ``"flash"``
-    (key and value of a token side by side)."""
-    import torch
-
-    num_blocks, heads, block, content = kv_cache.shape
-    dim = content // 2
-    used = -(-seq_len_tokens // block)
-    ids = torch.as_tensor(block_ids[:used], dtype=torch.int64, device=kv_cache.device)
-    pages = torch.index_select(kv_cache, 0, ids)  # [used, H, block, 2D], a copy
-    if layout == "cpu-vec":
-        halves = pages.reshape(used, heads, 2, block * dim)
-        k = halves[:, :, 0].reshape(used, heads, dim, block).transpose(2, 3)
-        v = halves[:, :, 1].reshape(used, heads, block, dim)
-    elif layout == "flash":
-        k, v = pages[..., :dim], pages[..., dim:]
-    else:
-        raise ValueError(f"KV layout {layout!r}: expected 'cpu-vec' or 'flash'")
-
-    def tokens(x):  # [used, H, block, D] -> [1, H, seq_len, D]
-        return x.permute(1, 0, 2, 3).reshape(heads, used * block, dim)[:, :seq_len_tokens].unsqueeze(0).contiguous()
-    return tokens(k), tokens(v)
-
-
-def cpu_layout(isa: Optional[str], cache_dtype: Any) -> Optional[str]:
-    """The layout name :func:`gather_kv` reads for a CPU attention layer, or None (unknown)."""
-    import torch
-
-    if isa in CPU_LAYOUT_ISAS and cache_dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return "cpu-vec"
-    return None
 
 
 class WorkerShadow:
@@ -437,193 +392,3 @@ def install(errors: HookErrors, methods: MethodHooks) -> Optional[WorkerShadow]:
     shadow = WorkerShadow(errors, methods)
     shadow.install()
     return shadow
-
-
-
-
-# ------------------------------------------------------------------ a worker in its own process
-
-ENV_WORKER_SOCKET = "KVDIAG_WORKER_SOCKET"
-LINK_RETRY_S = 1.0  # the worker tries the engine core's inbox at most this often until it links
-LINK_QUEUE_EVENTS = 20_000  # events the worker holds for the inbox; beyond, dropped and counted
-LINK_BATCH_EVENTS = 512  # most events the link sends in one write
-WORKER_MEMORY_INTERVAL_S = 2.0
-"""Least seconds between two samples of the worker's own memory: its KV pool is allocated once
-at start, so it moves slowly, and the engine core samples its own every sample interval."""
-
-
-def choose_worker_socket() -> str:
-    """The inbox path of this server, decided by the first vLLM process that loads the plugin
-    (the API server) and inherited by the engine core and the workers it starts
-    (``KVDIAG_WORKER_SOCKET``)."""
-    path = os.environ.get(ENV_WORKER_SOCKET)
-    if not path:
-        from kvdiag.paths import worker_inbox_path
-        path = str(worker_inbox_path())
-        os.environ[ENV_WORKER_SOCKET] = path
-    return path
-
-
-class WorkerInbox:
-    """In the engine core: a Unix socket (mode 0600, in the private runtime dir) where the
-    worker processes send their events as JSON lines; each is decoded and recorded into the
-    agent's ``sink``, so that one log and one live socket carry the server's events. A line
-    that does not decode is counted (``errors``), reported once, and skipped."""
-
-    def __init__(self, path: str, sink: Sink, errors: HookErrors) -> None:
-        import socket
-        import threading
-
-        from kvdiag.paths import make_private_dirs
-
-        self.path, self.sink, self.errors = path, sink, errors
-        make_private_dirs(os.path.dirname(path))
-        if os.path.exists(path):
-            os.unlink(path)
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self._server.bind(path)
-        finally:
-            os.umask(old)
-        self._server.listen(8)
-        self._stop = threading.Event()
-        self._closed = False
-        self.connections = 0
-        self._threads: list = []
-        self._conns: list = []
-        self._accepting = threading.Thread(target=self._accept, name="kvdiag-worker-inbox", daemon=True)
-        self._accepting.start()
-
-    def _accept(self) -> None:
-        import threading
-
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            self.connections += 1
-            self._conns.append(conn)
-            t = threading.Thread(target=self._read, args=(conn,), name="kvdiag-worker-inbox-conn", daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def _read(self, conn) -> None:
-        import msgspec
-
-        from kvdiag.events.schema import AnyEvent
-
-        decoder = msgspec.json.Decoder(AnyEvent)
-        rest = b""
-        with conn:
-            while True:
-                try:
-                    chunk = conn.recv(1 << 16)
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                *lines, rest = (rest + chunk).split(b"\n")
-                for line in lines:
-                    if self._closed:
-                        return
-                    try:
-                        self.sink.record(decoder.decode(line))
-                    except Exception as exc:
-                        self.errors.failed("worker_inbox", exc)
-
-    def close(self, drain_s: float = 2.0) -> None:
-        """Stop accepting; give the open connections up to ``drain_s`` to deliver what they sent."""
-        self._stop.set()
-        try:
-            self._server.close()
-        finally:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-        deadline = time.monotonic() + drain_s
-        for t in self._threads:  # workers that exit close their end: their last events arrive
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        self._closed = True  # what a live worker sends from now on is not recorded
-        for conn in self._conns:
-            try:
-                conn.shutdown(2)  # socket.SHUT_RDWR: the reader sees the end
-            except OSError:
-                pass
-
-
-class WorkerLink:
-    """In a worker process: the sink that sends events to the engine core's :class:`WorkerInbox`
-    from a daemon thread (the engine's thread only queues them; a full queue drops and counts,
-    ``dropped``, never blocks)."""
-
-    def __init__(self, sock) -> None:
-        import queue
-        import threading
-
-        import msgspec
-
-        self._sock = sock
-        self._encoder = msgspec.json.Encoder()
-        self._queue: "queue.Queue" = queue.Queue(maxsize=LINK_QUEUE_EVENTS)
-        self.dropped = 0
-        self.closed = False
-        self._thread = threading.Thread(target=self._send, name="kvdiag-worker-link", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def connect(cls, path: str) -> Optional["WorkerLink"]:
-        """A link to the inbox at ``path``, or None when it is not listening (yet)."""
-        import socket
-
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-        except OSError:
-            sock.close()
-            return None
-        return cls(sock)
-
-    def record(self, event) -> None:
-        import queue
-
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self.dropped += 1
-
-    def flush(self) -> None:
-        pass
-
-    def _send(self) -> None:
-        """Send what is queued, up to :data:`LINK_BATCH_EVENTS` lines per write."""
-        import queue
-
-        while True:
-            batch = [self._queue.get()]
-            while batch[-1] is not None and len(batch) < LINK_BATCH_EVENTS:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            last = batch[-1] is None
-            lines = [self._encoder.encode(e) for e in (batch[:-1] if last else batch)]
-            try:
-                if lines:
-                    self._sock.sendall(b"\n".join(lines) + b"\n")
-            except OSError:  # the engine core went away: nothing more to deliver
-                self.closed = True
-                return
-            if last:
-                return
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is queued (up to ``timeout_s``), then close."""
-        try:
-            self._queue.put(None, timeout=timeout_s)
-        except Exception:
-            pass
-        self._thread.join(timeout=timeout_s)
-        self._sock.close()

@@ -58,7 +58,7 @@ def request_frame(ledger: BlockLedger) -> pd.DataFrame:
              "blocks_released": r.blocks_released,
              "blocks_released_cached": r.blocks_released_cached,
              "blocks_evicted_later": r.blocks_evicted_later,
-             "blocks_still_held": len(ledger.blocks_of(r.request_id)), "double_releases": r.double_releases} for r in ledger.requests.values()]
+             "blocks_still_held": len(ledger.blocks_of(r.request_id)), "double_releases": r.double_releases} for r in ledger.history.requests.values()]
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
 
@@ -66,7 +66,7 @@ def episode_frame(ledger: BlockLedger) -> pd.DataFrame:
     """One row per block allocation (a ledger built with ``keep_history``): lifetime_ns = released - allocated (NaN while held);
     idle_before_evict_ns = evicted - released for cached blocks (NaN until evicted)."""
     rows = []
-    for e in ledger.episodes:
+    for e in ledger.history.episodes:
         rows.append({"block_id": e.block_id, "request_id": e.request_id, "allocated_ns": e.allocated_ns,
                      "released_ns": e.released_ns,
                      "lifetime_ns": None if e.released_ns is None else e.released_ns - e.allocated_ns,

@@ -38,13 +38,16 @@ Also, for the block facts (:mod:`kvdiag.pool.blockfacts`) and the forecast:
 :meth:`BlockLedger.apply_all` folds a batch in one loop (the common cases of the three block
 events that make up ~97% of a busy engine's stream inlined; every other case goes through the
 per-event methods, which define the rules) and hands every other event, after folding it,
-to the caller's ``other``: ``kvdiag top``'s whole fold is this one loop.
+to the caller's ``other``: ``kvdiag top``'s whole fold is this one loop. Long: that loop
+repeats the per-event rules it inlines, and they stay beside each other, in one file, so that a
+change to a rule is seen next to its copy (``tests/unit/test_ledger_batch.py`` holds the two
+equal); the history offline analyses keep is :mod:`kvdiag.pool.block_history`.
 
 Memory is flat over a long session: a request's entry goes when it holds nothing, anomalies
 are counted (the first :data:`EXAMPLES_KEPT` of each kind are kept as examples). With
-``keep_history=True`` (offline analyses of a finite log) the ledger also keeps one
-:class:`RequestRecord` per request and one :class:`Episode` per block allocation, for
-``kvdiag.diagnosis.leaks``' request and episode frames.
+``keep_history=True`` (offline analyses of a finite log) the ledger also keeps a
+:class:`~kvdiag.pool.block_history.BlockHistory` (``history``): one record per request and one
+episode per block allocation, for ``kvdiag.diagnosis.leaks``' request and episode frames.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from typing import Callable, Iterable, Literal, Optional
 
 from kvdiag.events.schema import (BlockAllocated, BlockDeduplicated, BlockEvicted, BlockId, BlockReleased, Event, KVPoolInfo,
                            PrefixHit, RequestArrived, RequestFinished, RequestId)
+from kvdiag.pool.block_history import BlockHistory
 
 AnomalyKind = Literal["double_release", "release_unheld", "alloc_in_use", "evict_held"]
 ANOMALY_KINDS: tuple[str, ...] = ("double_release", "release_unheld", "alloc_in_use", "evict_held")
@@ -65,38 +69,6 @@ RELEASERS_KEPT = 64
 unheld block (a block shared by more requests than this forgets its oldest releasers)."""
 NEVER_NS = 1 << 63
 """``watch_ts`` when nothing is watched (later than any int64 event time)."""
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What one request did to the pool (``keep_history`` only). Counts are events, not
-    distinct block ids."""
-
-    request_id: RequestId
-    arrived_ns: Optional[int] = None
-    finished_ns: Optional[int] = None
-    status: Optional[str] = None
-    blocks_allocated: int = 0
-    blocks_prefix_hit: int = 0
-    blocks_deduplicated: int = 0  # adopted an identical cached block in place of its own
-    blocks_released: int = 0
-    blocks_released_cached: int = 0
-    blocks_evicted_later: int = 0  # released by it as cached, later evicted
-    double_releases: int = 0
-
-
-@dataclass(slots=True)
-class Episode:
-    """One allocation of a block, from ``BlockAllocated`` until its last holder let it go
-    (``released_ns``) and, for cached blocks, until eviction (``evicted_ns``)."""
-
-    block_id: BlockId
-    request_id: RequestId
-    allocated_ns: int
-    released_ns: Optional[int] = None
-    cached: bool = False
-    evicted_ns: Optional[int] = None
-    hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +112,8 @@ class BlockLedger:
         self.watch_ts = NEVER_NS
         self.on_watch: Optional[Callable[[int], None]] = None
         self.on_new_holder: Optional[Callable[[RequestId, int], None]] = None
-        # history (keep_history only)
-        self.requests: dict[RequestId, RequestRecord] = {}
-        self.episodes: list[Episode] = []
-        self._open: dict[BlockId, Episode] = {}
-        self._cached_ep: dict[BlockId, Episode] = {}
-        self._cached_by: dict[BlockId, RequestId] = {}
-        h = self._handlers = {
+        self.history: Optional[BlockHistory] = BlockHistory() if keep_history else None
+        self._handlers = {
             BlockAllocated: self.allocated, PrefixHit: self.hit, BlockDeduplicated: self.hit,
             BlockReleased: self.released, BlockEvicted: self.evicted, RequestFinished: self.finished,
             KVPoolInfo: self._pool_info, RequestArrived: self._arrived}
@@ -218,7 +185,9 @@ class BlockLedger:
         The common case of each of those three block events is inlined (the per-event methods
         handle every other case and define the rules; tests check the two agree), and the
         counters they move are kept in locals, written back before anything else runs
-        (a method, a hook, ``other``, ``on_bucket``): that is what makes the loop cheap."""
+        (a method, a hook, ``other``, ``on_bucket``): that is what makes the loop cheap. Long:
+        one loop with its locals is the point (a call per event would cost what it saves; the
+        live fold's goal is 1 M events/s on one core)."""
         ALLOC, REL, EVICT = BlockAllocated, BlockReleased, BlockEvicted
         settling = _SETTLING
         handlers = self._handlers
@@ -375,6 +344,11 @@ class BlockLedger:
         if n < EXAMPLES_KEPT or self.keep_history:
             self.anomalies.append(Anomaly(kind, ts_ns, block_id, request_id))
 
+    def _arrived(self, ev: RequestArrived) -> None:
+        self.open.setdefault(ev.request_id, [0, 0])
+        if self.history is not None:
+            self.history.record(ev.request_id).arrived_ns = ev.ts_ns
+
     def _pool_info(self, ev: KVPoolInfo) -> None:
         self.num_blocks = ev.num_blocks
 
@@ -432,8 +406,8 @@ class BlockLedger:
             counts[0] += 1
             self.open_allocated += 1
         self._ring(ts)
-        if self.keep_history:
-            self._hist_allocated(ev)
+        if self.history is not None:
+            self.history.allocated(ev)
 
     def _ring(self, ts_ns: int) -> None:
         if self.ring_ts is not None:
@@ -465,8 +439,8 @@ class BlockLedger:
                 counts[1] += 1
                 self.open_hits += 1
         self._ring(ev.ts_ns)
-        if self.keep_history:
-            self._hist_hit(ev)
+        if self.history is not None:
+            self.history.hit(ev)
 
     def released(self, ev: BlockReleased) -> None:
         b, rid = ev.block_id, ev.request_id
@@ -490,8 +464,8 @@ class BlockLedger:
             self.cached[b] = None
         self._released(b, rid)
         self._ring(ev.ts_ns)
-        if self.keep_history:
-            self._hist_released(ev, last)
+        if self.history is not None:
+            self.history.released(ev, last)
 
     def _released(self, b: BlockId, rid: RequestId) -> None:
         """Remember ``rid`` among the releasers of ``b``'s current allocation."""
@@ -511,8 +485,8 @@ class BlockLedger:
         if rel is not None and (rel == rid if type(rel) is not dict else rid in rel):
             self._anomaly("double_release", ev.ts_ns, b, rid)
             self.double_release_requests.add(rid)
-            if self.keep_history:
-                self._record(rid).double_releases += 1
+            if self.history is not None:
+                self.history.record(rid).double_releases += 1
             return
         self._anomaly("release_unheld", ev.ts_ns, b, rid)
         if prev is None and ev.cached:  # not held by anyone we know of: the engine caches it
@@ -526,13 +500,8 @@ class BlockLedger:
             self._anomaly("evict_held", ev.ts_ns, b, None)
         self.cached.pop(b, None)
         self._ring(ev.ts_ns)
-        if self.keep_history:
-            ep = self._cached_ep.pop(b, None)
-            if ep is not None:
-                ep.evicted_ns = ev.ts_ns
-            owner = self._cached_by.pop(b, None)
-            if owner is not None:
-                self._record(owner).blocks_evicted_later += 1
+        if self.history is not None:
+            self.history.evicted(ev)
 
     def finished(self, ev: RequestFinished) -> None:
         rid = ev.request_id
@@ -545,57 +514,8 @@ class BlockLedger:
         if blocks and rid not in self.finished_holding:
             self.finished_holding[rid] = ev.ts_ns
             self.finished_holding_blocks += len(blocks)
-        if self.keep_history:
-            rec = self._record(rid)
-            rec.finished_ns, rec.status = ev.ts_ns, ev.status
-
-    # ------------------------------------------------------------------ history
-
-    def _record(self, rid: RequestId) -> RequestRecord:
-        rec = self.requests.get(rid)
-        if rec is None:
-            rec = self.requests[rid] = RequestRecord(rid)
-        return rec
-
-    def _arrived(self, ev: RequestArrived) -> None:
-        self.open.setdefault(ev.request_id, [0, 0])
-        if self.keep_history:
-            self._record(ev.request_id).arrived_ns = ev.ts_ns
-
-    def _hist_allocated(self, ev: BlockAllocated) -> None:
-        stale = self._cached_ep.pop(ev.block_id, None)
-        if stale is not None:  # reused without an eviction event: treat as evicted now
-            stale.evicted_ns = ev.ts_ns
-        self._cached_by.pop(ev.block_id, None)
-        self._record(ev.request_id).blocks_allocated += 1
-        ep = Episode(ev.block_id, ev.request_id, ev.ts_ns)
-        self.episodes.append(ep)
-        self._open[ev.block_id] = ep
-
-    def _hist_hit(self, ev: PrefixHit | BlockDeduplicated) -> None:
-        rec = self._record(ev.request_id)
-        if isinstance(ev, PrefixHit):
-            rec.blocks_prefix_hit += 1
-        else:
-            rec.blocks_deduplicated += 1
-        ep = self._cached_ep.pop(ev.block_id, None) or self._open.get(ev.block_id)
-        if ep is not None:
-            ep.hits += 1
-            self._open[ev.block_id] = ep
-
-    def _hist_released(self, ev: BlockReleased, last: bool) -> None:
-        rec = self._record(ev.request_id)
-        rec.blocks_released += 1
-        rec.blocks_released_cached += int(ev.cached)
-        if not last:
-            return
-        ep = self._open.pop(ev.block_id, None)
-        if ep is not None:
-            ep.released_ns, ep.cached = ev.ts_ns, ev.cached
-            if ev.cached:
-                self._cached_ep[ev.block_id] = ep
-        if ev.cached:
-            self._cached_by[ev.block_id] = ev.request_id
+        if self.history is not None:
+            self.history.finished(ev)
 
 
 _EMPTY: frozenset = frozenset()

@@ -230,7 +230,7 @@ def test_live_ledger_memory_collapses_finished_requests(events, truth):
     state = LiveState()
     state.feed_all(events)
     ledger = state.ledger
-    assert not ledger.requests and not ledger.episodes
+    assert ledger.history is None
     assert set(ledger.held) == set(truth["leaking"])
     assert len(ledger.anomalies) <= len(ANOMALY_KINDS) * EXAMPLES_KEPT
 

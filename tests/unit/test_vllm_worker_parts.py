@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvdiag.diagnosis.compression import engine_recommendation, vllm_setting
-from kvdiag.collectors.vllm_worker import gather_kv, layer_index, shadow_options
+from kvdiag.collectors.vllm_kv_layout import gather_kv, layer_index
+from kvdiag.collectors.vllm_worker import shadow_options
 from kvdiag.kernels.methods import parse_method
 
 
@@ -115,7 +116,7 @@ def test_engine_recommendation_one_setting_for_every_layer_and_the_capacity_it_f
 
 
 def test_worker_events_reach_the_engine_cores_sink_through_the_inbox(tmp_path):
-    from kvdiag.collectors.vllm_worker import WorkerInbox, WorkerLink
+    from kvdiag.collectors.vllm_worker_link import WorkerInbox, WorkerLink
     from kvdiag.events.hooks import HookErrors
     from kvdiag.events.schema import ProcessSample
     from kvdiag.events.sinks import ListSink
@@ -137,7 +138,7 @@ def test_worker_events_reach_the_engine_cores_sink_through_the_inbox(tmp_path):
 def test_inbox_closes_within_its_drain_time_while_a_worker_stays_connected(tmp_path):
     import time
 
-    from kvdiag.collectors.vllm_worker import WorkerInbox, WorkerLink
+    from kvdiag.collectors.vllm_worker_link import WorkerInbox, WorkerLink
     from kvdiag.events.hooks import HookErrors
     from kvdiag.events.schema import ProcessSample
     from kvdiag.events.sinks import ListSink
@@ -166,7 +167,7 @@ def test_the_workers_inbox_is_never_taken_for_the_agents_socket(tmp_path, monkey
 
     from kvdiag import agent
     from kvdiag.collectors.agent_client import candidate_sockets
-    from kvdiag.collectors.vllm_worker import WorkerInbox, choose_worker_socket
+    from kvdiag.collectors.vllm_worker_link import WorkerInbox, choose_worker_socket
     from kvdiag.events.eventlog import make_header
     from kvdiag.events.hooks import HookErrors
     from kvdiag.events.sinks import ListSink
