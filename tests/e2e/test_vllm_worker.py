@@ -54,6 +54,13 @@ def _serve(server, events: ListSink, shadow: bool = True) -> tuple[list, list[st
     finished = lambda: [e for e in events.events if isinstance(e, RequestFinished)]  # noqa: E731
     chat(server, "Hi", system=f"[worker test {uuid.uuid4().hex}] {SYSTEM[:600]}", max_tokens=DUMP_STEPS + 1)
     _wait_for(lambda: len(finished()) >= 1)
+    if shadow:
+        # the worker samples its memory every few seconds; a client that joined after the
+        # sample it took when it linked sees the next one (the statuses are replayed, samples not)
+        ready = next(e for e in events.events if isinstance(e, CollectorStatus)
+                     and e.collector == "vllm-worker:shadow" and e.available)
+        worker_pid = int(ready.hint.split(":")[0].split()[-1])
+        _wait_for(lambda: any(isinstance(e, ProcessSample) and e.pid == worker_pid for e in events.events))
     first = list(events.events)
     answers = [chat(server, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
     _wait_for(lambda: len(finished()) >= 1 + len(QUESTIONS))
