@@ -35,7 +35,6 @@ LEFT: dict[str, str] = {
     "diagnosis/miss_causes.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
     "events/eventlog.py": TO_SPLIT,
-    "commands/demo.py": TO_SPLIT,
     "simulation/capacity_curve.py": TO_SPLIT,
     "tui/panels.py": TO_SPLIT,
     "diagnosis/latency.py": TO_SPLIT,
@@ -49,7 +48,6 @@ LEFT: dict[str, str] = {
     "commands/shadow.py::run": TO_SPLIT,
     "reports/sections.py::sharing": TO_SPLIT,
     "reports/sections.py::latency_section": TO_SPLIT,
-    "commands/demo.py::run": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
     "simulation/policy_replay.py::_replay": TO_SPLIT,
 }
