@@ -45,7 +45,6 @@ LEFT: dict[str, str] = {
     "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
     "traces/loaders.py::load_kvdiag": TO_SPLIT,
     "diagnosis/causes.py::attribute": TO_SPLIT,
-    "commands/shadow.py::run": TO_SPLIT,
     "reports/sections.py::sharing": TO_SPLIT,
     "reports/sections.py::latency_section": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
