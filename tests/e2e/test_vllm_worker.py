@@ -131,7 +131,7 @@ def test_top_and_report_fill_their_compression_and_locality_from_the_worker(shad
     from kvdiag.diagnosis.frames import load as load_logs
     from kvdiag.events.eventlog import LogWriter, make_header
     from kvdiag.live.state import LiveState
-    from kvdiag.reports.sections import compression as compression_section
+    from kvdiag.reports.section_shadow import compression as compression_section
     from kvdiag.events.schema import LogHeader
 
     _first, _answers, _steps, events = shadowed

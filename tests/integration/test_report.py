@@ -181,7 +181,7 @@ def test_thinning_keeps_peaks_and_order():
     import numpy as np
     import pandas as pd
 
-    from kvdiag.reports.sections import _thin
+    from kvdiag.reports.shaping import thin as _thin
     rng = np.random.default_rng(0)
     y = rng.normal(size=200_000)
     y[123_457] = 50.0  # a one-sample spike (an OOM-like peak)

@@ -30,7 +30,6 @@ LEFT: dict[str, str] = {
     "simulation/_simkernels.py": TO_SPLIT,
     "traces/loaders.py": TO_SPLIT,
     "diagnosis/doctor.py": TO_SPLIT,
-    "reports/sections.py": TO_SPLIT,
     "simulation/sharing.py": TO_SPLIT,
     "diagnosis/miss_causes.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
@@ -45,8 +44,6 @@ LEFT: dict[str, str] = {
     "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
     "traces/loaders.py::load_kvdiag": TO_SPLIT,
     "diagnosis/causes.py::attribute": TO_SPLIT,
-    "reports/sections.py::sharing": TO_SPLIT,
-    "reports/sections.py::latency_section": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
     "simulation/policy_replay.py::_replay": TO_SPLIT,
 }
