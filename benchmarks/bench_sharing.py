@@ -48,7 +48,8 @@ def ordered_dict_replay(requests, capacity):
 
 RSS_SCRIPT = """
 import resource, sys, psutil
-from kvdiag.traces.loaders import load_trace, iter_requests
+from kvdiag.traces.loaders import load_trace
+from kvdiag.traces.request_traces import iter_requests
 from kvdiag.simulation.sharing import simulate, lru_curve, replay_stream
 import kvdiag.simulation._simkernels
 before = psutil.Process().memory_info().rss

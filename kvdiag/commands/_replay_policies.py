@@ -56,7 +56,8 @@ def run(args: argparse.Namespace, read, caps) -> int:
     """``kvdiag replay TRACE``: the trace through each policy at each capacity (``caps``:
     parsed capacities), or its hit-rate curve; a table or ``--json``."""
     from kvdiag.simulation.policy_replay import PolicyError
-    from kvdiag.traces.loaders import TraceFormatError, detect_format
+    from kvdiag.traces.detect import detect_format
+    from kvdiag.traces.lines import TraceFormatError
 
     try:
         policies = _policies(args)
@@ -106,7 +107,7 @@ def _json_object(info: dict, rows: list[dict], problems: list[str]) -> dict:
 
 def _replay_streamed(args, fmt, policies, caps, read):
     from kvdiag.simulation import sharing
-    from kvdiag.traces.loaders import iter_requests
+    from kvdiag.traces.request_traces import iter_requests
 
     block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash, read)
     bpt = args.bytes_per_token

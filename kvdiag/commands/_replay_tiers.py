@@ -16,7 +16,9 @@ from kvdiag.events.units import format_bytes
 def run(args: argparse.Namespace, read) -> int:
     """``--tiers``: the trace through a stack of LRU tiers (kvdiag.simulation.tiers)."""
     from kvdiag.simulation import tiers as T
-    from kvdiag.traces.loaders import TraceFormatError, detect_format, load_trace
+    from kvdiag.traces.detect import detect_format
+    from kvdiag.traces.lines import TraceFormatError
+    from kvdiag.traces.loaders import load_trace
 
     clash = [flag for flag, on in (("--policy", args.policy), ("--policy-file", args.policy_file),
                                    ("--capacity", args.capacity), ("--curve", args.curve)) if on]

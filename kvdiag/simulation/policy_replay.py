@@ -24,7 +24,7 @@ import numpy as np
 from kvdiag.simulation import _simkernels as K
 from kvdiag.simulation.policies import BUILTIN_PLUGINS, BlockStats, Policy, Ref
 from kvdiag.simulation.sharing import SharingResult, capacity_in_blocks, result_of_run
-from kvdiag.traces.loaders import Trace
+from kvdiag.traces.trace import Trace
 
 
 class PolicyError(Exception):

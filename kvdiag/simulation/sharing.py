@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.simulation import _simkernels as K
-from kvdiag.traces.loaders import Trace
+from kvdiag.traces.trace import Trace
 
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "opt")
 _CODES = {"lru": K.LRU, "fifo": K.FIFO, "lfu": K.LFU, "s3fifo": K.S3FIFO, "opt": K.OPT}
@@ -506,7 +506,7 @@ class StreamingReplay:
         self.peaks = [0, 0]
 
     def feed(self, records: Sequence) -> None:
-        """Replay a batch of :class:`~kvdiag.traces.loaders.RequestRecord`."""
+        """Replay a batch of :class:`~kvdiag.traces.request_traces.RequestRecord`."""
         if not records:
             return
         bs = self.block_size_tokens
@@ -595,7 +595,7 @@ def replay_stream(records: Iterable, block_size_tokens: int, policies: Sequence[
                   concurrency: int = 8, bytes_per_token: Optional[int] = None,
                   batch_refs: int = _CHUNK_REFS,
                   progress: Optional[Callable[[int], None]] = None) -> StreamingReplay:
-    """Feed streamed requests (:func:`~kvdiag.traces.loaders.iter_requests`) to a
+    """Feed streamed requests (:func:`~kvdiag.traces.request_traces.iter_requests`) to a
     :class:`StreamingReplay` in batches of about ``batch_refs`` block references."""
     replay = StreamingReplay(block_size_tokens, policies, capacities, curve=curve,
                              concurrency=concurrency, bytes_per_token=bytes_per_token)

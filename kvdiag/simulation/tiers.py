@@ -56,7 +56,7 @@ import pandas as pd
 
 from kvdiag.simulation import _simkernels as K
 from kvdiag.simulation.sharing import _request_chunks, simulate
-from kvdiag.traces.loaders import Trace
+from kvdiag.traces.trace import Trace
 from kvdiag.events.units import BYTE_UNITS
 
 WRITE_MODES = ("back", "through")

@@ -347,7 +347,9 @@ def test_replay_endpoint_fills_lost_batches_and_only_the_rest_is_a_gap(publisher
 
 
 def test_recorded_stream_keeps_its_seqs_gaps_are_found_and_replay_reads_it(publisher, tmp_path):
-    from kvdiag.traces.loaders import detect_format, kv_event_gaps, load_trace
+    from kvdiag.traces.detect import detect_format
+    from kvdiag.traces.kv_event_traces import kv_event_gaps
+    from kvdiag.traces.loaders import load_trace
 
     raw = tmp_path / "kv_events.jsonl"
     sink = WaitSink()
@@ -382,7 +384,7 @@ def test_recorded_stream_keeps_its_seqs_gaps_are_found_and_replay_reads_it(publi
 
 
 def test_gap_finder_on_a_kvdiag_log(tmp_path):
-    from kvdiag.traces.loaders import kv_event_gaps
+    from kvdiag.traces.kv_event_traces import kv_event_gaps
     from kvdiag.events.eventlog import LogWriter, make_header
 
     path = tmp_path / "kv.kvlog"

@@ -16,7 +16,8 @@ import pytest
 from kvdiag.events import eventlog
 from kvdiag.simulation import sharing
 from kvdiag.simulation.capacity_curve import ReuseCurve, StoreRows, max_keys_for_pool
-from kvdiag.traces.loaders import _vllm_line, load_trace
+from kvdiag.traces.kv_event_traces import vllm_line as _vllm_line
+from kvdiag.traces.loaders import load_trace
 from kvdiag.cli import main
 from kvdiag.live.state import LiveState
 

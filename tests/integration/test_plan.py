@@ -373,7 +373,7 @@ def test_plan_and_replay_key_a_token_trace_with_extra_keys_identically(tmp_path)
     """`plan` (workload.load_tokens) and `replay` (traces.load_tokens) read one token-id trace
     through one reader: the same blocks get equal keys in both, and exactly the blocks whose
     (extra_keys, token prefix) is equal, counted by brute force."""
-    from kvdiag.traces import loaders as traces
+    from kvdiag.traces import request_traces as traces
     from kvdiag.traces import workload
 
     block = 4

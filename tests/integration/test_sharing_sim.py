@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdiag.simulation.sharing import POLICIES, lru_curve, memory_footprint, simulate
-from kvdiag.traces.loaders import load_trace, trace_from_blocks, trace_from_tokens
+from kvdiag.traces.loaders import load_trace
+from kvdiag.traces.trace import trace_from_blocks, trace_from_tokens
 
 MOONCAKE = Path(__file__).parent.parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 
@@ -315,7 +316,7 @@ def test_pure_python_fallback_equals_compiled():
 def test_streamed_replay_equals_whole_trace(prompts, block, batch_refs, capacity):
     """Batches of any size, block ids and stack state grown between them: same results."""
     from kvdiag.simulation.sharing import replay_stream
-    from kvdiag.traces.loaders import RequestRecord
+    from kvdiag.traces.request_traces import RequestRecord
     from kvdiag.pool.hashing import chunk_hashes
 
     trace = trace_from_tokens(prompts, block)

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kvdiag.traces.loaders import ReadOptions, TraceFormatError, load_trace
+from kvdiag.traces.lines import ReadOptions, TraceFormatError
+from kvdiag.traces.loaders import load_trace
 from kvdiag.cli import main
 
 GOOD_MOONCAKE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from kvdiag.simulation.sharing import simulate
-from kvdiag.traces.loaders import TraceFormatError, detect_format, load_trace
+from kvdiag.traces.detect import detect_format
+from kvdiag.traces.lines import TraceFormatError
+from kvdiag.traces.loaders import load_trace
 from kvdiag.pool.hashing import ALGORITHMS, chunk_hashes
 
 MOONCAKE = Path(__file__).parent.parent / "data" / "mooncake" / "synthetic_trace.jsonl"
@@ -116,7 +118,7 @@ def test_vllm_kv_events_reconstruct_prompts(tmp_path):
 
 
 def load_trace_from_lists(prompts, block):
-    from kvdiag.traces.loaders import trace_from_tokens
+    from kvdiag.traces.trace import trace_from_tokens
 
     return trace_from_tokens(prompts, block)
 

@@ -28,7 +28,6 @@ LEFT: dict[str, str] = {
     "collectors/vllm_plugin.py": "the scheduler's hooks and the agent's set-up, " + TO_SPLIT,
     "collectors/transformers_cb.py": "the transformers adapter's hooks, " + TO_SPLIT,
     "simulation/_simkernels.py": TO_SPLIT,
-    "traces/loaders.py": TO_SPLIT,
     "diagnosis/doctor.py": TO_SPLIT,
     "simulation/sharing.py": TO_SPLIT,
     "diagnosis/miss_causes.py": TO_SPLIT,
@@ -42,7 +41,6 @@ LEFT: dict[str, str] = {
     "pool/prefix_cache.py": TO_SPLIT,
     # functions, as path::qualified name
     "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
-    "traces/loaders.py::load_kvdiag": TO_SPLIT,
     "diagnosis/causes.py::attribute": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
     "simulation/policy_replay.py::_replay": TO_SPLIT,
