@@ -43,7 +43,6 @@ LEFT: dict[str, str] = {
     "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
     "diagnosis/causes.py::attribute": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
-    "simulation/policy_replay.py::_replay": TO_SPLIT,
 }
 
 
