@@ -27,7 +27,9 @@ from kvdiag.live.rules import LiveRules
 from kvdiag.paths import open_private
 from kvdiag.live.state import LiveState
 from kvdiag.live.snapshot import Snapshot
-from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
+from kvdiag.tui.panel_base import Panel
+from kvdiag.tui.panels import PANELS
+from kvdiag.tui.panels_requests import RequestsPanel
 
 CHUNK_EVENTS = 20_000
 COMPACT_WIDTH = 110

@@ -226,7 +226,7 @@ def test_exporter_serves_the_curve_at_pool_multiples():
 
 
 def test_top_detail_shows_the_curve_per_tier():
-    from kvdiag.tui.panels import curve_lines
+    from kvdiag.tui.panels_sharing import curve_lines
 
     path = DATA / "vllm_demo" / "demo_16req_seed1.kvlog.gz"
     state = _live(path)

@@ -34,7 +34,6 @@ LEFT: dict[str, str] = {
     "live/sources.py": TO_SPLIT,
     "events/eventlog.py": TO_SPLIT,
     "simulation/capacity_curve.py": TO_SPLIT,
-    "tui/panels.py": TO_SPLIT,
     "diagnosis/latency.py": TO_SPLIT,
     "diagnosis/fragmentation.py": TO_SPLIT,
     "simulation/tiers.py": TO_SPLIT,
