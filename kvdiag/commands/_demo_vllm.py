@@ -114,7 +114,8 @@ class Recording:
         from kvdiag.collectors.agent_client import AgentStream
         from kvdiag.collectors.vllm import subscriber_side
         from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-        from kvdiag.events.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import make_header
+        from kvdiag.events.log_writer import LogWriter
 
         self.agent = AgentStream(server.socket_path, sink=None) if server.plugin else None
         ah = self.agent.header if self.agent else None

@@ -137,7 +137,8 @@ def _open_log(args, model, path: str):
     """The event log of --log (its header names the model and its fp32 KV bytes per token), or None."""
     if not args.log:
         return None
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
 
     from kvdiag.pool.kv_bytes import kv_bytes_per_token
 

@@ -283,7 +283,8 @@ class KvTopApp(App):
         self.notify(f"screenshot saved: {path}")
 
     def action_toggle_record(self) -> None:
-        from kvdiag.events.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import make_header
+        from kvdiag.events.log_writer import LogWriter
 
         with self._lock:
             if self.recorder is not None:

@@ -192,7 +192,8 @@ def test_fast_hash_matches_its_sequential_definition():
 def _write_log(path, requests, *, with_tokens, block_size):
     """A kvdiag log of Mooncake-derived requests, as an engine adapter records them: arrivals
     (with token ids or not), the engine's prefix hits and stored blocks, finishes."""
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import BlockStored, PrefixHit, RequestArrived, RequestFinished
 
     seen = set()
