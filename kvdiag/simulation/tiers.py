@@ -55,12 +55,12 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.simulation import _simkernels as K
-from kvdiag.simulation.sharing import _request_chunks, simulate
+from kvdiag.simulation.replay_common import CHUNK_REFS, request_chunks
+from kvdiag.simulation.sharing import simulate
 from kvdiag.traces.trace import Trace
 from kvdiag.events.units import BYTE_UNITS
 
 WRITE_MODES = ("back", "through")
-_CHUNK_REFS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -364,7 +364,7 @@ def simulate_tiers(trace: Trace, tiers: Sequence[Tier], write: str = "back", *,
     tier_hits = np.zeros((rows, len(tiers)), np.int64)
     tier_tokens = np.zeros((rows, len(tiers)), np.int64)
     counted = trace.counted_rows
-    for r0, r1 in _request_chunks(trace.offsets, _CHUNK_REFS):
+    for r0, r1 in request_chunks(trace.offsets, CHUNK_REFS):
         sim.feed(trace.block_ids, trace.offsets, trace.block_tokens, counted, r0, r1, hits,
                  tier_hits, tier_tokens)
         if progress is not None:

@@ -110,7 +110,7 @@ def test_prompt_only_sharing_matches_replay_footprint():
     """With outputs of one token (a request holds only its prompt) the shared peak equals the
     replay simulator's memory footprint of the same log (an independent implementation)."""
     from kvdiag.diagnosis.frames import load
-    from kvdiag.simulation.sharing import memory_footprint
+    from kvdiag.simulation.footprint import memory_footprint
     from kvdiag.traces.loaders import load_trace
     from kvdiag.traces.workload import from_logs
 
