@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from kvdiag.simulation import _simkernels as K
 from kvdiag.simulation.sharing import simulate
-from kvdiag.simulation.tiers import (Tier, parse_tiers, prefill_s_per_token_from_steps,
-                                   simulate_tiers)
+from kvdiag.simulation.prefill_rate import prefill_s_per_token_from_steps
+from kvdiag.simulation.tier_spec import Tier, parse_tiers
+from kvdiag.simulation.tiers import simulate_tiers
 from kvdiag.traces.loaders import load_trace
 from kvdiag.traces.trace import trace_from_blocks
 
