@@ -13,7 +13,8 @@ import os
 import tempfile
 import time
 
-from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_log
+from kvdiag.events.eventlog import iter_events, make_header, read_log
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.events.schema import BlockAllocated, BlockReleased, BlockStored, EngineStep, PrefixHit
 
 

@@ -44,7 +44,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvdiag.events.eventlog import LogWriter, iter_events, read_header
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.prometheus.exporter import serve
 from kvdiag.events.sinks import FanoutSink
 

@@ -48,7 +48,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
     from kvdiag.collectors.transformers_cb import install
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.demo.smollm import ensure_model
 
     torch.set_num_threads(1)

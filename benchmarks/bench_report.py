@@ -21,7 +21,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvdiag.events.eventlog import LogWriter, iter_events, read_header
+from kvdiag.events.eventlog import iter_events, read_header
+from kvdiag.events.log_writer import LogWriter
 
 DEFAULT_SOURCE = Path(__file__).resolve().parent.parent / "tests/data/demo_small"
 

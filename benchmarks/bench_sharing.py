@@ -48,8 +48,11 @@ def ordered_dict_replay(requests, capacity):
 
 RSS_SCRIPT = """
 import resource, sys, psutil
-from kvdiag.traces.loaders import load_trace, iter_requests
-from kvdiag.simulation.sharing import simulate, lru_curve, replay_stream
+from kvdiag.traces.loaders import load_trace
+from kvdiag.traces.request_traces import iter_requests
+from kvdiag.simulation.lru_curve import lru_curve
+from kvdiag.simulation.sharing import simulate
+from kvdiag.simulation.streamed_replay import replay_stream
 import kvdiag.simulation._simkernels
 before = psutil.Process().memory_info().rss
 if sys.argv[2] == "streamed":  # what `kvdiag replay` does for Mooncake and token-id traces
@@ -67,7 +70,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, refs, distinct,
 
 
 def main() -> None:
-    from kvdiag.simulation.sharing import POLICIES, lru_curve, simulate
+    from kvdiag.simulation.lru_curve import lru_curve
+    from kvdiag.simulation.sharing import POLICIES, simulate
     from kvdiag.traces.loaders import load_trace
     from kvdiag.pool.hashing import chunk_hashes
 

@@ -32,7 +32,8 @@ def main() -> None:
     load0 = os.getloadavg()
 
     from kvdiag.simulation.sharing import simulate
-    from kvdiag.simulation.tiers import Tier, simulate_tiers
+    from kvdiag.simulation.tier_spec import Tier
+    from kvdiag.simulation.tiers import simulate_tiers
     from kvdiag.traces.loaders import load_trace
 
     trace = load_trace(args.trace).repeated(args.repeat)

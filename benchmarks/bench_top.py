@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tui_data import write_constructed_log  # noqa: E402
 
-from kvdiag.events.eventlog import iter_events  # noqa: E402
+from kvdiag.events.eventlog import iter_events
 from kvdiag.live.state import LiveState  # noqa: E402
 
 INTERVAL_S = 1.0

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from kvdiag.events import schema as s
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 
 BLOCK = 16
 BLOCK_BYTES = 16 * 1024

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvdiag.events import schema as s
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 
 BLOCK = 16
 BYTES_PER_TOKEN = 46_080

@@ -11,7 +11,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from kvdiag.collectors.transformers_cb import fold_hash
+from kvdiag.collectors.transformers_cb_hooks import fold_hash
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.events.schema import (
     BlockAllocated,

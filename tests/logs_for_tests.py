@@ -44,7 +44,8 @@ def _leak_run() -> tuple[str, tuple[str, ...]]:
 
     from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.demo.smollm import ensure_model
 
     model_dir = ensure_model()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvdiag.events import schema as s
-from kvdiag.events.eventlog import LogWriter
+from kvdiag.events.log_writer import LogWriter
 
 T0_NS = 1_790_000_000_000_000_000  # a fixed wall-clock origin: snapshots are deterministic
 BLOCK_TOKENS = 32

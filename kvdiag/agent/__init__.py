@@ -174,7 +174,7 @@ class Agent:
             from kvdiag.collectors.transformers_cb import install
         sinks: list[Sink] = []
         if self.log_path is not None:
-            from kvdiag.events.eventlog import LogWriter
+            from kvdiag.events.log_writer import LogWriter
             self.writer = LogWriter(str(self.log_path), self.header)
             sinks.append(self.writer)
         if self._live or self.socket_path is not None:

@@ -8,7 +8,7 @@ their command line or by the names of their Prometheus metrics (vLLM itself:
 - TensorRT-LLM: ``trtllm-serve ...`` or ``python -m tensorrt_llm.commands.serve ...``; metrics
   ``trtllm_*``. Its KV events reach ZMQ through a relay (e.g. Dynamo's): attach takes that
   endpoint with ``--kv-events``; events in TensorRT-LLM's own serialized form are read too
-  (:func:`kvdiag.pool.prefix_cache.trtllm_event_dicts`). Its ``/kv_cache_events`` endpoint is not
+  (:func:`kvdiag.pool.trtllm_kv_events.trtllm_event_dicts`). Its ``/kv_cache_events`` endpoint is not
   polled: reading it drains the engine's event queue (a POST that takes them from any other
   consumer), and attach only ever reads.
 """

@@ -87,9 +87,9 @@ def run_logits(model_dir: Path, log_path: Path, args) -> int:
     shadow_logits(model, ids, _methods(args), sink)
     encoder = msgspec.json.Encoder()
     if log_path.exists():
-        from kvdiag.events.eventlog import _open_for_append
+        from kvdiag.events.log_writer import open_for_append
 
-        with _open_for_append(log_path) as f:
+        with open_for_append(log_path) as f:
             f.write(b"".join(encoder.encode(ev) + b"\n" for ev in sink.events))
     return len(sink.events)
 

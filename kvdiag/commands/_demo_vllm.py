@@ -13,11 +13,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Optional
 
+from kvdiag.commands._demo_live import LiveStats
+from kvdiag.commands._demo_session import Traffic, ask, drive, interrupted, print_started, stop_after_traffic, summary
 from kvdiag.demo.server_process import ServerProcess, free_port
+from kvdiag.demo.traffic import TrafficPlan
 from kvdiag.paths import runtime_dir
 
 READY_TIMEOUT_S = 420.0  # a first start compiles the model (~2 min on 2 cores)
@@ -110,7 +114,8 @@ class Recording:
         from kvdiag.collectors.agent_client import AgentStream
         from kvdiag.collectors.vllm import subscriber_side
         from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-        from kvdiag.events.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import make_header
+        from kvdiag.events.log_writer import LogWriter
 
         self.agent = AgentStream(server.socket_path, sink=None) if server.plugin else None
         ah = self.agent.header if self.agent else None
@@ -150,3 +155,76 @@ class Recording:
         if self.agent is not None:
             self.agent.close(drain_s=2.0)
         self.writer.close()
+
+
+def run(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
+    """`kvdiag demo --engine vllm`: the demo on a real vLLM server, recorded by :class:`Recording`."""
+    server = _server(args, model_dir, log_path)
+    if isinstance(server, int):
+        return server
+    stats = LiveStats()
+    traffic = Traffic(server.base_url, model_dir, plan, args)
+    print(f"kvdiag demo: starting {model_dir.name} on vLLM (prefix caching, KV events and kvdiag's "
+          f"plugin on), port {server.port}", flush=True)
+    server.start()
+    print_started(server, log_path, args)
+    recording = None
+    try:
+        try:
+            server.wait_ready()
+        except RuntimeError as exc:
+            print(f"kvdiag demo: {exc}", file=sys.stderr)
+            server.stop()
+            return 1
+        recording = Recording(server, log_path, model_dir, record_tokens=args.record_tokens)
+        stats.follow(server.socket_path)
+        if args.ask and not ask(server, model_dir, args):
+            raise RuntimeError("--ask failed")
+        counters, elapsed = drive(traffic, args, stats)
+    except (KeyboardInterrupt, RuntimeError) as exc:
+        return _cut_short(exc, traffic, server, stats, recording, log_path)
+    recording.finish_before_stop()
+    code = stop_after_traffic(traffic, server, stats)
+    stats.close()
+    recording.close()
+    failed = summary(traffic.driver, counters, elapsed, stats, server, code, args)
+    print(f"KV events: {recording.events.batches} batches, {recording.events.dropped_batches} lost "
+          f"(raw stream {recording.raw_events_path})")
+    print(f"event log: {log_path}")
+    return 1 if failed or not traffic.driver.results else 0
+
+
+def _server(args, model_dir: Path, log_path: Path):
+    """The :class:`VllmServer` the options ask for, or the exit code (said) when vLLM's environment
+    is missing (1) or an option runs on the transformers engine only (2)."""
+    from kvdiag.demo.vllm_env import SETUP_HINT, vllm_python
+
+    python = vllm_python()
+    if python is None:
+        print(f"kvdiag demo: {SETUP_HINT}", file=sys.stderr)
+        return 1
+    if args.inject_leak or args.shadow or args.shadow_logits:
+        print("kvdiag demo: --inject-leak and --shadow* run on the transformers engine only", file=sys.stderr)
+        return 2
+    extra_env = {"KVDIAG_PROMETHEUS": args.prometheus} if args.prometheus else {}
+    if args.record_tokens:
+        extra_env["KVDIAG_RECORD_TOKENS"] = "1"
+    return VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads,
+                      extra_env=extra_env or None)
+
+
+def _cut_short(exc: BaseException, traffic: Traffic, server: VllmServer, stats: LiveStats,
+               recording: Optional[Recording], log_path: Path) -> int:
+    """Ctrl-C (exit 130) or a failed --ask (exit 1): the recording finished, the server stopped
+    (quickly after Ctrl-C), the log closed."""
+    if recording is not None:
+        recording.finish_before_stop()
+    if isinstance(exc, KeyboardInterrupt):
+        interrupted(traffic, server, stats)
+    else:
+        server.stop()
+        stats.close()
+    if recording is not None:
+        recording.close()
+    print(f"event log: {log_path}")
+    return 130 if isinstance(exc, KeyboardInterrupt) else 1

@@ -65,7 +65,7 @@ def pct(x) -> str:
 
 def need_requests(path, requests: int, problems: list[str]) -> None:
     """Raise TraceFormatError when bad lines were skipped and no request was left."""
-    from kvdiag.traces.loaders import TraceFormatError
+    from kvdiag.traces.lines import TraceFormatError
 
     if problems and not requests:
         raise TraceFormatError(f"{path}: expected at least one readable request, found "

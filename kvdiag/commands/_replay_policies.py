@@ -56,7 +56,8 @@ def run(args: argparse.Namespace, read, caps) -> int:
     """``kvdiag replay TRACE``: the trace through each policy at each capacity (``caps``:
     parsed capacities), or its hit-rate curve; a table or ``--json``."""
     from kvdiag.simulation.policy_replay import PolicyError
-    from kvdiag.traces.loaders import TraceFormatError, detect_format
+    from kvdiag.traces.detect import detect_format
+    from kvdiag.traces.lines import TraceFormatError
 
     try:
         policies = _policies(args)
@@ -105,18 +106,18 @@ def _json_object(info: dict, rows: list[dict], problems: list[str]) -> dict:
 
 
 def _replay_streamed(args, fmt, policies, caps, read):
-    from kvdiag.simulation import sharing
-    from kvdiag.traces.loaders import iter_requests
+    from kvdiag.simulation.streamed_replay import replay_stream
+    from kvdiag.traces.request_traces import iter_requests
 
     block_size, records = iter_requests(args.trace, fmt, args.block_size, args.hash, read)
     bpt = args.bytes_per_token
     capacities = capacities_blocks(caps, block_size, bpt)
     bar, tick = progress(None, args.json)
     try:
-        replay = sharing.replay_stream(records, block_size, policies,
-                                       [] if args.curve else capacities, curve=args.curve,
-                                       concurrency=args.concurrency, bytes_per_token=bpt,
-                                       progress=tick)
+        replay = replay_stream(records, block_size, policies,
+                               [] if args.curve else capacities, curve=args.curve,
+                               concurrency=args.concurrency, bytes_per_token=bpt,
+                               progress=tick)
     finally:
         if bar is not None:
             bar.stop()
@@ -134,7 +135,7 @@ def _replay_streamed(args, fmt, policies, caps, read):
 
 
 def _replay_loaded(args, fmt, policies, caps, read):
-    from kvdiag.simulation import sharing
+    from kvdiag.simulation.footprint import memory_footprint
     from kvdiag.traces.loaders import load_trace
 
     trace = load_trace(args.trace, format=fmt, block_size_tokens=args.block_size,
@@ -161,16 +162,16 @@ def _replay_loaded(args, fmt, policies, caps, read):
     info = {"source": trace.source, "format": trace.format, "requests": trace.requests,
             "block_refs": trace.block_refs, "distinct_blocks": trace.num_blocks,
             "block_size_tokens": trace.block_size_tokens,
-            "footprint": sharing.memory_footprint(trace, args.concurrency, bpt),
+            "footprint": memory_footprint(trace, args.concurrency, bpt),
             "engine_hit_rate": engine, "notes": trace.notes}
     return rows, info
 
 
 def _curve_rows(trace, policies, grid, bpt, quiet) -> list[dict]:
-    from kvdiag.simulation import sharing
+    from kvdiag.simulation.lru_curve import lru_curve
 
     rows: list[dict] = []
-    curve = sharing.lru_curve(trace, bytes_per_token=bpt)
+    curve = lru_curve(trace, bytes_per_token=bpt)
     for policy in policies:
         if policy == "lru":
             rows += [curve.at(c) for c in grid]

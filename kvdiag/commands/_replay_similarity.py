@@ -17,7 +17,8 @@ def run(args: argparse.Namespace, read) -> int:
     import msgspec
 
     from kvdiag.diagnosis.similarity import kv_similarity
-    from kvdiag.traces.loaders import TraceFormatError, prompt_token_ids
+    from kvdiag.traces.lines import TraceFormatError
+    from kvdiag.traces.loaders import prompt_token_ids
     from kvdiag.demo.smollm import load_model
 
     try:

@@ -16,7 +16,11 @@ from kvdiag.events.units import format_bytes
 def run(args: argparse.Namespace, read) -> int:
     """``--tiers``: the trace through a stack of LRU tiers (kvdiag.simulation.tiers)."""
     from kvdiag.simulation import tiers as T
-    from kvdiag.traces.loaders import TraceFormatError, detect_format, load_trace
+    from kvdiag.simulation.prefill_rate import prefill_s_per_token_of_log
+    from kvdiag.simulation.tier_spec import parse_tiers
+    from kvdiag.traces.detect import detect_format
+    from kvdiag.traces.lines import TraceFormatError
+    from kvdiag.traces.loaders import load_trace
 
     clash = [flag for flag, on in (("--policy", args.policy), ("--policy-file", args.policy_file),
                                    ("--capacity", args.capacity), ("--curve", args.curve)) if on]
@@ -25,7 +29,7 @@ def run(args: argparse.Namespace, read) -> int:
               "capacity)", file=sys.stderr)
         return 2
     try:
-        stack = T.parse_tiers(args.tiers)
+        stack = parse_tiers(args.tiers)
     except ValueError as exc:
         print(f"kvdiag replay: --tiers: {exc}", file=sys.stderr)
         return 2
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace, read) -> int:
     tell_skipped("replay", read.problems)
     prefill, source = args.prefill_s_per_token, "--prefill-s-per-token"
     if prefill is None and fmt == "kvdiag":
-        prefill = T.prefill_s_per_token_of_log(args.trace)
+        prefill = prefill_s_per_token_of_log(args.trace)
         source = "engine steps of the log (least-squares marginal cost per prefill token)"
     bpt = args.bytes_per_token or trace.bytes_per_token
     bar, tick = progress(trace.block_refs, args.json)

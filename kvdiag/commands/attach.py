@@ -251,7 +251,7 @@ class _Sinks:
     through the content hasher when there is one (``writer`` records into all)."""
 
     def __init__(self, args: argparse.Namespace, out: Path, header, hasher) -> None:
-        from kvdiag.events.eventlog import LogWriter
+        from kvdiag.events.log_writer import LogWriter
         from kvdiag.events.sinks import FanoutSink
 
         self.exporter = None

@@ -70,7 +70,8 @@ def _strip_tokens(args: argparse.Namespace) -> int:
     """The log with token ids replaced by salted chunk hashes (kvdiag.pool.hashing.ContentHasher)."""
     import msgspec
 
-    from kvdiag.events.eventlog import LogWriter, ReadOutcome, iter_events, read_header
+    from kvdiag.events.eventlog import ReadOutcome, iter_events, read_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, ContentHasher
     from kvdiag.events.schema import SCHEMA_VERSION
 

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _detect(path: str) -> str:
-    from kvdiag.traces.loaders import detect_format
+    from kvdiag.traces.detect import detect_format
 
     fmt = detect_format(path)
     if fmt not in ("mooncake", "tokens", "kvdiag"):

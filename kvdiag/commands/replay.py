@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     """Parse the capacities, then hand over to the mode asked for: ``--similarity``
     (:mod:`._replay_similarity`), ``--tiers`` (:mod:`._replay_tiers`), else the policies'
     replay (:mod:`._replay_policies`)."""
-    from kvdiag.traces.loaders import ReadOptions
+    from kvdiag.traces.lines import ReadOptions
 
     read = ReadOptions(strict=args.strict, partial=args.partial)
     try:

@@ -72,26 +72,50 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    """Check the options, load the model, then measure shadow compression (or, with --delta,
+    differential KV writes)."""
     import torch
 
-    from kvdiag.diagnosis import compression, locality
-    from kvdiag.kernels.methods import DEFAULT_METHODS, parse_methods
-    from kvdiag.shadow.runner import ShadowRunner
-    from kvdiag.shadow.hf_decoder import shadow_generate, shadow_logits
-    from kvdiag.events.schema import ShadowCompression, ShadowLocality, ShadowLogits
     from kvdiag.events.sinks import FanoutSink, ListSink
+
+    methods = _methods(args)
+    if methods is None:
+        return 2
+    torch.set_num_threads(1)
+    loaded = _load_model(args)
+    if isinstance(loaded, int):
+        return loaded
+    path, model, tokenizer = loaded
+    memory = ListSink()
+    writer = _open_log(args, model, path)
+    sink = FanoutSink([memory] + ([writer] if writer else []))
+    if args.delta:
+        return _run_delta(args, model, tokenizer, sink, memory, writer)
+    return _run_compression(args, methods, model, tokenizer, sink, memory, writer)
+
+
+def _methods(args):
+    """The compression methods asked for, once --methods, --groups and the --delta options are
+    checked; None (said) when one is not valid."""
+    from kvdiag.diagnosis import compression
+    from kvdiag.kernels.methods import DEFAULT_METHODS, parse_methods
 
     try:
         methods = parse_methods(args.methods or ",".join(DEFAULT_METHODS))
         compression.parse_groups(args.groups)
     except ValueError as exc:
         print(f"kvdiag shadow: {exc}", file=sys.stderr)
-        return 2
+        return None
     if args.delta and not (args.turns >= 1 and args.block_tokens >= 1 and 0 < args.delta_bound < 1):
         print("kvdiag shadow: --turns and --block-tokens must be >= 1 and --delta-bound in (0, 1)",
               file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
+        return None
+    return methods
+
+
+def _load_model(args):
+    """(folder, model, tokenizer) of --model (fetched when it is the default), or the exit code
+    (said): 2 for a folder that is not a model, 1 when the default model cannot be fetched."""
     from kvdiag.commands.fetch_model import resolve_with_progress
     from kvdiag.demo.smollm import ModelFetchError, load_model
 
@@ -106,31 +130,52 @@ def run(args) -> int:
         print(f"kvdiag shadow: {path}: expected a converted model folder ({type(exc).__name__}: "
               f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr)
         return 2
-    memory = ListSink()
-    writer = None
-    if args.log:
-        from kvdiag.events.eventlog import LogWriter, make_header
+    return path, model, tokenizer
 
-        from kvdiag.pool.kv_bytes import kv_bytes_per_token
 
-        cfg = model.config
-        bytes_per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                             cfg.head_dim, "fp32")  # the model runs in fp32 on the CPU
-        writer = LogWriter(args.log, make_header(engine="transformers-inprocess", model=path,
-                                                 bytes_per_token=bytes_per_token))
-    sink = FanoutSink([memory] + ([writer] if writer else []))
-    if args.delta:
-        return _run_delta(args, model, tokenizer, sink, memory, writer)
-    runner = ShadowRunner(sink, methods, sample_rate=args.sample_rate, budget_frac=args.budget)
+def _open_log(args, model, path: str):
+    """The event log of --log (its header names the model and its fp32 KV bytes per token), or None."""
+    if not args.log:
+        return None
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
+
+    from kvdiag.pool.kv_bytes import kv_bytes_per_token
+
+    cfg = model.config
+    bytes_per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                         cfg.head_dim, "fp32")  # the model runs in fp32 on the CPU
+    return LogWriter(args.log, make_header(engine="transformers-inprocess", model=path,
+                                           bytes_per_token=bytes_per_token))
+
+
+def _prompts(args, tokenizer):
+    """The built-in prompts, each after the first --context-tokens tokens of --document when
+    given; None (said) when the document cannot be read."""
     prompts = list(PROMPTS[: args.prompts])
     if args.document:
         try:
             text = open(args.document, encoding="utf-8").read()
         except (OSError, UnicodeDecodeError) as exc:
             print(f"kvdiag shadow: {args.document}: expected a readable UTF-8 text file ({exc})", file=sys.stderr)
-            return 2
+            return None
         doc = tokenizer.decode(tokenizer(text)["input_ids"][: args.context_tokens])
         prompts = [f"{doc}\n\n{p}" for p in prompts]
+    return prompts
+
+
+def _run_compression(args, methods, model, tokenizer, sink, memory, writer) -> int:
+    """Generate answers with the shadow runner on sampled decode steps (and --logits), then print
+    the per-group table, the recommendation, locality and logit agreement (or their JSON)."""
+    from kvdiag.diagnosis import compression, locality
+    from kvdiag.events.schema import ShadowCompression, ShadowLocality, ShadowLogits
+    from kvdiag.shadow.hf_decoder import shadow_generate, shadow_logits
+    from kvdiag.shadow.runner import ShadowRunner
+
+    runner = ShadowRunner(sink, methods, sample_rate=args.sample_rate, budget_frac=args.budget)
+    prompts = _prompts(args, tokenizer)
+    if prompts is None:
+        return 2
     result = shadow_generate(model, tokenizer, prompts, runner, args.max_new_tokens)
     if args.logits:
         shadow_logits(model, tokenizer(LOGITS_TEXT, return_tensors="pt")["input_ids"], methods, sink)

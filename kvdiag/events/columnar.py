@@ -5,7 +5,7 @@ Each event field becomes one column of the same name (units stay in the names): 
 string, lists of ints list<int64>, lists of floats list<float64>; dicts and tuples (header
 extras, phase shares, histograms) are JSON text, decoded back with the field's own type.
 ``from_table(cls, table)`` gives the frame ``read_log`` gives for the same events: the same
-columns, dtypes (``eventlog._column_kinds``) and values.
+columns, dtypes (``log_frames.column_kinds``) and values.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvdiag.events.eventlog import _column_kinds
+from kvdiag.events.log_frames import column_kinds
 from kvdiag.events.schema import Event
 
 JSON_COLUMNS_KEY = b"kvdiag.json_columns"
@@ -58,7 +58,7 @@ def _arrow_type(t) -> pa.DataType | None:
 @functools.cache
 def columns(cls: type) -> tuple[Column, ...]:
     """The columns of an event class (or LogHeader), in field order."""
-    kinds = _column_kinds(cls)
+    kinds = column_kinds(cls)
     hints = {f.name: f.type for f in msgspec.structs.fields(cls)}
     out = []
     for f in msgspec.inspect.type_info(cls).fields:
@@ -92,7 +92,7 @@ def to_table(cls: type[Event], df: pd.DataFrame) -> pa.Table:
 
 
 def _series(c: Column, col: pa.ChunkedArray) -> "np.ndarray | pd.Series":
-    """One column as ``eventlog._column`` makes it from the same values."""
+    """One column as ``log_frames.column`` makes it from the same values."""
     if c.kind in ("float64", "int64", "bool"):
         return col.to_numpy().astype(c.kind, copy=False)
     if c.json_type is not None:

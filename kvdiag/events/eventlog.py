@@ -1,10 +1,6 @@
-"""The event log: append-only JSONL, a header line first, one event per line.
-
-Writing never blocks the observed thread: ``LogWriter.record`` appends to a bounded queue
-that a background thread drains every ``interval_s``. When the queue is full, events are
-dropped, counted, and the count is written as a ``CollectorGap`` event. Because each interval
-ends with a flush to the OS (and a gzip sync flush for ``.gz`` logs), a ``kill -9`` loses at
-most the last interval; the reader skips the truncated last line with a warning.
+"""The event log: append-only JSONL, a header line first, one event per line; its header, and
+reading it back. :mod:`kvdiag.events.log_writer` writes it (a ``kill -9`` loses at most the
+last flush interval; the reader skips the truncated last line with a warning).
 
 Reading streams the file: lines are decoded in batches and folded into one pandas DataFrame
 per event type, whose columns are the event's fields (units in their names).
@@ -12,35 +8,29 @@ per event type, whose columns are the event's fields (units in their names).
 
 from __future__ import annotations
 
-import atexit
 import collections
-import functools
 import gc
 import gzip
 import os
-import signal
 import socket
-import threading
 import time
 import warnings
-import weakref
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import msgspec
-import numpy as np
 import pandas as pd
 
 from kvdiag import __version__
 from kvdiag.events.line_errors import lenient_parse, non_finite_message, validation_message
+from kvdiag.events.log_frames import to_frame
 from kvdiag.events.schema import (
     SCHEMA_MAJOR,
     SCHEMA_VERSION,
     TAGS,
     AnyEvent,
-    CollectorGap,
     Event,
     LogHeader,
     event_tag,
@@ -48,8 +38,12 @@ from kvdiag.events.schema import (
     parse_version,
 )
 
-DEFAULT_INTERVAL_S = 1.0
-DEFAULT_MAX_QUEUE = 100_000
+# Re-exported for kvdiag.diagnosis.attach_summary, which imports it from here (issue 29 left
+# kvdiag.diagnosis to another branch); import it from kvdiag.events.log_frames elsewhere.
+from kvdiag.events.log_frames import events_to_frames
+
+__all__ = ["EventLog", "LogFormatError", "ReadOutcome", "events_to_frames", "iter_events", "make_header",
+           "read_header", "read_log"]
 
 
 class LogFormatError(ValueError):
@@ -64,156 +58,6 @@ def make_header(**fields) -> LogHeader:
     if not defaults.get("node"):
         defaults["node"] = defaults["host"]
     return LogHeader(**defaults)
-
-
-# ---------------------------------------------------------------------------- writing
-
-_open_writers: "weakref.WeakSet[LogWriter]" = weakref.WeakSet()
-
-
-class LogWriter:
-    """A Sink that appends events to a JSONL log (gzip when the path ends in ``.gz``).
-
-    ``record`` costs a deque append; encoding and I/O happen on the flusher thread. The queue
-    holds at most ``max_queue`` events between flushes; beyond that events are dropped and
-    reported as one ``CollectorGap(collector="eventlog")`` per flush.
-    """
-
-    def __init__(self, path: str | os.PathLike, header: LogHeader, *,
-                 interval_s: float = DEFAULT_INTERVAL_S, max_queue: int = DEFAULT_MAX_QUEUE):
-        self.path = Path(path)
-        self.header = header
-        self.interval_s = interval_s
-        self.max_queue = max_queue
-        self._queue: collections.deque[Event] = collections.deque()
-        self._drop_lock = threading.Lock()
-        self._dropped = 0
-        self._drop_start_ns = 0
-        self._drop_end_ns = 0
-        self._io_lock = threading.Lock()
-        self._encoder = msgspec.json.Encoder()
-        self._file = _open_for_append(self.path)
-        self._file.write(self._encoder.encode(header) + b"\n")
-        self._sync()
-        self._closed = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvdiag-log-writer", daemon=True)
-        self._thread.start()
-        _open_writers.add(self)
-        atexit.register(self.close)
-
-    # Sink interface ------------------------------------------------------------------
-    def record(self, event: Event) -> None:
-        if len(self._queue) < self.max_queue:
-            self._queue.append(event)
-            return
-        now = time.time_ns()
-        with self._drop_lock:
-            if not self._dropped:
-                self._drop_start_ns = now
-            self._dropped += 1
-            self._drop_end_ns = now
-
-    def flush(self) -> None:
-        """Write everything queued so far and hand it to the OS."""
-        with self._io_lock:
-            if self._closed:
-                return
-            self._write_pending()
-            self._sync()
-
-    # lifecycle -----------------------------------------------------------------------
-    def close(self) -> None:
-        """Flush and close; idempotent, safe from atexit and signal handlers."""
-        if self._closed:
-            return
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-        with self._io_lock:
-            if self._closed:
-                return
-            self._write_pending()
-            self._file.close()
-            self._closed = True
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> "LogWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def dropped_events(self) -> int:
-        """Events dropped since the last flush (reset when their gap event is written)."""
-        return self._dropped
-
-    # internals -----------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.flush()
-            except Exception as exc:  # a full disk must not kill the observed process
-                warnings.warn(f"kvdiag: writing {self.path} failed: {exc}")
-
-    def _write_pending(self) -> None:
-        queue = self._queue
-        batch = [queue.popleft() for _ in range(len(queue))]
-        if batch:
-            self._file.write(self._encoder.encode_lines(batch))
-        with self._drop_lock:
-            dropped, self._dropped = self._dropped, 0
-            start_ns, end_ns = self._drop_start_ns, self._drop_end_ns
-        if dropped:
-            gap = CollectorGap(ts_ns=time.time_ns(), collector="eventlog", start_ns=start_ns,
-                               end_ns=end_ns, dropped_events=dropped)
-            self._file.write(self._encoder.encode(gap) + b"\n")
-
-    def _sync(self) -> None:
-        if isinstance(self._file, gzip.GzipFile):
-            self._file.flush(zlib.Z_SYNC_FLUSH)  # makes all bytes so far decompressible
-        self._file.flush()
-
-
-def _open_for_append(path: Path) -> IO[bytes]:
-    """The log opened for appending; created 0600 (folders 0700) when new (kvdiag.paths)."""
-    from kvdiag.paths import create_private, open_private
-
-    if path.suffix == ".gz":
-        create_private(path)  # gzip opens by name: the file exists, private, before it does
-        return gzip.open(path, "ab", compresslevel=3)
-    return open_private(path, "ab")
-
-
-def flush_all_writers() -> None:
-    """Flush every open LogWriter of this process (used by signal handlers)."""
-    for writer in list(_open_writers):
-        try:
-            writer.flush()
-        except Exception:
-            pass
-
-
-def install_signal_handlers(signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
-    """Flush open logs on SIGTERM/SIGINT, then hand the signal to the previous handler.
-
-    Only possible from the main thread; elsewhere this does nothing (atexit still flushes).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in signals:
-        previous = signal.getsignal(signum)
-
-        def handler(num, frame, previous=previous):
-            flush_all_writers()
-            if callable(previous):
-                previous(num, frame)
-            elif previous == signal.SIG_DFL:
-                signal.signal(num, signal.SIG_DFL)
-                os.kill(os.getpid(), num)
-
-        signal.signal(signum, handler)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -483,62 +327,13 @@ def _read_log(path: Path, wanted: Optional[set[str]], strict: bool,
             if wanted is not None and event_tag(cls) not in wanted:
                 del rows[cls]
             elif len(bucket) >= _FRAME_PIECE_ROWS:
-                pieces.setdefault(cls, []).append(_to_frame(cls, bucket))
+                pieces.setdefault(cls, []).append(to_frame(cls, bucket))
                 rows[cls] = []
     frames = {}
     for cls in set(rows) | set(pieces):
         parts = pieces.get(cls, [])
         if rows.get(cls):
-            parts.append(_to_frame(cls, rows[cls]))
+            parts.append(to_frame(cls, rows[cls]))
         frames[event_tag(cls)] = parts[0] if len(parts) == 1 else pd.concat(parts, ignore_index=True)
     return EventLog(path=path, header=stream.header, frames=frames,
                     problems=stream.problems, unknown_types=stream.unknown_types, cut=stream.cut)
-
-
-def _to_frame(cls: type[Event], rows: list[tuple]) -> pd.DataFrame:
-    columns = zip(*rows) if rows else [[] for _ in fields_of(cls)]
-    return pd.DataFrame({name: _column(values, kind)
-                         for (name, kind), values in zip(_column_kinds(cls).items(), columns)},
-                        copy=False)
-
-
-@functools.cache
-def _column_kinds(cls: type[Event]) -> dict[str, str]:
-    """Each field's column dtype, from the schema: float64 for (optional) floats (null is
-    NaN), int64 and bool for required ints and bools, object for the rest (strings, lists,
-    optional ints: a 63-bit hash does not survive float64)."""
-    kinds = {}
-    for f in msgspec.inspect.type_info(cls).fields:
-        t = f.type
-        types = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
-        real = [x for x in types if not isinstance(x, msgspec.inspect.NoneType)]
-        kind = "object"
-        if len(real) == 1 and isinstance(real[0], msgspec.inspect.FloatType):
-            kind = "float64"
-        elif len(types) == 1 and isinstance(t, msgspec.inspect.IntType):
-            kind = "int64"
-        elif len(types) == 1 and isinstance(t, msgspec.inspect.BoolType):
-            kind = "bool"
-        kinds[f.name] = kind
-    return kinds
-
-
-def _column(values: tuple, kind: str) -> "np.ndarray | pd.Series":
-    """A typed numpy column of ``kind``; an optional int column whose values are all present
-    is int64 too. Values come from the reader, which checked their ranges."""
-    if kind == "float64":
-        return np.fromiter((np.nan if v is None else v for v in values), dtype=np.float64,
-                           count=len(values))
-    if kind == "object" and values and all(type(v) is int for v in values):
-        kind = "int64"
-    if kind in ("int64", "bool"):
-        return np.fromiter(values, dtype=kind, count=len(values))
-    return pd.Series(values, dtype=object)
-
-
-def events_to_frames(events: Iterable[Event]) -> dict[str, pd.DataFrame]:
-    """The DataFrames ``read_log`` would return for these events (for in-memory sinks)."""
-    rows: dict[type, list[tuple]] = {}
-    for event in events:
-        rows.setdefault(type(event), []).append(msgspec.structs.astuple(event))
-    return {event_tag(cls): _to_frame(cls, r) for cls, r in rows.items()}

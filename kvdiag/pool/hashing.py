@@ -217,7 +217,7 @@ class Content:
 
 def full_sequence_chunks(prompt_keys: Sequence[int], prompt_tokens: int,
                          stored_blocks: list[tuple[int, Sequence[int]]]) -> tuple[np.ndarray, int]:
-    """:func:`kvdiag.traces.loaders.full_sequence` on chunk keys: a finished request's prompt
+    """:func:`kvdiag.traces.kvdiag_logs.full_sequence` on chunk keys: a finished request's prompt
     and generated content as far as its engine stored full blocks. ``stored_blocks``: (tokens
     in block, chunk keys ending in it) of its ``block_stored`` events, in order. Blocks whose
     keys are all prompt keys are the prompt's own; the others continue the prompt's leading

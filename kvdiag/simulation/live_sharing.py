@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from kvdiag.simulation.sharing import PrefixCacheSim
-from kvdiag.traces.loaders import full_sequence
+from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hit_rate import counts_toward_hit_rate, engine_token_hit_rate
 from kvdiag.pool.hashing import Content, full_sequence_chunks
 from kvdiag.events.schema import (

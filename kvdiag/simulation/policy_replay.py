@@ -24,7 +24,7 @@ import numpy as np
 from kvdiag.simulation import _simkernels as K
 from kvdiag.simulation.policies import BUILTIN_PLUGINS, BlockStats, Policy, Ref
 from kvdiag.simulation.sharing import SharingResult, capacity_in_blocks, result_of_run
-from kvdiag.traces.loaders import Trace
+from kvdiag.traces.trace import Trace
 
 
 class PolicyError(Exception):
@@ -169,7 +169,11 @@ class _InvalidVictim(Exception):
 
 def _replay(trace: Trace, policy: Policy, cap: Optional[int], stats: BlockStats, ref: Ref,
             hits_out: np.ndarray, age_hist: np.ndarray, counts: list) -> None:
-    """The reference loop (locals for speed; the semantics of ``_simkernels.run_requests``)."""
+    """The reference loop (locals for speed; the semantics of ``_simkernels.run_requests``).
+
+    Long: one loop over every block reference with its state in locals, read side by side with
+    ``_simkernels.run_requests``; a helper per step would add a Python call to each reference
+    of traces millions of references long, and would take a dozen locals as arguments."""
     ids = trace.block_ids.tolist()
     offsets = trace.offsets.tolist()
     tokens = trace.block_tokens.tolist()

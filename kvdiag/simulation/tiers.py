@@ -43,11 +43,13 @@ Quantities, per tier ``t``, each with its denominator:
 - link busy = (promoted + demoted-in + written bytes) / span / the tier's bandwidth: one link
   for both directions; transfers are not queued in the simulation, so near or above 1 the
   TTFT effect is optimistic.
+
+The tiers come from :mod:`kvdiag.simulation.tier_spec` (``--tiers``); prefill seconds per
+token, given or fitted on a log, from :mod:`kvdiag.simulation.prefill_rate`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -55,80 +57,12 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.simulation import _simkernels as K
-from kvdiag.simulation.sharing import _request_chunks, simulate
-from kvdiag.traces.loaders import Trace
-from kvdiag.events.units import BYTE_UNITS
+from kvdiag.simulation.replay_common import CHUNK_REFS, request_chunks
+from kvdiag.simulation.sharing import simulate
+from kvdiag.traces.trace import Trace
+from kvdiag.simulation.tier_spec import Tier
 
 WRITE_MODES = ("back", "through")
-_CHUNK_REFS = 1 << 16
-
-
-@dataclass(frozen=True)
-class Tier:
-    """One tier: a name, a capacity (blocks, or bytes resolved later; both None = unbounded)
-    and the bandwidth of reading it into the top tier (bytes/s; None = not given)."""
-
-    name: str
-    capacity_blocks: Optional[int] = None
-    capacity_bytes: Optional[int] = None
-    bandwidth_bytes_per_s: Optional[float] = None
-
-    def resolved(self, block_bytes: Optional[int]) -> "Tier":
-        """The tier with a capacity in bytes turned into whole blocks."""
-        if self.capacity_bytes is None:
-            return self
-        if not block_bytes:
-            raise ValueError(f"tier {self.name}: a capacity in bytes needs the bytes per block "
-                             "(--bytes-per-token, or a kvdiag log's pool/header)")
-        return Tier(self.name, self.capacity_bytes // block_bytes, None,
-                    self.bandwidth_bytes_per_s)
-
-
-def _amount(text: str, what: str) -> float:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]i?b|b)?", text.strip().lower())
-    if not m:
-        raise ValueError(f"expected {what}, got {text!r}")
-    return float(m.group(1)) * (BYTE_UNITS[m.group(2)] if m.group(2) else 1)
-
-
-def parse_tiers(spec: str) -> list[Tier]:
-    """``gpu=CAP[,BW],cpu=CAP[,BW],...``, top tier first. CAP: blocks (``1000``), bytes
-    (``40GiB``, ``500MB``) or ``unbounded``; BW: bytes per second (``25GB/s``, ``3e9``).
-    A comma-separated item with ``=`` starts a tier; one without is the bandwidth of the
-    tier before it."""
-    tiers: list[dict] = []
-    for item in (x.strip() for x in spec.split(",")):
-        if not item:
-            continue
-        if "=" in item:
-            name, cap = (s.strip() for s in item.split("=", 1))
-            if not re.fullmatch(r"[A-Za-z][\w-]*", name):
-                raise ValueError(f"expected a tier name like gpu, cpu or disk, got {name!r}")
-            if any(t["name"] == name for t in tiers):
-                raise ValueError(f"tier {name!r} is given twice")
-            low = cap.lower()
-            if low in ("unbounded", "inf", "none"):
-                tiers.append({"name": name})
-            elif re.fullmatch(r"\d+", low):
-                tiers.append({"name": name, "capacity_blocks": int(low)})
-            else:
-                tiers.append({"name": name, "capacity_bytes": int(_amount(
-                    cap, f"tier {name}: a capacity like 1000 (blocks), 40GiB or unbounded"))})
-        else:
-            if not tiers:
-                raise ValueError(f"expected NAME=CAPACITY first, got {item!r}")
-            if "bandwidth_bytes_per_s" in tiers[-1]:
-                raise ValueError(f"tier {tiers[-1]['name']}: two bandwidths ({item!r})")
-            bw = item[:-2] if item.lower().endswith("/s") else item
-            value = _amount(bw, f"tier {tiers[-1]['name']}: a bandwidth like 25GB/s")
-            if value <= 0:
-                raise ValueError(f"tier {tiers[-1]['name']}: bandwidth must be > 0")
-            tiers[-1]["bandwidth_bytes_per_s"] = value
-    if not tiers:
-        raise ValueError("expected at least one tier, e.g. gpu=1000,cpu=8000,25GB/s")
-    if len(tiers) > K.MAX_TIERS:
-        raise ValueError(f"at most {K.MAX_TIERS} tiers")
-    return [Tier(**t) for t in tiers]
 
 
 @dataclass
@@ -364,7 +298,7 @@ def simulate_tiers(trace: Trace, tiers: Sequence[Tier], write: str = "back", *,
     tier_hits = np.zeros((rows, len(tiers)), np.int64)
     tier_tokens = np.zeros((rows, len(tiers)), np.int64)
     counted = trace.counted_rows
-    for r0, r1 in _request_chunks(trace.offsets, _CHUNK_REFS):
+    for r0, r1 in request_chunks(trace.offsets, CHUNK_REFS):
         sim.feed(trace.block_ids, trace.offsets, trace.block_tokens, counted, r0, r1, hits,
                  tier_hits, tier_tokens)
         if progress is not None:
@@ -385,31 +319,3 @@ def simulate_tiers(trace: Trace, tiers: Sequence[Tier], write: str = "back", *,
         prefill_s_per_token=prefill_s_per_token,
         prefill_source=prefill_source if prefill_s_per_token is not None else "not given",
         top_alone_hit_tokens=top_alone)
-
-
-def prefill_s_per_token_from_steps(steps: pd.DataFrame) -> Optional[float]:
-    """Marginal prefill seconds per prompt token from a log's ``engine_step`` rows: the
-    least-squares fit ``duration = c + a x prefill_tokens + b x decode_tokens`` over all steps,
-    ``a`` (what one more prompt token recomputed costs; ``c`` is the per-step overhead a saved
-    token does not remove). None with fewer than 3 steps with prefill tokens, or a fit with
-    ``a <= 0``."""
-    if steps is None or not len(steps):
-        return None
-    p = steps["prefill_tokens"].to_numpy(np.float64)
-    d = steps["decode_tokens"].to_numpy(np.float64)
-    y = steps["duration_ns"].to_numpy(np.float64) / 1e9
-    if int((p > 0).sum()) < 3:
-        return None
-    x = np.column_stack([np.ones_like(p), p, d])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    a = float(coef[1])
-    return a if a > 0 else None
-
-
-def prefill_s_per_token_of_log(path) -> Optional[float]:
-    """:func:`prefill_s_per_token_from_steps` of a kvdiag log's engine steps."""
-    from kvdiag.events.eventlog import read_log
-    from kvdiag.events.schema import EngineStep
-
-    log = read_log(path, types=[EngineStep])
-    return prefill_s_per_token_from_steps(log.frame(EngineStep))

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from kvdiag.traces.lines import BadLine, ReadOptions, TraceFormatError, decoded_lines
-from kvdiag.traces import loaders as traces
+from kvdiag.traces import request_traces as traces
 
 
 @dataclass
@@ -207,7 +207,7 @@ def load_mooncake(path: str | Path, block_size_tokens: int,
 def load_tokens(path: str | Path, block_size_tokens: int, output: Optional[str] = None,
                 seed: int = 0, read: Optional[ReadOptions] = None) -> Workload:
     """A token-id trace (``{"timestamp": s, "token_ids": [...]}`` a line, optional
-    ``output_tokens`` and ``extra_keys``), read by :func:`kvdiag.traces.loaders.token_lines`
+    ``output_tokens`` and ``extra_keys``), read by :func:`kvdiag.traces.request_traces.token_lines`
     as ``replay`` reads it: prompts and their full blocks' keys; outputs from the line, else
     drawn from ``output`` (a length distribution)."""
     path, read = Path(path), read or ReadOptions()

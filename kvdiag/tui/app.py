@@ -27,7 +27,9 @@ from kvdiag.live.rules import LiveRules
 from kvdiag.paths import open_private
 from kvdiag.live.state import LiveState
 from kvdiag.live.snapshot import Snapshot
-from kvdiag.tui.panels import PANELS, Panel, RequestsPanel
+from kvdiag.tui.panel_base import Panel
+from kvdiag.tui.panels import PANELS
+from kvdiag.tui.panels_requests import RequestsPanel
 
 CHUNK_EVENTS = 20_000
 COMPACT_WIDTH = 110
@@ -281,7 +283,8 @@ class KvTopApp(App):
         self.notify(f"screenshot saved: {path}")
 
     def action_toggle_record(self) -> None:
-        from kvdiag.events.eventlog import LogWriter, make_header
+        from kvdiag.events.eventlog import make_header
+        from kvdiag.events.log_writer import LogWriter
 
         with self._lock:
             if self.recorder is not None:

@@ -28,7 +28,8 @@ def long_halfway_log(tmp_path_factory, model_dir):
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")

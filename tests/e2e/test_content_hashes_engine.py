@@ -26,7 +26,8 @@ def test_default_agent_log_holds_hashes_that_replay_like_token_ids(tmp_path, mod
 
     from kvdiag import agent
     from kvdiag.cli import main
-    from kvdiag.events.eventlog import LogWriter, iter_events, read_header
+    from kvdiag.events.eventlog import iter_events, read_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.pool.hashing import salted_chunk_hashes
     from kvdiag.events.schema import BlockStored, RequestArrived, ShadowSharing
 

@@ -157,7 +157,8 @@ def test_every_pid_of_a_running_demo_reaches_its_agent_and_duration_is_wall_time
     import psutil
 
     from kvdiag.cli import main
-    from kvdiag.commands.demo import DEFAULT_MAX_IN_FLIGHT, DRAIN_S
+    from kvdiag.commands._demo_session import DRAIN_S
+    from kvdiag.commands.demo import DEFAULT_MAX_IN_FLIGHT
 
     log_path = tmp_path / "demo.kvlog"
     demo = subprocess.Popen([sys.executable, "-m", "kvdiag", "demo", "--duration", str(DURATION_S), "--rate", "2",

@@ -148,7 +148,7 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     from kvdiag.diagnosis.frames import load
     from kvdiag.events.eventlog import iter_events
     from kvdiag.live.state import LiveState
-    from kvdiag.reports import sections
+    from kvdiag.reports import section_memory
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -195,7 +195,7 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     assert m.kv_pool_total_rss_share == pytest.approx(info.num_blocks * info.block_bytes / last_ps.rss_bytes)
     assert m.host_pss_bytes is not None and 0 < m.host_pss_bytes <= 1.05 * m.host_rss_bytes
 
-    sec = sections.memory(logs, int(logs.frame(s.ProcessSample)["ts_ns"].min()))
+    sec = section_memory.memory(logs, int(logs.frame(s.ProcessSample)["ts_ns"].min()))
     chart = next(b for b in sec.blocks if getattr(b, "title", "") == "Memory by source")
     names = set(chart.data["series"])
     assert any(n.startswith(f"host rss pid {os.getpid()}") for n in names), names

@@ -24,7 +24,8 @@ def test_engine_hit_rate_equals_shadow_at_engine_settings(tmp_path, model_dir):
     from kvdiag.simulation.live_sharing import ShadowConfig, ShadowSharingSink
     from kvdiag.simulation.sharing import simulate
     from kvdiag.traces.loaders import load_trace
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import RequestArrived
     from kvdiag.events.sinks import FanoutSink, ListSink
 

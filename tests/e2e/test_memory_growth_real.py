@@ -17,7 +17,8 @@ import pytest
 from kvdiag.events import schema as s
 from kvdiag.diagnosis import doctor
 from kvdiag.diagnosis.frames import load
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 
 STEPS = 30
 

@@ -32,7 +32,8 @@ def test_adapter_records_the_engines_preemptions(tmp_path):
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     from kvdiag.collectors import transformers_cb as tcb
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.demo.smollm import ensure_model
 
     model_dir = ensure_model()

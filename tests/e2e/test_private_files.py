@@ -119,7 +119,8 @@ def test_cache_and_log_folders_are_0700(tmp_path):
 
 @pytest.mark.parametrize("name", ["run.jsonl", "run.jsonl.gz"])
 def test_log_writer(tmp_path, name):
-    from kvdiag.events.eventlog import LogWriter, make_header, read_log
+    from kvdiag.events.eventlog import make_header, read_log
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import BlockAllocated
 
     path = tmp_path / "new" / "logs" / name

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvdiag.traces.loaders import kv_event_gaps
+from kvdiag.traces.kv_event_traces import kv_event_gaps
 from kvdiag.collectors.vllm import identify
 from kvdiag.events.eventlog import iter_events
 from kvdiag.events.schema import BlockStored, CollectorGap, CollectorStatus, EngineMetrics, PrefixCacheStored, RequestFinished

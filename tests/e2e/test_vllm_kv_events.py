@@ -347,7 +347,9 @@ def test_replay_endpoint_fills_lost_batches_and_only_the_rest_is_a_gap(publisher
 
 
 def test_recorded_stream_keeps_its_seqs_gaps_are_found_and_replay_reads_it(publisher, tmp_path):
-    from kvdiag.traces.loaders import detect_format, kv_event_gaps, load_trace
+    from kvdiag.traces.detect import detect_format
+    from kvdiag.traces.kv_event_traces import kv_event_gaps
+    from kvdiag.traces.loaders import load_trace
 
     raw = tmp_path / "kv_events.jsonl"
     sink = WaitSink()
@@ -382,8 +384,9 @@ def test_recorded_stream_keeps_its_seqs_gaps_are_found_and_replay_reads_it(publi
 
 
 def test_gap_finder_on_a_kvdiag_log(tmp_path):
-    from kvdiag.traces.loaders import kv_event_gaps
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.traces.kv_event_traces import kv_event_gaps
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
 
     path = tmp_path / "kv.kvlog"
     with LogWriter(path, make_header(engine="vllm")) as w:
@@ -481,7 +484,8 @@ def test_the_replay_loader_and_the_live_subscriber_count_the_same(publisher, tmp
 
 
 def _log(path, events):
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import EngineStep
 
     with LogWriter(path, make_header(engine="vllm", node="n1")) as w:

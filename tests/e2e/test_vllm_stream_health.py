@@ -14,7 +14,8 @@ from kvdiag.diagnosis import doctor
 from kvdiag.diagnosis.frames import load
 from kvdiag.collectors import metrics, vllm
 from kvdiag.collectors.vllm_kv_events import KVEventSubscriber
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 from vllm_harness import chat, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

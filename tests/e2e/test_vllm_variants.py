@@ -12,7 +12,7 @@ from kvdiag.diagnosis import doctor, rules
 from kvdiag.simulation.live_sharing import ShadowSharingSink
 from kvdiag.diagnosis.frames import load as load_logs
 from kvdiag.collectors.agent_client import AgentStream
-from kvdiag.events.eventlog import LogWriter
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.events.schema import CollectorError, KVPoolInfo, RequestFinished
 from kvdiag.events.sinks import ListSink
 from vllm_harness import QUESTIONS, chat, counter, metrics_text, running_vllm

@@ -136,9 +136,10 @@ def test_top_and_report_fill_their_compression_and_locality_from_the_worker(shad
     """The live view (top) and the report read the worker's events as they read the embedded
     engine's; the report names vLLM's setting for the recommendation."""
     from kvdiag.diagnosis.frames import load as load_logs
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.live.state import LiveState
-    from kvdiag.reports.sections import compression as compression_section
+    from kvdiag.reports.section_shadow import compression as compression_section
     from kvdiag.events.schema import LogHeader
 
     _first, _answers, _steps, events = shadowed

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from kvdiag.events import eventlog
-from kvdiag.simulation import sharing
+from kvdiag.simulation.lru_curve import lru_curve
 from kvdiag.simulation.capacity_curve import ReuseCurve, StoreRows, max_keys_for_pool
-from kvdiag.traces.loaders import _vllm_line, load_trace
+from kvdiag.traces.kv_event_traces import vllm_line as _vllm_line
+from kvdiag.traces.loaders import load_trace
 from kvdiag.cli import main
 from kvdiag.live.state import LiveState
 
@@ -58,7 +59,7 @@ def test_fixture_logs_with_content_are_found():
 def test_live_curve_equals_replay_curve_on_recorded_logs(path, capsys):
     state = _live(path)
     live = state.curves.requests.curve.curve()
-    _same(live, sharing.lru_curve(load_trace(path)))
+    _same(live, lru_curve(load_trace(path)))
     # and the command's own rows, at every capacity 0..distinct+1
     caps = [str(c) for c in range(live.distinct_blocks + 2)]
     assert main(["replay", str(path), "--curve", "--json", *sum((["--capacity", c] for c in caps), [])]) == 0
@@ -83,7 +84,7 @@ def test_live_kv_event_curve_equals_replay_curve_on_recorded_vllm_stream():
     state.feed_all(_kv_batches(path))
     (tier, rows), = state.curves.tiers.items()
     assert tier == "GPU"
-    _same(rows.curve.curve(), sharing.lru_curve(load_trace(path, format="vllm")))
+    _same(rows.curve.curve(), lru_curve(load_trace(path, format="vllm")))
 
 
 def _stream_two_tiers(rng: random.Random, n: int, bs: int = 4) -> list[dict]:
@@ -118,7 +119,7 @@ def test_live_curve_per_tier_equals_replay_curve_of_that_tier(tmp_path):
         path = tmp_path / f"{medium}.jsonl"
         path.write_text("".join(json.dumps(ln) + "\n" for ln in mine))
         live = rows.curve.curve()
-        _same(live, sharing.lru_curve(load_trace(path, format="vllm")))
+        _same(live, lru_curve(load_trace(path, format="vllm")))
         assert live.token_hits[-1] > 0  # the prefixes were shared
 
 
@@ -218,20 +219,20 @@ def test_exporter_serves_the_curve_at_pool_multiples():
     fams = {f.name: f for f in sink.collect()}
     got = {(x.labels["tier"], x.labels["multiple"]): x.value
            for x in fams["kvdiag_prefix_hit_ratio_at_capacity"].samples}
-    curve = sharing.lru_curve(load_trace(path))
+    curve = lru_curve(load_trace(path))
     want = {("pool", m): curve.at(c)["token_hit_rate"]
             for m, c in (("0.5", 20), ("1", 40), ("2", 80), ("4", 160))}
     assert got == pytest.approx(want) and got[("pool", "0.5")] < got[("pool", "1")]
 
 
 def test_top_detail_shows_the_curve_per_tier():
-    from kvdiag.tui.panels import curve_lines
+    from kvdiag.tui.panels_sharing import curve_lines
 
     path = DATA / "vllm_demo" / "demo_16req_seed1.kvlog.gz"
     state = _live(path)
     snap = state.snapshot(max(state.bins) * state.bin_ns)
     text = "\n".join(t.plain for t in curve_lines(snap))
-    curve = sharing.lru_curve(load_trace(path))
+    curve = lru_curve(load_trace(path))
     pool = state.pool_info.num_blocks
     assert f"1x {100 * curve.at(pool)['token_hit_rate']:5.1f}%" in text
     assert text.count("\n") == 2 and "GPU" in text and f"x {pool} blocks (pool)" in text
@@ -245,7 +246,7 @@ def test_report_charts_the_curve_equal_to_replay(tmp_path):
     report, _ = build(L.load([path])[0])
     sec = next(x for x in report.sections if x.key == "sharing")
     chart = next(b for b in sec.blocks if getattr(b, "title", "").startswith("LRU hit rate vs capacity"))
-    curve = sharing.lru_curve(load_trace(path))
+    curve = lru_curve(load_trace(path))
     for cap, pct in zip(chart.data["capacity_blocks"], chart.data["token_hit_rate_pct"]):
         assert pct == round(100 * curve.at(int(cap))["token_hit_rate"], 2)
     assert len(chart.data) > 10 and chart.data["token_hit_rate_pct"].is_monotonic_increasing

@@ -131,7 +131,8 @@ def test_a_hashed_log_cannot_be_stripped_again(tmp_path, capsys):
 
 
 def test_similarity_asks_for_a_token_log(tmp_path):
-    from kvdiag.traces.loaders import TraceFormatError, prompt_token_ids
+    from kvdiag.traces.lines import TraceFormatError
+    from kvdiag.traces.loaders import prompt_token_ids
 
     out = tmp_path / "s.kvlog"
     _strip(TOKEN_LOGS[0], out)

@@ -190,7 +190,8 @@ def test_driver_shares_prefixes_rewrites_partial_blocks_and_reports(tmp_path):
     assert run.blocks_written < run.blocks_seen  # c0's unchanged blocks are not written again
 
     from kvdiag.cli import main
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
 
     log = tmp_path / "delta.jsonl"
     with LogWriter(log, make_header()) as w:

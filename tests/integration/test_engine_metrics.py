@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from kvdiag.diagnosis.engine_latency import engine_latency_frame, histogram_quantile
 from kvdiag.diagnosis.frames import load
 from kvdiag.collectors import metrics
-from kvdiag.events.eventlog import LogWriter, iter_events, make_header, read_log
+from kvdiag.events.eventlog import iter_events, make_header, read_log
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.events.schema import EngineMetrics
 
 INF = EngineMetrics.INF_LE

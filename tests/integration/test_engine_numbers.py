@@ -9,7 +9,8 @@ import pytest
 
 from kvdiag.diagnosis import doctor, engine_numbers, rules
 from kvdiag.diagnosis.frames import load
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.events.schema import EngineMetrics, KVPoolInfo, KVPoolSample, RequestFinished
 
 DATA = Path(__file__).parent.parent / "data"

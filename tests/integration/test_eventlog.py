@@ -10,7 +10,8 @@ import time
 import msgspec
 import pytest
 
-from kvdiag.events.eventlog import LogFormatError, LogWriter, iter_events, make_header, read_header, read_log
+from kvdiag.events.eventlog import LogFormatError, iter_events, make_header, read_header, read_log
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.events.schema import (
     SCHEMA_MAJOR,
     BlockStored,
@@ -128,7 +129,8 @@ def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
 
 _KILLED_WRITER = textwrap.dedent("""
     import sys, time
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import EngineStep
     path, interval = sys.argv[1], float(sys.argv[2])
     writer = LogWriter(path, make_header(), interval_s=interval)

@@ -217,7 +217,8 @@ def test_a_restart_is_not_a_duplicate():
 def test_doctor_kv_events_health_warns_on_a_store_missing_from_a_complete_stream(tmp_path):
     from kvdiag.diagnosis import doctor
     from kvdiag.diagnosis.frames import load
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
 
     def log(events, name):
         path = tmp_path / name

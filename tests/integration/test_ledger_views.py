@@ -21,7 +21,7 @@ from kvdiag.diagnosis import doctor, fragmentation, leaks
 from kvdiag.diagnosis.frames import load
 from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
 from kvdiag.pool.blockledger import ANOMALY_KINDS, EXAMPLES_KEPT
-from kvdiag.events.eventlog import LogWriter
+from kvdiag.events.log_writer import LogWriter
 from kvdiag.prometheus.exporter import PrometheusSink
 from kvdiag.live.state import LiveState
 

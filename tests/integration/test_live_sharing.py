@@ -10,7 +10,7 @@ import pytest
 
 from kvdiag.simulation.live_sharing import ShadowConfig, ShadowSharingSink
 from kvdiag.simulation.sharing import simulate
-from kvdiag.traces.loaders import TraceBuilder
+from kvdiag.traces.trace import TraceBuilder
 from kvdiag.pool.hashing import chunk_hashes
 from kvdiag.events.schema import KVPoolInfo, KVPoolSample, RequestArrived, RequestFinished, ShadowSharing
 from kvdiag.events.sinks import ListSink

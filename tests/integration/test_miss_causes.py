@@ -281,7 +281,7 @@ def test_doctor_prints_and_returns_the_miss_causes_per_window(capsys):
 def test_report_stacks_the_causes_per_window():
     from kvdiag.diagnosis.frames import load
     from kvdiag.reports.html import figure
-    from kvdiag.reports.sections import miss_causes_blocks
+    from kvdiag.reports.section_sharing import miss_causes_blocks
     logs, _ = load([DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"])
     (chart,) = miss_causes_blocks(logs, logs.time_range_ns()[0])
     fig = figure(chart)
@@ -295,7 +295,7 @@ def test_live_state_and_exporter_fold_the_same_causes_as_the_doctor():
     """top (LiveState) and the exporter feed the one MissCauseFold: same counts as offline."""
     from kvdiag.prometheus.exporter import PrometheusSink
     from kvdiag.live.state import LiveState
-    from kvdiag.tui.panels import _misses_line
+    from kvdiag.tui.panels_sharing import _misses_line
     path = DATA / "demo_preempt/demo_16req_pool40.kvlog.gz"
     header = read_header(path)
     events = list(iter_events(path))

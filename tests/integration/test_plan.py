@@ -110,7 +110,7 @@ def test_prompt_only_sharing_matches_replay_footprint():
     """With outputs of one token (a request holds only its prompt) the shared peak equals the
     replay simulator's memory footprint of the same log (an independent implementation)."""
     from kvdiag.diagnosis.frames import load
-    from kvdiag.simulation.sharing import memory_footprint
+    from kvdiag.simulation.footprint import memory_footprint
     from kvdiag.traces.loaders import load_trace
     from kvdiag.traces.workload import from_logs
 
@@ -373,7 +373,7 @@ def test_plan_and_replay_key_a_token_trace_with_extra_keys_identically(tmp_path)
     """`plan` (workload.load_tokens) and `replay` (traces.load_tokens) read one token-id trace
     through one reader: the same blocks get equal keys in both, and exactly the blocks whose
     (extra_keys, token prefix) is equal, counted by brute force."""
-    from kvdiag.traces import loaders as traces
+    from kvdiag.traces import request_traces as traces
     from kvdiag.traces import workload
 
     block = 4

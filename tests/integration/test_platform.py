@@ -12,7 +12,8 @@ from kvdiag.events import schema as s
 from kvdiag.diagnosis.frames import load
 from kvdiag.diagnosis.platform import platform_table
 from kvdiag.collectors.rapl import RaplCollector
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 
 T0 = 1_700_000_000_000_000_000
 SEC = 10**9

@@ -17,7 +17,8 @@ from kvdiag.simulation.learned_policies import LeCaRPolicy, PrefixLRUPolicy
 from kvdiag.simulation.policies import FIFOPolicy, LFUPolicy, LRUPolicy
 from kvdiag.simulation.policy_replay import (PolicyError, load_policy_file, simulate_policy)
 from kvdiag.simulation.sharing import simulate
-from kvdiag.traces.loaders import load_trace, trace_from_blocks, trace_from_tokens
+from kvdiag.traces.loaders import load_trace
+from kvdiag.traces.trace import trace_from_blocks, trace_from_tokens
 from kvdiag.cli import main
 
 DATA = Path(__file__).parent.parent / "data"

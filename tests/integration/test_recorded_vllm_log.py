@@ -10,7 +10,8 @@ import pytest
 from kvdiag.diagnosis import doctor
 from kvdiag.diagnosis.frames import load
 from kvdiag.simulation.sharing import simulate
-from kvdiag.traces.loaders import kv_event_gaps, load_trace
+from kvdiag.traces.kv_event_traces import kv_event_gaps
+from kvdiag.traces.loaders import load_trace
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.pool.prefix_cache import prefix_cache_counts
 from kvdiag.events.schema import (EngineMetrics, KVPoolInfo, PrefixCacheStored, RequestFinished,

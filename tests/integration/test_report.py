@@ -163,7 +163,8 @@ def test_sparse_log_says_what_is_absent(tmp_path, capsys):
     """A log holding only a collector status: every analysis section says its data is absent."""
     from kvdiag.events import schema as s
     from kvdiag.cli import main
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     log = tmp_path / "sparse.jsonl"
     with LogWriter(log, make_header()) as w:
         w.record(s.CollectorStatus(ts_ns=1, collector="nvml", available=False, hint="no GPU"))
@@ -181,7 +182,7 @@ def test_thinning_keeps_peaks_and_order():
     import numpy as np
     import pandas as pd
 
-    from kvdiag.reports.sections import _thin
+    from kvdiag.reports.shaping import thin as _thin
     rng = np.random.default_rng(0)
     y = rng.normal(size=200_000)
     y[123_457] = 50.0  # a one-sample spike (an OOM-like peak)

@@ -72,7 +72,8 @@ def test_replay_similarity_on_a_kvdiag_log(model_and_tokenizer, tmp_path, capsys
 
     from kvdiag.diagnosis.similarity import _token_ids, kv_similarity
     from kvdiag.cli import main
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import RequestArrived
 
     model, tok = model_and_tokenizer

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 
 from kvdiag.simulation import _simkernels as K
 from kvdiag.simulation.sharing import simulate
-from kvdiag.simulation.tiers import (Tier, parse_tiers, prefill_s_per_token_from_steps,
-                                   simulate_tiers)
-from kvdiag.traces.loaders import load_trace, trace_from_blocks
+from kvdiag.simulation.prefill_rate import prefill_s_per_token_from_steps
+from kvdiag.simulation.tier_spec import Tier, parse_tiers
+from kvdiag.simulation.tiers import simulate_tiers
+from kvdiag.traces.loaders import load_trace
+from kvdiag.traces.trace import trace_from_blocks
 
 MOONCAKE = Path(__file__).parent.parent / "data" / "mooncake" / "synthetic_trace.jsonl"
 DEMO_LOG = Path(__file__).parent.parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
@@ -136,7 +138,7 @@ def test_matches_brute_force_oracle(requests, caps, write):
 def test_rows_added_at_finish_match_the_oracle(requests, caps, write, data):
     """kvdiag logs' traces carry rows of blocks a request adds when it finishes: they move
     blocks to the top tier but read nothing and count no hit."""
-    from kvdiag.traces.loaders import TraceBuilder
+    from kvdiag.traces.trace import TraceBuilder
 
     counted = data.draw(st.lists(st.booleans(), min_size=len(requests), max_size=len(requests)))
     b = TraceBuilder(4, "blocks", "")

@@ -16,7 +16,7 @@ from kvdiag.live.state import LiveState
 from kvdiag.events.schema import TAGS, fields_of
 from kvdiag.live.sources import ReplaySource
 from kvdiag.tui.app import KvTopApp
-from kvdiag.tui.panels import Panel
+from kvdiag.tui.panel_base import Panel
 from tui_data import write_constructed_log
 
 DATA = Path(__file__).parent.parent / "data" / "demo_small"

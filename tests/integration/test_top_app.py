@@ -9,7 +9,11 @@ import pytest
 from kvdiag.events.eventlog import iter_events, read_log
 from kvdiag.live.sources import ReplaySource
 from kvdiag.tui.app import KvTopApp, TextScreen
-from kvdiag.tui.panels import AlertsPanel, LocalityPanel, MemoryPanel, Panel, RequestsPanel
+from kvdiag.tui.panel_base import Panel
+from kvdiag.tui.panels_alerts import AlertsPanel
+from kvdiag.tui.panels_memory import MemoryPanel
+from kvdiag.tui.panels_requests import RequestsPanel
+from kvdiag.tui.panels_shadow import LocalityPanel
 from tui_data import write_constructed_log
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kvdiag.traces.loaders import ReadOptions, TraceFormatError, load_trace
+from kvdiag.traces.lines import ReadOptions, TraceFormatError
+from kvdiag.traces.loaders import load_trace
 from kvdiag.cli import main
 
 GOOD_MOONCAKE = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}'
@@ -118,7 +119,8 @@ def test_read_options_collect_problems_instead_of_raising(tmp_path):
 
 def _kvdiag_log(tmp_path, extra: bytes, name: str = "run.kvlog"):
     """A kvdiag log of three requests with token ids, ``extra`` inserted as its third line."""
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import RequestArrived
 
     path = tmp_path / name

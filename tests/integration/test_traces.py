@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from kvdiag.simulation.sharing import simulate
-from kvdiag.traces.loaders import TraceFormatError, detect_format, load_trace
+from kvdiag.traces.detect import detect_format
+from kvdiag.traces.lines import TraceFormatError
+from kvdiag.traces.loaders import load_trace
 from kvdiag.pool.hashing import ALGORITHMS, chunk_hashes
 
 MOONCAKE = Path(__file__).parent.parent / "data" / "mooncake" / "synthetic_trace.jsonl"
@@ -116,7 +118,7 @@ def test_vllm_kv_events_reconstruct_prompts(tmp_path):
 
 
 def load_trace_from_lists(prompts, block):
-    from kvdiag.traces.loaders import trace_from_tokens
+    from kvdiag.traces.trace import trace_from_tokens
 
     return trace_from_tokens(prompts, block)
 
@@ -190,7 +192,8 @@ def test_fast_hash_matches_its_sequential_definition():
 def _write_log(path, requests, *, with_tokens, block_size):
     """A kvdiag log of Mooncake-derived requests, as an engine adapter records them: arrivals
     (with token ids or not), the engine's prefix hits and stored blocks, finishes."""
-    from kvdiag.events.eventlog import LogWriter, make_header
+    from kvdiag.events.eventlog import make_header
+    from kvdiag.events.log_writer import LogWriter
     from kvdiag.events.schema import BlockStored, PrefixHit, RequestArrived, RequestFinished
 
     seen = set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvdiag.collectors import transformers_cb as tcb
+from kvdiag.collectors.transformers_cb_hooks import fold_hash
 from kvdiag.events.schema import BlockStored, KVPoolInfo
 from kvdiag.events.sinks import ListSink
 
@@ -28,9 +29,9 @@ def test_install_and_uninstall_restore_the_original_class_attributes():
 
 def test_fold_hash_keeps_63_bits_and_is_injective_on_the_low_bits():
     for h in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0x9E3779B97F4A7C15):
-        folded = tcb.fold_hash(h)
+        folded = fold_hash(h)
         assert 0 <= folded < (1 << 63)
-    assert tcb.fold_hash(5) != tcb.fold_hash(6)
+    assert fold_hash(5) != fold_hash(6)
 
 
 @pytest.mark.model
@@ -67,7 +68,7 @@ def test_adapter_events_match_the_engine_ledger(model_dir):
         cache = manager.batch_processor.cache
         allocator = next(iter(cache.cache_allocators.values()))
         engine_cached = set(allocator.ledger.cached_blocks)
-        engine_hashes = {b: tcb.fold_hash(h) for b, h in allocator.ledger.block_to_hash.items()}
+        engine_hashes = {b: fold_hash(h) for b, h in allocator.ledger.block_to_hash.items()}
         manager.stop(block=True)
     finally:
         adapter.uninstall()

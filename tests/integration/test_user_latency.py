@@ -17,7 +17,8 @@ from kvdiag.events import schema as s
 from kvdiag.diagnosis import doctor, latency, rules, user_latency
 from kvdiag.diagnosis.frames import load
 from kvdiag.cli import main
-from kvdiag.events.eventlog import LogWriter, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_writer import LogWriter
 
 DATA = Path(__file__).parent.parent / "data" / "demo_queueing"
 OVERLOAD = DATA / "overload_24req_rate30.kvlog.gz"

@@ -26,32 +26,17 @@ LEFT: dict[str, str] = {
     # modules, by path under kvdiag/
     "live/state.py": "one fold per view over the ledger, " + TO_SPLIT,
     "collectors/vllm_plugin.py": "the scheduler's hooks and the agent's set-up, " + TO_SPLIT,
-    "collectors/transformers_cb.py": "the transformers adapter's hooks, " + TO_SPLIT,
     "simulation/_simkernels.py": TO_SPLIT,
-    "traces/loaders.py": TO_SPLIT,
     "diagnosis/doctor.py": TO_SPLIT,
-    "reports/sections.py": TO_SPLIT,
-    "simulation/sharing.py": TO_SPLIT,
     "diagnosis/miss_causes.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
-    "events/eventlog.py": TO_SPLIT,
-    "commands/demo.py": TO_SPLIT,
     "simulation/capacity_curve.py": TO_SPLIT,
-    "tui/panels.py": TO_SPLIT,
     "diagnosis/latency.py": TO_SPLIT,
     "diagnosis/fragmentation.py": TO_SPLIT,
-    "simulation/tiers.py": TO_SPLIT,
-    "pool/prefix_cache.py": TO_SPLIT,
     # functions, as path::qualified name
     "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
-    "traces/loaders.py::load_kvdiag": TO_SPLIT,
     "diagnosis/causes.py::attribute": TO_SPLIT,
-    "commands/shadow.py::run": TO_SPLIT,
-    "reports/sections.py::sharing": TO_SPLIT,
-    "reports/sections.py::latency_section": TO_SPLIT,
-    "commands/demo.py::run": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
-    "simulation/policy_replay.py::_replay": TO_SPLIT,
 }
 
 

@@ -21,7 +21,8 @@ from kvdiag.diagnosis import doctor, rules
 from kvdiag.simulation.live_sharing import ShadowSharingSink
 from kvdiag.simulation.sharing import simulate
 from kvdiag.collectors.agent_client import AgentConnection
-from kvdiag.events.eventlog import events_to_frames, make_header
+from kvdiag.events.eventlog import make_header
+from kvdiag.events.log_frames import events_to_frames
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.live.state import LiveState
 from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished, ShadowSharing
