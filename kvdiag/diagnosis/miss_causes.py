@@ -137,6 +137,12 @@ class _Shadow:
         self.state = K.new_state(min(self._max_nodes, 1024), 8)
         self.state["bloom"] = self.bloom.a
         self._full_size = len(self.state["nodes"]) >= self._max_nodes  # never grows again
+        self._arrays = self._state_arrays()
+        self._scratch = (np.empty(0, np.int8), np.empty(0, np.int64), np.empty(0, np.int64))
+
+    def _state_arrays(self) -> tuple:
+        st = self.state
+        return st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"]
 
     @property
     def tick(self) -> int:
@@ -155,12 +161,14 @@ class _Shadow:
         """A prompt's lookup then its touches: (h, codes, distances, ages) of blocks ``h..``
         (:func:`_misskernels.arrive`)."""
         n = len(dkeys)
-        st = self._room(n)
-        codes = np.empty(n, np.int8)
-        dist = np.empty(n, np.int64)
-        age = np.empty(n, np.int64)
-        h = K.arrive(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys,
-                     masked, now_ns, self.capacity_blocks, self.history_keys, codes, dist, age)
+        nodes, table, domains, meta, bloom = self._room(n)
+        codes, dist, age = self._scratch
+        if len(codes) < n:  # the kernel's outputs, reused (the caller keeps copies)
+            size = max(n, 2 * len(codes), 256)
+            codes, dist, age = self._scratch = (np.empty(size, np.int8), np.empty(size, np.int64),
+                                                np.empty(size, np.int64))
+        h = K.arrive(nodes, table, domains, meta, bloom, dkeys, keys, masked, now_ns,
+                     self.capacity_blocks, self.history_keys, codes, dist, age)
         return h, codes[:n - h].tobytes(), dist[:n - h], age[:n - h]
 
     def touch(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int) -> None:
@@ -168,22 +176,24 @@ class _Shadow:
         if self.capacity_blocks <= 0:
             self.state["meta"][K.M_TICK] += len(dkeys)
             return
-        st = self._room(len(dkeys))
-        K.touch(st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"], dkeys, keys, masked,
-                now_ns, self.capacity_blocks, self.history_keys)
+        nodes, table, domains, meta, bloom = self._room(len(dkeys))
+        K.touch(nodes, table, domains, meta, bloom, dkeys, keys, masked, now_ns, self.capacity_blocks,
+                self.history_keys)
 
-    def _room(self, n: int) -> dict:
-        """The state, grown to hold ``n`` more nodes where it could not."""
-        st = self.state
+    def _room(self, n: int) -> tuple:
+        """The state's arrays (nodes, table, domains, meta, bloom), grown to hold ``n`` more
+        nodes where they could not."""
         if self._full_size:
-            return st
+            return self._arrays
+        st = self.state
         meta = st["meta"]
         need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
         size = len(st["nodes"])
         if need > size:
             st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
             self._full_size = len(st["nodes"]) >= self._max_nodes
-        return st
+            self._arrays = self._state_arrays()
+        return self._arrays
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,12 +272,13 @@ def _hist_median(hist: list[int]) -> Optional[int]:
 
 
 class _Live:
-    __slots__ = ("content", "domain", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
+    __slots__ = ("content", "mask", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
                  "keys", "dkeys")
 
-    def __init__(self, content, domain, codes, dist, age, hit_blocks, keys, dkeys) -> None:
-        self.content, self.domain, self.codes = content, domain, codes
-        self.dist, self.age = dist, age  # per block from hit_blocks: evicted ones' figures, -1: none
+    def __init__(self, content, mask, codes, dist, age, hit_blocks, keys, dkeys) -> None:
+        self.content, self.mask, self.codes = content, mask, codes  # mask: its domain's (_domain_mask)
+        # per block from hit_blocks: evicted ones' figures, -1: none (None: no block evicted)
+        self.dist, self.age = dist, age
         self.hit_blocks = hit_blocks
         self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
         self.stored: list = []
@@ -277,6 +288,9 @@ class _Live:
         """Block ``hit_blocks + k``'s reuse distance and time since last use (None: unknown)."""
         d, a = int(self.dist[k]), int(self.age[k])
         return (d if d >= 0 else None, a if a >= 0 else None)
+
+
+_EVICTED_CODE = bytes([EVICTED])
 
 
 class MissCauseFold:
@@ -378,7 +392,7 @@ class MissCauseFold:
         bs = self.block_size_tokens
         if bs is None or not content.can_key(bs):
             return None
-        return np.ascontiguousarray(content.keys(bs, algorithm=self.hash_algorithm), np.int64)
+        return content.keys(bs, algorithm=self.hash_algorithm)  # int64, contiguous; shared: read only
 
     def _arrived(self, ev: RequestArrived) -> None:
         if len(self._live) >= _MAX_LIVE:
@@ -388,10 +402,14 @@ class MissCauseFold:
         if keys is None:
             return  # its misses are unknown
         domain = getattr(ev, "cache_domain", None)
-        mask = _domain_mask(domain)
+        mask = _domain_mask(domain) if domain else 0
         dkeys = keys ^ mask if mask else keys
         h, codes, dist, age = self._shadow.arrive(dkeys, keys, bool(mask), ev.ts_ns)
-        self._live[ev.request_id] = _Live(content, domain, codes, dist, age, h, keys, dkeys)
+        if _EVICTED_CODE in codes:  # the shadow's outputs are its scratch: keep what is read
+            dist, age = dist.copy(), age.copy()
+        else:
+            dist = age = None
+        self._live[ev.request_id] = _Live(content, mask, codes, dist, age, h, keys, dkeys)
 
     def _finished(self, ev: RequestFinished) -> None:
         live = self._live.pop(ev.request_id, None)
@@ -429,9 +447,10 @@ class MissCauseFold:
                     part = codes[lo:hi]
                     for c in (COLD, EVICTED, HASH_DOMAIN):
                         tokens[c] += part.count(c) * bs
-                    if EVICTED in part:
-                        evicted += [live.evicted_figures(k) + (bs,) for k in range(lo, hi)
-                                    if codes[k] == EVICTED]
+                    k = codes.find(_EVICTED_CODE, lo, hi)
+                    while k >= 0:
+                        evicted.append(live.evicted_figures(k) + (bs,))
+                        k = codes.find(_EVICTED_CODE, k + 1, hi)
                     tokens[UNKNOWN] += (full - h - hi) * bs  # the arrival keyed fewer blocks
                     break
                 if j - h < len(codes):
@@ -466,7 +485,7 @@ class MissCauseFold:
         """Touch or insert the full blocks of the prompt and generated tokens (no lookup)."""
         content = live.content
         if not live.stored:  # no generated block stored: the prompt's blocks again
-            self._shadow.touch(live.dkeys, live.keys, bool(_domain_mask(live.domain)), now_ns)
+            self._shadow.touch(live.dkeys, live.keys, bool(live.mask), now_ns)
             return
         if content.token_ids is not None:
             seq = full_sequence(content.token_ids, live.stored)
@@ -477,7 +496,7 @@ class MissCauseFold:
         keys = self._keys(whole)
         if keys is None or not len(keys):
             return
-        mask = _domain_mask(live.domain)
+        mask = live.mask
         self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
 
 

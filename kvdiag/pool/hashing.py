@@ -25,7 +25,7 @@ Keys are folded to 63 bits (``BlockHash``) so that they fit an int64 column.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -188,31 +188,52 @@ def keys_from_chunks(chunk_keys: Sequence[int] | np.ndarray, block_size_tokens: 
 @dataclass
 class Content:
     """A token sequence as analyses need it: its token ids, or its chained chunk keys and token
-    count (a log recorded in hashes mode)."""
+    count (a log recorded in hashes mode). Its block keys are computed once per block size and
+    algorithm (:meth:`keys`), so the folds that read one arrival (the miss causes, the capacity
+    curve) share one hashing: the arrays are shared, never written to."""
 
     num_tokens: int
     token_ids: Optional[list[int]] = None
     chunk_keys: Optional[np.ndarray] = None
+    _keys: dict = field(default_factory=dict, repr=False, compare=False)
 
     def can_key(self, block_size_tokens: int) -> bool:
         """Whether :meth:`keys` can chunk at ``block_size_tokens``."""
         return self.token_ids is not None or block_size_tokens % CONTENT_CHUNK_TOKENS == 0
 
     def keys(self, block_size_tokens: int, algorithm: str = "fast") -> np.ndarray:
-        """Chained keys of the full blocks of ``block_size_tokens``."""
-        if self.token_ids is not None:
-            return chunk_hashes(self.token_ids, block_size_tokens, algorithm=algorithm)
-        return keys_from_chunks(self.chunk_keys, block_size_tokens)
+        """Chained keys of the full blocks of ``block_size_tokens`` (int64, contiguous; the same
+        array on every call with the same arguments: read it, do not write it)."""
+        memo = (block_size_tokens, algorithm if self.token_ids is not None else "")
+        out = self._keys.get(memo)
+        if out is None:
+            if self.token_ids is not None:
+                out = chunk_hashes(self.token_ids, block_size_tokens, algorithm=algorithm)
+            else:
+                out = keys_from_chunks(self.chunk_keys, block_size_tokens)
+            self._keys[memo] = out
+        return out
 
     @classmethod
     def of_arrival(cls, event: RequestArrived) -> Optional["Content"]:
         """A request's prompt as its ``RequestArrived`` recorded it: token ids, else chunk
-        hashes (a log in hashes mode), else None (no content recorded)."""
+        hashes (a log in hashes mode), else None (no content recorded). The one reader: the
+        same object for the same event when asked again in a row (the live folds of one
+        arrival share it, and its :meth:`keys`)."""
+        last = _LAST_ARRIVAL[0]
+        if last[0] is event:
+            return last[1]
         if event.token_ids is not None:
-            return cls(len(event.token_ids), token_ids=list(event.token_ids))
-        if event.chunk_hashes is not None:
-            return cls(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
-        return None
+            content = cls(len(event.token_ids), token_ids=list(event.token_ids))
+        elif event.chunk_hashes is not None:
+            content = cls(event.prompt_tokens, chunk_keys=np.asarray(event.chunk_hashes, np.int64))
+        else:
+            content = None
+        _LAST_ARRIVAL[0] = (event, content)
+        return content
+
+
+_LAST_ARRIVAL: list = [(None, None)]  # [(event, its Content)]: Content.of_arrival's one-entry memo
 
 
 def full_sequence_chunks(prompt_keys: Sequence[int], prompt_tokens: int,

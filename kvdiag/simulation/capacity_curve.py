@@ -305,13 +305,18 @@ class ReuseCurve:
         if not self.prompt_tokens:
             return [None] * len(capacities_blocks)
         out: list[Optional[float]] = []
+        hits = upto = 0  # hit tokens at distances below upto (ascending capacities: summed once)
         for c in capacities_blocks:
             c = max(int(c), 0)
             if c > self.max_keys and self.forgotten_keys:
                 out.append(None)
-            else:
-                hits = int(self.hist_tokens[:min(c, self.max_keys) + 1].sum())
-                out.append(hits / self.prompt_tokens)
+                continue
+            end = min(c, self.max_keys) + 1
+            if end < upto:
+                hits = upto = 0
+            hits += int(self.hist_tokens[upto:end].sum())
+            upto = end
+            out.append(hits / self.prompt_tokens)
         return out
 
 
@@ -346,11 +351,8 @@ class RequestRows:
     def arrived(self, ev) -> None:
         if ev.request_id in self._live:  # a repeated arrival of a request in flight
             return
-        if ev.token_ids is not None:
-            content = Content(len(ev.token_ids), token_ids=list(ev.token_ids))
-        elif ev.chunk_hashes is not None:
-            content = Content(ev.prompt_tokens, chunk_keys=np.asarray(ev.chunk_hashes, np.int64))
-        else:
+        content = Content.of_arrival(ev)  # the one reader (its keys shared with the miss causes)
+        if content is None:
             return
         bs = self.curve.block_size_tokens
         if not content.can_key(bs):
@@ -376,7 +378,9 @@ class RequestRows:
             return
         prompt, stored = live
         bs = self.curve.block_size_tokens
-        if prompt.token_ids is not None:
+        if not stored:  # full_sequence of no stored block: the prompt alone, keyed at its arrival
+            keys = prompt.keys(bs, self.hash_algorithm)
+        elif prompt.token_ids is not None:
             keys = chunk_hashes(full_sequence(prompt.token_ids, stored), bs,
                                 algorithm=self.hash_algorithm)
         else:
