@@ -22,7 +22,7 @@ a new expectation; an undecodable payload is counted and reported as one ``Colle
 
 With ``raw_path`` every batch is also appended as one JSON line ``{"seq", "ts", "events"}``
 (bytes as lists of ints), which ``kvdiag replay --format vllm`` reads and
-:func:`kvdiag.traces.loaders.kv_event_gaps` checks for gaps.
+:func:`kvdiag.traces.kv_event_traces.kv_event_gaps` checks for gaps.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pandas as pd
 from kvdiag.diagnosis import fragmentation, leaks, user_latency
 from kvdiag.diagnosis.findings import Finding
 from kvdiag.diagnosis.frames import merge
-from kvdiag.events.eventlog import events_to_frames
+from kvdiag.events.log_frames import events_to_frames
 from kvdiag.pool.hit_rate import engine_token_hit_rate, frame_hit_rate
 from kvdiag.events.schema import SCHEMA_VERSION, Event, LogHeader
 

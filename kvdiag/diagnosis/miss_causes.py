@@ -75,7 +75,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from kvdiag.simulation import _misskernels as K
-from kvdiag.traces.loaders import full_sequence
+from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
 from kvdiag.events.schema import (MASK63, BlockStored, Event, KVPoolInfo, RequestArrived,
                                   RequestFinished, RequestPreempted)

@@ -38,11 +38,7 @@ from kvdiag.events.schema import (
     parse_version,
 )
 
-# Re-exported for kvdiag.diagnosis.attach_summary, which imports it from here (issue 29 left
-# kvdiag.diagnosis to another branch); import it from kvdiag.events.log_frames elsewhere.
-from kvdiag.events.log_frames import events_to_frames
-
-__all__ = ["EventLog", "LogFormatError", "ReadOutcome", "events_to_frames", "iter_events", "make_header",
+__all__ = ["EventLog", "LogFormatError", "ReadOutcome", "iter_events", "make_header",
            "read_header", "read_log"]
 
 

@@ -6,13 +6,13 @@ blocks, so a reference hits iff its stack distance (its block's rank in the rece
 its request arrives; 1 = most recent) is ``<= C``; under prefix matching a block hits iff the
 largest distance over its request's blocks up to it is ``<= C``. One pass gives the hit rate at
 every capacity at once. The rows are those of ``kvdiag replay --curve``
-(:func:`kvdiag.simulation.sharing.lru_curve`, :class:`~kvdiag.simulation.sharing.HitRateCurve`):
+(:func:`kvdiag.simulation.lru_curve.lru_curve`, :class:`~kvdiag.simulation.lru_curve.HitRateCurve`):
 
 - a kvdiag log: each ``RequestArrived`` is a counted row of its prompt's chained block keys
   (token ids re-chunked, or hashes-mode chunk keys); when it finishes, an uncounted row touches
   the full blocks of its prompt and generated tokens (its ``BlockStored`` content);
 - KV events (``PrefixCacheStored``, per ``medium`` = tier): each store is one row, its parent
-  chain's tokens and the stored tokens re-chunked (:func:`kvdiag.traces.loaders.load_vllm`).
+  chain's tokens and the stored tokens re-chunked (:func:`kvdiag.traces.kv_event_traces.load_vllm`).
 
 Memory bound: at most ``max_keys`` keys are tracked (the most recently used ones); a key that
 falls beyond rank ``max_keys`` is forgotten and its next reference counts as a first one. The
@@ -33,8 +33,9 @@ import numpy as np
 from numba import njit
 
 from kvdiag.simulation import _simkernels as K
-from kvdiag.simulation.sharing import HitRateCurve
-from kvdiag.traces.loaders import DEFAULT_BLOCK_TOKENS, full_sequence
+from kvdiag.simulation.lru_curve import HitRateCurve
+from kvdiag.traces.kvdiag_logs import full_sequence
+from kvdiag.traces.trace import DEFAULT_BLOCK_TOKENS
 from kvdiag.pool.hashing import Content, chunk_hashes, full_sequence_chunks
 
 DEFAULT_MAX_KEYS = 1 << 18

@@ -41,11 +41,7 @@ from kvdiag.simulation import _simkernels as K
 from kvdiag.simulation.replay_common import CHUNK_REFS, log2_frame, request_chunks
 from kvdiag.traces.trace import Trace
 
-# Re-exported for kvdiag.simulation.capacity_curve, which imports it from here (issue 29 left
-# that module to another branch); import it from kvdiag.simulation.lru_curve elsewhere.
-from kvdiag.simulation.lru_curve import HitRateCurve
-
-__all__ = ["HitRateCurve", "POLICIES", "PrefixCacheSim", "SharingResult", "capacity_in_blocks", "hit_tokens_of",
+__all__ = ["POLICIES", "PrefixCacheSim", "SharingResult", "capacity_in_blocks", "hit_tokens_of",
            "next_references", "result_of_run", "s3fifo_sizes", "simulate", "simulate_many"]
 
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "opt")

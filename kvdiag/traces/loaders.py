@@ -47,13 +47,7 @@ from kvdiag.traces.lines import ReadOptions, TraceFormatError, decoded_lines
 from kvdiag.traces.request_traces import load_mooncake, load_tokens, tokens_line
 from kvdiag.traces.trace import Trace
 
-# Re-exported for kvdiag.diagnosis.miss_causes, kvdiag.simulation.capacity_curve and
-# kvdiag.live.views.curves, which import them from here (issue 29 left those modules to other
-# branches); import them from kvdiag.traces.kvdiag_logs and kvdiag.traces.trace elsewhere.
-from kvdiag.traces.kvdiag_logs import full_sequence
-from kvdiag.traces.trace import DEFAULT_BLOCK_TOKENS
-
-__all__ = ["DEFAULT_BLOCK_TOKENS", "full_sequence", "load_trace", "prompt_token_ids"]
+__all__ = ["load_trace", "prompt_token_ids"]
 
 
 def load_trace(path: str | Path, format: Optional[str] = None,

@@ -4,7 +4,6 @@ missing values and malformed values."""
 
 import math
 
-import msgspec
 import numpy as np
 from hypothesis import given, settings, strategies as st
 

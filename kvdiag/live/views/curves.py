@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from kvdiag.events import schema as s
 from kvdiag.simulation.capacity_curve import (POOL_MULTIPLES, RequestRows, ReuseCurve, StoreRows,
                                             max_keys_for_pool)
-from kvdiag.traces.loaders import DEFAULT_BLOCK_TOKENS
+from kvdiag.traces.trace import DEFAULT_BLOCK_TOKENS
 from kvdiag.live.snapshot import CurvePoint, CurveRow, CurvesView
 
 _TOP_TIERS = ("pool", "default", "GPU", "gpu")  # tiers whose basis is the engine's pool
