@@ -54,6 +54,7 @@ class WorkerInbox:
             os.umask(old)
         self._server.listen(8)
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._closed = False
         self.connections = 0
         self._threads: list = []
@@ -62,18 +63,23 @@ class WorkerInbox:
         self._accepting.start()
 
     def _accept(self) -> None:
-        import threading
-
         while not self._stop.is_set():
             try:
                 conn, _ = self._server.accept()
             except OSError:
                 return
+            self._serve(conn)
+
+    def _serve(self, conn) -> None:
+        """Read ``conn`` on a thread of its own (registered before :meth:`close` can join it)."""
+        import threading
+
+        t = threading.Thread(target=self._read, args=(conn,), name="kvdiag-worker-inbox-conn", daemon=True)
+        with self._lock:
             self.connections += 1
             self._conns.append(conn)
-            t = threading.Thread(target=self._read, args=(conn,), name="kvdiag-worker-inbox-conn", daemon=True)
-            self._threads.append(t)
             t.start()
+            self._threads.append(t)
 
     def _read(self, conn) -> None:
         import msgspec
@@ -100,22 +106,38 @@ class WorkerInbox:
                         self.errors.failed("worker_inbox", exc)
 
     def close(self, drain_s: float = 2.0) -> None:
-        """Stop accepting; give the open connections up to ``drain_s`` to deliver what they sent."""
+        """Stop accepting; give the open connections, and those still waiting to be accepted, up
+        to ``drain_s`` to deliver what they sent."""
+        import socket
+
         self._stop.set()
-        try:
-            self._server.close()
-        finally:
+        self._server.setblocking(False)
+        while True:  # a worker that connected and sent just before: its events are not lost
             try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+                conn, _ = self._server.accept()
+            except OSError:  # none left waiting (or the socket is gone)
+                break
+            conn.setblocking(True)
+            self._serve(conn)
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass
+        self._server.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        self._accepting.join(timeout=drain_s)
         deadline = time.monotonic() + drain_s
-        for t in self._threads:  # workers that exit close their end: their last events arrive
+        with self._lock:
+            threads, conns = list(self._threads), list(self._conns)
+        for t in threads:  # workers that exit close their end: their last events arrive
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._closed = True  # what a live worker sends from now on is not recorded
-        for conn in self._conns:
+        for conn in conns:
             try:
-                conn.shutdown(2)  # socket.SHUT_RDWR: the reader sees the end
+                conn.shutdown(socket.SHUT_RDWR)  # the reader sees the end
             except OSError:
                 pass
 

@@ -135,6 +135,27 @@ def test_worker_events_reach_the_engine_cores_sink_through_the_inbox(tmp_path):
     assert not (tmp_path / "inbox.sock").exists()
 
 
+def test_a_worker_not_yet_accepted_when_the_inbox_closes_still_delivers(tmp_path, monkeypatch):
+    """A worker that connected and sent while the inbox's accepting thread had not run yet (a
+    loaded machine): close() accepts it and records what it sent."""
+    from kvdiag.collectors.vllm_worker_link import WorkerInbox, WorkerLink
+    from kvdiag.events.hooks import HookErrors
+    from kvdiag.events.schema import ProcessSample
+    from kvdiag.events.sinks import ListSink
+
+    monkeypatch.setattr(WorkerInbox, "_accept", lambda self: None)  # the accepting thread never runs
+    path = str(tmp_path / "inbox.sock")
+    received = ListSink()
+    inbox = WorkerInbox(path, received, HookErrors(ListSink(), "test"))
+    link = WorkerLink.connect(path)
+    sent = [ProcessSample(ts_ns=i, pid=7, rss_bytes=i) for i in range(50)]
+    for ev in sent:
+        link.record(ev)
+    link.close()
+    inbox.close()
+    assert received.events == sent and inbox.connections == 1
+
+
 def test_inbox_closes_within_its_drain_time_while_a_worker_stays_connected(tmp_path):
     import time
 
