@@ -64,6 +64,20 @@ def agent_args(args) -> list[str]:
     return out
 
 
+def vllm_env(args) -> dict[str, str]:
+    """The same options for vLLM's worker shadow (its environment variables,
+    :func:`kvdiag.collectors.vllm_worker.shadow_options`); ``--shadow-budget 0`` is none."""
+    if not args.shadow:
+        return {}
+    env = {"KVDIAG_SHADOW": "1", "KVDIAG_SHADOW_RATE": str(args.shadow_rate),
+           "KVDIAG_SHADOW_BUDGET": str(args.shadow_budget)}
+    if args.shadow_layers is not None:
+        env["KVDIAG_SHADOW_LAYERS"] = str(args.shadow_layers)
+    if args.shadow_methods:
+        env["KVDIAG_SHADOW_METHODS"] = args.shadow_methods
+    return env
+
+
 def _methods(args) -> list[str]:
     from kvdiag.kernels.methods import DEFAULT_METHODS
 
@@ -104,7 +118,7 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
     from kvdiag.events.eventlog import read_log
 
     log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
-                                    "shadow_budget", "collector_error"])
+                                    "shadow_budget", "collector_error", "kv_pool_info"])
     console = Console()
 
     def show(title, frame, columns=None):
@@ -127,6 +141,9 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
                  "output), attention TV distance, microseconds per layer-step", table, COMPRESSION_COLUMNS)
             show(f"Recommendation per layer group (attn_out_rel_error <= {COMPRESSION_ERROR_BUDGET:g})",
                  compression.recommend(table))
+            line = _engine_line(log, table)
+            if line:
+                print(line)
         s = locality.summary(log.frame("shadow_locality"))
         if s:
             print(f"attention locality: recent-20% mass {s['recent_mass']:.3f}, sinks {s['sink_mass']:.3f}, "
@@ -135,3 +152,27 @@ def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
         show("Teacher-forced next-token agreement with compressed prefix KV",
              compression.logits_table(log.frame("shadow_logits")))
     sys.stdout.flush()
+
+
+def _engine_line(log, table) -> str | None:
+    """On vLLM: the one ``--kv-cache-dtype`` that realises the recommendation for every layer
+    and the pool capacity it frees (:func:`kvdiag.diagnosis.compression.engine_recommendation`)."""
+    from kvdiag.diagnosis import compression
+
+    if log.header.engine != "vllm":
+        return None
+    info = log.frame("kv_pool_info")
+    last = info.iloc[-1] if len(info) else None
+    rec = compression.engine_recommendation(
+        table, "vllm", num_blocks=int(last["num_blocks"]) if last is not None else None,
+        block_bytes=int(last["block_bytes"]) if last is not None else None,
+        block_size_tokens=int(last["block_size_tokens"]) if last is not None else None)
+    if rec.empty:
+        return None
+    row = rec.iloc[0]
+    if row["setting"] is None:
+        return f"in vLLM's terms: {row['reason']}"
+    frees = (f", frees {row['frees_bytes'] / 2**20:.1f} MiB of the {row['kv_bytes'] / 2**20:.1f} MiB pool "
+             f"(or holds {row['extra_tokens']:,.0f} more tokens)" if row["frees_bytes"] is not None else "")
+    return (f"in vLLM's terms: {row['setting']} for every layer (ratio {row['ratio']:.2f}, worst "
+            f"{row['error']:.3g} in layers {row['worst_group']}){frees}")

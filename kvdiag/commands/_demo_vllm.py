@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from kvdiag.commands import _demo_shadow
 from kvdiag.commands._demo_live import LiveStats
 from kvdiag.commands._demo_session import Traffic, ask, drive, interrupted, print_started, stop_after_traffic, summary
 from kvdiag.demo.server_process import ServerProcess, free_port
@@ -191,6 +192,8 @@ def run(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
     print(f"KV events: {recording.events.batches} batches, {recording.events.dropped_batches} lost "
           f"(raw stream {recording.raw_events_path})")
     print(f"event log: {log_path}")
+    if args.shadow:
+        _demo_shadow.print_tables(log_path, shadow=True, logits=False)
     return 1 if failed or not traffic.driver.results else 0
 
 
@@ -203,10 +206,12 @@ def _server(args, model_dir: Path, log_path: Path):
     if python is None:
         print(f"kvdiag demo: {SETUP_HINT}", file=sys.stderr)
         return 1
-    if args.inject_leak or args.shadow or args.shadow_logits:
-        print("kvdiag demo: --inject-leak and --shadow* run on the transformers engine only", file=sys.stderr)
+    if args.inject_leak or args.shadow_logits:
+        print("kvdiag demo: --inject-leak and --shadow-logits run on the transformers engine only "
+              "(--shadow runs in vLLM's worker)", file=sys.stderr)
         return 2
     extra_env = {"KVDIAG_PROMETHEUS": args.prometheus} if args.prometheus else {}
+    extra_env.update(_demo_shadow.vllm_env(args))
     if args.record_tokens:
         extra_env["KVDIAG_RECORD_TOKENS"] = "1"
     return VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads,

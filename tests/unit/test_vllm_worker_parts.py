@@ -70,6 +70,24 @@ def test_shadow_options_from_the_environment(monkeypatch):
         shadow_options()
 
 
+def test_demo_shadow_flags_reach_the_workers_shadow_on_vllm(monkeypatch):
+    """`kvdiag demo --engine vllm --shadow ...`: the flags become the worker's environment, which
+    its shadow reads back as the same options the embedded engine's runner takes."""
+    import argparse
+
+    from kvdiag.commands import _demo_shadow
+
+    parser = argparse.ArgumentParser()
+    _demo_shadow.add_arguments(parser)
+    assert _demo_shadow.vllm_env(parser.parse_args([])) == {}  # without --shadow: the worker's defaults
+    args = parser.parse_args(["--shadow", "--shadow-rate", "0.25", "--shadow-budget", "0",
+                              "--shadow-layers", "2", "--shadow-methods", "int8,fp8_e5m2:s=1"])
+    for name, value in _demo_shadow.vllm_env(args).items():
+        monkeypatch.setenv(name, value)
+    assert shadow_options() == dict(methods="int8,fp8_e5m2:s=1", sample_rate=0.25, budget_frac=None,
+                                    layers_per_run=2)
+
+
 def test_fp8_cast_method_is_vllms_per_tensor_cast():
     gen = torch.Generator().manual_seed(1)
     k, v = torch.randn(1, 2, 40, 16, generator=gen) * 3, torch.randn(1, 2, 40, 16, generator=gen)
