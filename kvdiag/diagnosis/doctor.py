@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.diagnosis import fragmentation as _fragmentation
-from kvdiag.diagnosis import bandwidth, block_facts, engine_numbers, latency, user_latency
+from kvdiag.diagnosis import bandwidth, block_facts, engine_numbers, latency, latency_regression, user_latency
 from kvdiag.pool import pressure
 from kvdiag.pool.hit_rate import counted, frame_hit_rate
 from kvdiag.diagnosis import leaks as _leaks
@@ -222,11 +222,11 @@ def p99(logs: Logs, baseline: Optional[Logs] = None,
         threshold: float = rules.P99_THRESHOLD) -> tuple[list[Finding], list[latency.Comparison]]:
     """``p99.regression``: fail when any latency (TTFT, TPOT, engine step) regressed past
     ``threshold`` at P99, or, with too few samples for P99, grossly at P90/P50 (module
-    :mod:`kvdiag.diagnosis.latency`, :func:`~kvdiag.diagnosis.latency.detect_all`); the message
+    :mod:`kvdiag.diagnosis.latency_regression`, :func:`~kvdiag.diagnosis.latency_regression.detect_all`); the message
     says what each comparison compared and which latencies had too few samples (``n/a (N of M
     needed)``). One ``p99.<cause>`` per candidate cause: warn when it is supported for a
     flagged regression, pass otherwise."""
-    comps, skipped = latency.detect_all(logs, baseline, threshold)
+    comps, skipped = latency_regression.detect_all(logs, baseline, threshold)
     title = f"P99 latency stable (no rise beyond {threshold:+.0%}; TTFT, TPOT, engine steps)"
     gaps = "; ".join(s.describe() for s in skipped)
     if not comps:

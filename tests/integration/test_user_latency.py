@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvdiag.events import schema as s
-from kvdiag.diagnosis import doctor, latency, rules, user_latency
+from kvdiag.diagnosis import doctor, latency_regression, rules, user_latency
 from kvdiag.diagnosis.frames import load
 from kvdiag.cli import main
 from kvdiag.events.eventlog import make_header
@@ -199,7 +199,7 @@ def test_p99_fallback_does_not_flag_a_steady_log(tmp_path):
     rng = np.random.default_rng(3)
     waits = rng.lognormal(np.log(0.3), 0.4, 112)
     evs, _ = _requests(112, lambda i: float(waits[i]))
-    comps, skipped = latency.detect_all(_logs(tmp_path, evs))
+    comps, skipped = latency_regression.detect_all(_logs(tmp_path, evs))
     ttft = next(c for c in comps if c.metric == "ttft")
     assert ttft.quantile == 0.9 and not ttft.flagged and not skipped
 

@@ -7,7 +7,7 @@ import pytest
 
 import constructed as C
 from kvdiag.events import schema as s
-from kvdiag.diagnosis import doctor, latency, memory
+from kvdiag.diagnosis import doctor, latency_regression, memory
 from kvdiag.diagnosis.latency import samples
 from kvdiag.diagnosis.frames import load
 from kvdiag.diagnosis.requests import request_table
@@ -103,7 +103,7 @@ def test_attribution_finds_long_sequences_injected_halfway(tmp_path):
     supported cause while compression (no runs after the change) is not."""
     evs = C.events(n_requests=300, long_from=150)
     logs = load([C.write(tmp_path / "long.jsonl", evs)])[0]
-    comps = {c.metric: c for c in latency.detect(logs)}
+    comps = {c.metric: c for c in latency_regression.detect(logs)}
     ttft = comps["ttft"]
     assert ttft.flagged
     arrivals = sorted(e.ts_ns for e in evs if isinstance(e, s.RequestArrived))
