@@ -5,7 +5,8 @@
 Memory leak: ``leak.memory_growth`` (process memory grows without matching KV growth),
 ``leak.release_paths`` (finished requests whose blocks were never given back),
 ``leak.double_release``, ``leak.pool_growth`` (:mod:`kvdiag.diagnosis.leaks`),
-``fragmentation.kv_pool`` / ``fragmentation.allocator`` (:mod:`kvdiag.diagnosis.fragmentation`),
+``fragmentation.kv_pool`` / ``fragmentation.allocator`` (:mod:`kvdiag.diagnosis.pool_fragmentation`,
+:mod:`kvdiag.diagnosis.fragmentation`),
 ``leak.oom`` (OOMs, allocator retries).
 P99 spike: ``p99.regression`` (a P99 shift inside the log or against a baseline) and one
 ``p99.<cause>`` rule per candidate cause (:mod:`kvdiag.diagnosis.causes`); the article's four
@@ -29,7 +30,8 @@ from typing import Callable, Optional
 import numpy as np
 import pandas as pd
 
-from kvdiag.diagnosis import fragmentation as _fragmentation
+from kvdiag.diagnosis import fragmentation as _allocator_fragmentation
+from kvdiag.diagnosis import pool_fragmentation as _pool_fragmentation
 from kvdiag.diagnosis import bandwidth, block_facts, engine_numbers, latency, latency_regression, user_latency
 from kvdiag.pool import pressure
 from kvdiag.pool.hit_rate import counted, frame_hit_rate
@@ -188,11 +190,11 @@ def fragmentation(logs: Logs) -> list[Finding]:
     for node in logs.nodes:
         bs = logs.block_size_tokens(node)
         if bs and (kp["node"] == node).any():
-            pool = _fragmentation.kv_pool_frame(kp[kp["node"] == node], bs, logs.bytes_per_token(node))
-            out.append(_fragmentation.kv_pool_fragmentation_finding(pool))
+            pool = _pool_fragmentation.kv_pool_frame(kp[kp["node"] == node], bs, logs.bytes_per_token(node))
+            out.append(_pool_fragmentation.kv_pool_fragmentation_finding(pool))
         if (al["node"] == node).any():
-            out.append(_fragmentation.allocator_fragmentation_finding(samples=al[al["node"] == node]))
-    return out or [_fragmentation.kv_pool_fragmentation_finding(_fragmentation.kv_pool_frame(None, 0))]
+            out.append(_allocator_fragmentation.allocator_fragmentation_finding(samples=al[al["node"] == node]))
+    return out or [_pool_fragmentation.kv_pool_fragmentation_finding(_pool_fragmentation.kv_pool_frame(None, 0))]
 
 
 def ooms(logs: Logs) -> Finding:

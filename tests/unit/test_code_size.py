@@ -31,7 +31,6 @@ LEFT: dict[str, str] = {
     "diagnosis/miss_causes.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
     "simulation/capacity_curve.py": TO_SPLIT,
-    "diagnosis/fragmentation.py": TO_SPLIT,
     # functions, as path::qualified name
     "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
 }
