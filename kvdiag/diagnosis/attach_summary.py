@@ -124,10 +124,10 @@ def _hit_rate(frames: dict) -> dict:
 
 
 def _sharing(frames: dict, header: LogHeader) -> tuple[dict, Finding]:
-    """``sharing.consistency`` over this window (:func:`kvdiag.diagnosis.doctor.sharing_consistency`:
+    """``sharing.consistency`` over this window (:func:`kvdiag.diagnosis.sharing_rules.sharing_consistency`:
     shadow and engine over the same requests, those finished since the first shadow result
     the client received, which the agent sends at join time) and that window."""
-    from kvdiag.diagnosis.doctor import sharing_consistency
+    from kvdiag.diagnosis.sharing_rules import sharing_consistency
     from kvdiag.diagnosis.frames import Logs
 
     node = header.node or header.host or "attach"
