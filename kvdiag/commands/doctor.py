@@ -191,7 +191,7 @@ def _json_object(status, paths, findings, problems, lat, checklist: bool, snapsh
 
 def _checklist(findings) -> list[dict]:
     """The article's P99 checklist: each question, the rule answering it, status, measured."""
-    from kvdiag.diagnosis.doctor import p99_checklist
+    from kvdiag.diagnosis.p99_rules import p99_checklist
     return [{"question": q, "rule": f.rule, "status": f.status, "measured": f.message}
             for q, f in p99_checklist(findings)]
 

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 
 import pandas as pd
 
-from kvdiag.diagnosis import fragmentation, leaks, user_latency
+from kvdiag.diagnosis import fragmentation, leaks, pool_fragmentation, user_latency
 from kvdiag.diagnosis.findings import Finding
 from kvdiag.diagnosis.frames import merge
 from kvdiag.events.log_frames import events_to_frames
@@ -92,7 +92,7 @@ def _kv(frames: dict, block_size: Optional[int], bytes_per_token: Optional[int])
                                                "tokens_held", "running_requests", "waiting_requests")})
         out["samples"] = int(len(pool_samples))
         if block_size:
-            pool = fragmentation.kv_pool_frame(pool_samples, block_size, bytes_per_token)
+            pool = pool_fragmentation.kv_pool_frame(pool_samples, block_size, bytes_per_token)
             out["block_occupancy"] = _num(pool["block_occupancy"].iloc[-1])
             out["token_occupancy"] = _num(pool["token_occupancy"].iloc[-1])
             out["mean_block_occupancy"] = _num(pool["block_occupancy"].mean())
@@ -124,10 +124,10 @@ def _hit_rate(frames: dict) -> dict:
 
 
 def _sharing(frames: dict, header: LogHeader) -> tuple[dict, Finding]:
-    """``sharing.consistency`` over this window (:func:`kvdiag.diagnosis.doctor.sharing_consistency`:
+    """``sharing.consistency`` over this window (:func:`kvdiag.diagnosis.sharing_rules.sharing_consistency`:
     shadow and engine over the same requests, those finished since the first shadow result
     the client received, which the agent sends at join time) and that window."""
-    from kvdiag.diagnosis.doctor import sharing_consistency
+    from kvdiag.diagnosis.sharing_rules import sharing_consistency
     from kvdiag.diagnosis.frames import Logs
 
     node = header.node or header.host or "attach"
@@ -184,12 +184,12 @@ def summarize(events: Iterable[Event], header: Optional[LogHeader] = None,
                                                             "request_first_token", "request_finished")))
     findings = leaks.leak_findings(events, None if pool_samples.empty else pool_samples, grace_s=grace_s,
                                    prefill=prefill)
-    findings.append(fragmentation.kv_pool_fragmentation_finding(
-        pool if not pool.empty else pd.DataFrame(columns=fragmentation.KV_POOL_COLUMNS)))
+    findings.append(pool_fragmentation.kv_pool_fragmentation_finding(
+        pool if not pool.empty else pd.DataFrame(columns=pool_fragmentation.KV_POOL_COLUMNS)))
     alloc = _f(frames, "allocator_sample")
     findings.append(fragmentation.allocator_fragmentation_finding(samples=alloc if not alloc.empty else None))
     kv_frag = next(f for f in findings if f.rule == "fragmentation.kv_pool")
-    free_list = fragmentation.replay_free_list(events)  # needs KVPoolInfo: recorded from pool creation
+    free_list = pool_fragmentation.replay_free_list(events)  # needs KVPoolInfo: recorded from pool creation
     if free_list is not None:
         kv["free_list"] = {"free_blocks": free_list.free_blocks, "cached_blocks": free_list.cached_blocks,
                            "used_blocks": free_list.used_blocks,

@@ -150,56 +150,68 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
     """Evaluate every candidate cause between the two windows; supported causes first,
     strongest first."""
     wb, wc = _window(baseline), _window(current)
-    out = []
+    out = [judge(baseline, current, wb, wc)
+           for judge in (_compression, _kv_bandwidth, _prefix_hit_rate, _long_sequences,
+                         _memory_pressure, _fragmentation_rise, _queueing)]
+    return sorted(out, key=lambda c: (not c.supported, -c.score))
 
+
+def _compression(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``compression`` cause: compression runs per second of each window."""
     comp = current.frame(ShadowCompression)
     rb = len(baseline.frame(ShadowCompression)) / _duration_s(baseline)
     rc = len(comp) / _duration_s(current)
     busy_ns = float(comp[["encode_ns", "decode_ns"]].fillna(0).to_numpy().sum()) if len(comp) else 0.0
-    out.append(Cause(
+    return Cause(
         "compression", "compression/decompression path active", rose(rb, rc),
         f"{len(comp)} compression runs in the regressed window ({rc:.2f}/s vs {rb:.2f}/s before)",
         score=rc / rb if rb > 0 else float(rc > 0) * 10,
         evidence={"events_per_s_baseline": rb, "events_per_s_current": rc,
                   "events_current": len(comp), "busy_s_current": busy_ns / 1e9,
                   "methods": sorted(comp["method"].unique().tolist()) if len(comp) else [],
-                  "baseline_window_ns": wb, "current_window_ns": wc}))
+                  "baseline_window_ns": wb, "current_window_ns": wc})
 
-    out.append(_kv_bandwidth(baseline, current, wb, wc))
 
+def _prefix_hit_rate(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``prefix_hit_rate`` cause: token hit rate and its spread over sub-windows."""
     hb, sb, nb = _hit_rates(baseline)
     hc, sc, nc = _hit_rates(current)
-    out.append(Cause(
+    return Cause(
         "prefix_hit_rate", "prefix hit rate dropped or fluctuated", hit_rate_moved(hb, hc, sb, sc),
         f"token hit rate {hb:.1%} -> {hc:.1%} (std over sub-windows {sb:.1%} -> {sc:.1%})",
         score=float(max(hb - hc, sc - (sb if np.isfinite(sb) else 0), 0) * 10) if np.isfinite(hc) else 0.0,
         evidence={"hit_rate_baseline": hb, "hit_rate_current": hc, "hit_rate_std_baseline": sb,
                   "hit_rate_std_current": sc, "requests_baseline": nb, "requests_current": nc,
-                  "baseline_window_ns": wb, "current_window_ns": wc}))
+                  "baseline_window_ns": wb, "current_window_ns": wc})
 
+
+def _long_sequences(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``long_sequences`` cause: the share of prompts longer than the baseline's P90."""
     lb, lc = _prompt_lengths(baseline), _prompt_lengths(current)
-    if len(lb) and len(lc):
-        # the baseline's P90, not its P99: a few stragglers of the new traffic that fall
-        # before the change point must not set the bar
-        p90b = float(np.quantile(lb, 0.90, method="inverted_cdf"))
-        long_c = lc > p90b
-        share_b, share = float((lb > p90b).mean()), float(long_c.mean())
-        arr = current.frame(RequestArrived)
-        ids = arr["request_id"][arr["prompt_tokens"] > p90b].tolist()[:20] if len(arr) else []
-        out.append(Cause(
-            "long_sequences", "abnormally long sequences arrived",
-            long_sequences_rose(share_b, share),
-            f"{int(long_c.sum())} of {len(lc)} prompts ({share:.1%}) longer than the baseline's "
-            f"P90 of {p90b:.0f} tokens, against {share_b:.1%} before (longest {lc.max():.0f})",
-            score=share / max(share_b, 0.01),
-            evidence={"baseline_p90_prompt_tokens": p90b, "long_requests": int(long_c.sum()),
-                      "long_share_baseline": share_b, "long_share_current": share,
-                      "requests_current": len(lc), "max_prompt_tokens_current": float(lc.max()),
-                      "long_request_ids": ids, "baseline_window_ns": wb, "current_window_ns": wc}))
-    else:
-        out.append(Cause("long_sequences", "abnormally long sequences arrived", False,
-                         "no request arrivals in one of the windows", evidence={}))
+    if not len(lb) or not len(lc):
+        return Cause("long_sequences", "abnormally long sequences arrived", False,
+                     "no request arrivals in one of the windows", evidence={})
+    # the baseline's P90, not its P99: a few stragglers of the new traffic that fall
+    # before the change point must not set the bar
+    p90b = float(np.quantile(lb, 0.90, method="inverted_cdf"))
+    long_c = lc > p90b
+    share_b, share = float((lb > p90b).mean()), float(long_c.mean())
+    arr = current.frame(RequestArrived)
+    ids = arr["request_id"][arr["prompt_tokens"] > p90b].tolist()[:20] if len(arr) else []
+    return Cause(
+        "long_sequences", "abnormally long sequences arrived",
+        long_sequences_rose(share_b, share),
+        f"{int(long_c.sum())} of {len(lc)} prompts ({share:.1%}) longer than the baseline's "
+        f"P90 of {p90b:.0f} tokens, against {share_b:.1%} before (longest {lc.max():.0f})",
+        score=share / max(share_b, 0.01),
+        evidence={"baseline_p90_prompt_tokens": p90b, "long_requests": int(long_c.sum()),
+                  "long_share_baseline": share_b, "long_share_current": share,
+                  "requests_current": len(lc), "max_prompt_tokens_current": float(lc.max()),
+                  "long_request_ids": ids, "baseline_window_ns": wb, "current_window_ns": wc})
 
+
+def _memory_pressure(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``memory_pressure`` cause: preemptions, evictions, pool occupancy, allocator retries."""
     pb, pc = _pressure(baseline), _pressure(current)
     reasons = []
     if rose(pb["preemptions_per_s"], pc["preemptions_per_s"]):
@@ -211,27 +223,26 @@ def attribute(baseline: Logs, current: Logs) -> list[Cause]:
                        f"{pc['peak_block_occupancy']:.0%}")
     if pc["alloc_retries"] > pb["alloc_retries"]:
         reasons.append(f"allocator retries {pb['alloc_retries']:.0f} -> {pc['alloc_retries']:.0f}")
-    out.append(Cause(
+    return Cause(
         "memory_pressure", "memory pressure, preemptions or evictions rose", bool(reasons),
         "; ".join(reasons) or (f"preemptions {pc['preemptions']:.0f}, evictions "
                                f"{pc['evictions_per_s']:.2f}/s, peak occupancy "
                                f"{pc['peak_block_occupancy']:.0%}: no rise"),
         score=float(len(reasons)),
-        evidence={"baseline": pb, "current": pc, "baseline_window_ns": wb, "current_window_ns": wc}))
+        evidence={"baseline": pb, "current": pc, "baseline_window_ns": wb, "current_window_ns": wc})
 
+
+def _fragmentation_rise(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:
+    """The ``fragmentation`` cause: the rise of the pool's or the allocator's fragmentation."""
     (fb, ab), (fc, ac) = _fragmentation(baseline), _fragmentation(current)
     rise = [x for x in (fc - fb, ac - ab) if np.isfinite(x)]
     up = max(rise) if rise else float("nan")
-    out.append(Cause(
+    return Cause(
         "fragmentation", "fragmentation rose", bool(rise) and fragmentation_rose(up),
         f"pool fragmentation {fb:.1%} -> {fc:.1%}, allocator {ab:.1%} -> {ac:.1%}",
         score=float(up * 10) if rise else 0.0,
         evidence={"pool_baseline": fb, "pool_current": fc, "allocator_baseline": ab,
-                  "allocator_current": ac, "baseline_window_ns": wb, "current_window_ns": wc}))
-
-    out.append(_queueing(baseline, current, wb, wc))
-
-    return sorted(out, key=lambda c: (not c.supported, -c.score))
+                  "allocator_current": ac, "baseline_window_ns": wb, "current_window_ns": wc})
 
 
 def _queueing(baseline: Logs, current: Logs, wb: list[int], wc: list[int]) -> Cause:

@@ -130,7 +130,7 @@ def series(logs) -> dict[str, SketchSeries]:
     ``kvdiag top`` (``logs.sketches``) or folded now from the frames, per node, and merged."""
     if logs.sketches:
         return logs.sketches
-    from kvdiag.diagnosis.doctor import _events  # the frames as events, per node
+    from kvdiag.diagnosis.leak_rules import _events  # the frames as events, per node
 
     out = {name: SketchSeries() for name in SERIES}
     for node in logs.nodes:

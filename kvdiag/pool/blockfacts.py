@@ -15,16 +15,16 @@ one row per ``EngineStep`` and per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
   NaN until the ledger has seen a block event (an engine that reports none).
 - ``active_allocated`` / ``active_hits``: ``BlockAllocated`` / ``PrefixHit`` events so far of
   the requests whose arrival was seen and that have not finished: the blocks the forecast
-  (:func:`kvdiag.diagnosis.doctor.forecast_frame`) counts as already held by active requests.
+  (:func:`kvdiag.diagnosis.pressure_rules.forecast_frame`) counts as already held by active requests.
 - ``evictions``: ``BlockEvicted`` events since the previous row (the evictions after the last
   row are in a ``tail`` row at the last block event, in :meth:`BlockFacts.frames` only).
 
 And one row per batch of the engine's KV-event stream (frame :data:`KV_BATCHES_TAG`: the
 ``seq`` and ``ts_ns`` of consecutive ``prefix_cache_*`` events, with their count), from which
-:func:`kvdiag.diagnosis.doctor.kv_event_gaps` counts batches received; and the stream's health
+:func:`kvdiag.diagnosis.kv_stream_rules.kv_event_gaps` counts batches received; and the stream's health
 (frame :data:`KV_HEALTH_TAG`, one row: :class:`kvdiag.pool.kv_stream_health.StreamHealthCounts`,
 the pool size from ``KVPoolInfo`` or the engine's ``EngineMetrics.num_blocks``) for
-:func:`kvdiag.diagnosis.doctor.kv_stream_health`.
+:func:`kvdiag.diagnosis.kv_stream_rules.kv_stream_health`.
 """
 
 from __future__ import annotations

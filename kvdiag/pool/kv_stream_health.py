@@ -21,7 +21,7 @@ The checks, each a count of :class:`StreamHealthCounts`:
 - **duplicate stores**: keys stored while held (same medium and group). Counted, not judged:
   vLLM stores one content twice when two requests compute it at once, and re-announces reused
   blocks with ``kv_cache_report_mode="full"`` (the doctor sets them against the engine's hit
-  counter: the coverage of reused blocks, :func:`kvdiag.diagnosis.doctor.kv_stream_health`).
+  counter: the coverage of reused blocks, :func:`kvdiag.diagnosis.kv_stream_rules.kv_stream_health`).
 - **clear storms**: :data:`STORM_CLEARS` or more ``AllBlocksCleared`` within
   :data:`STORM_WINDOW_S` seconds of batch time (each storm counted once).
 - **balance**: keys held in the device tier (``medium`` tier 0, :func:`medium_tier`) after a

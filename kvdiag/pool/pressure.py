@@ -1,7 +1,7 @@
 """KV demand of the active requests against the free blocks: ``forecast.memory_pressure``.
 
 Defined once and evaluated in two places: by the doctor over a recorded log, at every pool
-sample (:func:`kvdiag.diagnosis.doctor.forecast_frame`, vectorised), and by the Prometheus
+sample (:func:`kvdiag.diagnosis.pressure_rules.forecast_frame`, vectorised), and by the Prometheus
 exporter over the live state (:meth:`kvdiag.live.state.LiveState.kv_demand`). The functions
 take numbers or numpy arrays alike.
 

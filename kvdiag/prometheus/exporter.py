@@ -222,7 +222,7 @@ def _pool(f: _Families, state: LiveState, snap) -> None:
 
 def _slots(f: _Families, state: LiveState) -> None:
     """Token slots and empty slots of the latest pool sample, as the doctor's
-    :func:`kvdiag.diagnosis.fragmentation.kv_pool_frame` counts them (both absent when the
+    :func:`kvdiag.diagnosis.pool_fragmentation.kv_pool_frame` counts them (both absent when the
     sample holds more tokens than slots)."""
     sample = state.pool_sample
     block_size = state.block_size_tokens()

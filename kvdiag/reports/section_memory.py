@@ -7,7 +7,7 @@ from typing import Optional
 
 import pandas as pd
 
-from kvdiag.diagnosis.doctor import forecast_frame
+from kvdiag.diagnosis.pressure_rules import forecast_frame
 from kvdiag.diagnosis.findings import Finding
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.diagnosis.memory import allocator_fragmentation, breakdown, memory_over_time, pool_occupancy

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvdiag.diagnosis import latency
+from kvdiag.diagnosis import latency_regression
 from kvdiag.diagnosis.frames import load
 from kvdiag.diagnosis.latency_facts import series as latency_series
 
@@ -67,7 +67,7 @@ def long_halfway_log(tmp_path_factory, model_dir):
 def test_long_prompts_halfway_are_the_attributed_cause(long_halfway_log):
     path, long_ids = long_halfway_log
     logs, _ = load([path])
-    comps = {c.metric: c for c in latency.detect(logs)}
+    comps = {c.metric: c for c in latency_regression.detect(logs)}
     step = comps["step"]
     assert step.flagged, step
     # the change point is the first engine step after the first long request arrived, to the

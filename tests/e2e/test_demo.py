@@ -117,7 +117,7 @@ def test_demo_log_carries_live_shadow_sharing(demo_run):
 def test_demo_log_has_host_memory_and_the_leak_rule_evaluates(demo_run):
     """The agent samples its own process: the first leak check is not N/A on the demo, and a
     healthy demo (no injected leak) is not flagged as leaking host memory."""
-    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis import leak_rules
     from kvdiag.diagnosis.frames import load
 
     _, log_path = demo_run
@@ -125,7 +125,7 @@ def test_demo_log_has_host_memory_and_the_leak_rule_evaluates(demo_run):
     ps = logs.frame("process_sample")
     assert len(ps) >= 4 and (ps["rss_bytes"] > 0).all()
     assert ps["pss_bytes"].notna().any()
-    f = doctor.memory_growth(logs)
+    f = leak_rules.memory_growth(logs)
     assert f.status != "n/a", f.message
     assert f.evidence["source"] == "host RSS"
     assert f.status != "fail", f.message

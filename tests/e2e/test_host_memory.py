@@ -144,7 +144,7 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from kvdiag.agent import Agent
-    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis import leak_rules
     from kvdiag.diagnosis.frames import load
     from kvdiag.events.eventlog import iter_events
     from kvdiag.live.state import LiveState
@@ -173,7 +173,7 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     del leak
 
     logs = load([log_path])[0]
-    f = doctor.memory_growth(logs)
+    f = leak_rules.memory_growth(logs)
     assert f.status != "n/a", f.message
     assert f.evidence["source"] == "host RSS"
     # the rule sees the 400 MiB the test held (the KV pool's growth is small beside it)

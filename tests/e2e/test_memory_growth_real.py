@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from kvdiag.events import schema as s
-from kvdiag.diagnosis import doctor
+from kvdiag.diagnosis import leak_rules
 from kvdiag.diagnosis.frames import load
 from kvdiag.events.eventlog import make_header
 from kvdiag.events.log_writer import LogWriter
@@ -71,7 +71,7 @@ def _record(tmp_path, step_bytes: int):
 @pytest.mark.parametrize("step_mib,expected", [(16, "fail"), (0, "pass")])
 def test_memory_growth_on_real_rss(tmp_path, step_mib, expected):
     logs, rss = _record(tmp_path, step_mib << 20)
-    f = doctor.memory_growth(logs)
+    f = leak_rules.memory_growth(logs)
     assert f.status == expected, f.message
     # the rule's number by its documented definition (median of the last 10% of samples minus
     # the median of the first 10%), recomputed here over the samples this test took
@@ -91,5 +91,5 @@ def test_memory_growth_not_judged_before_the_first_engine_step():
     frame = pd.DataFrame({"ts_ns": [i * 10**9 for i in range(len(rss))], "pid": 1, "rss_bytes": rss,
                           "node": "n"})
     logs = Logs(headers={"n": make_header()}, frames={"process_sample": frame})
-    f = doctor.memory_growth(logs)
+    f = leak_rules.memory_growth(logs)
     assert f.status == "n/a" and "no engine step" in f.message

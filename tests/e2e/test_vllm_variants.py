@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvdiag.diagnosis import doctor, rules
+from kvdiag.diagnosis import rules, sharing_rules
 from kvdiag.simulation.live_sharing import ShadowSharingSink
 from kvdiag.diagnosis.frames import load as load_logs
 from kvdiag.collectors.agent_client import AgentStream
@@ -65,7 +65,7 @@ def test_prefix_cache_off_shows_the_gap_and_a_failing_hook_is_contained(vllm_pyt
     shadow.out = writer
     shadow.flush()
     writer.close()
-    finding = doctor.sharing_consistency(load_logs([log])[0])
+    finding = sharing_rules.sharing_consistency(load_logs([log])[0])
     assert finding.status == "warn" and finding.evidence["gap"] > rules.SHARING_GAP_LIMIT
 
 

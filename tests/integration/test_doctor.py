@@ -92,7 +92,7 @@ def test_forecast_matches_a_per_request_loop():
 
     import numpy as np
 
-    from kvdiag.diagnosis.doctor import forecast_frame
+    from kvdiag.diagnosis.pressure_rules import forecast_frame
     from kvdiag.diagnosis.frames import load
     logs, _ = load([clean_log()])
     fc = forecast_frame(logs)
@@ -146,7 +146,7 @@ def test_memory_pressure_without_a_known_need_is_na_not_an_error(monkeypatch):
     nothing: n/a; a known moment among them is still judged."""
     import numpy as np
     import pandas as pd
-    from kvdiag.diagnosis import doctor
+    from kvdiag.diagnosis import pressure_rules
 
     def frame(ratios):
         n = len(ratios)
@@ -154,8 +154,8 @@ def test_memory_pressure_without_a_known_need_is_na_not_an_error(monkeypatch):
                              "needed_blocks": 10.0, "free_blocks": 5.0, "growth_blocks_per_s": 0.0,
                              "need_ratio": ratios, "time_to_full_s": np.inf})
 
-    monkeypatch.setattr(doctor, "forecast_frame", lambda logs: frame([np.nan, np.nan]))
-    f = doctor.memory_pressure(None)
+    monkeypatch.setattr(pressure_rules, "forecast_frame", lambda logs: frame([np.nan, np.nan]))
+    f = pressure_rules.memory_pressure(None)
     assert f.status == "n/a" and "of 2 samples" in f.message
-    monkeypatch.setattr(doctor, "forecast_frame", lambda logs: frame([np.nan, 2.0]))
-    assert doctor.memory_pressure(None).status == "fail"
+    monkeypatch.setattr(pressure_rules, "forecast_frame", lambda logs: frame([np.nan, 2.0]))
+    assert pressure_rules.memory_pressure(None).status == "fail"

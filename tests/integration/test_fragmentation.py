@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvdiag.diagnosis import fragmentation as fr
+from kvdiag.diagnosis import pool_fragmentation as pf
 
 MiB = 1 << 20
 
@@ -177,17 +178,17 @@ def test_kv_pool_occupancy_and_rule():
         {"ts_ns": 2, "num_blocks": 10, "blocks_used": 0, "blocks_cached": 0, "blocks_free": 10,
          "tokens_held": 0, "running_requests": 0},
     ])
-    pool = fr.kv_pool_frame(samples, block_size_tokens=32, bytes_per_token=10)
+    pool = pf.kv_pool_frame(samples, block_size_tokens=32, bytes_per_token=10)
     assert pool.loc[0, "empty_slots_tokens"] == 28 and pool.loc[0, "empty_slots_bytes"] == 280
     assert pool.loc[0, "token_occupancy"] == pytest.approx(100 / 128)
     assert pool.loc[0, "block_occupancy"] == pytest.approx(0.4)
-    f = fr.kv_pool_fragmentation_finding(pool)
+    f = pf.kv_pool_fragmentation_finding(pool)
     assert f.rule == "fragmentation.kv_pool" and f.status == "warn"
     assert f.evidence["value"] == pytest.approx(28 / 128)
     # more tokens than slots contradicts the definition: N/A, never a negative share
-    over = fr.kv_pool_frame(samples.assign(tokens_held=[200, 0]), block_size_tokens=32)
+    over = pf.kv_pool_frame(samples.assign(tokens_held=[200, 0]), block_size_tokens=32)
     assert pd.isna(over.loc[0, "empty_slots_tokens"]) and pd.isna(over.loc[0, "token_occupancy"])
-    assert fr.kv_pool_fragmentation_finding(over).status == "n/a"
+    assert pf.kv_pool_fragmentation_finding(over).status == "n/a"
 
 
 def test_replay_free_list():
@@ -198,18 +199,18 @@ def test_replay_free_list():
     evs += [BlockReleased(ts_ns=2, request_id="a", block_id=0, cached=True),
             BlockReleased(ts_ns=2, request_id="a", block_id=2),
             PrefixHit(ts_ns=3, request_id="b", block_id=0), BlockAllocated(ts_ns=3, request_id="b", block_id=6)]
-    s = fr.replay_free_list(evs)
+    s = pf.replay_free_list(evs)
     # busy: 0 (b), 4 (a), 6 (b) -> free 1,2,3,5,7: longest run 1..3 = 3
     assert (s.used_blocks, s.cached_blocks, s.free_blocks, s.longest_free_run_blocks) == (3, 0, 5, 3)
     assert s.free_list_fragmentation == pytest.approx(1 - 3 / 5)
-    s2 = fr.replay_free_list(evs + [BlockReleased(ts_ns=4, request_id="b", block_id=0, cached=True),
+    s2 = pf.replay_free_list(evs + [BlockReleased(ts_ns=4, request_id="b", block_id=0, cached=True),
                                     BlockEvicted(ts_ns=5, block_id=0)])
     assert s2.free_blocks == 6 and s2.cached_blocks == 0
     # ids offset by 2 (transformers' trash pages): same answer with every id shifted
     shifted = [e if not hasattr(e, "block_id") else msgspec.structs.replace(e, block_id=e.block_id + 2)
                for e in evs + [BlockAllocated(ts_ns=6, request_id="c", block_id=7)]]
-    s3 = fr.replay_free_list(shifted)
-    s4 = fr.replay_free_list(evs + [BlockAllocated(ts_ns=6, request_id="c", block_id=7)])
+    s3 = pf.replay_free_list(shifted)
+    s4 = pf.replay_free_list(evs + [BlockAllocated(ts_ns=6, request_id="c", block_id=7)])
     assert s3 == s4
 
 
@@ -260,7 +261,7 @@ def test_free_list_replay_matches_the_engines_own_counters():
     from kvdiag.events.schema import KVPoolSample
     path = Path(__file__).parent.parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"
     events = list(iter_events(path))
-    state = fr.replay_free_list(events)
+    state = pf.replay_free_list(events)
     last = max((e for e in events if isinstance(e, KVPoolSample)), key=lambda e: e.ts_ns)
     assert (state.free_blocks, state.cached_blocks, state.used_blocks) == \
         (last.blocks_free, last.blocks_cached, last.blocks_used)

@@ -14,7 +14,8 @@ import pytest
 
 import constructed_serving as cs
 from kvdiag.diagnosis import bandwidth
-from kvdiag.diagnosis.doctor import P99_CHECKLIST, p99_checklist, run_rules
+from kvdiag.diagnosis.p99_rules import P99_CHECKLIST, p99_checklist
+from kvdiag.diagnosis.doctor import run_rules
 from kvdiag.diagnosis.frames import load
 
 DEMO = Path(__file__).parent.parent / "data" / "demo_small" / "demo_24req_seed1.kvlog.gz"

@@ -153,7 +153,7 @@ def test_fleet_report_from_parquet_equals_the_one_from_the_logs_and_pandas(tmp_p
     """`report --fleet`: DuckDB over the dataset's files and DuckDB over the logs as read give
     the same report; its totals equal pandas over all the logs together, and each node's
     fragmentation is the doctor's fragmentation.kv_pool."""
-    from kvdiag.diagnosis.doctor import fragmentation
+    from kvdiag.diagnosis.leak_rules import fragmentation
     from kvdiag.diagnosis.fleet import from_datasets, totals
     from kvdiag.diagnosis.frames import load
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvdiag.events import schema as s
-from kvdiag.diagnosis import doctor, latency, rules, user_latency
+from kvdiag.diagnosis import latency_regression, p99_rules, rules, user_latency
 from kvdiag.diagnosis.frames import load
 from kvdiag.cli import main
 from kvdiag.events.eventlog import make_header
@@ -175,7 +175,7 @@ def test_p99_rule_judges_ttft_on_a_small_log_by_its_halves(tmp_path):
     fails, says so, and names queueing as a supported cause."""
     evs, truth = _requests(112, lambda i: 0.1 if i < 56 else 2.0)
     logs = _logs(tmp_path, evs)
-    findings, comps = doctor.p99(logs)
+    findings, comps = p99_rules.p99(logs)
     reg = findings[0]
     assert reg.rule == "p99.regression" and reg.status == "fail"
     ttft = next(c for c in comps if c.metric == "ttft")
@@ -190,7 +190,7 @@ def test_p99_rule_judges_ttft_on_a_small_log_by_its_halves(tmp_path):
 
 def test_p99_rule_says_na_with_counts_instead_of_passing(tmp_path):
     evs, _ = _requests(30, lambda i: 0.1)
-    reg = doctor.p99(_logs(tmp_path, evs))[0][0]
+    reg = p99_rules.p99(_logs(tmp_path, evs))[0][0]
     assert reg.status == "n/a"
     assert "ttft n/a (30 of 40 needed)" in reg.message and "per_token n/a (30 of 40 needed)" in reg.message
 
@@ -199,7 +199,7 @@ def test_p99_fallback_does_not_flag_a_steady_log(tmp_path):
     rng = np.random.default_rng(3)
     waits = rng.lognormal(np.log(0.3), 0.4, 112)
     evs, _ = _requests(112, lambda i: float(waits[i]))
-    comps, skipped = latency.detect_all(_logs(tmp_path, evs))
+    comps, skipped = latency_regression.detect_all(_logs(tmp_path, evs))
     ttft = next(c for c in comps if c.metric == "ttft")
     assert ttft.quantile == 0.9 and not ttft.flagged and not skipped
 
@@ -253,7 +253,7 @@ def test_p99_rule_on_the_recorded_queued_demo_names_what_it_could_not_compare():
     """24 requests: too few to compare TTFT or TPOT even at P50 between halves (20 a side),
     so the rule says so with the counts instead of passing on engine steps alone."""
     n = len(_raw(OVERLOAD))
-    reg = doctor.p99(load([OVERLOAD])[0])[0][0]
+    reg = p99_rules.p99(load([OVERLOAD])[0])[0][0]
     assert f"ttft n/a ({n} of 40 needed)" in reg.message and f"per_token n/a ({n} of 40 needed)" in reg.message
 
 
@@ -266,7 +266,7 @@ def test_p99_rule_flags_the_ttft_rise_of_a_recorded_48_request_queued_demo():
 
     path = DATA / "overload_48req_rate30.kvlog.gz"
     raw = sorted(_raw(path).values(), key=lambda r: r["arrived"] + r["ttft"])
-    reg, *_ = doctor.p99(load([path])[0])[0]
+    reg, *_ = p99_rules.p99(load([path])[0])[0]
     comps = {c["metric"]: c for c in reg.evidence["comparisons"]}
     ttft = comps["ttft"]
     assert reg.status == "fail" and ttft["flagged"] and ttft["quantile"] == 0.5

@@ -7,7 +7,7 @@ import pytest
 
 import constructed as C
 from kvdiag.events import schema as s
-from kvdiag.diagnosis import doctor, latency, memory
+from kvdiag.diagnosis import doctor, latency_regression, leak_rules, memory, pressure_rules
 from kvdiag.diagnosis.latency import samples
 from kvdiag.diagnosis.frames import load
 from kvdiag.diagnosis.requests import request_table
@@ -56,7 +56,7 @@ def test_samples_are_time_ordered_and_complete(leak_log):
 
 def test_release_paths_names_leaking_requests(leak_log):
     _, logs = leak_log
-    f = next(g for g in doctor.release_paths(logs) if g.rule == "leak.release_paths")
+    f = next(g for g in leak_rules.release_paths(logs) if g.rule == "leak.release_paths")
     assert f.status == "fail"
     assert sorted(f.evidence["requests"]) == ["req-17", "req-5"]
 
@@ -91,10 +91,10 @@ def test_forecast_fails_when_demand_exceeds_free_blocks(tmp_path):
         evs += [s.BlockAllocated(ts_ns=t0 + 10 + i, request_id=f"r{i}", block_id=3 * i + k) for k in range(3)]
     evs.append(s.KVPoolSample(ts_ns=t0 + 100, num_blocks=10, blocks_used=9, blocks_free=1))
     logs = load([C.write(tmp_path / "p.jsonl", evs)])[0]
-    fc = doctor.forecast_frame(logs)
+    fc = pressure_rules.forecast_frame(logs)
     assert fc["needed_blocks"].iloc[-1] == 3 * 9 - 9
     assert fc["free_blocks"].iloc[-1] == 1
-    assert doctor.memory_pressure(logs).status == "fail"
+    assert pressure_rules.memory_pressure(logs).status == "fail"
 
 
 def test_attribution_finds_long_sequences_injected_halfway(tmp_path):
@@ -103,7 +103,7 @@ def test_attribution_finds_long_sequences_injected_halfway(tmp_path):
     supported cause while compression (no runs after the change) is not."""
     evs = C.events(n_requests=300, long_from=150)
     logs = load([C.write(tmp_path / "long.jsonl", evs)])[0]
-    comps = {c.metric: c for c in latency.detect(logs)}
+    comps = {c.metric: c for c in latency_regression.detect(logs)}
     ttft = comps["ttft"]
     assert ttft.flagged
     arrivals = sorted(e.ts_ns for e in evs if isinstance(e, s.RequestArrived))

@@ -30,7 +30,7 @@ def test_metric_counters_stand_in_without_requests():
 def test_doctor_describes_the_same_rate_as_every_view():
     """The P99 checklist's 'over the log' line counts the requests the one definition counts
     (an aborted request's tokens left out): 40 of 100 prompt tokens, not 90 of 150."""
-    from kvdiag.diagnosis.doctor import _over_log
+    from kvdiag.diagnosis.p99_rules import _over_log
     from kvdiag.diagnosis.frames import Logs
 
     fin = pd.DataFrame({"ts_ns": [1, 2], "node": ["", ""], "prompt_tokens": [100, 50],

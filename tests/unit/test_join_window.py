@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvdiag.agent import LiveSocketSink
-from kvdiag.diagnosis import doctor, rules
+from kvdiag.diagnosis import rules, sharing_rules
 from kvdiag.simulation.live_sharing import ShadowSharingSink
 from kvdiag.simulation.sharing import simulate
 from kvdiag.collectors.agent_client import AgentConnection
@@ -107,7 +107,7 @@ def test_a_late_client_compares_the_requests_since_it_joined(tmp_path):
     assert view.gap_status == "pass"
 
     logs = Logs(headers={"n": header}, frames={t: f.assign(node="n") for t, f in events_to_frames(joined).items()})
-    f = doctor.sharing_consistency(logs)
+    f = sharing_rules.sharing_consistency(logs)
     assert f.status == "pass", f.message
     assert f.evidence["requests"] == AFTER
     assert f.evidence["engine_hit_rate"] == pytest.approx(want, abs=1e-12)
@@ -130,7 +130,7 @@ def test_too_few_requests_in_the_window_is_not_a_verdict():
         logs = Logs(headers={"n": header}, frames={t: f.assign(node="n") for t, f in events_to_frames(events).items()})
         state = LiveState()
         state.feed_all(events)
-        return doctor.sharing_consistency(logs), state.snapshot(events[-1].ts_ns).sharing
+        return sharing_rules.sharing_consistency(logs), state.snapshot(events[-1].ts_ns).sharing
 
     _serve(engine.record, prompts[:rules.MIN_SHARING_REQUESTS - 1], 0, np.zeros(rules.MIN_SHARING_REQUESTS - 1))
     f, view = verdict(rules.MIN_SHARING_REQUESTS - 1)
