@@ -103,7 +103,9 @@ def _free_runs(blocks: list[dict]) -> list[int]:
     return runs
 
 
-def _ext_frag(free_bytes: int, largest_free_bytes: int) -> float:
+def external_fragmentation(free_bytes: int, largest_free_bytes: int) -> float:
+    """1 - largest free run / free (0 when nothing is free): the share of free memory unusable
+    for one allocation of all of it."""
     return 0.0 if free_bytes == 0 else 1.0 - largest_free_bytes / free_bytes
 
 
@@ -143,7 +145,7 @@ def segment_frame(snapshot: dict) -> pd.DataFrame:
             "largest_free_bytes": largest,
             "num_blocks": len(blocks),
             "num_free_runs": len(runs),
-            "external_fragmentation": _ext_frag(free, largest),
+            "external_fragmentation": external_fragmentation(free, largest),
         })
     return pd.DataFrame(rows, columns=SEGMENT_COLUMNS)
 
@@ -158,7 +160,7 @@ def _rollup(segments: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     out["num_segments"] = g.size()
     out["largest_free_bytes"] = g["largest_free_bytes"].max()
     out["external_fragmentation"] = [
-        _ext_frag(f, l) for f, l in zip(out["free_bytes"], out["largest_free_bytes"])]
+        external_fragmentation(f, l) for f, l in zip(out["free_bytes"], out["largest_free_bytes"])]
     return out.reset_index()
 
 

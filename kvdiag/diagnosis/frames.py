@@ -222,3 +222,16 @@ def load(paths: Iterable[str | Path], on_progress: Optional[Callable[[int], None
     if not items:
         raise LogFormatError("no log given: expected at least one kvdiag log")
     return merge(items), problems
+
+
+def node_events(logs: Logs, node: str, classes) -> list:
+    """Events of ``node`` rebuilt from its frames, in time order (for analyses that replay
+    events)."""
+    out = []
+    for cls in classes:
+        df = logs.frame(cls)
+        df = df[df["node"] == node].drop(columns="node")
+        fields = list(df.columns)
+        out += [(row[0], cls(**dict(zip(fields, row[1:])))) for row in
+                zip(df["ts_ns"].to_numpy(), *(df[c].tolist() for c in fields))]
+    return [ev for _, ev in sorted(out, key=lambda p: p[0])]

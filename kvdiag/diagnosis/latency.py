@@ -105,10 +105,10 @@ def samples(logs: Logs, metric: Metric, requests: Optional[pd.DataFrame] = None)
 def quantile(x: np.ndarray, q: float) -> float:
     """Inverse empirical CDF at q: the ceil(q n)-th smallest sample."""
     xs = np.sort(np.asarray(x, dtype="float64"))
-    return float(xs[_rank(len(xs), q) - 1])
+    return float(xs[order_rank(len(xs), q) - 1])
 
 
-def _rank(n: int, q: float) -> int:
+def order_rank(n: int, q: float) -> int:
     return min(max(int(np.ceil(q * n - 1e-9)), 1), n)
 
 
@@ -117,7 +117,7 @@ def bootstrap_quantile(x_sorted: np.ndarray, q: float, n_boot: int,
     """``n_boot`` draws of the q-quantile of a bootstrap resample of ``x_sorted`` (ascending),
     sampled exactly through the order statistic of uniforms (module docstring)."""
     n = len(x_sorted)
-    k = _rank(n, q)
+    k = order_rank(n, q)
     u = rng.beta(k, n + 1 - k, size=n_boot)
     idx = np.clip(np.ceil(u * n).astype(np.int64) - 1, 0, n - 1)
     return x_sorted[idx]
@@ -137,7 +137,7 @@ def quantiles_ci(x: np.ndarray, qs: tuple[float, ...] = QUANTILES, conf: float =
     for q in qs:
         draws = bootstrap_quantile(x, q, n_boot, rng)
         lo, hi = np.quantile(draws, [alpha, 1 - alpha])
-        rows.append((q, float(x[_rank(len(x), q) - 1]), float(lo), float(hi), len(x)))
+        rows.append((q, float(x[order_rank(len(x), q) - 1]), float(lo), float(hi), len(x)))
     return pd.DataFrame(rows, columns=["quantile", "value", "ci_low", "ci_high", "n"])
 
 
@@ -230,8 +230,8 @@ def compare(baseline: np.ndarray, current: np.ndarray, metric: str = "",
         ratio = bootstrap_quantile(c, q, n_boot, rng) / bootstrap_quantile(b, q, n_boot, rng)
     alpha = (1 - conf) / 2
     lo, hi = np.quantile(ratio - 1, [alpha, 1 - alpha])
-    qb = {x: b[_rank(len(b), x) - 1] for x in (*QUANTILES, q)}
-    qc = {x: c[_rank(len(c), x) - 1] for x in (*QUANTILES, q)}
+    qb = {x: b[order_rank(len(b), x) - 1] for x in (*QUANTILES, q)}
+    qc = {x: c[order_rank(len(c), x) - 1] for x in (*QUANTILES, q)}
     with np.errstate(divide="ignore", invalid="ignore"):
         return Comparison(
             metric=metric, n_baseline=len(b), n_current=len(c),
@@ -269,7 +269,7 @@ def quantiles_over_time(s: pd.DataFrame, n_windows: int = 20) -> pd.DataFrame:
         x = np.sort(v[which == w])
         if len(x):
             rows.append((int(edges[w]), int(edges[w + 1]), len(x),
-                         *(float(x[_rank(len(x), q) - 1]) for q in QUANTILES)))
+                         *(float(x[order_rank(len(x), q) - 1]) for q in QUANTILES)))
     return pd.DataFrame(rows, columns=cols)
 
 

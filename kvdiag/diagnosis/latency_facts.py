@@ -130,11 +130,11 @@ def series(logs) -> dict[str, SketchSeries]:
     ``kvdiag top`` (``logs.sketches``) or folded now from the frames, per node, and merged."""
     if logs.sketches:
         return logs.sketches
-    from kvdiag.diagnosis.leak_rules import _events  # the frames as events, per node
+    from kvdiag.diagnosis.frames import node_events  # the frames as events, per node
 
     out = {name: SketchSeries() for name in SERIES}
     for node in logs.nodes:
-        facts = fold(_events(logs, node, INPUTS))
+        facts = fold(node_events(logs, node, INPUTS))
         for name, sr in facts.series.items():
             out[name].merge(sr)
     logs.sketches.update(out)

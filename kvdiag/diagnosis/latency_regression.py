@@ -16,7 +16,7 @@ import numpy as np
 from kvdiag.diagnosis.causes import attribute
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.diagnosis.latency import (DEFAULT_THRESHOLD, METRICS, MIN_P99_SAMPLES, MIN_SAMPLES, QUANTILES,
-                                      Comparison, Metric, Skipped, _rank, fallback_quantile)
+                                      Comparison, Metric, Skipped, order_rank, fallback_quantile)
 from kvdiag.diagnosis.rules import GROSS_SHIFT_THRESHOLD, REGRESSION_MIN_SAMPLES
 from kvdiag.diagnosis.sketch import Sketch, SketchSeries
 
@@ -84,7 +84,7 @@ def compare_sketches(baseline: Sketch, current: Sketch, metric: str = "",
 
     def boot(sk: Sketch) -> np.ndarray:
         n = sk.count
-        k = _rank(n, q)
+        k = order_rank(n, q)
         u = rng.beta(k, n + 1 - k, size=n_boot)
         return sk.at_ranks(np.clip(np.ceil(u * n).astype(np.int64), 1, n))
 

@@ -20,7 +20,7 @@ from kvdiag.diagnosis import leaks as _leaks
 from kvdiag.diagnosis import pool_fragmentation as _pool_fragmentation
 from kvdiag.diagnosis import rules
 from kvdiag.diagnosis.findings import Finding
-from kvdiag.diagnosis.frames import Logs
+from kvdiag.diagnosis.frames import Logs, node_events
 from kvdiag.diagnosis.memory import allocator_fragmentation, growth, kv_pool_bytes
 from kvdiag.events.schema import (AllocatorSample, BlockAllocated, BlockDeduplicated, BlockEvicted, BlockReleased,
                                   EngineMetrics, EngineStep, KVPoolInfo, KVPoolSample, NvmlSample, PrefixHit,
@@ -113,21 +113,8 @@ def memory_growth(logs: Logs) -> Finding:
                     "unexplained_bytes": unexplained, "start_bytes": start, "share": share})
 
 
-_LEDGER_EVENTS = (RequestArrived, RequestFinished, KVPoolInfo, BlockAllocated, PrefixHit,
+LEDGER_EVENTS = (RequestArrived, RequestFinished, KVPoolInfo, BlockAllocated, PrefixHit,
                   BlockDeduplicated, BlockReleased, BlockEvicted)
-
-
-def _events(logs: Logs, node: str, classes) -> list:
-    """Events of ``node`` rebuilt from its frames, in time order (for analyses that replay
-    events)."""
-    out = []
-    for cls in classes:
-        df = logs.frame(cls)
-        df = df[df["node"] == node].drop(columns="node")
-        fields = list(df.columns)
-        out += [(row[0], cls(**dict(zip(fields, row[1:])))) for row in
-                zip(df["ts_ns"].to_numpy(), *(df[c].tolist() for c in fields))]
-    return [ev for _, ev in sorted(out, key=lambda p: p[0])]
 
 
 def _prefill_spans(logs: Logs, node: str):
@@ -152,7 +139,7 @@ def release_paths(logs: Logs) -> list[Finding]:
                 *(_leaks.pool_growth_finding(kp[kp["node"] == node], prefill=_prefill_spans(logs, node))
                   for node in logs.nodes)]
     found = [f for node in logs.nodes for f in _leaks.leak_findings(
-        _events(logs, node, _LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node],
+        node_events(logs, node, LEDGER_EVENTS), pool_samples=kp[kp["node"] == node], now_ns=last[node],
         prefill=_prefill_spans(logs, node))]
     # the checklist's rule keeps its id (top's alerts and scripts key on it)
     return [replace(f, rule="leak.release_paths") if f.rule == "leak.finished_holding" else f

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import pandas as pd
 
 from kvdiag.diagnosis.findings import Finding
-from kvdiag.diagnosis.fragmentation import _ext_frag
+from kvdiag.diagnosis.fragmentation import external_fragmentation
 from kvdiag.diagnosis.rules import FRAGMENTATION_LIMIT, fragmentation_status
 from kvdiag.events.schema import Event
 from kvdiag.pool.blockledger import BlockLedger
@@ -96,7 +96,7 @@ def free_list_state(ledger: BlockLedger, max_block_id: int) -> Optional[FreeList
     longest = max(b - a - 1 for a, b in zip(bounds, bounds[1:]))  # the longest free run
     free = ledger.free_blocks
     return FreeListState(num_blocks, free, ledger.cached_blocks, ledger.held_blocks, longest,
-                         _ext_frag(free, longest))
+                         external_fragmentation(free, longest))
 
 
 # ---------------------------------------------------------------- the 15% rule

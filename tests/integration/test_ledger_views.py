@@ -18,7 +18,7 @@ from prometheus_client.core import CollectorRegistry
 
 from kvdiag.events import schema as s
 from kvdiag.diagnosis import doctor, leak_rules, leaks, pool_fragmentation
-from kvdiag.diagnosis.frames import load
+from kvdiag.diagnosis.frames import load, node_events
 from kvdiag.diagnosis.rules import RELEASE_GRACE_NS
 from kvdiag.pool.blockledger import ANOMALY_KINDS, EXAMPLES_KEPT
 from kvdiag.events.log_writer import LogWriter
@@ -217,7 +217,7 @@ def test_doctor_on_the_recorded_log_equals_the_brute_force(events, truth, tmp_pa
     assert (held.evidence["num_requests"], held.evidence["num_blocks"]) == \
         (len(truth["leaking"]), truth["leaking_blocks"])
     assert by_rule["leak.double_release"].evidence["count"] == truth["anomalies"]["double_release"]
-    replayed = leak_rules._events(logs, "n1", leak_rules._LEDGER_EVENTS)
+    replayed = node_events(logs, "n1", leak_rules.LEDGER_EVENTS)
     free_list = pool_fragmentation.replay_free_list(replayed)
     assert (free_list.used_blocks, free_list.cached_blocks, free_list.free_blocks) == \
         (truth["held"], truth["cached"], truth["free"])
