@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdiag.events.eventlog import read_log
-from kvdiag.live.state import LiveState, percentile
+from kvdiag.live.latency_fold import percentile
+from kvdiag.live.state import LiveState
 from kvdiag.live.replay_source import ReplaySource
 from tui_data import BLOCK_BYTES, BLOCK_TOKENS, T0_NS, write_constructed_log
 
