@@ -70,8 +70,8 @@ def snapshot_cost(log: Path) -> None:
     for ev in iter_events(log):
         state.feed(ev)
         n += 1
-        if len(state.live) > busiest:
-            busiest, busiest_ts = len(state.live), ev.ts_ns
+        if len(state.requests.live) > busiest:
+            busiest, busiest_ts = len(state.requests.live), ev.ts_ns
     fold_s = time.perf_counter() - t0
     times = []
     for _ in range(5):
@@ -92,7 +92,7 @@ def snapshot_cost(log: Path) -> None:
     t = time.perf_counter()
     snap = state.snapshot(busiest_ts)
     busy_s = time.perf_counter() - t
-    print(f"snapshot at the busiest moment ({len(state.live)} live requests): {busy_s * 1e3:.1f} ms = "
+    print(f"snapshot at the busiest moment ({len(state.requests.live)} live requests): {busy_s * 1e3:.1f} ms = "
           f"{busy_s / INTERVAL_S:.3f} of the interval")
 
 

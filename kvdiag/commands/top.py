@@ -62,35 +62,40 @@ def _error(message: str) -> int:
 
 def open_source(args: argparse.Namespace):
     """The event source the arguments ask for; raises SourceError with a one-line message."""
-    from kvdiag.live import sources
+    from kvdiag.live.demo_source import DemoSource
+    from kvdiag.live.merged_source import with_host_view
+    from kvdiag.live.pid_source import attach
+    from kvdiag.live.replay_source import ReplaySource
+    from kvdiag.live.socket_source import SocketSource
+    from kvdiag.live.sources import SourceError
 
     demo_args = [a for a in args.demo_args if a != "--"]
     if demo_args and (args.log or args.pid or args.socket):
-        raise sources.SourceError(f"unexpected arguments {' '.join(demo_args)!r} (they are for the demo, "
-                                  "which runs only without --log/--pid/--socket)")
+        raise SourceError(f"unexpected arguments {' '.join(demo_args)!r} (they are for the demo, "
+                          "which runs only without --log/--pid/--socket)")
     if args.engine and (args.log or args.pid or args.socket):
-        raise sources.SourceError("--engine chooses the demo's engine; it does not go with --log/--pid/--socket")
+        raise SourceError("--engine chooses the demo's engine; it does not go with --log/--pid/--socket")
     if args.engine == "vllm":
         from kvdiag.demo.vllm_env import SETUP_HINT, vllm_python
 
         if vllm_python() is None:
-            raise sources.SourceError(SETUP_HINT)
+            raise SourceError(SETUP_HINT)
         demo_args = ["--engine", "vllm", *demo_args]
     if args.interval <= 0:
-        raise sources.SourceError(f"--interval must be positive, got {args.interval}")
+        raise SourceError(f"--interval must be positive, got {args.interval}")
     if args.log is not None:
         if not args.log.is_file():
-            raise sources.SourceError(f"{args.log}: no such file")
+            raise SourceError(f"{args.log}: no such file")
         if args.speed <= 0:
-            raise sources.SourceError(f"--speed must be positive, got {args.speed}")
-        return sources.ReplaySource(args.log, speed=args.speed, start_paused=args.paused)
+            raise SourceError(f"--speed must be positive, got {args.speed}")
+        return ReplaySource(args.log, speed=args.speed, start_paused=args.paused)
     if args.socket is not None:
-        return sources.SocketSource(args.socket)
+        return SocketSource(args.socket)
     outside = _outside_options(args)
     if (outside.metrics_url or outside.kv_events) and args.pid is None:
-        raise sources.SourceError("--metrics-url and --kv-events go with --pid (a server watched from outside)")
+        raise SourceError("--metrics-url and --kv-events go with --pid (a server watched from outside)")
     if args.pid is not None:
-        return sources.attach(args.pid, any_process=args.any_process, outside=outside)
+        return attach(args.pid, any_process=args.any_process, outside=outside)
     if not any(a.startswith("--model") for a in demo_args):
         from kvdiag.commands.fetch_model import resolve_with_progress
 
@@ -100,8 +105,8 @@ def open_source(args: argparse.Namespace):
     from kvdiag.paths import log_dir
 
     # its output beside its event log
-    demo = sources.DemoSource(demo_args, log_dir=_demo_log(demo_args).parent if _demo_log(demo_args) else log_dir())
-    return sources.with_host_view(demo, demo.child.pid)
+    demo = DemoSource(demo_args, log_dir=_demo_log(demo_args).parent if _demo_log(demo_args) else log_dir())
+    return with_host_view(demo, demo.child.pid)
 
 
 def _outside_options(args: argparse.Namespace):

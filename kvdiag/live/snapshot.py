@@ -167,7 +167,7 @@ class LocalityView:
 @dataclass(frozen=True, slots=True)
 class LatencyView:
     """TTFT, per-token latency (TPOT = (e2e - ttft) / (output tokens - 1)) and queue wait of
-    requests finished in the latency window (kvdiag.live.state.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
+    requests finished in the latency window (kvdiag.live.latency_fold.LATENCY_WINDOWS rate windows), per-bin histories of their P50/P99, generated tokens/s,
     (whether P99 regressed is the ``p99.regression`` rule's verdict, among the alerts)."""
 
     ttft_p50_ms: Optional[float]

@@ -121,7 +121,7 @@ class PrometheusSink:
     def _observe_latency(self, ev: s.RequestFinished) -> None:
         ttft = ev.ttft_ns
         if ttft is None:
-            req = self.state.finished.get(ev.request_id)
+            req = self.state.requests.finished.get(ev.request_id)
             ttft = req.ttft_ns if req is not None else None
         if ttft is None:
             return
@@ -191,7 +191,7 @@ def _pool(f: _Families, state: LiveState, snap) -> None:
         # the engine's gauges (no agent) say nothing of cached blocks: then free is unknown
         free = (pool.num_blocks - pool.blocks_used - pool.blocks_cached
                 if pool.num_blocks and pool.blocks_cached is not None else None)
-        block_bytes = state.pool_info.block_bytes if state.pool_info is not None else None
+        block_bytes = state.pool.info.block_bytes if state.pool.info is not None else None
         for label, blocks in (("requests", pool.blocks_used), ("prefix_cache", pool.blocks_cached),
                               ("free", free)):
             if blocks is not None:
@@ -224,7 +224,7 @@ def _slots(f: _Families, state: LiveState) -> None:
     """Token slots and empty slots of the latest pool sample, as the doctor's
     :func:`kvdiag.diagnosis.pool_fragmentation.kv_pool_frame` counts them (both absent when the
     sample holds more tokens than slots)."""
-    sample = state.pool_sample
+    sample = state.pool.sample
     block_size = state.block_size_tokens()
     if sample is None or not block_size:
         return
@@ -274,10 +274,10 @@ def _latency(f: _Families, sink: PrometheusSink) -> None:
     f.histogram("kvdiag_request_ttft_seconds", sink.ttft)
     f.histogram("kvdiag_request_inter_token_seconds", sink.inter_token)
     state = sink.state
-    if state.kv_read_step_ns_total:
-        f.add("kvdiag_kv_read_bytes_total", state.kv_read_bytes_total)
-        f.add("kvdiag_kv_read_step_seconds_total", state.kv_read_step_ns_total / 1e9)
-    f.add("kvdiag_memory_copy_bandwidth_bytes_per_second", state.peak_copy_bytes_per_s)
+    if state.latency.kv_read_step_ns_total:
+        f.add("kvdiag_kv_read_bytes_total", state.latency.kv_read_bytes_total)
+        f.add("kvdiag_kv_read_step_seconds_total", state.latency.kv_read_step_ns_total / 1e9)
+    f.add("kvdiag_memory_copy_bandwidth_bytes_per_second", state.latency.peak_copy_bytes_per_s)
 
 
 def _memory(f: _Families, snap) -> None:

@@ -81,9 +81,9 @@ def test_doctor_pid_reaches_the_agent_from_every_pid(tree, role, capsys):
 
 
 def test_top_pid_reads_the_agent_from_an_engine_child(tree):
-    from kvdiag.live import sources
+    from kvdiag.live.pid_source import attach
 
-    src = sources.attach(tree["worker"])
+    src = attach(tree["worker"])
     try:
         assert src.primary.path == tree["socket"] and src.header.engine == "stand-in"
     finally:
@@ -106,7 +106,7 @@ def test_a_sibling_of_the_server_is_not_the_server(tree, capsys, tmp_path):
 def test_attach_doctor_and_top_on_a_plain_sleep_exit_non_zero(tmp_path):
     """As a user types them: one line on stderr, the documented exit status, nothing written;
     with --any-process, top watches it from outside."""
-    from kvdiag.live import sources
+    from kvdiag.live.pid_source import attach
 
     sleeper = subprocess.Popen(["sleep", "100"])
     try:
@@ -122,7 +122,7 @@ def test_attach_doctor_and_top_on_a_plain_sleep_exit_non_zero(tmp_path):
                 f"kvdiag {name}: process {sleeper.pid} (sleep) serves no recognised engine: no kvdiag agent"), lines
             assert time.monotonic() - started < 30  # refused at once, not after --duration
         assert not out.exists()
-        src = sources.attach(sleeper.pid, any_process=True)
+        src = attach(sleeper.pid, any_process=True)
         try:
             assert type(src).__name__ == "ProcessSource"
         finally:

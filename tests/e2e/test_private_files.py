@@ -253,7 +253,7 @@ def test_server_output_file(tmp_path):
 
 
 def test_top_demo_output_file(tmp_path):
-    from kvdiag.live.sources import DemoSource
+    from kvdiag.live.demo_source import DemoSource
 
     src = DemoSource([], log_dir=tmp_path / "new", command=[sys.executable, "-c", "print('x')"],
                      socket_wait_s=0.0)
@@ -265,7 +265,7 @@ def test_top_demo_output_file(tmp_path):
 
 
 def test_top_screenshot_and_recording(tmp_path):
-    from kvdiag.live.sources import ReplaySource
+    from kvdiag.live.replay_source import ReplaySource
     from kvdiag.tui.app import KvTopApp
 
     out = tmp_path / "new" / "top"

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvdiag.live.sources import SocketSource
+from kvdiag.live.socket_source import SocketSource
 from kvdiag.tui.app import KvTopApp
 from tui_data import T0_NS, constructed_events, header
 
@@ -192,7 +192,7 @@ def test_attach_prefers_the_agent_socket(tmp_path):
 
 
 def test_demo_child_and_its_children_stop_on_close(tmp_path):
-    from kvdiag.live.sources import DemoSource
+    from kvdiag.live.demo_source import DemoSource
     import psutil
 
     # a stand-in for `kvdiag demo` that, like a server, starts a worker process of its own
@@ -220,7 +220,7 @@ def test_demo_close_waits_for_a_server_that_outlives_the_demo(tmp_path):
     shutdown (writes a marker) and exits; a stubborn one that ignores SIGINT and SIGTERM and
     only SIGKILL ends. The marker proves close() gave the group time; the stubborn one dead
     proves it then killed what was left."""
-    from kvdiag.live.sources import DemoSource
+    from kvdiag.live.demo_source import DemoSource
     import psutil
 
     marker = tmp_path / "graceful-shutdown-done"
@@ -257,7 +257,7 @@ def test_demo_child_is_interrupted_when_top_dies(tmp_path):
     top = textwrap.dedent(f"""
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell gives `top &`
-        from kvdiag.live.sources import DemoSource
+        from kvdiag.live.demo_source import DemoSource
         src = DemoSource([], log_dir=__import__('pathlib').Path({str(tmp_path)!r}),
                          command=[sys.executable, "-c", {demo!r}])
         print(src.child.pid, flush=True)

@@ -22,7 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.diagnosis.engine_latency import histogram_quantile
-from kvdiag.live import sources
+from kvdiag.live.outside_sources import OutsideSource
+from kvdiag.live.pid_source import attach
 from kvdiag.live.state import LiveState
 from kvdiag.events.schema import EngineMetrics, PrefixCacheStored
 from kvdiag.demo.traffic import CHAT_ROUTE
@@ -121,8 +122,8 @@ def test_top_without_the_plugin_reads_metrics_and_kv_events_since_it_joined(plai
     for i in range(WARM):  # traffic nobody watches: its counters must not count
         chat(server, QUESTIONS[i], system=f"[{tag} warm {i}] {SYSTEM}")
 
-    source = sources.attach(server.proc.pid)
-    assert isinstance(source, sources.OutsideSource)
+    source = attach(server.proc.pid)
+    assert isinstance(source, OutsideSource)
     drive = Drive(source)
     try:
         drive.until(lambda: "/metrics + KV events" in source.description and drive.scrapes(), 60,

@@ -266,7 +266,8 @@ def test_top_pid_says_the_agent_is_not_answering(tmp_path, capsys, monkeypatch):
     """A process of its own holds the silent agent socket, so the search finds that socket and
     no other (this test process may have children with live agents: a server fixture's)."""
     from kvdiag.cli import main
-    from kvdiag.live import sources
+    from kvdiag.live.pid_source import attach
+    from kvdiag.live.sources import SourceError
 
     monkeypatch.setattr(agent_client, "HEADER_TIMEOUT_S", 0.5)
     path = tmp_path / "agent-silent.sock"
@@ -276,8 +277,8 @@ def test_top_pid_says_the_agent_is_not_answering(tmp_path, capsys, monkeypatch):
         assert proc.stdout.readline().strip() == "listening"
         assert agent_client.find_agent_socket(proc.pid) == path
         start = time.monotonic()
-        with pytest.raises(sources.SourceError, match="the agent is not answering"):
-            sources.attach(proc.pid).close()
+        with pytest.raises(SourceError, match="the agent is not answering"):
+            attach(proc.pid).close()
         assert time.monotonic() - start < 5.0
         assert main(["top", "--pid", str(proc.pid)]) == 2
     finally:

@@ -68,7 +68,7 @@ def test_live_curve_equals_replay_curve_on_recorded_logs(path, capsys):
     assert [r["block_hit_rate"] for r in rows] == [live.at(int(c))["block_hit_rate"] for c in caps]
     # top's points are the curve's at 0.5x..4x the pool
     row = state.snapshot(state.bins and max(state.bins) * state.bin_ns or 0).curves.rows[0]
-    assert row.tier == "pool" and row.basis_blocks == state.pool_info.num_blocks
+    assert row.tier == "pool" and row.basis_blocks == state.pool.info.num_blocks
     for p in row.points:
         assert p.token_hit_rate == live.at(p.capacity_blocks)["token_hit_rate"]
 
@@ -233,7 +233,7 @@ def test_top_detail_shows_the_curve_per_tier():
     snap = state.snapshot(max(state.bins) * state.bin_ns)
     text = "\n".join(t.plain for t in curve_lines(snap))
     curve = lru_curve(load_trace(path))
-    pool = state.pool_info.num_blocks
+    pool = state.pool.info.num_blocks
     assert f"1x {100 * curve.at(pool)['token_hit_rate']:5.1f}%" in text
     assert text.count("\n") == 2 and "GPU" in text and f"x {pool} blocks (pool)" in text
 

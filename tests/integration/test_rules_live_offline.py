@@ -19,7 +19,7 @@ from kvdiag.diagnosis import doctor
 from kvdiag.diagnosis.frames import load
 from kvdiag.live.rules import LiveRules
 from kvdiag.live.state import LiveState
-from kvdiag.live.sources import ReplaySource
+from kvdiag.live.replay_source import ReplaySource
 
 DATA = Path(__file__).parent.parent / "data"
 RECORDED = sorted(p for p in DATA.rglob("*") if p.name.endswith((".kvlog", ".kvlog.gz")))

@@ -14,7 +14,7 @@ import pytest
 from kvdiag.events.eventlog import iter_events, read_log
 from kvdiag.live.state import LiveState
 from kvdiag.events.schema import TAGS, fields_of
-from kvdiag.live.sources import ReplaySource
+from kvdiag.live.replay_source import ReplaySource
 from kvdiag.tui.app import KvTopApp
 from kvdiag.tui.panel_base import Panel
 from tui_data import write_constructed_log

@@ -7,7 +7,7 @@ snapshot is the same picture at the same log position.
 import pytest
 
 from kvdiag.events.eventlog import iter_events, read_log
-from kvdiag.live.sources import ReplaySource
+from kvdiag.live.replay_source import ReplaySource
 from kvdiag.tui.app import KvTopApp, TextScreen
 from kvdiag.tui.panel_base import Panel
 from kvdiag.tui.panels_alerts import AlertsPanel

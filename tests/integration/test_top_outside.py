@@ -1,5 +1,5 @@
 """`kvdiag top --pid` on an SGLang or TensorRT-LLM server without the kvdiag agent: attach's
-outside collectors as top's live source (kvdiag.live.sources.OutsideSource).
+outside collectors as top's live source (kvdiag.live.outside_sources.OutsideSource).
 
 The server is a stand-in: a process whose command line is the engine's (a script named
 ``sglang`` / ``trtllm-serve``) serving, over real HTTP on a port of its own, a CONSTRUCTED
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdiag.live.sources import OutsideSource
+from kvdiag.live.outside_sources import OutsideSource
 from kvdiag.live.state import LiveState
 from kvdiag.events.schema import EngineMetrics
 
@@ -107,8 +107,8 @@ def _open(engine: str, server: FakeServer):
     from kvdiag.commands import top
 
     if engine == "sglang":
-        from kvdiag.live import sources
-        return sources.attach(server.proc.pid)
+        from kvdiag.live.pid_source import attach
+        return attach(server.proc.pid)
     args = cli.build_parser()[0].parse_args(["top", "--pid", str(server.proc.pid), "--metrics-url", server.url])
     return top.open_source(args)
 
@@ -165,12 +165,13 @@ def test_top_reads_an_engine_without_the_agent_from_its_metrics(engine, tmp_path
 def test_a_process_serving_no_engine_is_still_refused(tmp_path):
     """A plain process (no engine command line, no endpoint given) is not read from outside
     without --any-process."""
-    from kvdiag.live import sources
+    from kvdiag.live.pid_source import attach
+    from kvdiag.live.sources import NoEngineError
 
     target = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        with pytest.raises(sources.NoEngineError):
-            sources.attach(target.pid)
+        with pytest.raises(NoEngineError):
+            attach(target.pid)
     finally:
         target.stdin.close()
         target.wait(10)
@@ -179,11 +180,11 @@ def test_a_process_serving_no_engine_is_still_refused(tmp_path):
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_ui_names_the_outside_source(tmp_path, anyio_backend):
-    from kvdiag.live import sources
+    from kvdiag.live.pid_source import attach
     from kvdiag.tui.app import KvTopApp
 
     server = FakeServer(tmp_path, "sglang", "sglang")
-    source = sources.attach(server.proc.pid)
+    source = attach(server.proc.pid)
     app = KvTopApp(source, interval_s=0.2)
     try:
         async with app.run_test(size=(140, 40)) as pilot:

@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvdiag.events.eventlog import read_log
-from kvdiag.live.state import LiveState, percentile
-from kvdiag.live.sources import ReplaySource
+from kvdiag.live.latency_fold import percentile
+from kvdiag.live.state import LiveState
+from kvdiag.live.replay_source import ReplaySource
 from tui_data import BLOCK_BYTES, BLOCK_TOKENS, T0_NS, write_constructed_log
 
 S = 1_000_000_000
@@ -227,7 +228,7 @@ def test_percentile_is_nearest_rank(values, q):
 def test_data_layer_does_not_import_ui_libraries():
     code = textwrap.dedent("""
         import sys
-        import kvdiag.live.snapshot, kvdiag.live.state, kvdiag.live.sources, kvdiag.commands.top
+        import kvdiag.live.snapshot, kvdiag.live.state, kvdiag.live.pid_source, kvdiag.live.demo_source, kvdiag.live.replay_source, kvdiag.commands.top
         bad = [m for m in ("textual", "plotly", "rich") if m in sys.modules]
         print(bad)
         sys.exit(1 if bad else 0)

@@ -1,6 +1,6 @@
 """The engine's own ``/metrics`` as this client saw them (``EngineMetrics``): what fills the
 pool, prefix-sharing and latency panels of a server watched from outside, without a kvdiag
-agent (``kvdiag top --pid``, :class:`kvdiag.live.sources.OutsideSource`).
+agent (``kvdiag top --pid``, :class:`kvdiag.live.outside_sources.OutsideSource`).
 
 Joined mid-stream: the first scrape seen is the baseline. Counters (prefix-cache queries and
 hits, preemptions, generated tokens) and histograms (TTFT, inter-token, queue) are shown as
