@@ -34,7 +34,6 @@ LEFT: dict[str, str] = {
     "diagnosis/latency.py": TO_SPLIT,
     "diagnosis/fragmentation.py": TO_SPLIT,
     # functions, as path::qualified name
-    "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
     "diagnosis/causes.py::attribute": TO_SPLIT,
     "diagnosis/latency.py::detect_all": TO_SPLIT,
 }
