@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit
 
 from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation._stackkernels import _fen_add, _fen_prefix, compact
 from kvdiag.simulation.lru_curve import HitRateCurve
 from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.traces.trace import DEFAULT_BLOCK_TOKENS
@@ -99,7 +100,7 @@ def rehash(key_of, last_time, slot_key, slot_id):
 def bounded_stack_distances(keys, offsets, prompt_tokens, counted, n_rows, block_size, max_keys,
                             last_time, owner, tree, key_of, slot_key, slot_id, free, state,
                             hist_blocks, hist_tokens, hist_req, reuse_hist, ids):
-    """:func:`kvdiag.simulation._simkernels.stack_distances` over rows ``0..n_rows-1`` of raw
+    """:func:`kvdiag.simulation._stackkernels.stack_distances` over rows ``0..n_rows-1`` of raw
     64-bit keys (mapped to dense ids by an open-addressing table), block tokens
     ``min(block_size, remaining prompt)`` for counted rows. After each row the least recently
     used keys beyond ``max_keys`` are forgotten (their ids and table slots freed). ``state``:
@@ -137,7 +138,7 @@ def bounded_stack_distances(keys, offsets, prompt_tokens, counted, n_rows, block
                 if p < 0:
                     d = inf
                 else:
-                    d = live - K._fen_prefix(tree, p)
+                    d = live - _fen_prefix(tree, p)
                     reuse_hist[K._bin(d)] += 1
                 if d > running:
                     running = d
@@ -152,22 +153,22 @@ def bounded_stack_distances(keys, offsets, prompt_tokens, counted, n_rows, block
             x = ids[i]
             p = last_time[x]
             if p >= 0:
-                K._fen_add(tree, p, -1)
+                _fen_add(tree, p, -1)
                 owner[p] = -1
             else:
                 live += 1
             if t >= len(owner):
-                t = K.compact(last_time, owner, tree, t)
+                t = compact(last_time, owner, tree, t)
                 state[S_LOW] = 0
             last_time[x] = t
             owner[t] = x
-            K._fen_add(tree, t, 1)
+            _fen_add(tree, t, 1)
             t += 1
         lo = state[S_LOW]
         while live > max_keys:  # forget the oldest marks
             x = owner[lo]
             if x >= 0 and last_time[x] == lo:
-                K._fen_add(tree, lo, -1)
+                _fen_add(tree, lo, -1)
                 owner[lo] = -1
                 last_time[x] = -1
                 live -= 1
@@ -225,7 +226,7 @@ class ReuseCurve:
             n = len(old)
             last_time[:n], key_of[:n], owner[:len(self.owner)] = old, self.key_of, self.owner
             free[:n] = self.free
-            self.state[S_TIME] = K.compact(last_time, owner, tree, int(self.state[S_TIME]))
+            self.state[S_TIME] = compact(last_time, owner, tree, int(self.state[S_TIME]))
             self.state[S_LOW] = 0
             rehash(key_of, last_time, self.slot_key, self.slot_id)
         self.last_time, self.key_of, self.free, self.owner, self.tree = last_time, key_of, free, owner, tree
