@@ -158,7 +158,8 @@ def capacity_curves(logs: Logs, points: int = 24) -> list[Block]:
     file; a dataset's frames lack the requests' stored blocks, so there a finished request
     adds only its prompt. A table gives the points at 0.5x..4x the pool."""
     from kvdiag.events import eventlog
-    from kvdiag.simulation.capacity_curve import POOL_MULTIPLES, curve_of_events, curves_of_frames
+    from kvdiag.simulation.capacity_curve import POOL_MULTIPLES
+    from kvdiag.simulation.recorded_curves import curve_of_events, curves_of_frames
 
     lines, marks = [], []
     for node in logs.nodes:

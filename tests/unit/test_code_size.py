@@ -29,7 +29,6 @@ LEFT: dict[str, str] = {
     "diagnosis/doctor.py": TO_SPLIT,
     "diagnosis/miss_causes.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
-    "simulation/capacity_curve.py": TO_SPLIT,
     "diagnosis/latency.py": TO_SPLIT,
     "diagnosis/fragmentation.py": TO_SPLIT,
     # functions, as path::qualified name
