@@ -124,7 +124,8 @@ def _hit_rate_vs_capacity(bounded: pd.DataFrame) -> Chart:
 def miss_causes_blocks(logs: Logs, t0: int, windows: int = 20) -> list[Block]:
     """Missed prompt tokens per window stacked by cause (:mod:`kvdiag.diagnosis.miss_causes`),
     about ``windows`` windows over the log, and the totals as a table."""
-    from kvdiag.diagnosis.miss_causes import CAUSES, miss_causes_of_logs
+    from kvdiag.diagnosis.miss_replay import miss_causes_of_logs
+    from kvdiag.diagnosis.miss_tally import CAUSES
     lo, hi = logs.time_range_ns()
     window_s = max(1.0, math.ceil((hi - lo) / 1e9 / windows))
     per_node = miss_causes_of_logs(logs, window_s=window_s)

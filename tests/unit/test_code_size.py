@@ -27,7 +27,6 @@ LEFT: dict[str, str] = {
     "live/state.py": "one fold per view over the ledger, " + TO_SPLIT,
     "collectors/vllm_plugin.py": "the scheduler's hooks and the agent's set-up, " + TO_SPLIT,
     "diagnosis/doctor.py": TO_SPLIT,
-    "diagnosis/miss_causes.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
     "diagnosis/latency.py": TO_SPLIT,
     "diagnosis/fragmentation.py": TO_SPLIT,
