@@ -25,7 +25,6 @@ TO_SPLIT = "not split yet (issue 29)"
 LEFT: dict[str, str] = {
     # modules, by path under kvdiag/
     "live/state.py": "one fold per view over the ledger, " + TO_SPLIT,
-    "collectors/vllm_plugin.py": "the scheduler's hooks and the agent's set-up, " + TO_SPLIT,
     "diagnosis/doctor.py": TO_SPLIT,
     "live/sources.py": TO_SPLIT,
     "diagnosis/latency.py": TO_SPLIT,
