@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         tell_skipped("doctor", problems)
         from kvdiag.diagnosis.doctor import run_rules
         from kvdiag.diagnosis.user_latency import summarize
-        from kvdiag.diagnosis.miss_causes import miss_causes_of_logs
+        from kvdiag.diagnosis.miss_replay import miss_causes_of_logs
         findings, paths = run_rules(logs, baseline)[0], list(logs.paths.values())
         lat = summarize(logs)
         misses = miss_causes_of_logs(logs, window_s=max(args.miss_window_s, 1e-3))
@@ -229,7 +229,7 @@ def _print_misses(misses: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvdiag.diagnosis.miss_causes import CAUSES
+    from kvdiag.diagnosis.miss_tally import CAUSES
     console = Console(width=max(Console().width, 120))
     for node, m in misses.items():
         title = (f"Why prompt tokens missed the prefix cache ({node}; shadow LRU at "

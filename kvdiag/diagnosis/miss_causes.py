@@ -63,212 +63,29 @@ load in a background thread from the fold's creation: from numba's cache in well
 second, or compiled the first time on a machine (seconds; a request that arrives before waits).
 
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
-the doctor and the report replay a log through it (:func:`miss_causes_of_events`).
+the doctor and the report replay a log through it
+(:func:`kvdiag.diagnosis.miss_replay.miss_causes_of_events`).
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from kvdiag.diagnosis.miss_shadow import Shadow, domain_mask
+from kvdiag.diagnosis.miss_tally import (BELOW_BLOCK, CAUSES, COLD, ENGINE_SKIP, EVICTED, HASH_DOMAIN,
+                                         PREEMPTION, UNKNOWN, MissTally, RequestMisses)
 from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
-from kvdiag.events.schema import (MASK63, BlockStored, Event, KVPoolInfo, RequestArrived,
+from kvdiag.events.schema import (BlockStored, Event, KVPoolInfo, RequestArrived,
                                   RequestFinished, RequestPreempted)
 
-CAUSES = ("cold", "evicted", "hash_domain", "below_block", "preemption", "engine_skip", "unknown")
-"""Every cause, in the order tables list them."""
-COLD, EVICTED, HASH_DOMAIN, BELOW_BLOCK, PREEMPTION, ENGINE_SKIP, UNKNOWN = range(len(CAUSES))
 HELD = -1  # a block the shadow served at arrival
 
-REUSE_BINS = 48  # log2 bins: [k] holds values 2^(k-1) .. 2^k - 1 ([0]: 0)
 _MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
 _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
-
-
-def _domain_mask(domain: Optional[str]) -> int:
-    """The 63-bit mask that moves a content key into ``domain`` (0: the default domain)."""
-    if not domain:
-        return 0
-    return int.from_bytes(hashlib.blake2b(domain.encode(), digest_size=8).digest(), "little") & MASK63
-
-
-_M64 = 0xFFFFFFFFFFFFFFFF
-
-
-class _Bloom:
-    """A fixed-size Bloom filter of 64-bit keys, 3 probes (bit ``((key * P) mod 2^64 >> 32)
-    mod bits`` for three multipliers P: the key is already a hash; ``bits`` rounded up to a
-    whole byte). False positives: under 1% up to ~0.08 x ``bits`` keys (0.68 M keys in the
-    default 2^23 bits, 1 MiB). Its bits (``a``) are the shadow kernels' filter."""
-
-    def __init__(self, bits: int) -> None:
-        self.a = np.zeros((max(64, int(bits)) + 7) // 8, np.uint8)
-        self.bits = 8 * len(self.a)
-
-    def add(self, key: int) -> None:
-        K.bloom_add(self.a, _i64(key))
-
-    def __contains__(self, key: int) -> bool:
-        return bool(K.bloom_has(self.a, _i64(key)))
-
-
-def _i64(key: int) -> int:
-    """A 64-bit key as a signed int64 value (the same bits)."""
-    key &= _M64
-    return key - (1 << 64) if key >> 63 else key
-
-
-class _Shadow:
-    """The shadow prefix cache: LRU at ``capacity_blocks`` entries (keys in their domain), the
-    last ``history_keys`` evicted keys with their tick and time of last use, the older ones in
-    a Bloom filter, and a block-reference clock (``tick``). State in arrays, loops compiled
-    (:mod:`kvdiag.simulation._misskernels`)."""
-
-    def __init__(self, capacity_blocks: int, history_keys: int, bloom_bits: int) -> None:
-        self.capacity_blocks = int(capacity_blocks)
-        self.history_keys = max(int(history_keys), 0)
-        self.bloom = _Bloom(bloom_bits)
-        self._max_nodes = max(self.capacity_blocks, 0) + self.history_keys + 1
-        self.state = K.new_state(min(self._max_nodes, 1024), 8)
-        self.state["bloom"] = self.bloom.a
-        self._full_size = len(self.state["nodes"]) >= self._max_nodes  # never grows again
-        self._arrays = self._state_arrays()
-        self._scratch = (np.empty(0, np.int8), np.empty(0, np.int64), np.empty(0, np.int64))
-
-    def _state_arrays(self) -> tuple:
-        st = self.state
-        return st["nodes"], st["table"], st["domains"], st["meta"], st["bloom"]
-
-    @property
-    def tick(self) -> int:
-        return int(self.state["meta"][K.M_TICK])
-
-    def __len__(self) -> int:
-        """Blocks held."""
-        return int(self.state["meta"][K.M_CLEN])
-
-    @property
-    def history_len(self) -> int:
-        """Evicted keys remembered with their last use."""
-        return int(self.state["meta"][K.M_GLEN])
-
-    def arrive(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int):
-        """A prompt's lookup then its touches: (h, codes, distances, ages) of blocks ``h..``
-        (:func:`_misskernels.arrive`)."""
-        n = len(dkeys)
-        nodes, table, domains, meta, bloom = self._room(n)
-        codes, dist, age = self._scratch
-        if len(codes) < n:  # the kernel's outputs, reused (the caller keeps copies)
-            size = max(n, 2 * len(codes), 256)
-            codes, dist, age = self._scratch = (np.empty(size, np.int8), np.empty(size, np.int64),
-                                                np.empty(size, np.int64))
-        h = K.arrive(nodes, table, domains, meta, bloom, dkeys, keys, masked, now_ns,
-                     self.capacity_blocks, self.history_keys, codes, dist, age)
-        return h, codes[:n - h].tobytes(), dist[:n - h], age[:n - h]
-
-    def touch(self, dkeys: np.ndarray, keys: np.ndarray, masked: bool, now_ns: int) -> None:
-        """Touch or insert each block in order (:func:`_misskernels.touch`)."""
-        if self.capacity_blocks <= 0:
-            self.state["meta"][K.M_TICK] += len(dkeys)
-            return
-        nodes, table, domains, meta, bloom = self._room(len(dkeys))
-        K.touch(nodes, table, domains, meta, bloom, dkeys, keys, masked, now_ns, self.capacity_blocks,
-                self.history_keys)
-
-    def _room(self, n: int) -> tuple:
-        """The state's arrays (nodes, table, domains, meta, bloom), grown to hold ``n`` more
-        nodes where they could not."""
-        if self._full_size:
-            return self._arrays
-        st = self.state
-        meta = st["meta"]
-        need = min(int(meta[K.M_CLEN] + meta[K.M_GLEN]) + n + 1, self._max_nodes)
-        size = len(st["nodes"])
-        if need > size:
-            st = self.state = K.grow_state(st, min(max(need, 2 * size), self._max_nodes))
-            self._full_size = len(st["nodes"]) >= self._max_nodes
-            self._arrays = self._state_arrays()
-        return self._arrays
-
-
-@dataclass(frozen=True, slots=True)
-class RequestMisses:
-    """One finished request's missed tokens by cause (``tokens[i]`` for ``CAUSES[i]``);
-    ``evicted``: (reuse distance in block references or None, time since last use in ns or
-    None, missed tokens) per evicted block; ``shadow_hit_tokens``: the shadow's hit blocks at
-    arrival x block size (None: unknown); ``status`` that of its ``RequestFinished``."""
-
-    ts_ns: int
-    request_id: str
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    missed_tokens: int
-    tokens: tuple[int, ...]
-    evicted: tuple[tuple[Optional[int], Optional[int], int], ...] = ()
-    shadow_hit_tokens: Optional[int] = None
-    status: str = "finished"
-
-
-@dataclass
-class MissTally:
-    """Cumulative counts over finished requests: tokens per cause (sum = ``missed_tokens``),
-    evicted tokens by log2 bin of reuse distance (block references) and of time since last use
-    (ms), unknown distances in ``evicted_unknown_tokens``."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    missed_tokens: int = 0
-    tokens: list[int] = field(default_factory=lambda: [0] * len(CAUSES))
-    reuse_hist: list[int] = field(default_factory=lambda: [0] * REUSE_BINS)
-    age_ms_hist: list[int] = field(default_factory=lambda: [0] * REUSE_BINS)
-    evicted_unknown_tokens: int = 0
-
-    def add(self, r: RequestMisses) -> None:
-        self.count(r.prompt_tokens, r.cached_prompt_tokens, r.missed_tokens, r.tokens, r.evicted)
-
-    def count(self, prompt_tokens: int, cached_tokens: int, missed_tokens: int, tokens, evicted) -> None:
-        """:meth:`add` of a request given by its fields (as :class:`RequestMisses` names them)."""
-        self.requests += 1
-        self.prompt_tokens += prompt_tokens
-        self.cached_tokens += cached_tokens
-        self.missed_tokens += missed_tokens
-        mine = self.tokens
-        for i, n in enumerate(tokens):
-            mine[i] += n
-        last = REUSE_BINS - 1
-        for reuse, age_ns, n in evicted:
-            if reuse is None:
-                self.evicted_unknown_tokens += n
-            else:  # the log2 bin (REUSE_BINS)
-                self.reuse_hist[min(int(reuse).bit_length(), last)] += n
-                self.age_ms_hist[min(int(age_ns // 1_000_000).bit_length(), last)] += n
-
-    def by_cause(self) -> dict[str, int]:
-        return dict(zip(CAUSES, self.tokens))
-
-    def shares(self) -> dict[str, Optional[float]]:
-        """Each cause's share of the missed tokens (None without missed tokens)."""
-        m = self.missed_tokens
-        return {c: (n / m if m else None) for c, n in zip(CAUSES, self.tokens)}
-
-
-def _hist_median(hist: list[int]) -> Optional[int]:
-    """Upper bound of the log2 bin holding the weighted median (None when empty)."""
-    total = sum(hist)
-    if not total:
-        return None
-    acc = 0
-    for k, n in enumerate(hist):
-        acc += n
-        if 2 * acc >= total:
-            return (1 << k) - 1 if k else 0
-    return None
 
 
 class _Live:
@@ -276,7 +93,7 @@ class _Live:
                  "keys", "dkeys")
 
     def __init__(self, content, mask, codes, dist, age, hit_blocks, keys, dkeys) -> None:
-        self.content, self.mask, self.codes = content, mask, codes  # mask: its domain's (_domain_mask)
+        self.content, self.mask, self.codes = content, mask, codes  # mask: its domain's (domain_mask)
         # per block from hit_blocks: evicted ones' figures, -1: none (None: no block evicted)
         self.dist, self.age = dist, age
         self.hit_blocks = hit_blocks
@@ -326,7 +143,7 @@ class MissCauseFold:
     def _reset_shadow(self) -> None:
         cap = self.capacity_blocks
         self._shadow = (None if cap is None else
-                        _Shadow(cap, self.ghost_factor * max(cap, 0), self.bloom_bits))
+                        Shadow(cap, self.ghost_factor * max(cap, 0), self.bloom_bits))
 
     # ------------------------------------------------------------------ feeding
     def feed(self, ev: Event) -> None:
@@ -402,7 +219,7 @@ class MissCauseFold:
         if keys is None:
             return  # its misses are unknown
         domain = getattr(ev, "cache_domain", None)
-        mask = _domain_mask(domain) if domain else 0
+        mask = domain_mask(domain) if domain else 0
         dkeys = keys ^ mask if mask else keys
         h, codes, dist, age = self._shadow.arrive(dkeys, keys, bool(mask), ev.ts_ns)
         if _EVICTED_CODE in codes:  # the shadow's outputs are its scratch: keep what is read
@@ -500,116 +317,6 @@ class MissCauseFold:
         self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
 
 
-# ---------------------------------------------------------------- offline: windows
-
-
-@dataclass(frozen=True)
-class MissWindow:
-    """Requests that finished in ``[start_ns, end_ns)``: their missed tokens by cause."""
-
-    start_ns: int
-    end_ns: int
-    tally: MissTally
-
-    def to_dict(self) -> dict:
-        t = self.tally
-        return {"start_ns": self.start_ns, "end_ns": self.end_ns, "requests": t.requests,
-                "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
-                "missed_tokens": t.missed_tokens, "tokens": t.by_cause(), "shares": t.shares(),
-                "evicted_median_reuse_refs": _hist_median(t.reuse_hist),
-                "evicted_median_age_ms": _hist_median(t.age_ms_hist),
-                "evicted_unknown_distance_tokens": t.evicted_unknown_tokens}
-
-
-@dataclass(frozen=True)
-class MissCauses:
-    """A log's misses: the totals, one :class:`MissWindow` per ``window_ns`` (from the first
-    finish) and every request's :class:`RequestMisses`."""
-
-    total: MissTally
-    windows: list[MissWindow]
-    requests: list[RequestMisses]
-    window_ns: int
-    block_size_tokens: Optional[int]
-    capacity_blocks: Optional[int]
-
-    def to_dict(self) -> dict:
-        whole = MissWindow(self.windows[0].start_ns if self.windows else 0,
-                           self.windows[-1].end_ns if self.windows else 0, self.total)
-        return {"block_size_tokens": self.block_size_tokens, "capacity_blocks": self.capacity_blocks,
-                "window_s": self.window_ns / 1e9, "total": whole.to_dict(),
-                "windows": [w.to_dict() for w in self.windows]}
-
-
-def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s: float = 60.0,
-                          **fold_kwargs) -> MissCauses:
-    """Replay ``events`` (in order) through one :class:`MissCauseFold` and cut the finished
-    requests into ``window_s`` windows."""
-    recs: list[RequestMisses] = []
-    fold = MissCauseFold(engine=engine, on_request=recs.append, **fold_kwargs)
-    fold.feed_all(events)
-    window_ns = max(int(window_s * 1e9), 1)
-    windows: list[MissWindow] = []
-    if recs:
-        t0 = min(r.ts_ns for r in recs)
-        by: dict[int, MissTally] = {}
-        for r in recs:
-            by.setdefault((r.ts_ns - t0) // window_ns, MissTally()).add(r)
-        windows = [MissWindow(t0 + k * window_ns, t0 + (k + 1) * window_ns, by[k]) for k in sorted(by)]
-    return MissCauses(fold.tally, windows, recs, window_ns, fold.block_size_tokens, fold.capacity_blocks)
-
-
 FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestPreempted, BlockStored, RequestFinished)
 """The event types the fold reads, in the order ties in time are replayed."""
 _WANTED = frozenset(FOLD_EVENTS)
-
-
-def node_events(logs, node: str) -> list[Event]:
-    """``node``'s events of :data:`FOLD_EVENTS` rebuilt from a :class:`kvdiag.diagnosis.frames.Logs`'
-    frames, in time order (ties in :data:`FOLD_EVENTS` order)."""
-    out = []
-    for rank, cls in enumerate(FOLD_EVENTS):
-        df = logs.frame(cls)
-        df = df[df["node"] == node].drop(columns="node")
-        names = [c for c in df.columns if c in cls.__struct_fields__]
-        cols = [df[c].tolist() for c in names]
-        for i, row in enumerate(zip(*cols)):
-            kw = {k: _plain(v) for k, v in zip(names, row)}
-            out.append((kw["ts_ns"], rank, i, cls(**kw)))
-    out.sort(key=lambda p: (p[0], p[1], p[2]))
-    return [p[3] for p in out]
-
-
-def _plain(v):
-    """A frame cell as the event field it came from (NaN: None, arrays: lists)."""
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, float) and v != v:
-        return None
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
-def log_file_events(path) -> Iterable[Event]:
-    """The :data:`FOLD_EVENTS` of one event log file, streamed in file order (unreadable lines
-    skipped silently: the reader that loaded the log reported them)."""
-    from kvdiag.events.eventlog import ReadOutcome, iter_events
-    return (e for e in iter_events(path, outcome=ReadOutcome()) if type(e) in FOLD_EVENTS)
-
-
-def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
-    """Per node of ``logs`` with finished requests, its :class:`MissCauses`: the node's log
-    file replayed in file order (the loaded frames leave out ``BlockStored``, whose generated
-    blocks the shadow needs), or its frames for a Parquet dataset."""
-    from pathlib import Path
-    out = {}
-    for node in logs.nodes:
-        if not logs.has(RequestFinished) or not (logs.frame(RequestFinished)["node"] == node).any():
-            continue
-        path = logs.paths.get(node)
-        events = (log_file_events(path) if path is not None and Path(path).is_file()
-                  else node_events(logs, node))
-        out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "",
-                                          window_s=window_s)
-    return out

@@ -118,7 +118,7 @@ class SharingView:
     window_requests: Optional[int] = None
     gap_status: str = ""  # rules.sharing_gap_status of the gap; "n/a (N of M needed)" with too few
     # missed prompt tokens of the requests finished since the client joined, by cause
-    # (kvdiag.diagnosis.miss_causes.CAUSES order: (cause, tokens)); they sum to missed_tokens
+    # (kvdiag.diagnosis.miss_tally.CAUSES order: (cause, tokens)); they sum to missed_tokens
     miss_causes: tuple[tuple[str, int], ...] = ()
     missed_tokens: int = 0
     # the engine's /metrics scrape its counter increases start from (this client's join), when

@@ -124,7 +124,8 @@ def _hit_rate_vs_capacity(bounded: pd.DataFrame) -> Chart:
 def miss_causes_blocks(logs: Logs, t0: int, windows: int = 20) -> list[Block]:
     """Missed prompt tokens per window stacked by cause (:mod:`kvdiag.diagnosis.miss_causes`),
     about ``windows`` windows over the log, and the totals as a table."""
-    from kvdiag.diagnosis.miss_causes import CAUSES, miss_causes_of_logs
+    from kvdiag.diagnosis.miss_replay import miss_causes_of_logs
+    from kvdiag.diagnosis.miss_tally import CAUSES
     lo, hi = logs.time_range_ns()
     window_s = max(1.0, math.ceil((hi - lo) / 1e9 / windows))
     per_node = miss_causes_of_logs(logs, window_s=window_s)
@@ -158,7 +159,8 @@ def capacity_curves(logs: Logs, points: int = 24) -> list[Block]:
     file; a dataset's frames lack the requests' stored blocks, so there a finished request
     adds only its prompt. A table gives the points at 0.5x..4x the pool."""
     from kvdiag.events import eventlog
-    from kvdiag.simulation.capacity_curve import POOL_MULTIPLES, curve_of_events, curves_of_frames
+    from kvdiag.simulation.capacity_curve import POOL_MULTIPLES
+    from kvdiag.simulation.recorded_curves import curve_of_events, curves_of_frames
 
     lines, marks = [], []
     for node in logs.nodes:

@@ -60,22 +60,11 @@ def delta_traffic(model, tokenizer, writer: DeltaWriter, turns: Iterable[tuple[s
                 t0 = time.perf_counter_ns()
                 messages = histories.setdefault(conv, [{"role": "system", "content": system}])
                 messages.append({"role": "user", "content": user})
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_tensors="pt")
-                if not isinstance(ids, torch.Tensor):
-                    ids = ids["input_ids"]
+                ids = _prompt_ids(tokenizer, messages)
                 prompt = [int(x) for x in ids[0]]
                 cache = DynamicCache(config=model.config)
                 hit = _reuse(shared, prompt, block_tokens, cache) if share_prefixes else 0
-                capture.armed = True
-                logits = model(input_ids=ids[:, hit:], cache=cache, use_cache=True).logits
-                generated = [int(logits[0, -1].argmax())]
-                while len(generated) < max_new_tokens and generated[-1] != eos:
-                    logits = model(input_ids=torch.tensor([[generated[-1]]]), cache=cache, use_cache=True).logits
-                    generated.append(int(logits[0, -1].argmax()))
-                capture.armed = False
-                queries = [q[:, :, -1:] for q in capture.queries()]
-                capture.clear()
+                generated, queries = _decode(model, capture, ids[:, hit:], cache, max_new_tokens, eos)
                 answer = tokenizer.decode([g for g in generated if g != eos], skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": answer})
                 run.texts.append(answer)
@@ -83,15 +72,7 @@ def delta_traffic(model, tokenizer, writer: DeltaWriter, turns: Iterable[tuple[s
                 kv = [(layer.keys, layer.values) for layer in cache.layers]
                 assert kv[0][0].shape[2] == len(seq), (kv[0][0].shape, len(seq))
                 t1 = time.perf_counter_ns()
-                for i in range(0, len(seq), block_tokens):
-                    toks = tuple(seq[i: i + block_tokens])
-                    run.blocks_seen += 1
-                    if written.get((conv, i // block_tokens)) == toks:
-                        continue
-                    writer.write(conv, i // block_tokens, kv, i, i + len(toks), queries, scaling)
-                    written[(conv, i // block_tokens)] = toks
-                    run.blocks_written += 1
-                writer.sink.flush()
+                _write_blocks(run, writer, written, conv, seq, block_tokens, kv, queries, scaling)
                 t2 = time.perf_counter_ns()
                 if share_prefixes:
                     _keep(shared, seq, block_tokens, kv)
@@ -106,6 +87,45 @@ def delta_traffic(model, tokenizer, writer: DeltaWriter, turns: Iterable[tuple[s
     finally:
         capture.close()
     return run
+
+
+def _prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """The chat template's token ids of ``messages`` with the generation prompt, shape (1, n)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_tensors="pt")
+    if not isinstance(ids, torch.Tensor):
+        ids = ids["input_ids"]
+    return ids
+
+
+def _decode(model, capture: QueryCapture, ids: torch.Tensor, cache, max_new_tokens: int, eos):
+    """Prefill ``ids`` onto ``cache`` and greedy-decode up to ``max_new_tokens`` (stopping at
+    ``eos``); returns (generated token ids, each layer's last decode query)."""
+    capture.armed = True
+    logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+    generated = [int(logits[0, -1].argmax())]
+    while len(generated) < max_new_tokens and generated[-1] != eos:
+        logits = model(input_ids=torch.tensor([[generated[-1]]]), cache=cache, use_cache=True).logits
+        generated.append(int(logits[0, -1].argmax()))
+    capture.armed = False
+    queries = [q[:, :, -1:] for q in capture.queries()]
+    capture.clear()
+    return generated, queries
+
+
+def _write_blocks(run: DeltaRun, writer: DeltaWriter, written: dict, conv: str, seq: list[int],
+                  block_tokens: int, kv, queries, scaling) -> None:
+    """Write the blocks of ``seq`` whose tokens differ from what was last written for them,
+    then flush the writer's sink; counts blocks seen and written into ``run``."""
+    for i in range(0, len(seq), block_tokens):
+        toks = tuple(seq[i: i + block_tokens])
+        run.blocks_seen += 1
+        if written.get((conv, i // block_tokens)) == toks:
+            continue
+        writer.write(conv, i // block_tokens, kv, i, i + len(toks), queries, scaling)
+        written[(conv, i // block_tokens)] = toks
+        run.blocks_written += 1
+    writer.sink.flush()
 
 
 def _chain(seq: list[int], block_tokens: int):

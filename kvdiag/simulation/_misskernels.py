@@ -7,7 +7,7 @@ Bloom filter. Nodes are found by key in one open-addressing table (linear probin
 backward shift); a second table counts, per plain content key, the shadow's entries held under a
 non-default hash domain. Each node holds its key, plain key, tick and time of last use (ns).
 
-State lives in arrays owned by :class:`kvdiag.diagnosis.miss_causes._Shadow`, which grows them
+State lives in arrays owned by :class:`kvdiag.diagnosis.miss_shadow.Shadow`, which grows them
 before a call could run out of room. With ``NUMBA_DISABLE_JIT=1`` the same functions run as
 plain Python. Compiled code is cached like :mod:`kvdiag.simulation._simkernels`'.
 """
@@ -32,7 +32,7 @@ FREE, CACHED, GHOST = 0, 1, 2
 # M_DHELD: the shadow's entries held under a non-default domain
 M_TICK, M_CHEAD, M_CTAIL, M_CLEN, M_GHEAD, M_GTAIL, M_GLEN, M_FREE, M_HIGH, M_BLOOM_ADDED, M_DHELD = range(11)
 N_META = 11
-# cause codes (miss_causes.CAUSES order)
+# cause codes (miss_tally.CAUSES order)
 COLD, EVICTED, HASH_DOMAIN = 0, 1, 2
 
 _P1 = np.uint64(0x9E3779B97F4A7C15)
@@ -219,7 +219,7 @@ def _bloom_bit(key, p, nbits):
 
 @njit(cache=True)
 def bloom_add(bloom, key):
-    """Set ``key``'s three bits (the hashes of :class:`kvdiag.diagnosis.miss_causes._Bloom`)."""
+    """Set ``key``'s three bits (the hashes of :class:`kvdiag.diagnosis.miss_shadow.Bloom`)."""
     nbits = len(bloom) * 8
     i = _bloom_bit(key, _P1, nbits)
     bloom[i >> 3] |= np.uint8(1 << (i & 7))

@@ -26,8 +26,8 @@ import math
 import numpy as np
 from numba import njit
 
-from kvdiag.simulation._simkernels import (_bin, _heap_pop, _heap_push, _heap_update, _sift_down,
-                                        _sift_up, leading_held_jit)
+from kvdiag.simulation._heapkernels import _heap_pop, _heap_push, _heap_update, _sift_down, _sift_up
+from kvdiag.simulation._simkernels import _bin, leading_held_jit
 from kvdiag.paths import use_numba_cache_dir
 
 use_numba_cache_dir()

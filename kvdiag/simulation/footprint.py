@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation._footprintkernels import live_peaks
 from kvdiag.traces.trace import Trace
 
 
@@ -68,8 +68,8 @@ def memory_footprint(trace: Trace, concurrency: int = 8,
     order = np.lexsort((kinds, times))  # at equal times, finishes (-1) before arrivals
     pages = -(-trace.prompt_tokens // trace.block_size_tokens)
     private = pages - np.diff(trace.offsets)
-    unshared, shared = K.live_peaks(trace.block_ids, trace.offsets, np.maximum(private, 0),
-                                    pages, reqs[order], kinds[order], trace.num_blocks)
+    unshared, shared = live_peaks(trace.block_ids, trace.offsets, np.maximum(private, 0),
+                                  pages, reqs[order], kinds[order], trace.num_blocks)
     bpt = bytes_per_token or trace.bytes_per_token
     return MemoryFootprint(trace.block_size_tokens, int(unshared), int(shared), model,
                            None if not bpt else bpt * trace.block_size_tokens)

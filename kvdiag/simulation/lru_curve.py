@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation._stackkernels import compact, stack_distances
 from kvdiag.simulation.replay_common import CHUNK_REFS, log2_frame, request_chunks
 from kvdiag.traces.trace import Trace
 
@@ -97,7 +98,7 @@ class StackState:
         owner = np.full(2 * n + 64, -1, dtype=np.int64)
         owner[:len(self.owner)] = self.owner
         tree = np.zeros(2 * n + 65, dtype=np.int64)
-        self.state[0] = K.compact(last_time, owner, tree, int(self.state[0]))
+        self.state[0] = compact(last_time, owner, tree, int(self.state[0]))
         self.last_time, self.owner, self.tree = last_time, owner, tree
         for name in ("hist_blocks", "hist_tokens", "hist_req"):
             h = getattr(self, name)
@@ -109,9 +110,9 @@ class StackState:
     def feed(self, ids, offsets, block_tokens, prompt_tokens, counted, r0, r1) -> None:
         if offsets[r1] > offsets[r0]:
             self._grow(int(ids[offsets[r0]:offsets[r1]].max()) + 1)
-        K.stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, r0, r1,
-                          self.last_time, self.owner, self.tree, self.state, self.hist_blocks,
-                          self.hist_tokens, self.hist_req, self.reuse)
+        stack_distances(ids, offsets, block_tokens, prompt_tokens, counted, r0, r1,
+                        self.last_time, self.owner, self.tree, self.state, self.hist_blocks,
+                        self.hist_tokens, self.hist_req, self.reuse)
         self.requests_with_prompt += int((prompt_tokens[r0:r1] > 0).sum())
 
     def curve(self, distinct, block_size, requests, refs, prompt, bpt) -> "HitRateCurve":

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation import _tierkernels as K
 from kvdiag.events.units import BYTE_UNITS
 
 

@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation import _tierkernels as K
 from kvdiag.simulation.replay_common import CHUNK_REFS, request_chunks
 from kvdiag.simulation.sharing import simulate
 from kvdiag.traces.trace import Trace
@@ -261,7 +261,7 @@ class TierSim:
     def feed(self, block_ids: np.ndarray, offsets: np.ndarray, block_tokens: np.ndarray,
              counted: np.ndarray, r_begin: int, r_end: int, hits_out: np.ndarray,
              tier_hits: np.ndarray, tier_tokens: np.ndarray) -> None:
-        """Replay requests ``r_begin..r_end-1`` (kernel: :func:`_simkernels.run_tiers`)."""
+        """Replay requests ``r_begin..r_end-1`` (kernel: :func:`_tierkernels.run_tiers`)."""
         if len(block_ids):
             self._grow(int(block_ids[offsets[r_begin]:offsets[r_end]].max(initial=0)) + 1)
         st = self.state
@@ -288,7 +288,7 @@ def simulate_tiers(trace: Trace, tiers: Sequence[Tier], write: str = "back", *,
                    compare_top_alone: bool = True,
                    progress: Optional[Callable[[int], None]] = None) -> TieredResult:
     """Replay ``trace`` through the tier stack ``tiers`` (top first; module docstring), any
-    number of tiers up to ``MAX_TIERS`` in one kernel (:func:`_simkernels.run_tiers`)."""
+    number of tiers up to ``MAX_TIERS`` in one kernel (:func:`_tierkernels.run_tiers`)."""
     bpt = bytes_per_token or trace.bytes_per_token
     block_bytes = bpt * trace.block_size_tokens if bpt else None
     tiers = [t.resolved(block_bytes) for t in tiers]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.diagnosis.miss_causes import miss_causes_of_events
+from kvdiag.diagnosis.miss_replay import miss_causes_of_events
 from kvdiag.commands._demo_vllm import VllmServer
 from kvdiag.events.eventlog import iter_events
 from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished

@@ -15,7 +15,8 @@ import pytest
 
 from kvdiag.events import eventlog
 from kvdiag.simulation.lru_curve import lru_curve
-from kvdiag.simulation.capacity_curve import ReuseCurve, StoreRows, max_keys_for_pool
+from kvdiag.simulation.capacity_curve import ReuseCurve, max_keys_for_pool
+from kvdiag.simulation.curve_rows import StoreRows
 from kvdiag.traces.kv_event_traces import vllm_line as _vllm_line
 from kvdiag.traces.loaders import load_trace
 from kvdiag.cli import main
@@ -255,7 +256,7 @@ def test_report_charts_the_curve_equal_to_replay(tmp_path):
 
 
 def test_requests_in_flight_are_bounded(monkeypatch):
-    from kvdiag.simulation import capacity_curve as cc
+    from kvdiag.simulation import curve_rows as cc
     from kvdiag.events.schema import RequestArrived
 
     monkeypatch.setattr(cc, "MAX_LIVE", 50)

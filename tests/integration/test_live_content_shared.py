@@ -13,7 +13,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.diagnosis.miss_causes import CAUSES
+from kvdiag.diagnosis.miss_tally import CAUSES
 from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished, RequestPreempted
 from kvdiag.live.state import LiveState
 from kvdiag.pool.hashing import Content, ContentHasher
@@ -60,7 +60,7 @@ def evicted_brute_force(events, capacity: int, history: int) -> tuple[list[int],
     (domain, prefix) in LRU order, the evicted ones in a list of at most ``history`` (oldest
     dropped: distance unknown), a clock of block references; a block held after its prefix
     broke carries the first missed block's figures."""
-    from kvdiag.diagnosis.miss_causes import REUSE_BINS
+    from kvdiag.diagnosis.miss_tally import REUSE_BINS
     lru, ghost, seen, last = [], [], set(), {}
     clock = unknown = 0
     reuse, age, live = [0] * REUSE_BINS, [0] * REUSE_BINS, {}

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvdiag.simulation.live_sharing import ShadowSharingSink
-from kvdiag.diagnosis.miss_causes import (CAUSES, MissCauseFold, miss_causes_of_events,
-                                         miss_causes_of_logs, node_events)
+from kvdiag.diagnosis.miss_causes import MissCauseFold
+from kvdiag.diagnosis.miss_replay import miss_causes_of_events, miss_causes_of_logs, node_events
+from kvdiag.diagnosis.miss_tally import CAUSES
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.pool.hashing import ContentHasher
 from kvdiag.events.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
@@ -332,9 +333,9 @@ def test_evicted_beyond_the_history_is_still_evicted_without_a_distance():
 
 
 def test_bloom_filter_has_no_false_negative_and_few_false_positives():
-    from kvdiag.diagnosis.miss_causes import _Bloom
+    from kvdiag.diagnosis.miss_shadow import Bloom
     rnd = random.Random(3)
-    bloom = _Bloom(1 << 23)
+    bloom = Bloom(1 << 23)
     keys = [rnd.getrandbits(63) for _ in range(200_000)]
     for k in keys:
         bloom.add(k)

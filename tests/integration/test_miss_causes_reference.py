@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvdiag.simulation._misskernels import M_BLOOM_ADDED
-from kvdiag.diagnosis.miss_causes import COLD, EVICTED, HASH_DOMAIN, MissCauseFold
+from kvdiag.diagnosis.miss_causes import MissCauseFold
+from kvdiag.diagnosis.miss_tally import COLD, EVICTED, HASH_DOMAIN
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.events.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
                            RequestPreempted)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.simulation import _simkernels as K
+from kvdiag.simulation import _tierkernels as K
 from kvdiag.simulation.sharing import simulate
 from kvdiag.simulation.prefill_rate import prefill_s_per_token_from_steps
 from kvdiag.simulation.tier_spec import Tier, parse_tiers

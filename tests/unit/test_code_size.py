@@ -3,9 +3,7 @@ function over ``FUNCTION_LINES`` lines, unless its docstring states why in a sen
 starts with ``Long:``.
 
 Sizes are counted from the source with :mod:`ast` (a function: its ``def`` line to its last
-line, decorators left out; a module: its lines). ``LEFT`` lists the offenders not split yet,
-each with why; the second test fails when one of them is no longer an offender, so the list
-only shrinks.
+line, decorators left out; a module: its lines).
 """
 
 from __future__ import annotations
@@ -14,23 +12,10 @@ import ast
 import functools
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "kvdiag"
 MODULE_LINES = 400
 FUNCTION_LINES = 60
 REASON = "Long:"
-
-TO_SPLIT = "not split yet (issue 29)"
-LEFT: dict[str, str] = {
-    # modules, by path under kvdiag/
-    "collectors/vllm_plugin.py": "the scheduler's hooks and the agent's set-up, " + TO_SPLIT,
-    "simulation/_simkernels.py": TO_SPLIT,
-    "diagnosis/miss_causes.py": TO_SPLIT,
-    "simulation/capacity_curve.py": TO_SPLIT,
-    # functions, as path::qualified name
-    "shadow/delta_traffic.py::delta_traffic": TO_SPLIT,
-}
 
 
 def _has_reason(doc: str | None) -> bool:
@@ -76,13 +61,7 @@ def test_counting_matches_a_hand_count(tmp_path):
     assert found == {"f": FUNCTION_LINES + 1, "C.g": 2}
 
 
-def test_no_new_long_module_or_function():
-    new = {k: v for k, v in offenders().items() if k not in LEFT}
-    assert not new, (f"over {MODULE_LINES} lines (module) or {FUNCTION_LINES} (function): split "
-                     f"it, or state why in its docstring with a sentence starting {REASON!r}: {new}")
-
-
-@pytest.mark.parametrize("name", sorted(LEFT))
-def test_left_offenders_are_still_offenders(name):
-    """An entry of LEFT that was split (or given its reason) leaves the list."""
-    assert name in offenders(), f"{name} is within the size rule now: remove it from LEFT"
+def test_no_long_module_or_function():
+    over = offenders()
+    assert not over, (f"over {MODULE_LINES} lines (module) or {FUNCTION_LINES} (function): split "
+                      f"it, or state why in its docstring with a sentence starting {REASON!r}: {over}")

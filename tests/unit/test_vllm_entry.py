@@ -10,7 +10,9 @@ import types
 import pytest
 
 from kvdiag.agent import vllm_entry
-from kvdiag.collectors import vllm_plugin as vp
+from kvdiag.collectors import vllm_agent_setup, vllm_plugin as vp
+from kvdiag.collectors.vllm_hook_state import ENGINE, Hooks
+from kvdiag.collectors.vllm_scheduler_hooks import _shutdown
 from kvdiag.events.sinks import ListSink
 
 
@@ -40,33 +42,33 @@ def _scheduler(block_size_tokens: int = 16):
 def test_the_hooks_start_the_agent_they_were_handed(monkeypatch):
     monkeypatch.delenv("KVDIAG_LOG", raising=False)
     monkeypatch.delenv("KVDIAG_SOCKET", raising=False)
-    monkeypatch.setattr(vp.atexit, "register", lambda fn: None)  # the stand-in outlives no process
+    monkeypatch.setattr(vllm_agent_setup.atexit, "register", lambda fn: None)  # the stand-in outlives no process
     api = FakeAgentAPI()
-    h = vp._Hooks()
+    h = Hooks()
     h.agent_api = api
-    vp._start_agent(h, _scheduler(16))
+    vllm_agent_setup.start_agent(h, _scheduler(16))
     assert len(api.started) == 1
     kwargs = api.started[0]
-    assert (kwargs["engine"], kwargs["model"], kwargs["block_size_tokens"]) == (vp.ENGINE, "some/model", 16)
+    assert (kwargs["engine"], kwargs["model"], kwargs["block_size_tokens"]) == (ENGINE, "some/model", 16)
     assert h.agent is api.agent
     # the adapter the agent installs records through the hooks into the agent's sink
     sink = ListSink()
     adapter = kwargs["adapter"](sink, record_token_ids=True)
-    assert isinstance(adapter, vp.VllmAdapter)
+    assert isinstance(adapter, vllm_agent_setup.VllmAdapter)
     assert h.sink is sink and h.record_token_ids is True
     # a second scheduler in the same process starts no second agent
-    vp._start_agent(h, _scheduler(16))
+    vllm_agent_setup.start_agent(h, _scheduler(16))
     assert len(api.started) == 1
     # vLLM's Scheduler.shutdown stops it
-    vp._shutdown(h)(None, None, _scheduler())
+    _shutdown(h)(None, None, _scheduler())
     assert api.stopped == 1
 
 
 def test_without_an_agent_api_the_hooks_start_nothing():
-    h = vp._Hooks()
-    vp._start_agent(h, _scheduler())
+    h = Hooks()
+    vllm_agent_setup.start_agent(h, _scheduler())
     assert h.agent is None
-    vp._shutdown(h)(None, None, _scheduler())  # nothing started: nothing to stop
+    _shutdown(h)(None, None, _scheduler())  # nothing started: nothing to stop
 
 
 def test_the_entry_point_does_nothing_unless_asked(monkeypatch):

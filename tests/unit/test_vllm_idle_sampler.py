@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 import types
 
-from kvdiag.collectors import vllm_plugin as vp
+from kvdiag.collectors import vllm_pool_sampling as sampling
+from kvdiag.collectors.vllm_hook_state import Hooks
 from kvdiag.events.schema import KVPoolSample
 from kvdiag.events.sinks import ListSink
 
@@ -29,13 +30,13 @@ def test_the_pool_is_sampled_while_the_engine_is_idle():
     blocks = [_block(0, 0, None), _block(1, 2, b"a"), _block(2, 0, b"b"), _block(3, 0, None), _block(4, 0, None)]
     pool = types.SimpleNamespace(blocks=blocks, num_gpu_blocks=len(blocks))
     sched = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=pool), running=[], waiting=[1])
-    h = vp._Hooks()
+    h = Hooks()
     h.sink = ListSink()
     h.scheduler = sched
     h.sample_interval_ns = INTERVAL_NS
     samples = lambda: [e for e in h.sink.events if isinstance(e, KVPoolSample)]  # noqa: E731
     try:
-        vp._start_idle_sampler(h)
+        sampling.start_idle_sampler(h)
         _wait_for(lambda: len(samples()) >= 3)
         first = samples()[:3]
         # what the stand-in pool holds, counted here: block 1 held, block 2 only cached, 2 free
@@ -52,7 +53,7 @@ def test_the_pool_is_sampled_while_the_engine_is_idle():
     n = len(samples())
     h.next_sample_ns = 0
     h.last_step_ns = time.time_ns() + 10**12  # a step "ends" far ahead: always busy
-    assert not vp._idle_sample(h) and len(samples()) == n
+    assert not sampling._idle_sample(h) and len(samples()) == n
     # ... and once the engine has been idle for an interval it samples
     h.last_step_ns = time.time_ns() - 2 * INTERVAL_NS
-    assert vp._idle_sample(h) and len(samples()) == n + 1
+    assert sampling._idle_sample(h) and len(samples()) == n + 1

@@ -1,5 +1,6 @@
 """Capacity curves: the LRU token hit rate at 0.5x, 1x, 2x and 4x of the current pool, per
-tier, folded from the stream (:mod:`kvdiag.simulation.capacity_curve`: the rows and the stack
+tier, folded from the stream (:mod:`kvdiag.simulation.curve_rows` and
+:mod:`kvdiag.simulation.capacity_curve`: the rows and the stack
 distances of ``kvdiag replay --curve``)."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from kvdiag.events import schema as s
-from kvdiag.simulation.capacity_curve import (POOL_MULTIPLES, RequestRows, ReuseCurve, StoreRows,
-                                            max_keys_for_pool)
+from kvdiag.simulation.capacity_curve import POOL_MULTIPLES, ReuseCurve, max_keys_for_pool
+from kvdiag.simulation.curve_rows import RequestRows, StoreRows
 from kvdiag.traces.trace import DEFAULT_BLOCK_TOKENS
 from kvdiag.live.snapshot import CurvePoint, CurveRow, CurvesView
 

@@ -1,0 +1,83 @@
+"""A recorded log replayed through the miss-cause fold
+(:class:`kvdiag.diagnosis.miss_causes.MissCauseFold`): its events in order, from the log file
+or rebuilt from loaded frames, cut into time windows of missed tokens by cause.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from kvdiag.diagnosis.miss_causes import FOLD_EVENTS, MissCauseFold
+from kvdiag.diagnosis.miss_tally import MissCauses, MissTally, MissWindow, RequestMisses
+from kvdiag.events.schema import Event, RequestFinished
+
+
+def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s: float = 60.0,
+                          **fold_kwargs) -> MissCauses:
+    """Replay ``events`` (in order) through one :class:`MissCauseFold` and cut the finished
+    requests into ``window_s`` windows."""
+    recs: list[RequestMisses] = []
+    fold = MissCauseFold(engine=engine, on_request=recs.append, **fold_kwargs)
+    fold.feed_all(events)
+    window_ns = max(int(window_s * 1e9), 1)
+    windows: list[MissWindow] = []
+    if recs:
+        t0 = min(r.ts_ns for r in recs)
+        by: dict[int, MissTally] = {}
+        for r in recs:
+            by.setdefault((r.ts_ns - t0) // window_ns, MissTally()).add(r)
+        windows = [MissWindow(t0 + k * window_ns, t0 + (k + 1) * window_ns, by[k]) for k in sorted(by)]
+    return MissCauses(fold.tally, windows, recs, window_ns, fold.block_size_tokens, fold.capacity_blocks)
+
+
+def node_events(logs, node: str) -> list[Event]:
+    """``node``'s events of :data:`FOLD_EVENTS` rebuilt from a :class:`kvdiag.diagnosis.frames.Logs`'
+    frames, in time order (ties in :data:`FOLD_EVENTS` order)."""
+    out = []
+    for rank, cls in enumerate(FOLD_EVENTS):
+        df = logs.frame(cls)
+        df = df[df["node"] == node].drop(columns="node")
+        names = [c for c in df.columns if c in cls.__struct_fields__]
+        cols = [df[c].tolist() for c in names]
+        for i, row in enumerate(zip(*cols)):
+            kw = {k: _plain(v) for k, v in zip(names, row)}
+            out.append((kw["ts_ns"], rank, i, cls(**kw)))
+    out.sort(key=lambda p: (p[0], p[1], p[2]))
+    return [p[3] for p in out]
+
+
+def _plain(v):
+    """A frame cell as the event field it came from (NaN: None, arrays: lists)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def log_file_events(path) -> Iterable[Event]:
+    """The :data:`FOLD_EVENTS` of one event log file, streamed in file order (unreadable lines
+    skipped silently: the reader that loaded the log reported them)."""
+    from kvdiag.events.eventlog import ReadOutcome, iter_events
+    return (e for e in iter_events(path, outcome=ReadOutcome()) if type(e) in FOLD_EVENTS)
+
+
+def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
+    """Per node of ``logs`` with finished requests, its :class:`MissCauses`: the node's log
+    file replayed in file order (the loaded frames leave out ``BlockStored``, whose generated
+    blocks the shadow needs), or its frames for a Parquet dataset."""
+    from pathlib import Path
+    out = {}
+    for node in logs.nodes:
+        if not logs.has(RequestFinished) or not (logs.frame(RequestFinished)["node"] == node).any():
+            continue
+        path = logs.paths.get(node)
+        events = (log_file_events(path) if path is not None and Path(path).is_file()
+                  else node_events(logs, node))
+        out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "",
+                                          window_s=window_s)
+    return out
