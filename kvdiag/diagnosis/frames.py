@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Mapping, NewType, Optional
 
 import warnings
 
+import numpy as np
 import pandas as pd
 
 from kvdiag.events.eventlog import LogFormatError, read_log
@@ -224,14 +225,28 @@ def load(paths: Iterable[str | Path], on_progress: Optional[Callable[[int], None
     return merge(items), problems
 
 
-def node_events(logs: Logs, node: str, classes) -> list:
-    """Events of ``node`` rebuilt from its frames, in time order (for analyses that replay
-    events)."""
+def node_events(logs: Logs, node: str, classes) -> list[Event]:
+    """``node``'s events of ``classes`` rebuilt from the frames of ``logs`` as they were recorded
+    (NaN cells: None, numpy values: Python ones), in time order; ties in the order of
+    ``classes``, then of the log (for analyses that replay events)."""
     out = []
-    for cls in classes:
+    for rank, cls in enumerate(classes):
         df = logs.frame(cls)
-        df = df[df["node"] == node].drop(columns="node")
-        fields = list(df.columns)
-        out += [(row[0], cls(**dict(zip(fields, row[1:])))) for row in
-                zip(df["ts_ns"].to_numpy(), *(df[c].tolist() for c in fields))]
-    return [ev for _, ev in sorted(out, key=lambda p: p[0])]
+        df = df[df["node"] == node]
+        names = [c for c in df.columns if c in cls.__struct_fields__]
+        for i, row in enumerate(zip(*(df[c].tolist() for c in names))):
+            kw = {k: _plain(v) for k, v in zip(names, row)}
+            out.append((kw["ts_ns"], rank, i, cls(**kw)))
+    out.sort(key=lambda p: p[:3])
+    return [p[3] for p in out]
+
+
+def _plain(v):
+    """A frame cell as the event field it came from (NaN: None, arrays: lists)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, np.generic):
+        return v.item()
+    return v

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import numpy as np
-
+from kvdiag.diagnosis.frames import node_events
 from kvdiag.diagnosis.miss_causes import FOLD_EVENTS, MissCauseFold
 from kvdiag.diagnosis.miss_tally import MissCauses, MissTally, MissWindow, RequestMisses
 from kvdiag.events.schema import Event, RequestFinished
@@ -32,33 +31,6 @@ def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s
     return MissCauses(fold.tally, windows, recs, window_ns, fold.block_size_tokens, fold.capacity_blocks)
 
 
-def node_events(logs, node: str) -> list[Event]:
-    """``node``'s events of :data:`FOLD_EVENTS` rebuilt from a :class:`kvdiag.diagnosis.frames.Logs`'
-    frames, in time order (ties in :data:`FOLD_EVENTS` order)."""
-    out = []
-    for rank, cls in enumerate(FOLD_EVENTS):
-        df = logs.frame(cls)
-        df = df[df["node"] == node].drop(columns="node")
-        names = [c for c in df.columns if c in cls.__struct_fields__]
-        cols = [df[c].tolist() for c in names]
-        for i, row in enumerate(zip(*cols)):
-            kw = {k: _plain(v) for k, v in zip(names, row)}
-            out.append((kw["ts_ns"], rank, i, cls(**kw)))
-    out.sort(key=lambda p: (p[0], p[1], p[2]))
-    return [p[3] for p in out]
-
-
-def _plain(v):
-    """A frame cell as the event field it came from (NaN: None, arrays: lists)."""
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, float) and v != v:
-        return None
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
 def log_file_events(path) -> Iterable[Event]:
     """The :data:`FOLD_EVENTS` of one event log file, streamed in file order (unreadable lines
     skipped silently: the reader that loaded the log reported them)."""
@@ -77,7 +49,7 @@ def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
             continue
         path = logs.paths.get(node)
         events = (log_file_events(path) if path is not None and Path(path).is_file()
-                  else node_events(logs, node))
+                  else node_events(logs, node, FOLD_EVENTS))
         out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "",
                                           window_s=window_s)
     return out

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvdiag.simulation.live_sharing import ShadowSharingSink
-from kvdiag.diagnosis.miss_causes import MissCauseFold
-from kvdiag.diagnosis.miss_replay import miss_causes_of_events, miss_causes_of_logs, node_events
+from kvdiag.diagnosis.miss_causes import FOLD_EVENTS, MissCauseFold
+from kvdiag.diagnosis.frames import node_events
+from kvdiag.diagnosis.miss_replay import miss_causes_of_events, miss_causes_of_logs
 from kvdiag.diagnosis.miss_tally import CAUSES
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.pool.hashing import ContentHasher
@@ -238,7 +239,7 @@ def test_logs_frames_replay_equals_the_event_stream():
     b = miss_causes_of_events(iter_events(path), engine="transformers-cb").total.by_cause()
     assert a == b
     assert b["preemption"] > 0  # transformers counts cached tokens at the last admission
-    assert len(node_events(logs, node)) > 0
+    assert len(node_events(logs, node, FOLD_EVENTS)) > 0
 
 
 def test_generated_blocks_enter_the_shadow_at_finish():
