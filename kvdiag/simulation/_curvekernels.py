@@ -73,8 +73,8 @@ def bounded_stack_distances(keys, offsets, prompt_tokens, counted, n_rows, block
     ``min(block_size, remaining prompt)`` for counted rows. After each row the least recently
     used keys beyond ``max_keys`` are forgotten (their ids and table slots freed). ``state``:
     see the S_* indices; ``ids``: scratch of at least the longest row.
-    Long: one compiled hot loop whose steps share local state (list ends, counters, heaps) that
-    helper calls would pass back and forth at every block."""
+    Long: one compiled hot loop whose steps share local state (the key table, the Fenwick tree,
+    counters) that helper calls would pass back and forth at every block."""
     inf = len(hist_blocks) - 1
     mask = len(slot_id) - 1
     for r in range(n_rows):
