@@ -161,12 +161,7 @@ def _engine_line(log, table) -> str | None:
 
     if log.header.engine != "vllm":
         return None
-    info = log.frame("kv_pool_info")
-    last = info.iloc[-1] if len(info) else None
-    rec = compression.engine_recommendation(
-        table, "vllm", num_blocks=int(last["num_blocks"]) if last is not None else None,
-        block_bytes=int(last["block_bytes"]) if last is not None else None,
-        block_size_tokens=int(last["block_size_tokens"]) if last is not None else None)
+    rec = compression.engine_recommendation_on_pool(table, "vllm", log.frame("kv_pool_info"))
     if rec.empty:
         return None
     row = rec.iloc[0]

@@ -174,6 +174,16 @@ def vllm_setting(method: Optional[str]) -> Optional[str]:
     return None
 
 
+def engine_recommendation_on_pool(table: pd.DataFrame, engine: str, pool_info: pd.DataFrame) -> pd.DataFrame:
+    """:func:`engine_recommendation` on the pool of the last ``KVPoolInfo`` row of ``pool_info``
+    (its sizes unknown when there is none)."""
+    last = pool_info.iloc[-1] if len(pool_info) else None
+    return engine_recommendation(
+        table, engine, num_blocks=int(last["num_blocks"]) if last is not None else None,
+        block_bytes=int(last["block_bytes"]) if last is not None else None,
+        block_size_tokens=int(last["block_size_tokens"]) if last is not None else None)
+
+
 def engine_recommendation(table: pd.DataFrame, engine: str, num_blocks: Optional[int] = None,
                           block_bytes: Optional[int] = None, block_size_tokens: Optional[int] = None,
                           error_budget: float = COMPRESSION_ERROR_BUDGET,

@@ -26,12 +26,7 @@ def _vllm_recommendation(logs: Logs, tbl: pd.DataFrame) -> Optional[Block]:
     if node is None:
         return None
     info = logs.frame(KVPoolInfo)
-    info = info[info["node"] == node]
-    last = info.iloc[-1] if len(info) else None
-    rec = _compression.engine_recommendation(
-        tbl, "vllm", num_blocks=int(last["num_blocks"]) if last is not None else None,
-        block_bytes=int(last["block_bytes"]) if last is not None else None,
-        block_size_tokens=int(last["block_size_tokens"]) if last is not None else None)
+    rec = _compression.engine_recommendation_on_pool(tbl, "vllm", info[info["node"] == node])
     if rec.empty:
         return None
     rec = rec.assign(kv_MiB=pd.to_numeric(rec["kv_bytes"], errors="coerce") / MIB,
