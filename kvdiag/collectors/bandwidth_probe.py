@@ -83,9 +83,11 @@ def _copy_seconds_torch_cuda(buffer_bytes: int, device: str) -> Callable[[], flo
 
 def measure(device: str = "cpu", buffer_bytes: Optional[int] = None,
             repetitions: int = DEFAULT_REPETITIONS, budget_s: float = DEFAULT_BUDGET_S,
-            now_ns: Optional[int] = None) -> MemoryBandwidthProbe:
+            now_ns: Optional[int] = None,
+            clock_s: Callable[[], float] = time.perf_counter) -> MemoryBandwidthProbe:
     """Copy bandwidth of ``device`` ("cpu", or a CUDA device such as "cuda:0"): the fastest
-    of up to ``repetitions`` copies (at least one; no new copy starts after ``budget_s``)."""
+    of up to ``repetitions`` copies (at least one; no new copy starts once ``clock_s`` has
+    passed ``budget_s`` after the first copy began)."""
     if device == "cpu":
         size = buffer_bytes or buffer_bytes_for(last_level_cache_bytes())
         once, method, name = _copy_seconds_numpy(size), "numpy", cpu_model()
@@ -94,9 +96,9 @@ def measure(device: str = "cpu", buffer_bytes: Optional[int] = None,
         size = buffer_bytes or GPU_BUFFER_BYTES
         once, method = _copy_seconds_torch_cuda(size, device), "torch"
         name = torch.cuda.get_device_name(torch.device(device))
-    deadline = time.perf_counter() + budget_s
+    deadline = clock_s() + budget_s
     times = [once()]
-    while len(times) < repetitions and time.perf_counter() < deadline:
+    while len(times) < repetitions and clock_s() < deadline:
         times.append(once())
     best = max(min(times), 1e-9)
     del once  # the buffers
