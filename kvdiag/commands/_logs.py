@@ -18,7 +18,6 @@ from typing import Iterable, Optional
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvdiag.diagnosis.frames import Logs, load
-from kvdiag.events.eventlog import LogFormatError
 
 
 def _estimated_lines(path: Path) -> Optional[int]:

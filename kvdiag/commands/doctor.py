@@ -9,8 +9,9 @@ import sys
 
 from kvdiag.diagnosis import rules
 from kvdiag.collectors.agent_client import HEADER_TIMEOUT_S, NO_ENGINE_EXIT
-from kvdiag.commands._logs import (LogFormatError, add_input_arguments, fail, read_logs,
+from kvdiag.commands._logs import (add_input_arguments, fail, read_logs,
                                    skipped_lines, tell_skipped)
+from kvdiag.events.eventlog import LogFormatError
 from kvdiag.paths import open_private
 
 DESCRIPTION = f"""Run the checks on a recorded log (or several: one per node); `kvdiag top`'s alerts

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvdiag.commands._logs import LogFormatError, add_input_arguments, fail, tell_skipped
+from kvdiag.commands._logs import add_input_arguments, fail, tell_skipped
+from kvdiag.events.eventlog import LogFormatError
 
 DESCRIPTION = """Write the events of recorded logs to a Parquet dataset, partitioned by event type
 and node (DIR/type=TYPE/node=NODE/part-0.parquet, hive style), with each log's header in

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvdiag.commands._logs import (LogFormatError, add_input_arguments, expand, fail, read_logs,
+from kvdiag.commands._logs import (add_input_arguments, expand, fail, read_logs,
                                    tell_skipped, write_atomic)
+from kvdiag.events.eventlog import LogFormatError
 
 DESCRIPTION = """Turn recorded event logs into one report: findings first, then memory over time
 and where it goes, block occupancy and fragmentation, prefix sharing, compression, attention
