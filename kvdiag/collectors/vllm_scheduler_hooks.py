@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from kvdiag.collectors.vllm_agent_setup import start_agent
 from kvdiag.collectors.vllm_hook_state import Hooks, fold_hash, now_ns
@@ -17,10 +17,6 @@ from kvdiag.pool.hashing import CONTENT_CHUNK_TOKENS, block_chunk_hashes, salted
 from kvdiag.events.schema import (BlockAllocated, BlockHash, BlockEvicted, BlockReleased, BlockStored,
                            EngineStep, PrefixHit, RequestArrived, RequestFinished, RequestFirstToken,
                            RequestPreempted, RequestScheduled, elapsed_ns)
-
-
-def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name)
 
 
 # ------------------------------------------------------------------------------ the hooks
