@@ -2,7 +2,8 @@
 
 Protocol: the ``LogHeader`` line, then the setup events (latest ``KVPoolInfo``, every
 ``CollectorStatus``, the latest ``ShadowSharing`` of each configuration: a client that joins
-late takes its counters as the baseline of its window), then every event as it happens; a blank line is a keep-alive, sent after
+late takes its counters as the baseline of its window; the latest ``ProcessSample`` of each
+process, so that its memory shows at once, not at the next sample), then every event as it happens; a blank line is a keep-alive, sent after
 :data:`KEEPALIVE_S` without data. A refused client gets one line ``{"refused": REASON}``.
 
 Limits (one client cannot hurt the others or the engine):
@@ -37,7 +38,8 @@ from typing import Optional
 
 import msgspec
 
-from kvdiag.events.schema import CollectorGap, CollectorStatus, Event, KVPoolInfo, LogHeader, ShadowSharing
+from kvdiag.events.schema import (CollectorGap, CollectorStatus, Event, KVPoolInfo, LogHeader, ProcessSample,
+                                   ShadowSharing)
 
 MAX_CLIENTS = 8
 CLIENT_QUEUE_BYTES = 4 << 20
@@ -48,6 +50,19 @@ CHUNK_BYTES = 16 << 10  # a queued chunk (whole lines): the unit a slow client l
 _TICK_S = 0.2  # the serving thread's longest sleep (keep-alives, stall checks)
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _log = logging.getLogger("kvdiag.agent")
+
+_SETUP_TYPES = (KVPoolInfo, CollectorStatus, ShadowSharing, ProcessSample)
+
+
+def _setup_key(event) -> str:
+    """Which setup line ``event`` replaces: one per pool, collector, shadow configuration, process."""
+    if isinstance(event, KVPoolInfo):
+        return "pool"
+    if isinstance(event, CollectorStatus):
+        return f"status:{event.collector}"
+    if isinstance(event, ProcessSample):
+        return f"process:{event.pid}"
+    return f"shadow:{event.policy}:{event.block_size_tokens}:{event.capacity_blocks}"
 
 
 class _Client:
@@ -121,10 +136,8 @@ class LiveSocketSink:
         return len(self._clients)
 
     def record(self, event: Event) -> None:
-        if isinstance(event, (KVPoolInfo, CollectorStatus, ShadowSharing)):
-            key = ("pool" if isinstance(event, KVPoolInfo) else f"status:{event.collector}"
-                   if isinstance(event, CollectorStatus)
-                   else f"shadow:{event.policy}:{event.block_size_tokens}:{event.capacity_blocks}")
+        if isinstance(event, _SETUP_TYPES):
+            key = _setup_key(event)
             if key in self._setup_lines or len(self._setup_lines) < 256:
                 try:
                     self._setup_lines[key] = self._setup_encoder.encode(event) + b"\n"

@@ -21,7 +21,7 @@ from kvdiag.agent import LiveSocketSink
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.events.eventlog import make_header
-from kvdiag.events.schema import BlockAllocated, CollectorGap
+from kvdiag.events.schema import BlockAllocated, CollectorGap, ProcessSample
 
 PAD = "r" * 1000  # request id that makes one event line about 1 KB
 MARKER = 10**9  # block id of the event a test waits for (beyond every flooded id)
@@ -63,6 +63,28 @@ class Reader(threading.Thread):
             self.events.append(ev)
             if isinstance(ev, BlockAllocated):
                 self.arrived[ev.block_id] = time.monotonic()
+
+
+def test_a_late_client_first_gets_each_process_latest_sample(tmp_path):
+    """A client that joins between two memory samples sees each process's memory at once (its
+    latest sample, before any new event), not only at the next sample."""
+    sink = _sink(tmp_path)
+    for rss in (100, 200):
+        sink.record(ProcessSample(ts_ns=rss, pid=7, rss_bytes=rss))
+    sink.record(ProcessSample(ts_ns=150, pid=8, rss_bytes=150))
+    _flood(sink, 3)  # nobody listening: not kept
+    reader = Reader(sink.path)
+    try:
+        _wait_for(lambda: sink.num_clients == 1, what="the client accepted")
+        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
+        _wait_for(lambda: MARKER in reader.arrived, what="the marker")
+        samples = [e for e in reader.events if isinstance(e, ProcessSample)]
+        assert [(e.pid, e.rss_bytes) for e in samples] == [(7, 200), (8, 150)]
+        assert reader.events.index(samples[-1]) < len(reader.events) - 1  # before the new event
+        assert [e.block_id for e in reader.events if isinstance(e, BlockAllocated)] == [MARKER]
+    finally:
+        reader.conn.close()
+        sink.close()
 
 
 def test_a_client_that_never_reads_does_not_stall_the_others(tmp_path):
