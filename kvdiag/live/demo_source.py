@@ -13,11 +13,11 @@ from typing import Optional
 from kvdiag.events import schema as s
 from kvdiag.demo.child_command import kvdiag_module, reset_interrupt_signal
 from kvdiag.live.socket_source import SocketSource
-from kvdiag.live.sources import SourceError, find_agent_socket
+from kvdiag.live.sources import LiveSource, SourceError, find_agent_socket
 from kvdiag.paths import open_private
 
 
-class DemoSource:
+class DemoSource(LiveSource):
     """Starts ``kvdiag demo`` (or ``command``) as a child (its own session, output to a file)
     and reads its agent socket. :meth:`close` stops the child and its server (see there). A
     child that exits early becomes a CollectorStatus event."""
@@ -38,7 +38,6 @@ class DemoSource:
                                       start_new_session=True, preexec_fn=_interrupt_when_parent_dies)
         self.description = f"demo pid {self.child.pid}"
         self.header: Optional[s.LogHeader] = None
-        self.paused = False
         self.finished = False
         self._stop_timeout_s = stop_timeout_s
         self._deadline = time.monotonic() + socket_wait_s
@@ -46,9 +45,6 @@ class DemoSource:
         self._pending: list[s.Event] = [s.CollectorStatus(
             ts_ns=time.time_ns(), collector="agent-stream", available=False,
             hint=f"starting kvdiag demo (pid {self.child.pid}); output in {self.output_path}")]
-
-    def now_ns(self) -> int:
-        return time.time_ns()
 
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         out, self._pending = self._pending, []
@@ -77,15 +73,6 @@ class DemoSource:
 
         found = sorted(runtime_dir().glob(f"demo-{self.child.pid}-*.sock"))
         return found[0] if found else find_agent_socket(self.child.pid)
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def seek(self, seconds: float) -> None:
-        """A live demo cannot seek."""
 
     def close(self) -> None:
         """Stop the demo: SIGINT to it (``kvdiag demo`` then stops its server gracefully, so

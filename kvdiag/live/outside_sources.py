@@ -10,10 +10,10 @@ from collections import deque
 from typing import Optional
 
 from kvdiag.events import schema as s
-from kvdiag.live.sources import drain
+from kvdiag.live.sources import LiveSource, drain
 
 
-class ProcessSource:
+class ProcessSource(LiveSource):
     """What is visible of a process from outside without an agent: RSS, threads and CPU time of
     its process tree and, where NVML works, GPU memory, every ``period_s``; plus one
     ``CollectorStatus`` saying that KV pool, requests and shadow panels need the agent.
@@ -30,7 +30,6 @@ class ProcessSource:
         self.description = f"pid {pid} (outside view, no agent)"
         self.header = s.LogHeader(schema_version=s.SCHEMA_VERSION, pid=pid, engine="attach",
                                   start_ns=time.time_ns())
-        self.paused = False
         self.finished = False
         self._period_ns = int(period_s * 1e9)
         self._last_ns = 0
@@ -40,9 +39,6 @@ class ProcessSource:
                 ts_ns=time.time_ns(), collector="agent-stream", available=False,
                 hint=f"no kvdiag agent in pid {pid}: KV pool, requests and shadow panels need one "
                      "(start the server under kvdiag)"))
-
-    def now_ns(self) -> int:
-        return time.time_ns()
 
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         """One sampling of the tree when due (``limit`` is moot: a sampling is small)."""
@@ -59,15 +55,6 @@ class ProcessSource:
             return out
         out.extend(self.nvml.sample())
         return out
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def seek(self, seconds: float) -> None:
-        """A live view cannot seek."""
 
     def close(self) -> None:
         self.nvml.close()
@@ -87,7 +74,7 @@ class _QueueSink:
         pass
 
 
-class OutsideSource:
+class OutsideSource(LiveSource):
     """A served engine without a kvdiag agent, read from outside by attach's collectors
     (:class:`kvdiag.collectors.outside.OutsideCollectors`: process tree, NVML, the engine's
     ``/metrics`` scraped every ``period_s``, its KV events): the pool, prefix-hit and latency
@@ -114,7 +101,6 @@ class OutsideSource:
         self.header = make_header(pid=pid, engine=self.collectors.engine or "attach", content="hashes",
                                   content_salt=hasher.salt, content_chunk_tokens=CONTENT_CHUNK_TOKENS,
                                   start_ns=self.joined_ns)
-        self.paused = False
         self.finished = False
         self._period_s = period_s
         self._sink.record(s.CollectorStatus(
@@ -142,20 +128,8 @@ class OutsideSource:
                 return
             self._stop.wait(self._period_s)
 
-    def now_ns(self) -> int:
-        return time.time_ns()
-
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         return drain(self._sink.queue, limit)
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def seek(self, seconds: float) -> None:
-        """A live view cannot seek."""
 
     def close(self) -> None:
         self._stop.set()

@@ -15,10 +15,10 @@ import msgspec
 from kvdiag.events import schema as s
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection, AgentProtocolError
-from kvdiag.live.sources import drain
+from kvdiag.live.sources import LiveSource, drain
 
 
-class SocketSource:
+class SocketSource(LiveSource):
     """Reads the kvdiag agent's stream: JSON lines on a Unix socket, the agent's
     :class:`LogHeader` first, then one event per line. A reader thread decodes into a
     bounded queue; a line that does not decode, a full queue, a lost connection or an agent
@@ -35,7 +35,6 @@ class SocketSource:
         self.description = description or f"agent {self.path}"
         self.header: Optional[s.LogHeader] = conn.header if conn is not None else None
         self._first_conn = conn
-        self.paused = False
         self.finished = False
         self.connected = False
         self._queue: deque[s.Event] = deque()
@@ -47,9 +46,6 @@ class SocketSource:
         self._conn: Optional[AgentConnection] = None
         self._thread = threading.Thread(target=self._run, name="kvdiag-agent-reader", daemon=True)
         self._thread.start()
-
-    def now_ns(self) -> int:
-        return time.time_ns()
 
     def _emit(self, ev: s.Event) -> None:
         if len(self._queue) >= self._max_queue:
@@ -114,15 +110,6 @@ class SocketSource:
 
     def poll(self, limit: Optional[int] = None) -> list[s.Event]:
         return drain(self._queue, limit)
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def seek(self, seconds: float) -> None:
-        """A live stream cannot seek."""
 
     def close(self) -> None:
         self._stop.set()

@@ -11,12 +11,13 @@ The sources, one module each: :mod:`kvdiag.live.replay_source` (a log),
 :mod:`kvdiag.live.socket_source` (the agent's stream), :mod:`kvdiag.live.outside_sources` (a
 process or served engine read from outside), :mod:`kvdiag.live.merged_source` (a source plus the
 host view), :mod:`kvdiag.live.demo_source` (top's demo); :mod:`kvdiag.live.pid_source` picks one
-for a PID. This module holds what they share: the errors, the clock type, the queue drain and
-the agent-socket lookup.
+for a PID. This module holds what they share: the errors, the clock type, what every live source does
+alike (:class:`LiveSource`), the queue drain and the agent-socket lookup.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -33,6 +34,26 @@ class NoEngineError(Exception):
 
 class SourceError(Exception):
     """A source that cannot be opened; the message says what to do (one line)."""
+
+
+class LiveSource:
+    """What a live source (a running server, the demo, a process read from outside) does alike:
+    its clock is the wall clock, it cannot seek, and pausing freezes only what top shows (its
+    events are still folded as they arrive)."""
+
+    paused = False
+
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def seek(self, seconds: float) -> None:
+        """A live view cannot seek."""
 
 
 def drain(queue, limit: Optional[int]) -> list[s.Event]:
