@@ -136,41 +136,60 @@ def test_pss_reads_stay_within_budget():
     assert reads >= 1 and reads < n / 5, (reads, n)
 
 
+ENGINE_WITH_LEAK = """
+import mmap, os, sys
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+from kvdiag.agent import Agent
+
+model_dir, log_path = sys.argv[1:3]
+torch.set_num_threads(1)
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+                ["input_ids"]) for q in ("What is the capital of France?", "Name a prime number.")]
+cfg = ContinuousBatchingConfig(page_size=32, num_blocks=64, allow_block_sharing=True)
+gen = GenerationConfig(max_new_tokens=4, do_sample=False)
+agent = Agent(log_path=log_path, live=False, sample_interval_s=0.05, shadow_sharing=False,
+              model=model_dir).start()
+try:
+    model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cfg,
+                         persistent_manager=True)
+    assert agent.host_sampler.wait_attempts(3, timeout_s=60)  # samples before the leak
+    leak = mmap.mmap(-1, 400 << 20)  # a host leak while serving, after the first engine step
+    leak[::mmap.PAGESIZE] = b"\\x01" * len(range(0, 400 << 20, mmap.PAGESIZE))
+    model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cfg,
+                         persistent_manager=True)
+    assert agent.host_sampler.wait_attempts(3, timeout_s=60)  # and after it
+finally:
+    agent.stop()
+print(os.getpid())
+"""
+"""The embedded engine with the agent in its own process, which plants a 400 MiB host leak
+between two batches: a process of its own, so that memory a pytest process frees from earlier
+tests meanwhile (seen: -555 MB) is not in the growth the rule measures."""
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    import subprocess
+    import sys
 
-    from kvdiag.agent import Agent
     from kvdiag.diagnosis import leak_rules
     from kvdiag.diagnosis.frames import load
     from kvdiag.events.eventlog import iter_events
     from kvdiag.live.state import LiveState
     from kvdiag.reports import section_memory
 
-    torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-                    ["input_ids"]) for q in ("What is the capital of France?", "Name a prime number.")]
-    cfg = ContinuousBatchingConfig(page_size=32, num_blocks=64, allow_block_sharing=True)
-    gen = GenerationConfig(max_new_tokens=4, do_sample=False)
     log_path = tmp_path / "engine.kvlog"
-    agent = Agent(log_path=str(log_path), live=False, sample_interval_s=0.05, shadow_sharing=False,
-                  model=str(model_dir)).start()
-    try:
-        model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cfg,
-                             persistent_manager=True)
-        assert agent.host_sampler.wait_attempts(3, timeout_s=60)  # samples before the leak
-        leak = _touched(400 * MIB)  # a host leak while serving, after the first engine step
-        model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cfg,
-                             persistent_manager=True)
-        assert agent.host_sampler.wait_attempts(3, timeout_s=60)  # and after it
-    finally:
-        agent.stop()
-    del leak
+    child = subprocess.run([sys.executable, "-c", ENGINE_WITH_LEAK, str(model_dir), str(log_path)],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    pid = int(child.stdout.split()[-1])
 
     logs = load([log_path])[0]
     f = leak_rules.memory_growth(logs)
@@ -181,7 +200,7 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     assert f.status == "fail", f.message
 
     events = list(iter_events(log_path))
-    last_ps = _rss_samples(events, os.getpid())[-1]
+    last_ps = _rss_samples(events, pid)[-1]
     info = next(e for e in events if isinstance(e, s.KVPoolInfo))
     pool = [e for e in events if isinstance(e, s.KVPoolSample)][-1]
     state = LiveState()
@@ -198,5 +217,5 @@ def test_in_process_engine_log_feeds_doctor_top_and_report(tmp_path, model_dir):
     sec = section_memory.memory(logs, int(logs.frame(s.ProcessSample)["ts_ns"].min()))
     chart = next(b for b in sec.blocks if getattr(b, "title", "") == "Memory by source")
     names = set(chart.data["series"])
-    assert any(n.startswith(f"host rss pid {os.getpid()}") for n in names), names
-    assert any(n.startswith(f"host pss pid {os.getpid()}") for n in names), names
+    assert any(n.startswith(f"host rss pid {pid}") for n in names), names
+    assert any(n.startswith(f"host pss pid {pid}") for n in names), names
