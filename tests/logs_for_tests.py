@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gzip
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +32,10 @@ def read_bytes(path: str | Path) -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def _dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvdiag-test-logs-"))
+    """The session's folder for the logs recorded here, removed when the test process ends."""
+    folder = tempfile.mkdtemp(prefix="kvdiag-test-logs-")
+    atexit.register(shutil.rmtree, folder, True)
+    return Path(folder)
 
 
 def clean_log() -> str:
