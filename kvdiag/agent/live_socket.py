@@ -32,7 +32,7 @@ import selectors
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Optional
 
@@ -51,17 +51,17 @@ _TICK_S = 0.2  # the serving thread's longest sleep (keep-alives, stall checks)
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _log = logging.getLogger("kvdiag.agent")
 
-_SETUP_TYPES = (KVPoolInfo, CollectorStatus, ShadowSharing, ProcessSample)
+_SETUP_TYPES = (KVPoolInfo, CollectorStatus, ShadowSharing)
+MAX_SETUP_LINES = 256  # pool, collector statuses, shadow configurations: a late client's first lines
+MAX_PROCESS_LINES = 64  # the latest memory sample of the most recently sampled processes
 
 
 def _setup_key(event) -> str:
-    """Which setup line ``event`` replaces: one per pool, collector, shadow configuration, process."""
+    """Which setup line ``event`` replaces: one per pool, collector, shadow configuration."""
     if isinstance(event, KVPoolInfo):
         return "pool"
     if isinstance(event, CollectorStatus):
         return f"status:{event.collector}"
-    if isinstance(event, ProcessSample):
-        return f"process:{event.pid}"
     return f"shadow:{event.policy}:{event.block_size_tokens}:{event.capacity_blocks}"
 
 
@@ -106,6 +106,7 @@ class LiveSocketSink:
         self._max_pending = max_pending
         self._reported_dropped = 0
         self._setup_lines: dict[str, bytes] = {}  # what a late client is told first
+        self._process_lines: OrderedDict[int, bytes] = OrderedDict()  # then: latest sample per pid
         self._clients: dict[socket.socket, _Client] = {}
         self._closed = False
         self._woken = False
@@ -137,12 +138,9 @@ class LiveSocketSink:
 
     def record(self, event: Event) -> None:
         if isinstance(event, _SETUP_TYPES):
-            key = _setup_key(event)
-            if key in self._setup_lines or len(self._setup_lines) < 256:
-                try:
-                    self._setup_lines[key] = self._setup_encoder.encode(event) + b"\n"
-                except Exception:
-                    pass
+            self._keep_setup_line(event)
+        elif isinstance(event, ProcessSample):
+            self._keep_process_line(event)
         if not self._clients:  # nobody listening: nothing to do on the hot path
             return
         if len(self._pending) >= self._max_pending:
@@ -151,6 +149,26 @@ class LiveSocketSink:
         self._pending.append(event)
         if not self._woken:
             self._wake()
+
+    def _keep_setup_line(self, event) -> None:
+        key = _setup_key(event)
+        if key in self._setup_lines or len(self._setup_lines) < MAX_SETUP_LINES:
+            try:
+                self._setup_lines[key] = self._setup_encoder.encode(event) + b"\n"
+            except Exception:
+                pass
+
+    def _keep_process_line(self, event: ProcessSample) -> None:
+        """Processes have their own bound, so many short-lived pids never crowd out the setup lines;
+        the process sampled longest ago goes first."""
+        try:
+            line = self._setup_encoder.encode(event) + b"\n"
+        except Exception:
+            return
+        self._process_lines[event.pid] = line
+        self._process_lines.move_to_end(event.pid)
+        while len(self._process_lines) > MAX_PROCESS_LINES:
+            self._process_lines.popitem(last=False)
 
     def flush(self) -> None:
         self._wake()
@@ -224,7 +242,8 @@ class LiveSocketSink:
             self._refuse(sock, f"too many clients (this agent serves at most {self.max_clients})")
             return
         sock.setblocking(False)
-        client = _Client(sock, self._header_line + b"".join(list(self._setup_lines.values())), time.monotonic())
+        first = b"".join([self._header_line, *self._setup_lines.values(), *self._process_lines.values()])
+        client = _Client(sock, first, time.monotonic())
         self._clients[sock] = client
         client.mask = selectors.EVENT_READ
         self._sel.register(sock, client.mask, client)

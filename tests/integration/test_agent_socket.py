@@ -18,10 +18,11 @@ import time
 import pytest
 
 from kvdiag.agent import LiveSocketSink
+from kvdiag.agent.live_socket import MAX_PROCESS_LINES
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.events.eventlog import make_header
-from kvdiag.events.schema import BlockAllocated, CollectorGap, ProcessSample
+from kvdiag.events.schema import BlockAllocated, CollectorGap, CollectorStatus, ProcessSample
 
 PAD = "r" * 1000  # request id that makes one event line about 1 KB
 MARKER = 10**9  # block id of the event a test waits for (beyond every flooded id)
@@ -82,6 +83,31 @@ def test_a_late_client_first_gets_each_process_latest_sample(tmp_path):
         assert [(e.pid, e.rss_bytes) for e in samples] == [(7, 200), (8, 150)]
         assert reader.events.index(samples[-1]) < len(reader.events) - 1  # before the new event
         assert [e.block_id for e in reader.events if isinstance(e, BlockAllocated)] == [MARKER]
+    finally:
+        reader.conn.close()
+        sink.close()
+
+
+def test_many_processes_never_crowd_out_a_new_collector_status(tmp_path):
+    """Processes come and go (workers restart, a fleet of short-lived pids): each pid's latest
+    sample is kept under its own bound, the most recently sampled first, so a collector that
+    starts after hundreds of pids still reaches a late client."""
+    sink = _sink(tmp_path)
+    pids = range(1000, 1000 + 4 * MAX_PROCESS_LINES)
+    for pid in pids:
+        sink.record(ProcessSample(ts_ns=pid, pid=pid, rss_bytes=pid))
+    sink.record(ProcessSample(ts_ns=9999, pid=pids[0], rss_bytes=1))  # sampled again: recent
+    sink.record(CollectorStatus(ts_ns=10**4, collector="late-collector", available=True))
+    reader = Reader(sink.path)
+    try:
+        _wait_for(lambda: sink.num_clients == 1, what="the client accepted")
+        sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
+        _wait_for(lambda: MARKER in reader.arrived, what="the marker")
+        assert [e.collector for e in reader.events if isinstance(e, CollectorStatus)] == ["late-collector"]
+        samples = {e.pid: e.rss_bytes for e in reader.events if isinstance(e, ProcessSample)}
+        assert len(samples) == MAX_PROCESS_LINES
+        assert samples[pids[0]] == 1
+        assert set(samples) == {pids[0], *pids[len(pids) - MAX_PROCESS_LINES + 1:]}
     finally:
         reader.conn.close()
         sink.close()
@@ -179,6 +205,7 @@ def test_clients_past_the_cap_are_refused_at_once(tmp_path):
 FD_EXHAUSTION = r"""
 import os, resource, sys
 from kvdiag.agent import LiveSocketSink
+from kvdiag.agent.live_socket import MAX_PROCESS_LINES
 from kvdiag.events.eventlog import make_header
 sink = LiveSocketSink(sys.argv[1], make_header(engine="test"))
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
