@@ -159,15 +159,21 @@ def test_kill_9_loses_at_most_the_last_interval(tmp_path, name):
             break
         count, now_ns = map(int, line.split())
         progress.append((count, now_ns))
-        if now_ns - progress[0][1] > 1.5e9:
+        if now_ns - progress[0][1] > 3e9:
             break
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    count_at_kill, kill_ns = progress[-1]
+    kill_ns = progress[-1][1]  # the child's clock at the last line read (the kill came later)
+    # with what the child printed that this loop had not read yet (a loaded machine can leave
+    # this loop lines behind): it records at most 100 events after its last printed count
+    unread = [int(line.split()[0]) for line in proc.stdout.read().splitlines() if line.strip()]
+    last_count = (unread or [progress[-1][0]])[-1]
     log = read_log(path)  # must not raise
     steps = log.frame(EngineStep)
     assert steps["step_id"].tolist() == list(range(len(steps)))  # a clean prefix
-    # everything recorded more than two intervals (plus scheduling slack) before the kill is there
-    recorded_before = max(c for c, t in progress if t < kill_ns - 2 * interval_s * 1e9 - 0.3e9)
-    assert len(steps) >= recorded_before
-    assert len(steps) <= count_at_kill + 100
+    # everything recorded more than two intervals (plus 1 s for the writer thread's scheduling on a
+    # loaded machine) before the kill is there: with 3 s of recording, ~1.6 s of it
+    settled = [c for c, t in progress if t < kill_ns - 2 * interval_s * 1e9 - 1e9]
+    assert settled, progress
+    assert len(steps) >= max(settled)
+    assert len(steps) <= last_count + 100

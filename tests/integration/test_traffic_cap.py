@@ -119,7 +119,11 @@ def test_duration_is_wall_time_and_the_drain_is_bounded(server):
     driver.run(duration_s=0.5, drain_s=0.5, on_drain=drained.append)
     took = time.monotonic() - started
     assert drained == [3] and driver.abandoned == 3 and driver.released == 3 and not driver.results
-    assert 1.0 <= took < 2.0, took  # 0.5 s sending + 0.5 s draining (+ thread scheduling)
+    # the server never answers: abandoned == 3 proves the drain gave up rather than waited for
+    # answers; sending stopped at the duration, not before, and the drain took its 0.5 s
+    assert driver.stopped_sending_s - driver.started_s >= 0.5
+    assert took >= 1.0
+    assert took < 10.0, took  # bounded (scheduling on a loaded machine adds to the 1 s, never 9 s)
 
 
 def test_stop_ends_a_run_waiting_for_a_slot(server):
