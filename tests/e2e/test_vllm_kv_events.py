@@ -198,8 +198,9 @@ class MiniPublisher:
 
 
 def handshake(pub: MiniPublisher, sub: KVEventSubscriber, seq: int = 0) -> int:
-    """ZMQ's slow joiner: publish empty batches until the subscriber has one; returns the next
-    seq (every probe after the first received one arrives too, in order)."""
+    """ZMQ's slow joiner: publish empty batches until the subscriber has one, then wait for the
+    last one sent (every probe after the first received one arrives too, in order); returns the
+    next seq."""
     deadline = time.monotonic() + 10
     while sub.batches == 0:
         assert time.monotonic() < deadline, "the subscriber never received a probe"
@@ -208,6 +209,11 @@ def handshake(pub: MiniPublisher, sub: KVEventSubscriber, seq: int = 0) -> int:
         wait_start = time.monotonic()
         while sub.batches == 0 and time.monotonic() - wait_start < 0.1:
             time.sleep(0.005)
+    # a probe slower than 0.1 s was followed by another: wait for the last one too, so that the
+    # caller's count of batches starts after every probe
+    while sub._seq.expected != seq:
+        assert time.monotonic() < deadline, "the subscriber never received the last probe"
+        time.sleep(0.005)
     return seq
 
 
