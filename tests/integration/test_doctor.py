@@ -64,10 +64,12 @@ def test_doctor_pid_reads_the_agent_stream(tmp_path, capsys):
     server.bind(str(path))
     server.listen(1)
 
+    stream = Path(leak_log()).read_bytes()  # before doctor's 5 s window opens (a real model run)
+
     def serve():
         conn, _ = server.accept()
         with conn:
-            conn.sendall(Path(leak_log()).read_bytes())
+            conn.sendall(stream)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
