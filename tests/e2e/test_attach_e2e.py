@@ -1,9 +1,10 @@
 """End to end: the real demo server (SmolLM2 on transformers' continuous-batching engine with
 the kvdiag agent, fault injection skipping every 2nd finished request's release) runs as a
-separate process under chat traffic; ``kvdiag attach PID --duration 20`` joins it. Checked
-against the demo's own event log for the same period: the streamed events are the demo's,
-the summary's KV numbers equal counts over the demo log, and the leak finding names exactly
-the requests the fault injection leaked (every 2nd finished request, in finishing order)."""
+separate process under chat traffic; ``kvdiag attach PID`` joins it for at least 20 s, until
+the traffic has finished. Checked against the demo's own event log for the same period: the
+streamed events are the demo's, the summary's KV numbers equal counts over the demo log, and
+the leak finding names exactly the requests the fault injection leaked (every 2nd finished
+request, in finishing order)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def tag(ev) -> str:
     return ev.__struct_config__.tag
 
 
+def _sampled_past_grace(out) -> bool:
+    """Attach's log has a process sample later than every finish plus the grace period."""
+    try:
+        events = list(iter_events(out))
+    except Exception:  # a line being written: read again on the next poll
+        return False
+    finishes = [e.ts_ns for e in events if tag(e) == "request_finished"]
+    samples = [e.ts_ns for e in events if tag(e) == "process_sample"]
+    return bool(finishes and samples) and max(samples) > max(finishes) + GRACE_S * 1e9
+
+
 @pytest.fixture(scope="module")
 def attached(tmp_path_factory, model_dir):
     from kvdiag.commands.demo import DEFAULT_MAX_BATCH_TOKENS, DemoServer
@@ -56,9 +68,10 @@ def attached(tmp_path_factory, model_dir):
         ask(0)  # warm-up, before attaching
         out = tmp / "attach.jsonl"
         attach = subprocess.Popen([sys.executable, "-m", "kvdiag", "attach", str(server.proc.pid), "--duration",
-                                   str(ATTACH_S), "--out", str(out), "--json", "--grace", str(GRACE_S),
+                                   "600", "--out", str(out), "--json", "--grace", str(GRACE_S),
                                    "--pyspy-window", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
+        started_s = time.monotonic()
         deadline = time.monotonic() + 60  # attach imports, finds the agent and connects: its
         while not (out.exists() and '"collector":"agent","available":true' in out.read_text()):  # log says so
             assert attach.poll() is None and time.monotonic() < deadline, attach.stderr.read()
@@ -67,9 +80,17 @@ def attached(tmp_path_factory, model_dir):
         for c in clients:
             c.start()
             time.sleep(0.3)
-        stdout, stderr = attach.communicate(timeout=ATTACH_S + 60)
         for c in clients:
-            c.join(timeout=60)
+            c.join(timeout=120)
+        # attach stays at least ATTACH_S, and until it has sampled the process past the last
+        # finish's grace period (the traffic's end, not a fixed window a loaded machine outlasts);
+        # then SIGTERM ends it as a supervisor would
+        deadline = time.monotonic() + 120
+        while not (time.monotonic() - started_s >= ATTACH_S and _sampled_past_grace(out)):
+            assert attach.poll() is None and time.monotonic() < deadline, attach.stderr.read()
+            time.sleep(0.2)
+        attach.terminate()
+        stdout, stderr = attach.communicate(timeout=120)
     finally:
         server.stop()
     return {"rc": attach.returncode, "stdout": stdout, "stderr": stderr, "out": out,
