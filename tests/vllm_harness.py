@@ -21,12 +21,16 @@ def running_vllm(python: Path, model_dir: Path, folder: Path, **kwargs):
     """Start vLLM (bounded wait for /health), yield the :class:`VllmServer`, always stop it."""
     server = VllmServer(python, model_dir, folder / "server.kvlog", **kwargs)
     server.start()
+    rpc_dir = server.rpc_dir
     try:
         server.wait_ready()
+        # vLLM's ZMQ IPC sockets are in kvdiag's private folder, not strewn over the temp folder
+        assert rpc_dir is not None and any(p.is_socket() for p in rpc_dir.iterdir()), rpc_dir
         server.model = str(model_dir)
         yield server
     finally:
         server.stop()
+    assert not rpc_dir.exists()  # removed with its sockets, also when vLLM had to be killed
 
 
 def chat(server, question: str, system: str = SYSTEM, max_tokens: int = 12) -> dict:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
@@ -73,6 +75,25 @@ class VllmServer(ServerProcess):
         self.env.update(extra_env or {})
         self.cwd = self.server_log.parent
         self.proc = None
+        self.rpc_dir: Optional[Path] = None  # vLLM's IPC sockets while it runs (see start())
+
+    def start(self, preexec_fn=None) -> None:
+        """Starts vLLM with its ZMQ IPC sockets in a private folder that :meth:`stop` removes:
+        vLLM names them by UUID in the temp folder and leaves them there when it is killed
+        (the user's VLLM_RPC_BASE_PATH wins)."""
+        if "VLLM_RPC_BASE_PATH" not in self.env:
+            self.rpc_dir = Path(tempfile.mkdtemp(prefix="kvdiag-vllm-rpc-"))
+            self.env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
+        super().start(preexec_fn)
+
+    def stop(self, signals: Optional[tuple] = None) -> int:
+        try:
+            return super().stop(signals)
+        finally:
+            if self.rpc_dir is not None:
+                shutil.rmtree(self.rpc_dir, ignore_errors=True)
+                self.env.pop("VLLM_RPC_BASE_PATH", None)
+                self.rpc_dir = None
 
     def ready_extra(self) -> bool:
         return not self.plugin or self.socket_path.exists()
