@@ -144,7 +144,9 @@ def test_fresh_demo_log_gets_the_same_verdicts_live_and_offline(demo_run):
     assert live["leak.release_paths"].status == "pass" and live["sharing.consistency"].status != "n/a"
 
 
-DURATION_S = 20
+DURATION_S = 40
+"""Long enough for four in-process `doctor --pid --seconds 2` runs (each records 2 s, then runs
+every rule: several seconds each on a loaded 2-core machine) while the demo still serves."""
 
 
 @pytest.mark.model
