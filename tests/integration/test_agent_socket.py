@@ -164,15 +164,42 @@ def test_a_slow_client_is_told_how_many_events_it_lost(tmp_path):
     assert all(1 <= g.start_ns <= g.end_ns <= n for g in gaps)
 
 
+class FakeClock:
+    """The sink's clock, moved by the test; ``reads`` counts the sink's readings of it."""
+
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now_s
+
+    def wait_for_ticks(self, n: int = 2) -> None:
+        """Until the serving thread has read the clock ``n`` more times: with ``n`` >= 2 it has
+        finished a whole step (dispatch, flush, stall checks) at the current time."""
+        reads = self.reads
+        _wait_for(lambda: self.reads >= reads + n, what=f"{n} reads of the clock")
+
+
 def test_a_client_that_never_reads_is_disconnected(tmp_path):
-    sink = _sink(tmp_path, client_queue_bytes=64 * 1024, client_stall_s=0.5)
+    """On an injected clock: the stuck client stays while less than ``client_stall_s`` passes
+    (a sink that drops a client once its queue overflows fails there), and goes once more has
+    passed (a sink that never drops it fails there). A slow flood cannot shift the timer."""
+    clock = FakeClock()
+    stall_s = 10.0
+    sink = _sink(tmp_path, client_queue_bytes=64 * 1024, client_stall_s=stall_s, clock_s=clock)
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stuck.connect(str(sink.path))
     try:
         _wait_for(lambda: sink.num_clients == 1)
         _flood(sink, 4000)
-        waited_s = _wait_for(lambda: sink.num_clients == 0, timeout_s=5.0, what="stuck client dropped")
-        assert waited_s >= 0.4
+        _wait_for(lambda: sink.client_dropped_events > 0, what="its queue overflowing")
+        clock.now_s += 0.9 * stall_s
+        clock.wait_for_ticks()
+        assert sink.num_clients == 1
+        clock.now_s += 0.2 * stall_s
+        _wait_for(lambda: sink.num_clients == 0, timeout_s=5.0, what="stuck client dropped")
         stuck.settimeout(5.0)
         while stuck.recv(1 << 16):  # what was in its socket buffer, then end of stream
             pass
