@@ -34,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 
@@ -93,8 +93,9 @@ class LiveSocketSink:
 
     def __init__(self, path: Path, header: LogHeader, max_pending: int = 50_000,
                  max_clients: int = MAX_CLIENTS, client_queue_bytes: int = CLIENT_QUEUE_BYTES,
-                 client_stall_s: float = CLIENT_STALL_S) -> None:
+                 client_stall_s: float = CLIENT_STALL_S, clock_s: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
+        self._clock_s = clock_s  # the time of stalls, keep-alives and the accept back-off (tests inject one)
         self.dropped_events = 0  # lost for every client: the shared pending queue was full
         self.client_dropped_events = 0  # lost by slow clients, summed over clients
         self.refused_clients = 0
@@ -189,7 +190,7 @@ class LiveSocketSink:
             while not self._closed:
                 self._step(self._select_timeout_s())
             self._step(0)  # what was recorded before close
-            deadline = time.monotonic() + 1.0
+            deadline = time.monotonic() + 1.0  # real time, whatever the clock: it bounds close()
             while any(c.out for c in self._clients.values()) and time.monotonic() < deadline:
                 self._step(0.05)
         except Exception as exc:  # never into the engine: the socket stops, the log goes on
@@ -203,7 +204,7 @@ class LiveSocketSink:
     def _select_timeout_s(self) -> float:
         if self._accept_resume_s is None:
             return _TICK_S
-        return max(0.0, min(_TICK_S, self._accept_resume_s - time.monotonic()))
+        return max(0.0, min(_TICK_S, self._accept_resume_s - self._clock_s()))
 
     def _step(self, timeout_s: float) -> None:
         for key, mask in self._sel.select(timeout_s):
@@ -217,7 +218,7 @@ class LiveSocketSink:
                     pass
             elif mask & selectors.EVENT_READ:
                 self._read(key.data)
-        now_s = time.monotonic()
+        now_s = self._clock_s()
         if self._accept_resume_s is not None and now_s >= self._accept_resume_s:
             self._accept_resume_s = None
             if self._reserve_fd is None:
@@ -236,14 +237,14 @@ class LiveSocketSink:
             if exc.errno in _FD_ERRORS and self._shed():
                 return
             self._sel.unregister(self._server)  # out of fds (or worse): pause, then try again
-            self._accept_resume_s = time.monotonic() + ACCEPT_BACKOFF_S
+            self._accept_resume_s = self._clock_s() + ACCEPT_BACKOFF_S
             return
         if len(self._clients) >= self.max_clients:
             self._refuse(sock, f"too many clients (this agent serves at most {self.max_clients})")
             return
         sock.setblocking(False)
         first = b"".join([self._header_line, *self._setup_lines.values(), *self._process_lines.values()])
-        client = _Client(sock, first, time.monotonic())
+        client = _Client(sock, first, self._clock_s())
         self._clients[sock] = client
         client.mask = selectors.EVENT_READ
         self._sel.register(sock, client.mask, client)

@@ -252,13 +252,19 @@ def test_the_hardware_recorder_samples_nvml_energy_until_stopped(tmp_path, monke
     sink = Sink()
     rec = HardwareRecorder(sink, probe=True, nvml=True, interval_s=0.02)
     rec.nvml = nvml.NvmlCollector(nvml=FakeNvml())
+    def nvml_samples():
+        return sum(type(e).__name__ == "NvmlSample" for e in list(sink.events))
+
     rec.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while nvml_samples() < 3:  # start's, then two of the thread's intervals (each looks for CUDA first)
+        assert time.monotonic() < deadline, f"{nvml_samples()} NVML samples within 30 s"
+        time.sleep(0.01)
     assert not [e for e in sink.events if type(e).__name__ == "MemoryBandwidthProbe"]  # CPU torch here
     rec.stop()
     [probe] = [e for e in sink.events if type(e).__name__ == "MemoryBandwidthProbe"]
     assert probe.device == "cpu"
-    n = sum(type(e).__name__ == "NvmlSample" for e in sink.events)
+    n = nvml_samples()
     assert n >= 4  # start, several intervals, stop
     after = len(sink.events)
     time.sleep(0.05)

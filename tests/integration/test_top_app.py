@@ -4,6 +4,9 @@ Replays CONSTRUCTED TEST DATA (tests/tui_data.py) with a frozen replay clock, so
 snapshot is the same picture at the same log position.
 """
 
+import asyncio
+import threading
+
 import pytest
 
 from kvdiag.events.eventlog import iter_events, read_log
@@ -48,6 +51,43 @@ async def wait_snapshots(pilot, app, n=1):
     raise AssertionError("no snapshot with the rules' verdicts arrived")
 
 
+def count_ticks(app) -> None:
+    """Counts the app's finished periodic ticks in ``app.periodic_ticks`` (forced ones are not
+    counted: they are the keys' workers)."""
+    app.periodic_ticks = 0
+    lock, tick = threading.Lock(), app.tick
+
+    def counted(force: bool = False) -> None:
+        try:
+            tick(force=force)
+        finally:
+            if not force:
+                with lock:
+                    app.periodic_ticks += 1
+
+    app.tick = counted
+
+
+async def wait_until(pilot, condition, what: str, timeout_s: float = 10.0) -> None:
+    """Until ``condition()`` holds (fails after ``timeout_s``), then until the app has handled
+    what the worker threads posted before that."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await pilot.pause(0.02)
+    await asyncio.sleep(0)  # a thread's post (call_soon_threadsafe) is queued before pause()'s marker
+    await pilot.pause()
+
+
+async def wait_periodic_ticks(pilot, app, n: int) -> None:
+    """Until ``n`` more periodic ticks have ended and their snapshots (if any) are handled: with
+    ``n`` >= 2, one whole tick began after this call."""
+    done = app.periodic_ticks + n
+    await wait_until(pilot, lambda: app.periodic_ticks >= done, f"{n} periodic ticks")
+
+
 def panel_text(app, cls) -> str:
     return str(app.query_one(cls).render())
 
@@ -67,7 +107,8 @@ async def test_panels_show_snapshot_numbers(logs):
 
 
 async def test_keys_pause_focus_detail_help_quit(logs):
-    app = make_app(logs["full"])
+    app = make_app(logs["full"], interval_s=0.2)
+    count_ticks(app)
     async with app.run_test(size=(120, 36)) as pilot:
         await wait_snapshots(pilot, app)
         assert isinstance(app.focused, MemoryPanel)
@@ -79,12 +120,18 @@ async def test_keys_pause_focus_detail_help_quit(logs):
         assert app.focused.id == "latencypanel"
 
         await pilot.press("p")
-        await pilot.pause(0.3)
+        await wait_until(pilot, lambda: app.snapshot.paused, "the paused snapshot")
+        # the key's worker is done, and so is a periodic tick that began before the pause (it may
+        # post one late snapshot): every tick from here on began while paused
+        forced = [w for w in app.workers if w.group == "force"]
+        if forced:  # (none: all are done; wait_for_complete([]) would wait for every worker)
+            await app.workers.wait_for_complete(forced)
+        await wait_periodic_ticks(pilot, app, 2)
         assert app.source.paused and app.snapshot.paused
         assert "PAUSED" in str(app.query_one("#status").render())
         built = app.snapshots_built
-        await pilot.pause(0.5)
-        assert app.snapshots_built == built  # paused: the picture holds still
+        await wait_periodic_ticks(pilot, app, 2)
+        assert app.snapshots_built == built  # paused: the picture holds still over whole ticks
         await pilot.press("p")
         await wait_snapshots(pilot, app, built + 1)
         assert not app.snapshot.paused
