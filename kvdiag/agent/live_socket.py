@@ -1,9 +1,8 @@
 """The agent's live socket: a Sink that serves every event as a JSON line to local clients.
 
-Protocol: the ``LogHeader`` line, then the setup events (latest ``KVPoolInfo``, every
-``CollectorStatus``, the latest ``ShadowSharing`` of each configuration: a client that joins
-late takes its counters as the baseline of its window; the latest ``ProcessSample`` of each
-process, so that its memory shows at once, not at the next sample), then every event as it happens; a blank line is a keep-alive, sent after
+Protocol: the ``LogHeader`` line, then the setup lines (:mod:`kvdiag.agent.setup_lines`: the
+pool, the collectors' statuses, the shadow's counters, each process's latest memory sample),
+then every event as it happens; a blank line is a keep-alive, sent after
 :data:`KEEPALIVE_S` without data. A refused client gets one line ``{"refused": REASON}``.
 
 Limits (one client cannot hurt the others or the engine):
@@ -32,14 +31,14 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Callable, Optional
 
 import msgspec
 
-from kvdiag.events.schema import (CollectorGap, CollectorStatus, Event, KVPoolInfo, LogHeader, ProcessSample,
-                                   ShadowSharing)
+from kvdiag.agent.setup_lines import SetupLines
+from kvdiag.events.schema import CollectorGap, Event, LogHeader
 
 MAX_CLIENTS = 8
 CLIENT_QUEUE_BYTES = 4 << 20
@@ -50,20 +49,6 @@ CHUNK_BYTES = 16 << 10  # a queued chunk (whole lines): the unit a slow client l
 _TICK_S = 0.2  # the serving thread's longest sleep (keep-alives, stall checks)
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _log = logging.getLogger("kvdiag.agent")
-
-_SETUP_TYPES = (KVPoolInfo, CollectorStatus, ShadowSharing)
-MAX_SETUP_LINES = 256  # pool, collector statuses, shadow configurations: a late client's first lines
-MAX_PROCESS_LINES = 64  # the latest memory sample of the most recently sampled processes
-
-
-def _setup_key(event) -> str:
-    """Which setup line ``event`` replaces: one per pool, collector, shadow configuration."""
-    if isinstance(event, KVPoolInfo):
-        return "pool"
-    if isinstance(event, CollectorStatus):
-        return f"status:{event.collector}"
-    return f"shadow:{event.policy}:{event.block_size_tokens}:{event.capacity_blocks}"
-
 
 class _Client:
     """One connection: its queue of encoded chunks and what it lost."""
@@ -101,13 +86,11 @@ class LiveSocketSink:
         self.refused_clients = 0
         self.max_clients, self.client_queue_bytes, self.client_stall_s = max_clients, client_queue_bytes, client_stall_s
         self._encoder = msgspec.json.Encoder()
-        self._setup_encoder = msgspec.json.Encoder()  # record()'s, on the engine's thread
         self._header_line = self._encoder.encode(header) + b"\n"
         self._pending: deque[Event] = deque()
         self._max_pending = max_pending
         self._reported_dropped = 0
-        self._setup_lines: dict[str, bytes] = {}  # what a late client is told first
-        self._process_lines: OrderedDict[int, bytes] = OrderedDict()  # then: latest sample per pid
+        self._setup_lines = SetupLines()  # what a late client is told first
         self._clients: dict[socket.socket, _Client] = {}
         self._closed = False
         self._woken = False
@@ -138,10 +121,7 @@ class LiveSocketSink:
         return len(self._clients)
 
     def record(self, event: Event) -> None:
-        if isinstance(event, _SETUP_TYPES):
-            self._keep_setup_line(event)
-        elif isinstance(event, ProcessSample):
-            self._keep_process_line(event)
+        self._setup_lines.keep(event)
         if not self._clients:  # nobody listening: nothing to do on the hot path
             return
         if len(self._pending) >= self._max_pending:
@@ -150,26 +130,6 @@ class LiveSocketSink:
         self._pending.append(event)
         if not self._woken:
             self._wake()
-
-    def _keep_setup_line(self, event) -> None:
-        key = _setup_key(event)
-        if key in self._setup_lines or len(self._setup_lines) < MAX_SETUP_LINES:
-            try:
-                self._setup_lines[key] = self._setup_encoder.encode(event) + b"\n"
-            except Exception:
-                pass
-
-    def _keep_process_line(self, event: ProcessSample) -> None:
-        """Processes have their own bound, so many short-lived pids never crowd out the setup lines;
-        the process sampled longest ago goes first."""
-        try:
-            line = self._setup_encoder.encode(event) + b"\n"
-        except Exception:
-            return
-        self._process_lines[event.pid] = line
-        self._process_lines.move_to_end(event.pid)
-        while len(self._process_lines) > MAX_PROCESS_LINES:
-            self._process_lines.popitem(last=False)
 
     def flush(self) -> None:
         self._wake()
@@ -243,7 +203,7 @@ class LiveSocketSink:
             self._refuse(sock, f"too many clients (this agent serves at most {self.max_clients})")
             return
         sock.setblocking(False)
-        first = b"".join([self._header_line, *self._setup_lines.values(), *self._process_lines.values()])
+        first = self._header_line + self._setup_lines.joined()
         client = _Client(sock, first, self._clock_s())
         self._clients[sock] = client
         client.mask = selectors.EVENT_READ

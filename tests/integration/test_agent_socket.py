@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kvdiag.agent import LiveSocketSink
-from kvdiag.agent.live_socket import MAX_PROCESS_LINES
+from kvdiag.agent.setup_lines import MAX_PROCESS_LINES
 from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.events.eventlog import make_header
@@ -235,7 +235,7 @@ def test_clients_past_the_cap_are_refused_at_once(tmp_path):
 FD_EXHAUSTION = r"""
 import os, resource, sys
 from kvdiag.agent import LiveSocketSink
-from kvdiag.agent.live_socket import MAX_PROCESS_LINES
+from kvdiag.agent.setup_lines import MAX_PROCESS_LINES
 from kvdiag.events.eventlog import make_header
 sink = LiveSocketSink(sys.argv[1], make_header(engine="test"))
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
