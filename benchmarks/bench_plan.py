@@ -2,8 +2,8 @@
 
     python benchmarks/bench_plan.py [MOONCAKE_TRACE]
 
-The public Mooncake trace three times over (later copies shifted in time, their keys made
-distinct: 11,979 requests), written to a temp folder; prints the best CPU seconds of five
+The public Mooncake trace three times over (tests/trace_copies.py: 11,979 requests), written
+to a temp folder; prints the best CPU seconds of five
 runs of ``load_mooncake`` + ``make_plan`` (llama3-70b, bf16) against the goal (< 1 s of one
 core), and the machine load. Process CPU time: the work is single-threaded and the machine
 is shared, so wall time would mostly measure other processes.
@@ -11,38 +11,28 @@ is shared, so wall time would mostly measure other processes.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from _common import DEFAULT_TRACE, best_cpu_seconds
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from kvdiag.pool.kv_shape import BUILTIN_MODELS
-from kvdiag.simulation.capacity_plan import PlanSettings, make_plan
-from kvdiag.traces.workload import load_mooncake
+from _common import DEFAULT_TRACE, best_cpu_seconds  # noqa: E402
+from trace_copies import repeat_mooncake  # noqa: E402
+
+from kvdiag.pool.kv_shape import BUILTIN_MODELS  # noqa: E402
+from kvdiag.simulation.capacity_plan import PlanSettings, make_plan  # noqa: E402
+from kvdiag.traces.workload import load_mooncake  # noqa: E402
 
 GOAL_CPU_S = 1.0
-
-
-def tripled(trace: Path, out: Path) -> int:
-    lines = trace.read_text().splitlines()
-    with open(out, "w") as f:
-        for copy in range(3):
-            for line in lines:
-                req = json.loads(line)
-                req["timestamp"] += copy * 1_100_000
-                req["hash_ids"] = [h + copy * 10**6 for h in req["hash_ids"]]
-                f.write(json.dumps(req) + "\n")
-    return 3 * len(lines)
 
 
 def main() -> None:
     trace = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_TRACE
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "mooncake_x3.jsonl"
-        n = tripled(trace, path)
+        n = repeat_mooncake(trace, path, copies=3)
 
         def plan():
             make_plan(load_mooncake(path, 16), BUILTIN_MODELS["llama3-70b"], PlanSettings(dtype="bf16"))

@@ -23,6 +23,7 @@ from kvdiag.collectors import agent_client
 from kvdiag.collectors.agent_client import AgentConnection
 from kvdiag.events.eventlog import make_header
 from kvdiag.events.schema import BlockAllocated, CollectorGap, CollectorStatus, ProcessSample
+from waiting import wait_for
 
 PAD = "r" * 1000  # request id that makes one event line about 1 KB
 MARKER = 10**9  # block id of the event a test waits for (beyond every flooded id)
@@ -30,16 +31,6 @@ MARKER = 10**9  # block id of the event a test waits for (beyond every flooded i
 
 def _sink(tmp_path, **limits) -> LiveSocketSink:
     return LiveSocketSink(tmp_path / "agent-1.sock", make_header(engine="test"), **limits)
-
-
-def _wait_for(condition, timeout_s: float = 5.0, what: str = "condition") -> float:
-    """Seconds until ``condition()`` is true; fails after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def _flood(sink: LiveSocketSink, n: int, first_ts_ns: int = 1) -> None:
@@ -76,9 +67,9 @@ def test_a_late_client_first_gets_each_process_latest_sample(tmp_path):
     _flood(sink, 3)  # nobody listening: not kept
     reader = Reader(sink.path)
     try:
-        _wait_for(lambda: sink.num_clients == 1, what="the client accepted")
+        wait_for(lambda: sink.num_clients == 1, what="the client accepted")
         sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
-        _wait_for(lambda: MARKER in reader.arrived, what="the marker")
+        wait_for(lambda: MARKER in reader.arrived, what="the marker")
         samples = [e for e in reader.events if isinstance(e, ProcessSample)]
         assert [(e.pid, e.rss_bytes) for e in samples] == [(7, 200), (8, 150)]
         assert reader.events.index(samples[-1]) < len(reader.events) - 1  # before the new event
@@ -100,9 +91,9 @@ def test_many_processes_never_crowd_out_a_new_collector_status(tmp_path):
     sink.record(CollectorStatus(ts_ns=10**4, collector="late-collector", available=True))
     reader = Reader(sink.path)
     try:
-        _wait_for(lambda: sink.num_clients == 1, what="the client accepted")
+        wait_for(lambda: sink.num_clients == 1, what="the client accepted")
         sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
-        _wait_for(lambda: MARKER in reader.arrived, what="the marker")
+        wait_for(lambda: MARKER in reader.arrived, what="the marker")
         assert [e.collector for e in reader.events if isinstance(e, CollectorStatus)] == ["late-collector"]
         samples = {e.pid: e.rss_bytes for e in reader.events if isinstance(e, ProcessSample)}
         assert len(samples) == MAX_PROCESS_LINES
@@ -123,10 +114,10 @@ def test_a_client_that_never_reads_does_not_stall_the_others(tmp_path):
     stuck.connect(str(sink.path))  # connected, never reads
     reader = Reader(sink.path)
     try:
-        _wait_for(lambda: sink.num_clients == 2, what="both clients accepted")
+        wait_for(lambda: sink.num_clients == 2, what="both clients accepted")
         _flood(sink, 2000)  # 2 MB: far beyond the stuck client's socket buffer, within its queue
         sink.record(BlockAllocated(ts_ns=10**9, request_id="marker", block_id=MARKER))
-        _wait_for(lambda: MARKER in reader.arrived, timeout_s=30.0, what="the reading client's marker")
+        wait_for(lambda: MARKER in reader.arrived, timeout_s=30.0, what="the reading client's marker")
         assert sink.num_clients == 2  # the stuck client was not dropped to get there (count only falls)
         assert sink.client_dropped_events == 0  # nor did it lose events: its 2 MB wait in its queue
     finally:
@@ -140,10 +131,10 @@ def test_a_slow_client_is_told_how_many_events_it_lost(tmp_path):
     slow = AgentConnection(sink.path, timeout_s=10.0)
     try:
         slow.read_header()
-        _wait_for(lambda: sink.num_clients == 1)
+        wait_for(lambda: sink.num_clients == 1)
         n = 4000
         _flood(sink, n)
-        _wait_for(lambda: sink.client_dropped_events > 0, what="drops for the slow client")
+        wait_for(lambda: sink.client_dropped_events > 0, what="drops for the slow client")
         got, gaps = 0, []
         events = slow.events()
         for ev in events:  # now it reads: the queued events, then what it lost
@@ -183,7 +174,7 @@ class FakeClock:
         """Until the serving thread has read the clock ``n`` more times: with ``n`` >= 2 it has
         finished a whole step (dispatch, flush, stall checks) at the current time."""
         reads = self.reads
-        _wait_for(lambda: self.reads >= reads + n, what=f"{n} reads of the clock")
+        wait_for(lambda: self.reads >= reads + n, what=f"{n} reads of the clock")
 
 
 def test_a_client_that_never_reads_is_disconnected(tmp_path):
@@ -196,14 +187,14 @@ def test_a_client_that_never_reads_is_disconnected(tmp_path):
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stuck.connect(str(sink.path))
     try:
-        _wait_for(lambda: sink.num_clients == 1)
+        wait_for(lambda: sink.num_clients == 1)
         _flood(sink, 4000)
-        _wait_for(lambda: sink.client_dropped_events > 0, what="its queue overflowing")
+        wait_for(lambda: sink.client_dropped_events > 0, what="its queue overflowing")
         clock.now_s += 0.9 * stall_s
         clock.wait_for_ticks()
         assert sink.num_clients == 1
         clock.now_s += 0.2 * stall_s
-        _wait_for(lambda: sink.num_clients == 0, timeout_s=5.0, what="stuck client dropped")
+        wait_for(lambda: sink.num_clients == 0, timeout_s=5.0, what="stuck client dropped")
         stuck.settimeout(5.0)
         while stuck.recv(1 << 16):  # what was in its socket buffer, then end of stream
             pass
@@ -223,7 +214,7 @@ def test_clients_past_the_cap_are_refused_at_once(tmp_path):
             with AgentConnection(sink.path, timeout_s=5) as third:
                 third.read_header()
         first.close()  # a freed slot is taken again
-        _wait_for(lambda: sink.num_clients == 1, what="the closed client's slot freed")
+        wait_for(lambda: sink.num_clients == 1, what="the closed client's slot freed")
         with AgentConnection(sink.path, timeout_s=5) as again:
             assert again.read_header().engine == "test"
     finally:
@@ -235,7 +226,6 @@ def test_clients_past_the_cap_are_refused_at_once(tmp_path):
 FD_EXHAUSTION = r"""
 import os, resource, sys
 from kvdiag.agent import LiveSocketSink
-from kvdiag.agent.setup_lines import MAX_PROCESS_LINES
 from kvdiag.events.eventlog import make_header
 sink = LiveSocketSink(sys.argv[1], make_header(engine="test"))
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -9,6 +9,7 @@ import sys
 
 import psutil
 
+from waiting import wait_for
 from kvdiag.events.eventlog import read_log
 
 
@@ -115,7 +116,6 @@ def test_agent_stream_reads_the_live_socket(tmp_path):
     """AgentStream against the agent's real LiveSocketSink: header, then every event in order;
     the socket is found from the process's own listening Unix sockets."""
     import os
-    import time
 
     from kvdiag import agent
     from kvdiag.collectors.agent_client import AgentStream, candidate_sockets
@@ -129,20 +129,16 @@ def test_agent_stream_reads_the_live_socket(tmp_path):
         assert path in candidate_sockets([os.getpid()])
         got = ListSink()
         stream = AgentStream(path, got).start()
-        deadline = time.monotonic() + 30
-        while live.num_clients == 0:  # (the sink keeps no event while nobody listens)
-            assert time.monotonic() < deadline, "the stream's connection not accepted within 30 s"
-            time.sleep(0.01)
+        # (the sink keeps no event while nobody listens)
+        wait_for(lambda: live.num_clients > 0, timeout_s=30, what="the stream's connection accepted")
         sent = [BlockAllocated(ts_ns=i, request_id=f"r{i % 7}", block_id=i) for i in range(500)]
         sent += [BlockReleased(ts_ns=1000 + i, request_id=f"r{i % 7}", block_id=i, cached=i % 2 == 0)
                  for i in range(500)]
         for ev in sent:
             live.record(ev)
         live.flush()
-        deadline = time.monotonic() + 30
-        while len(got.events) < len(sent):  # all of them, however slow the machine
-            assert time.monotonic() < deadline, f"{len(got.events)} of {len(sent)} events within 30 s"
-            time.sleep(0.01)
+        wait_for(lambda: len(got.events) >= len(sent), timeout_s=30,  # all, however slow the machine
+                 what=f"all {len(sent)} events")
         stream.close(drain_s=0.0)
     finally:
         live.close()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import constructed_serving as cs
+from waiting import wait_for
 from kvdiag.diagnosis import bandwidth
 from kvdiag.diagnosis.p99_rules import P99_CHECKLIST, p99_checklist
 from kvdiag.diagnosis.doctor import run_rules
@@ -256,10 +257,8 @@ def test_the_hardware_recorder_samples_nvml_energy_until_stopped(tmp_path, monke
         return sum(type(e).__name__ == "NvmlSample" for e in list(sink.events))
 
     rec.start()
-    deadline = time.monotonic() + 30
-    while nvml_samples() < 3:  # start's, then two of the thread's intervals (each looks for CUDA first)
-        assert time.monotonic() < deadline, f"{nvml_samples()} NVML samples within 30 s"
-        time.sleep(0.01)
+    # start's, then two of the thread's intervals (each looks for CUDA first)
+    wait_for(lambda: nvml_samples() >= 3, timeout_s=30, what="3 NVML samples")
     assert not [e for e in sink.events if type(e).__name__ == "MemoryBandwidthProbe"]  # CPU torch here
     rec.stop()
     [probe] = [e for e in sink.events if type(e).__name__ == "MemoryBandwidthProbe"]

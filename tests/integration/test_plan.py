@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import hypothesis_examples
+from trace_copies import repeat_mooncake
 from kvdiag.simulation import concurrency
 from kvdiag.pool.kv_shape import (BUILTIN_MODELS, ModelConfigError, from_hf_config,
                                           kv_bytes_per_token)
@@ -311,13 +312,7 @@ def test_plan_on_12k_request_trace(tmp_path):
     on a shared machine fails on the load, not on the code."""
     lines = MOONCAKE.read_text().splitlines()
     trace = tmp_path / "mooncake_x3.jsonl"
-    with open(trace, "w") as f:
-        for copy in range(3):
-            for line in lines:
-                req = json.loads(line)
-                req["timestamp"] += copy * 1_100_000
-                req["hash_ids"] = [h + copy * 10**6 for h in req["hash_ids"]]
-                f.write(json.dumps(req) + "\n")
+    repeat_mooncake(MOONCAKE, trace, copies=3)
     work = load_mooncake(trace, 16)
     plan = make_plan(work, BUILTIN_MODELS["llama3-70b"], PlanSettings(dtype="bf16"))
     assert work.requests == 3 * len(lines) >= 11_979
