@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import msgspec
 
-from kvdiag.agent.setup_lines import SetupLines
+from kvdiag.agent.setup_lines import KEPT_TYPES, SetupLines
 from kvdiag.events.schema import CollectorGap, Event, LogHeader
 
 MAX_CLIENTS = 8
@@ -121,7 +121,8 @@ class LiveSocketSink:
         return len(self._clients)
 
     def record(self, event: Event) -> None:
-        self._setup_lines.keep(event)
+        if isinstance(event, KEPT_TYPES):
+            self._setup_lines.keep(event)
         if not self._clients:  # nobody listening: nothing to do on the hot path
             return
         if len(self._pending) >= self._max_pending:
