@@ -125,21 +125,31 @@ class LiveState:
         """Events the fold could not fold (malformed: raised), counted and skipped."""
         return self.ledger.bad_events
 
-    def feed_all(self, events: Iterable[s.Event]) -> None:
+    def feed_all(self, events: Iterable[s.Event], others: Optional[list] = None) -> None:
         """Fold events in order, in one loop: the ledger's (:meth:`BlockLedger.apply_all`),
         which folds the block events that dominate a busy engine's stream itself and hands
         every other event to its handler here; an event that raises is counted in
-        ``bad_events`` and skipped."""
+        ``bad_events`` and skipped. ``others``: a list the events other than
+        ``BlockAllocated``, ``BlockReleased`` and ``BlockEvicted`` are appended to, in order
+        (what :meth:`kvdiag.live.rules.LiveRules.record` reads, sorted out by this loop
+        instead of by a second pass over every event)."""
+        other = self._other
+        if others is not None:
+            keep, fold = others.append, other
+
+            def other(ev: s.Event) -> None:
+                keep(ev)
+                fold(ev)
         if self.start_ns is None:
             events = iter(events)
             for first in events:
                 if first.ts_ns is not None:
                     self.start_ns = first.ts_ns
-                self.ledger.apply_all((first,), self._other, self.bin_ns, self._count_bin)
+                self.ledger.apply_all((first,), other, self.bin_ns, self._count_bin)
                 break
             else:
                 return
-        self.ledger.apply_all(events, self._other, self.bin_ns, self._count_bin)
+        self.ledger.apply_all(events, other, self.bin_ns, self._count_bin)
 
     def feed(self, ev: s.Event) -> None:
         """Fold one event into the state (:meth:`feed_all` of one)."""

@@ -180,8 +180,9 @@ class KvTopApp(App):
                     if self.recorder is not None:
                         for ev in events:
                             self.recorder.record(ev)
-                    self.state.feed_all(events)
-                    self.doctor.record(events)
+                    others: list = []  # the events not folded into the block facts: the rules keep them
+                    self.state.feed_all(events, others)
+                    self.doctor.record(others, len(events))
                 if len(events) < CHUNK_EVENTS:
                     break
             with self._lock:

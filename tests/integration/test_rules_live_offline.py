@@ -35,8 +35,9 @@ def live_findings(path: Path) -> dict:
         events = source.poll(10_000)
         if source.header is not None and state.header is None:
             state.set_header(source.header)
-        state.feed_all(events)
-        rules.record(events)
+        others: list = []  # as top: the rules keep the events the fold sorted out as not block events
+        state.feed_all(events, others)
+        rules.record(others, len(events))
     assert rules.due(source.finished)
     state.rule_findings = rules.run(state.header, rules.take(state.facts))
     snap = state.snapshot(source.now_ns(), finished_source=True)

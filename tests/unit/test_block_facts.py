@@ -141,6 +141,29 @@ def test_top_rules_keep_no_block_event():
         not isinstance(e, blockfacts.BLOCK_EVENTS) for e in events)
 
 
+def test_top_rules_read_the_events_the_fold_sorted_out_as_they_read_the_whole_stream():
+    """top hands the rules the events its fold passed on (``feed_all(events, others)``), not
+    every event: the kept tables, the latency series and the event count are the same."""
+    from kvdiag.live.state import LiveState
+
+    events = _stream(seed=2)
+    whole, sorted_out = LiveRules(), LiveRules()
+    state = LiveState()
+    for i in range(0, len(events), 97):
+        chunk = events[i:i + 97]
+        others: list = []
+        state.feed_all(chunk, others)
+        assert len(others) == sum(type(e) not in (s.BlockAllocated, s.BlockReleased, s.BlockEvicted) for e in chunk)
+        sorted_out.record(others, len(chunk))
+        whole.record(chunk)
+    a, b = whole.take(state.facts), sorted_out.take(state.facts)
+    assert a.events == b.events == len(events)
+    assert sorted(a.tables) == sorted(b.tables) and a.tables
+    for tag in a.tables:
+        assert a.tables[tag].frame("n").equals(b.tables[tag].frame("n")), tag
+    assert a.latency.keys() == b.latency.keys()
+
+
 def test_top_rules_keep_no_prompt_content():
     """A prompt's chunk hashes (or token ids) are the shadow's business, not the rules': not kept."""
     rules = LiveRules()
