@@ -167,9 +167,7 @@ def fold_rate(n_events: int, rounds: int = 5) -> None:
 
         state, rules = LiveState(), LiveRules()
         for i in range(0, n, 5_000):  # as top polls its source
-            chunk, others = events[i:i + 5_000], []  # as top: the rules read what the fold sorted out
-            state.feed_all(chunk, others)
-            rules.record(others, len(chunk))
+            rules.fold(state, events[i:i + 5_000])
 
     runs = {"msgspec JSON decode (for scale)": decode, "BlockLedger.apply_all": ledger,
             "LiveState.feed_all (top's fold)": live_batch, "LiveState.feed, one by one": live_each,

@@ -44,17 +44,11 @@ def main() -> None:
     timed("BlockLedger.apply_all", lambda: BlockLedger().apply_all(events), n)
     timed("LiveState.feed_all (top's fold)", lambda: LiveState().feed_all(events), n)
 
-    import inspect
-
-    sorts_out = "others" in inspect.signature(LiveState.feed_all).parameters  # this tree's top: see feed()
-
     def feed(state, rules, chunk) -> None:
-        """As this tree's top feeds its state and rules: the rules read the events the fold
-        sorted out where the tree's fold can, else every event."""
-        if sorts_out:
-            others: list = []
-            state.feed_all(chunk, others)
-            rules.record(others, len(chunk))
+        """As this tree's top feeds its state and rules (``LiveRules.fold``; a tree from before
+        it fed both every event)."""
+        if hasattr(rules, "fold"):
+            rules.fold(state, chunk)
         else:
             state.feed_all(chunk)
             rules.record(chunk)

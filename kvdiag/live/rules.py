@@ -111,6 +111,14 @@ class LiveRules:
         self._seen += n
         self.events += n
 
+    def fold(self, state, events: list[s.Event]) -> None:
+        """Fold ``events`` into ``state`` (a :class:`kvdiag.live.state.LiveState`) and keep what
+        the rules judge, as top does: the rules read the events the state's fold sorted out as
+        not block events (``feed_all(events, others)``), with no second pass over every event."""
+        others: list = []
+        state.feed_all(events, others)
+        self.record(others, len(events))
+
     def due(self, finished: bool = False) -> bool:
         """New events and the period is over, or the source has ended (the final verdict)."""
         return self._seen > 0 and (finished or self._clock() >= self._next)

@@ -180,9 +180,7 @@ class KvTopApp(App):
                     if self.recorder is not None:
                         for ev in events:
                             self.recorder.record(ev)
-                    others: list = []  # the events not folded into the block facts: the rules keep them
-                    self.state.feed_all(events, others)
-                    self.doctor.record(others, len(events))
+                    self.doctor.fold(self.state, events)
                 if len(events) < CHUNK_EVENTS:
                     break
             with self._lock:

@@ -35,9 +35,7 @@ def live_findings(path: Path) -> dict:
         events = source.poll(10_000)
         if source.header is not None and state.header is None:
             state.set_header(source.header)
-        others: list = []  # as top: the rules keep the events the fold sorted out as not block events
-        state.feed_all(events, others)
-        rules.record(others, len(events))
+        rules.fold(state, events)  # as top: the state folds, the rules keep what they judge
     assert rules.due(source.finished)
     state.rule_findings = rules.run(state.header, rules.take(state.facts))
     snap = state.snapshot(source.now_ns(), finished_source=True)
