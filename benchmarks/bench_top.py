@@ -27,7 +27,10 @@
    facts), run once at each mark.
 
 5. ``--compare REF``: the fold timings of 3. (and top's fold on the content stream of
-   ``--curve``, with and without the rules) for this checkout and for git revision REF (its
+   ``--curve``, with and without the rules, reading the curve after every 5,000 events: the
+   cadence of a source of 5,000 events/s; and top's tick at full speed, the measure of the
+   live path's goal of >= 1 M events/s: chunks of its ``CHUNK_EVENTS``, one snapshot a
+   second) for this checkout and for git revision REF (its
    ``kvdiag`` extracted with ``git archive`` into a temp folder), each round in a fresh process
    per tree (benchmarks/fold_worker.py), trees alternating; per-event microseconds and ratios
    to msgspec's decode of the same stream, medians of the rounds, with the load.

@@ -25,6 +25,10 @@ def main() -> None:
     from kvdiag.live.state import LiveState
     from kvdiag.pool.blockledger import BlockLedger
 
+    try:
+        from kvdiag.tui.app import CHUNK_EVENTS as TICK_CHUNK
+    except ImportError:  # a tree from before the constant
+        TICK_CHUNK = 20_000
     decoder = msgspec.json.Decoder(AnyEvent)
     with open(sys.argv[1], "rb") as f:
         lines = f.read().splitlines()
@@ -72,6 +76,23 @@ def main() -> None:
             feed(state, rules, content[i:i + 5_000])
             state.curves.view()
     timed("feed_all + rules + curve, content", whole, len(content))
+
+    def tick():
+        """top's tick at full speed (kvdiag/tui/app.py): every waiting event folded in chunks
+        of its CHUNK_EVENTS, each with the rules' record, and one snapshot (the curve's view in
+        it) per refresh interval, here a second of this process's CPU time, and at the end.
+        The rules' runs are not in it: LiveRules spaces them to stay under its max_share
+        (5%) of one core."""
+        state, rules = LiveState(), LiveRules()
+        last = time.process_time()
+        for i in range(0, len(content), TICK_CHUNK):
+            chunk = content[i:i + TICK_CHUNK]
+            feed(state, rules, chunk)
+            if time.process_time() - last >= 1.0:
+                state.snapshot(chunk[-1].ts_ns)
+                last = time.process_time()
+        state.snapshot(content[-1].ts_ns)
+    timed("top's tick, content (1 snapshot/s)", tick, len(content))
     print(json.dumps(out))
 
 
