@@ -8,12 +8,13 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
+
+from waiting import wait_for
 
 
 def binary(name: str) -> str:
@@ -26,21 +27,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_for(check: Callable[[], Optional[object]], timeout_s: float, what: str, poll_s: float = 0.2):
-    """Poll ``check`` until it returns a truthy value; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = check()
-        except OSError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(poll_s)
 
 
 class Prometheus:
@@ -80,7 +66,8 @@ def running(tmp: Path, targets: list[str], timeout_s: float = 60) -> Iterator[Pr
         def ready():
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
             return urllib.request.urlopen(f"{server.url}/-/ready", timeout=2).status == 200
-        wait_for(ready, timeout_s, "Prometheus to be ready")
+        # until it listens, its HTTP API refuses connections (an OSError): not ready yet
+        wait_for(ready, timeout_s, "Prometheus to be ready", poll_s=0.2, ignore=(OSError,))
         yield server
     finally:
         proc.terminate()

@@ -9,7 +9,8 @@ import pytest
 from kvdiag.events import schema as s
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.prometheus.metrics import BY_NAME
-from tests.prometheus_server import replaying, running, wait_for
+from tests.prometheus_server import replaying, running
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_LOG = ROOT / "tests/data/demo_small/demo_24req_seed1.kvlog.gz"
@@ -59,7 +60,7 @@ def test_real_prometheus_scrapes_the_documented_metrics(exporters, tmp_path):
     with running(tmp_path, targets) as prom:
         for target in targets:  # both scraped at least once
             wait_for(lambda: prom.query(f'kvdiag_events_total{{instance="{target}"}}'), 60,
-                     f"a scrape of {target}")
+                     f"a scrape of {target}", poll_s=0.2, ignore=(OSError,))
         ups = _values(prom, "up", "instance")
         assert ups == {t: 1.0 for t in targets}
         for path, target in zip((DEMO_LOG, VLLM_LOG), targets):

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvdiag.demo.server_process import free_port
 from kvdiag.events.eventlog import read_log
 from kvdiag.paths import agent_socket_path
 from kvdiag.demo.traffic import chat
+from waiting import wait_for
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -41,14 +41,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
-
-
 def test_agent_runs_in_the_model_process_and_is_found_by_the_server_pid(model_dir, tmp_path):
     from kvdiag.agent.transformers_serve import serves_in_a_child
 
@@ -60,9 +52,9 @@ def test_agent_runs_in_the_model_process_and_is_found_by_the_server_pid(model_di
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     socket_path = agent_socket_path(server.pid)
     try:
-        _wait_for(lambda: socket_path.exists() or server.poll() is not None, 300, "the agent's socket")
+        wait_for(lambda: socket_path.exists() or server.poll() is not None, 300, "the agent's socket", poll_s=0.2)
         assert server.poll() is None, server.stderr.read()[-3000:]
-        _wait_for(lambda: _answers(f"http://127.0.0.1:{port}/v1/models"), 300, "the server's HTTP API")
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/v1/models"), 300, "the server's HTTP API", poll_s=0.2)
         engine_pids = _children(server.pid)
         answer = chat(f"http://127.0.0.1:{port}", str(model_dir),
                       [{"role": "user", "content": "What is the capital of France?"}],

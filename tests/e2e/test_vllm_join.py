@@ -18,7 +18,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import defaultdict
 
@@ -29,19 +28,13 @@ from kvdiag.events.eventlog import iter_events
 from kvdiag.live.state import LiveState
 from kvdiag.events.schema import KVPoolSample, PrefixHit, RequestFinished, ShadowSharing
 from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text
+from waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 WARM = 4  # chats before the client joins
 WINDOW = rules.MIN_SHARING_REQUESTS + 2  # chats after (enough for a verdict)
 IDLE_SAMPLES = 3  # pool samples wanted after the last request finished
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _events(path) -> list:
@@ -59,8 +52,8 @@ def test_attach_on_a_warm_server_compares_the_requests_since_it_joined(vllm_serv
                                "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # joined: the agent's latest shadow results (sent first to a late client) are recorded
-        _wait_for(lambda: attach.poll() is not None or any(isinstance(e, ShadowSharing) for e in _events(out)),
-                  60, "attach to join the plugin's stream")
+        wait_for(lambda: attach.poll() is not None or any(isinstance(e, ShadowSharing) for e in _events(out)),
+                 60, "attach to join the plugin's stream", poll_s=0.1)
         assert attach.poll() is None, attach.stderr.read()
         before = metrics_text(vllm_server)  # idle: the warm chats are done
         system = f"[{tag} window] {SYSTEM}"
@@ -73,7 +66,7 @@ def test_attach_on_a_warm_server_compares_the_requests_since_it_joined(vllm_serv
             done = [e.ts_ns for e in ev if isinstance(e, RequestFinished)]
             return sum(1 for e in ev if isinstance(e, KVPoolSample) and done and e.ts_ns > max(done))
         # the engine takes no step now: samples keep coming only from the plugin's idle sampler
-        _wait_for(lambda: idle_samples() >= IDLE_SAMPLES, 30, "pool samples while the engine is idle")
+        wait_for(lambda: idle_samples() >= IDLE_SAMPLES, 30, "pool samples while the engine is idle", poll_s=0.1)
     finally:
         attach.send_signal(signal.SIGTERM)
         stdout, stderr = attach.communicate(timeout=60)

@@ -140,13 +140,6 @@ class WaitSink:
                 f"timed out; recorded: {self.events}"
 
 
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 class MiniPublisher:
     """vLLM's publisher protocol in a few lines: PUB (topic, seq, payload) and a ROUTER that
     answers a start seq with (client, "", topic, seq, payload)... then the end marker. Seqs

@@ -16,15 +16,9 @@ from kvdiag.events.schema import (BlockAllocated, BlockReleased, BlockStored, KV
                            RequestArrived, RequestFinished)
 from kvdiag.events.sinks import ListSink
 from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text
+from waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _wait_for(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the plugin's events"
-        time.sleep(0.05)
 
 
 def _prefix_keys(arrived: RequestArrived, block: int) -> list:
@@ -77,7 +71,7 @@ def test_plugin_events_match_vllm_counters_and_brute_force(vllm_server):
     answers = [chat(vllm_server, q, system=system) for q in QUESTIONS]
     assert all(a["choices"][0]["message"]["content"] for a in answers)
     finished = lambda: [e for e in events.events if isinstance(e, RequestFinished)]  # noqa: E731
-    _wait_for(lambda: len(finished()) >= len(QUESTIONS))
+    wait_for(lambda: len(finished()) >= len(QUESTIONS), 60, "the plugin's RequestFinished of every chat", poll_s=0.05)
     after = metrics_text(vllm_server)
     stream.close(drain_s=0.5)
 
@@ -157,7 +151,8 @@ def test_engine_core_serves_kvdiag_metrics_that_agree_with_vllms_own(vllm_server
         samples = _families(vllm_server.kvdiag_metrics_url).get("kvdiag_requests_finished_total", [])
         return sum(s.value for s in samples)
 
-    _wait_for(lambda: finished() >= succeeded)
+    wait_for(lambda: finished() >= succeeded, 60,
+             "kvdiag_requests_finished_total to reach vLLM's request_success_total", poll_s=0.05)
     ours = _families(vllm_server.kvdiag_metrics_url)
     assert finished() == succeeded == counter(metrics_text(vllm_server), "vllm:request_success_total")
     blocks = {s.labels["state"]: s.value for s in ours["kvdiag_kv_blocks"]}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kvdiag.events.schema import (CollectorStatus, KVPoolInfo, ProcessSample, Re
                            ShadowLocality)
 from kvdiag.events.sinks import ListSink
 from vllm_harness import QUESTIONS, SYSTEM, chat, running_vllm
+from waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,34 +36,29 @@ def _site_env(**extra: str) -> dict:
     return {**SHADOW_ENV, "PYTHONPATH": path, **extra}
 
 
-def _wait_for(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the plugin's events"
-        time.sleep(0.05)
-
-
 def _serve(server, events: ListSink, shadow: bool = True) -> tuple[list, list[str]]:
     """One request with a prompt no cache holds (its decode steps are dumped), then the chats;
     returns (the events up to the first request's end, the chats' answers). ``shadow``: first
     wait until the worker says its shadow is ready (linked to the engine core, kernels warm)."""
     stream = AgentStream(server.socket_path, sink=events).start()
     if shadow:
-        _wait_for(lambda: any(isinstance(e, CollectorStatus) and e.collector == "vllm-worker:shadow"
-                              and e.available for e in events.events), timeout_s=120)
+        wait_for(lambda: any(isinstance(e, CollectorStatus) and e.collector == "vllm-worker:shadow"
+                             and e.available for e in events.events), 120, "the worker's shadow to be ready",
+                 poll_s=0.05)
     finished = lambda: [e for e in events.events if isinstance(e, RequestFinished)]  # noqa: E731
     chat(server, "Hi", system=f"[worker test {uuid.uuid4().hex}] {SYSTEM[:600]}", max_tokens=DUMP_STEPS + 1)
-    _wait_for(lambda: len(finished()) >= 1)
+    wait_for(lambda: len(finished()) >= 1, 60, "the first request's RequestFinished", poll_s=0.05)
     if shadow:
         # the worker samples its memory every few seconds; a client that joined after the
         # sample it took when it linked sees the next one (the statuses are replayed, samples not)
         ready = next(e for e in events.events if isinstance(e, CollectorStatus)
                      and e.collector == "vllm-worker:shadow" and e.available)
         worker_pid = int(ready.hint.split(":")[0].split()[-1])
-        _wait_for(lambda: any(isinstance(e, ProcessSample) and e.pid == worker_pid for e in events.events))
+        wait_for(lambda: any(isinstance(e, ProcessSample) and e.pid == worker_pid for e in events.events), 60,
+                 "a memory sample of the worker process", poll_s=0.05)
     first = list(events.events)
     answers = [chat(server, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
-    _wait_for(lambda: len(finished()) >= 1 + len(QUESTIONS))
+    wait_for(lambda: len(finished()) >= 1 + len(QUESTIONS), 60, "the RequestFinished of every chat", poll_s=0.05)
     stream.close(drain_s=0.5)
     return first, answers
 

@@ -10,7 +10,8 @@ import pytest
 
 from kvdiag.prometheus.dashboard import dashboard, exprs, metric_names, render
 from kvdiag.prometheus.metrics import BY_NAME
-from tests.prometheus_server import replaying, running, wait_for
+from tests.prometheus_server import replaying, running
+from waiting import wait_for
 
 NODES = ("node-a", "node-b")
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +96,7 @@ def test_real_prometheus_accepts_every_panel_query(exporters, tmp_path):
     with running(tmp_path, targets) as prom:
         # two scrapes of each target, so that rate() over them has two samples
         wait_for(lambda: len(prom.query("count_over_time(kvdiag_events_total[5m]) >= 2"))
-                 == len(targets), 60, "two scrapes of every exporter")
+                 == len(targets), 60, "two scrapes of every exporter", poll_s=0.2, ignore=(OSError,))
         results = {}
         for expr in exprs():
             body = prom.response(_for_prometheus(expr))

@@ -29,6 +29,7 @@ from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished, Sh
 from kvdiag.events.sinks import FanoutSink, ListSink
 
 from test_live_sharing import trace_from_tokens
+from waiting import wait_for
 
 BLOCK, CAPACITY = 64, 400
 BEFORE, AFTER = 60, 50
@@ -40,13 +41,6 @@ def _prompts(n: int) -> list[list[int]]:
     systems = [list(rng.integers(0, 50_000, 8 * BLOCK)) for _ in range(3)]
     return [[int(t) for t in systems[i % 3]] + [int(t) for t in rng.integers(0, 50_000, 40 + i % 50)]
             for i in range(n)]
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, "condition not met in time"
-        time.sleep(0.005)
 
 
 def _serve(record, prompts, first: int, cached_tokens) -> None:
@@ -73,7 +67,7 @@ def test_a_late_client_compares_the_requests_since_it_joined(tmp_path):
         _serve(engine.record, prompts[:BEFORE], 0, np.zeros(BEFORE))  # a cold engine: no hits
         conn = AgentConnection(socket_sink.path, timeout_s=10)
         conn.read_header()
-        _wait_for(lambda: socket_sink.num_clients == 1)
+        wait_for(lambda: socket_sink.num_clients == 1, 10, "the late client to join the socket")
         joined: list = []
         reader = threading.Thread(target=lambda: joined.extend(conn.events()), daemon=True)
         reader.start()

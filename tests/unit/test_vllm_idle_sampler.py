@@ -11,19 +11,13 @@ from kvdiag.collectors import vllm_pool_sampling as sampling
 from kvdiag.collectors.vllm_hook_state import Hooks
 from kvdiag.events.schema import KVPoolSample
 from kvdiag.events.sinks import ListSink
+from waiting import wait_for
 
 INTERVAL_NS = 50_000_000
 
 
 def _block(i: int, ref_cnt: int, block_hash):
     return types.SimpleNamespace(block_id=i, is_null=i == 0, ref_cnt=ref_cnt, block_hash=block_hash)
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
 
 
 def test_the_pool_is_sampled_while_the_engine_is_idle():
@@ -37,7 +31,7 @@ def test_the_pool_is_sampled_while_the_engine_is_idle():
     samples = lambda: [e for e in h.sink.events if isinstance(e, KVPoolSample)]  # noqa: E731
     try:
         sampling.start_idle_sampler(h)
-        _wait_for(lambda: len(samples()) >= 3)
+        wait_for(lambda: len(samples()) >= 3, 10, "three pool samples from the idle sampler")
         first = samples()[:3]
         # what the stand-in pool holds, counted here: block 1 held, block 2 only cached, 2 free
         assert all((s.num_blocks, s.blocks_used, s.blocks_cached, s.blocks_free, s.waiting_requests)
