@@ -34,9 +34,13 @@
    ``kvdiag`` extracted with ``git archive`` into a temp folder), each round in a fresh process
    per tree (benchmarks/fold_worker.py), trees alternating; per-event microseconds and ratios
    to msgspec's decode of the same stream, medians of the rounds, with the load.
+   ``--instructions``: the same timings' instructions per event instead, counted by valgrind's
+   callgrind (one run per tree; the same whatever the machine's load, which moves this
+   machine's timings by up to 40% within an hour).
 
 Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
        python benchmarks/bench_top.py --compare main [--events 1000000] [--rounds 5]
+       python benchmarks/bench_top.py --compare main --instructions [--events 200000]
        python benchmarks/bench_top.py --fold [--events 1000000] [--rss 20000000]
        python benchmarks/bench_top.py --curve [--events 1000000]
 """
@@ -44,6 +48,7 @@ Usage: python benchmarks/bench_top.py [--requests 10000] [--seconds 30] [--demo]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -321,9 +326,38 @@ def curve_rate(n_events: int, rounds: int = 5) -> None:
     print(f"  uptime after: {uptime}")
 
 
-def compare(ref: str, n_events: int, rounds: int) -> None:
-    """Rounds of benchmarks/fold_worker.py on this checkout and on ``ref``, alternating."""
-    import json
+def instructions(worker: Path, trees: dict, plain: Path, content: Path, d: str) -> dict[str, dict[str, int]]:
+    """Instructions of each timing of fold_worker.py, per tree: one run under callgrind that
+    dumps a profile part at each of the worker's marks (``--marks``; part 1 is its setup)."""
+    out = {}
+    for name, tree in trees.items():
+        prefix = Path(d) / f"cg-{len(out)}"
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        proc = subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=getppid",
+                               f"--callgrind-out-file={prefix}.%p", sys.executable, str(worker),
+                               str(plain), str(content), "--marks"],
+                              env=env, capture_output=True, text=True, cwd=d)
+        if proc.returncode:
+            raise SystemExit(f"{name}: fold_worker under callgrind failed:\n{proc.stderr[-3000:]}")
+        names = [k for k in json.loads(proc.stdout.strip().splitlines()[-1]) if k != "kvdiag"]
+        parts = {}
+        for f in Path(d).glob(f"{prefix.name}.*.*"):
+            totals = next(line for line in f.read_text().splitlines() if line.startswith("totals:"))
+            parts[int(f.suffix[1:])] = int(totals.split()[1])
+            f.unlink()
+        for f in Path(d).glob(f"{prefix.name}.*"):
+            f.unlink()
+        if len(parts) != len(names) + 1:
+            raise SystemExit(f"{name}: {len(parts)} profile parts for {len(names)} timings")
+        out[name] = {k: parts[i + 2] for i, k in enumerate(names)}
+    return out
+
+
+def compare(ref: str, n_events: int, rounds: int, count_instructions: bool = False) -> None:
+    """Rounds of benchmarks/fold_worker.py on this checkout and on ``ref``, alternating;
+    ``count_instructions``: instead, one run of each under callgrind, instructions per event
+    (the same whatever the machine's load; the compiled kernels are compiled for valgrind's
+    CPU, so their share is close to, not equal to, the native one)."""
     import statistics
 
     import msgspec
@@ -344,6 +378,17 @@ def compare(ref: str, n_events: int, rounds: int) -> None:
                 for ev in vllm_stream.events(n_events, **kw):
                     f.write(msgspec.json.encode(ev) + b"\n")
         trees = {"this checkout": root, ref: old}
+        if count_instructions:
+            counts = instructions(worker, trees, plain, content, d)
+            scale = "msgspec JSON decode (for scale)"
+            print(f"compare: {n_events:,} vLLM-shaped events, instructions counted by valgrind's callgrind")
+            print(f"  {'instructions/event (x msgspec decode)':<42} {'this checkout':>20} {ref:>20} "
+                  f"{'this/ref':>9}")
+            for k in counts[ref]:
+                new, was = (counts[t][k] / n_events for t in trees)
+                print(f"  {k:<42} {new:9,.0f} (x{new / (counts['this checkout'][scale] / n_events):5.2f}) "
+                      f"{was:9,.0f} (x{was / (counts[ref][scale] / n_events):5.2f}) {new / was:9.3f}")
+            return
         results: dict[str, list[dict]] = {k: [] for k in trees}
         print(f"compare: {n_events:,} vLLM-shaped events, {rounds} rounds, a fresh process per tree and round; "
               f"load before {load()}")
@@ -376,16 +421,20 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--demo", action="store_true", help="also measure plain `kvdiag top` on the live demo")
     ap.add_argument("--fold", action="store_true", help="only the live fold's events/s (3.)")
-    ap.add_argument("--events", type=int, default=1_000_000, help="events of the fold benchmark")
+    ap.add_argument("--events", type=int, default=None, help="events of the fold benchmark (default 1,000,000)")
     ap.add_argument("--rss", type=int, default=0, metavar="N", help="only RSS at 1 M and N events (4.)")
     ap.add_argument("--curve", action="store_true", help="only top's fold with and without the capacity curve")
     ap.add_argument("--with-rules", action="store_true", help="--rss: also top's LiveRules event window")
     ap.add_argument("--compare", metavar="REF", help="the fold timings of this checkout and of git revision REF")
     ap.add_argument("--rounds", type=int, default=5, help="--compare: rounds")
+    ap.add_argument("--instructions", action="store_true",
+                    help="--compare: instructions per event counted by valgrind (default --events 200000)")
     args = ap.parse_args()
     if args.compare:
-        compare(args.compare, args.events, args.rounds)
+        n = args.events if args.events is not None else (200_000 if args.instructions else 1_000_000)
+        compare(args.compare, n, args.rounds, args.instructions)
         return
+    args.events = args.events or 1_000_000
     if args.curve:
         curve_rate(args.events)
         return

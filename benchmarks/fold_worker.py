@@ -6,12 +6,19 @@ stream without and with hashes-mode content, written once by the parent) with th
 schema, times each fold once on one core (``time.process_time``) and prints one JSON object:
 microseconds per event of each, and the file the ``kvdiag`` package came from.
 
-Usage: python benchmarks/fold_worker.py PLAIN CONTENT
+``--marks``: call ``getppid()`` before each timing and after the last (and print the timings'
+names in that order), for a run under ``valgrind --tool=callgrind --dump-before=getppid``
+(``bench_top.py --compare REF --instructions``): each timing is then one part of the profile,
+its instructions counted whatever the machine's load.
+
+Usage: python benchmarks/fold_worker.py PLAIN CONTENT [--marks]
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
 import time
 
@@ -35,9 +42,27 @@ def main() -> None:
     with open(sys.argv[2], "rb") as f:
         content = [decoder.decode(line) for line in f.read().splitlines()]
     out: dict = {"kvdiag": kvdiag.__file__}
-    LiveState().feed_all(content[:20_000])  # warm: the miss fold's compiled kernels load once
+    warm = LiveState()  # warm: the compiled kernels load once, before any timing
+    warm.feed_all(content[:20_000])
+    if hasattr(warm, "curves"):
+        warm.curves.view()  # the curve's kernel (its first flush)
+    try:
+        from kvdiag.simulation import _misskernels
+        if getattr(_misskernels, "_warm_thread", None) is not None:
+            _misskernels._warm_thread.join()  # the miss fold's, loaded in a background thread
+    except ImportError:  # a tree from before the miss causes
+        pass
+
+    mark = os.getppid if "--marks" in sys.argv[3:] else (lambda: None)
 
     def timed(name, fn, n):
+        # what is alive now (the decoded input, the earlier timings' leftovers) is frozen out
+        # of the collector: top's own input is one chunk, young; a full collection over a
+        # million decoded events would be this benchmark's cost, not top's (and would move
+        # each timing by when it happens to run)
+        gc.collect()
+        gc.freeze()
+        mark()
         t = time.process_time()
         fn()
         out[name] = (time.process_time() - t) / n * 1e6
@@ -93,6 +118,7 @@ def main() -> None:
                 last = time.process_time()
         state.snapshot(content[-1].ts_ns)
     timed("top's tick, content (1 snapshot/s)", tick, len(content))
+    mark()
     print(json.dumps(out))
 
 
