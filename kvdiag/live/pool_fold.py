@@ -57,7 +57,7 @@ class PoolFold:
         if self.sample is not None:
             return self.sample.blocks_used, self.sample.blocks_cached
         ledger = self.ledger
-        if self.info is None and not ledger.holders and not ledger.cached:
+        if self.info is None and not ledger.held_blocks and not ledger.cached_blocks:
             return None
         return ledger.held_blocks, ledger.cached_blocks
 
@@ -102,7 +102,7 @@ class PoolFold:
                 token_occ = None
         alloc_frag = self.memory.allocator_fragmentation()
         ledger = self.ledger
-        has_pool = info is not None or sample is not None or bool(ledger.holders)
+        has_pool = info is not None or sample is not None or ledger.held_blocks > 0
         seen = ledger.block_events > 0
         holding = ledger.finished_holding_count(now_ns, RELEASE_GRACE_NS) if seen else (None, None)
         if not has_pool:

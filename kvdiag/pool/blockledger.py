@@ -43,6 +43,13 @@ repeats the per-event rules it inlines, and they stay beside each other, in one 
 change to a rule is seen next to its copy (``tests/unit/test_ledger_batch.py`` holds the two
 equal); the history offline analyses keep is :mod:`kvdiag.pool.block_history`.
 
+Block state is kept in lists indexed by block id (an engine's ids are its pool's indices
+``0..num_blocks-1``): a list read is a fraction of a dict lookup's cost, and a pool of 20,000
+blocks keeps each list in 160 KB. The lists grow as ids arrive; an id that is not such an index
+(negative, not an int, or beyond :data:`DENSE_IDS`) switches the ledger to ids mapped to list
+slots through a dict, every block event then taking the per-event methods. ``holders``,
+``cached`` and ``released_by`` are dict views built on request (do not modify).
+
 Memory is flat over a long session: a request's entry goes when it holds nothing, anomalies
 are counted (the first :data:`EXAMPLES_KEPT` of each kind are kept as examples). With
 ``keep_history=True`` (offline analyses of a finite log) the ledger also keeps a
@@ -52,6 +59,7 @@ episode per block allocation, for ``kvdiag.diagnosis.leaks``' request and episod
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Optional
@@ -69,6 +77,9 @@ RELEASERS_KEPT = 64
 unheld block (a block shared by more requests than this forgets its oldest releasers)."""
 NEVER_NS = 1 << 63
 """``watch_ts`` when nothing is watched (later than any int64 event time)."""
+DENSE_IDS = 1 << 22
+"""Block ids below this index the ledger's lists directly (4 M: more blocks than any pool); a
+larger, negative or non-integer id maps every id through a dict from then on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +98,16 @@ class BlockLedger:
         self.keep_history = keep_history
         self.num_blocks: Optional[int] = None
         self.held: dict[RequestId, set] = {}  # request -> blocks it holds (requests holding >= 1)
-        self.holders: dict[BlockId, object] = {}  # block -> its holder (a request id) or a set of them
-        self.cached: dict[BlockId, None] = {}  # blocks held only by the prefix cache
+        # by block slot (the block id itself, module docstring): None, its holder (a request
+        # id) or a set of them; True while held only by the prefix cache; None, its releaser
+        # since its allocation or a dict of them
+        self._holder: list = []
+        self._cached: list = []
+        self._relby: list = []
+        self._ids: Optional[dict] = None  # block id -> slot, once ids are mapped (else the id is the slot)
+        self._id_of: list = []  # slot -> block id, once mapped
+        self.held_blocks = 0  # distinct blocks held by at least one request
+        self.cached_blocks = 0  # blocks held only by the prefix cache
         self.holdings = 0  # sum over requests of len(held[request])
         self.finished_holding: dict[RequestId, int] = {}  # finished requests still holding -> finished_ns
         self.finished_holding_blocks = 0  # sum of len(held[r]) over finished_holding
@@ -97,7 +116,6 @@ class BlockLedger:
         self.anomaly_counts: dict[str, int] = dict.fromkeys(ANOMALY_KINDS, 0)
         self.anomalies: list[Anomaly] = []  # all of them with keep_history, else EXAMPLES_KEPT per kind
         self.double_release_requests: set = set()  # requests that released a block twice
-        self._released_by: dict[BlockId, object] = {}  # block -> releasers since its allocation
         self.last_ts_ns = 0  # the latest event folded by apply/apply_all
         self.evictions = 0  # BlockEvicted events
         self.bad_events = 0  # events apply_all could not fold (raised): counted and skipped
@@ -126,19 +144,75 @@ class BlockLedger:
     # ------------------------------------------------------------------ counters
 
     @property
-    def held_blocks(self) -> int:
-        """Distinct blocks held by at least one request."""
-        return len(self.holders)
-
-    @property
-    def cached_blocks(self) -> int:
-        """Blocks held only by the prefix cache."""
-        return len(self.cached)
-
-    @property
     def free_blocks(self) -> Optional[int]:
         """num_blocks - held - cached (None before a ``KVPoolInfo``)."""
-        return None if self.num_blocks is None else self.num_blocks - len(self.holders) - len(self.cached)
+        return None if self.num_blocks is None else self.num_blocks - self.held_blocks - self.cached_blocks
+
+    @property
+    def holders(self) -> dict[BlockId, object]:
+        """Block -> its holder (a request id) or the set of them, for the blocks held (a view
+        built now: O(blocks))."""
+        return self._view(self._holder)
+
+    @property
+    def cached(self) -> dict[BlockId, None]:
+        """The blocks held only by the prefix cache (a view built now: O(blocks))."""
+        return dict.fromkeys(self._view(self._cached))
+
+    @property
+    def released_by(self) -> dict[BlockId, object]:
+        """Block -> its releaser since its allocation or a dict of them (a view built now)."""
+        return self._view(self._relby)
+
+    def _view(self, column: list) -> dict:
+        ids = self._id_of if self._ids is not None else range(len(column))
+        return {ids[i]: v for i, v in enumerate(column) if v is not None and v is not False}
+
+    # ------------------------------------------------------------------ block slots
+
+    def _slot(self, block_id) -> int:
+        """The lists' index of ``block_id``, grown to hold it (module docstring)."""
+        ids = self._ids
+        if ids is None:
+            try:
+                b = operator.index(block_id)
+            except TypeError:
+                b = -1
+            if 0 <= b < len(self._holder):
+                return b
+            limit = self._dense_limit()
+            if 0 <= b < limit:
+                self._extend(min(max(b + 1, 2 * len(self._holder), 1024), limit) - len(self._holder))
+                return b
+            hash(block_id)  # an unhashable id raises here, before the switch (a bad event)
+            ids = self._map_ids()
+        slot = ids.get(block_id)
+        if slot is None:
+            slot = ids[block_id] = len(self._holder)
+            self._id_of.append(block_id)
+            self._extend(1)
+        return slot
+
+    def _extend(self, n: int) -> None:
+        self._holder.extend([None] * n)
+        self._cached.extend([False] * n)
+        self._relby.extend([None] * n)
+
+    def _dense_limit(self) -> int:
+        """Ids below this are taken for pool indices: twice the pool (transformers numbers its
+        pages after two reserved ones) and at least 65,536, at most :data:`DENSE_IDS`."""
+        if self.num_blocks is None:
+            return DENSE_IDS
+        return min(DENSE_IDS, max(2 * self.num_blocks, 1 << 16))
+
+    def _map_ids(self) -> dict:
+        """From now on every id through a dict: the ids so far keep their slots (those of
+        blocks with any state are mapped; an empty slot's id gets a new, empty one)."""
+        holder, cached, relby = self._holder, self._cached, self._relby
+        self._ids = {i: i for i in range(len(holder))
+                     if holder[i] is not None or cached[i] or relby[i] is not None}
+        self._id_of = list(range(len(holder)))
+        return self._ids
 
     def blocks_of(self, request_id: RequestId) -> set:
         """The blocks ``request_id`` holds now (empty when none; do not modify)."""
@@ -184,26 +258,28 @@ class BlockLedger:
 
         The common case of each of those three block events is inlined (the per-event methods
         handle every other case and define the rules; tests check the two agree), and the
-        counters they move are kept in locals, written back before anything else runs
-        (a method, a hook, ``other``, ``on_bucket``): that is what makes the loop cheap. Long:
-        one loop with its locals is the point (a call per event would cost what it saves; the
-        live fold's goal is 1 M events/s on one core)."""
-        ALLOC, REL, EVICT = BlockAllocated, BlockReleased, BlockEvicted
+        counters they move are kept in locals, written back (:meth:`_write_back`) before
+        anything else runs (a method, a hook, ``other``, ``on_bucket``): that is what makes the
+        loop cheap. Long: one loop with its locals is the point (a call per event would cost
+        what it saves; the live fold's goal is 1 M events/s on one core)."""
+        ALLOC, REL, EVICT, INT = BlockAllocated, BlockReleased, BlockEvicted, int
         settling = _SETTLING
         handlers = self._handlers
-        holders, held, cached, released_by = self.holders, self.held, self.cached, self._released_by
+        holder, cached, relby, held = self._holder, self._cached, self._relby, self.held
         fh, opened = self.finished_holding, self.open
         ring = self.ring_ts is not None
         if ring:
             ring_ts, ring_held = self.ring_ts.append, self.ring_held.append
         slow = self.keep_history  # the history is written by the per-event methods
+        n = self._fast_slots()  # block ids below n are their own slots
         watch = self.watch_ts
         bucket_ns = bucket_ns or NEVER_NS
         cur, run = None, 0
         lo = hi = 0  # the current bucket's [lo, hi)
         last = self.last_ts_ns
         hold = self.holdings  # written back before any call out
-        nb = nev = noa = 0  # block events, evictions, open requests' allocations not yet added
+        # block events, evictions, open requests' allocations, held and cached blocks: not yet added
+        nb = nev = noa = nh = nc = 0
         for ev in events:
             try:
                 t = type(ev)
@@ -213,9 +289,8 @@ class BlockLedger:
                     lo = idx * bucket_ns
                     hi = lo + bucket_ns
                     if run and on_bucket is not None:
-                        self.holdings, self.block_events, self.evictions, self.open_allocated = \
-                            hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
-                        nb = nev = noa = 0
+                        self._write_back(hold, nb, nev, noa, nh, nc)
+                        nb = nev = noa = nh = nc = 0
                         try:
                             on_bucket(cur, run)
                         finally:
@@ -223,9 +298,8 @@ class BlockLedger:
                     cur, run = idx, 0
                 run += 1
                 if ts > watch and t in settling:
-                    self.holdings, self.block_events, self.evictions, self.open_allocated = \
-                        hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
-                    nb = nev = noa = 0
+                    self._write_back(hold, nb, nev, noa, nh, nc)
+                    nb = nev = noa = nh = nc = 0
                     try:
                         self.on_watch(ts)
                     finally:
@@ -235,15 +309,15 @@ class BlockLedger:
                     if ts > last:  # the latest event the ledger folds
                         last = ts
                     b, rid, keep = ev.block_id, ev.request_id, ev.cached
-                    prev = holders.get(b)
-                    if slow or prev is None or prev != rid:  # shared, not held by it, history
-                        self.holdings, self.block_events, self.evictions, self.open_allocated = \
-                            hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
-                        nb = nev = noa = 0
+                    # shared, not held by it, history, or a block id that is not its own slot
+                    if slow or type(b) is not INT or not 0 <= b < n or holder[b] is None or holder[b] != rid:
+                        self._write_back(hold, nb, nev, noa, nh, nc)
+                        nb = nev = noa = nh = nc = 0
                         try:
                             self.released(ev)
                         finally:
                             hold = self.holdings
+                            n = self._fast_slots()
                         continue
                     # its only holder lets it go (released(), _drop())
                     nb += 1
@@ -256,13 +330,15 @@ class BlockLedger:
                             del fh[rid]
                     if not blocks:
                         del held[rid]
-                    del holders[b]
-                    if keep:
-                        cached[b] = None
-                    if b in released_by:
-                        self._released(b, rid)
+                    holder[b] = None
+                    nh -= 1
+                    if keep and not cached[b]:
+                        cached[b] = True
+                        nc += 1
+                    if relby[b] is None:
+                        relby[b] = rid
                     else:
-                        released_by[b] = rid
+                        self._released(b, rid)
                     if ring:
                         ring_ts(ts)
                         ring_held(hold)
@@ -270,21 +346,25 @@ class BlockLedger:
                     if ts > last:  # the latest event the ledger folds
                         last = ts
                     b, rid = ev.block_id, ev.request_id
-                    if slow or b in holders or rid not in held:  # reassigned while held, history, new holder
-                        self.holdings, self.block_events, self.evictions, self.open_allocated = \
-                            hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
-                        nb = nev = noa = 0
+                    # reassigned while held, history, a new holder, or an id that is not its slot
+                    if slow or type(b) is not INT or not 0 <= b < n or holder[b] is not None or rid not in held:
+                        self._write_back(hold, nb, nev, noa, nh, nc)
+                        nb = nev = noa = nh = nc = 0
                         try:
                             self.allocated(ev)
                         finally:
                             hold = self.holdings
+                            n = self._fast_slots()
                         continue
                     # a block no request held, for a request that holds others (allocated())
                     nb += 1
                     hold += 1
-                    cached.pop(b, None)
-                    released_by.pop(b, None)
-                    holders[b] = rid
+                    if cached[b]:
+                        cached[b] = False
+                        nc -= 1
+                    relby[b] = None
+                    holder[b] = rid
+                    nh += 1
                     held[rid].add(b)
                     if rid in fh:
                         self.finished_holding_blocks += 1
@@ -299,25 +379,26 @@ class BlockLedger:
                     if ts > last:  # the latest event the ledger folds
                         last = ts
                     b = ev.block_id
-                    if slow or b in holders:  # evict_held
-                        self.holdings, self.block_events, self.evictions, self.open_allocated = \
-                            hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
-                        nb = nev = noa = 0
+                    if slow or type(b) is not INT or not 0 <= b < n or holder[b] is not None:  # evict_held
+                        self._write_back(hold, nb, nev, noa, nh, nc)
+                        nb = nev = noa = nh = nc = 0
                         try:
                             self.evicted(ev)
                         finally:
                             hold = self.holdings
+                            n = self._fast_slots()
                         continue
                     nb += 1  # (evicted())
                     nev += 1
-                    cached.pop(b, None)
+                    if cached[b]:
+                        cached[b] = False
+                        nc -= 1
                     if ring:
                         ring_ts(ts)
                         ring_held(hold)
                 else:
-                    self.holdings, self.block_events, self.evictions, self.open_allocated = \
-                        hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
-                    nb = nev = noa = 0
+                    self._write_back(hold, nb, nev, noa, nh, nc)
+                    nb = nev = noa = nh = nc = 0
                     try:
                         h = handlers.get(t)
                         if h is not None:
@@ -329,14 +410,28 @@ class BlockLedger:
                     finally:
                         hold = self.holdings
                         watch = self.watch_ts
+                        n = self._fast_slots()
             except Exception:  # one malformed event costs its own figures, not the fold
                 self.bad_events += 1
-        self.holdings, self.block_events, self.evictions, self.open_allocated = \
-            hold, self.block_events + nb, self.evictions + nev, self.open_allocated + noa
+        self._write_back(hold, nb, nev, noa, nh, nc)
         if run and on_bucket is not None:
             on_bucket(cur, run)
         if last > self.last_ts_ns:
             self.last_ts_ns = last
+
+    def _write_back(self, holdings: int, block_events: int, evictions: int, open_allocated: int,
+                    held_blocks: int, cached_blocks: int) -> None:
+        """:meth:`apply_all`'s locals into the counters (``holdings`` as is, the rest added)."""
+        self.holdings = holdings
+        self.block_events += block_events
+        self.evictions += evictions
+        self.open_allocated += open_allocated
+        self.held_blocks += held_blocks
+        self.cached_blocks += cached_blocks
+
+    def _fast_slots(self) -> int:
+        """Block ids below this are their own slots in the lists (0 once ids are mapped)."""
+        return len(self._holder) if self._ids is None else 0
 
     def _anomaly(self, kind: str, ts_ns: int, block_id: BlockId, request_id: Optional[RequestId]) -> None:
         n = self.anomaly_counts[kind]
@@ -381,15 +476,18 @@ class BlockLedger:
 
     def allocated(self, ev: BlockAllocated) -> None:
         b, rid, ts = ev.block_id, ev.request_id, ev.ts_ns
+        i = self._slot(b)
         self.block_events += 1
-        prev = self.holders.get(b)
+        prev = self._holder[i]
         if prev is not None:  # reassigned while held: the previous holders lose it
             self._anomaly("alloc_in_use", ts, b, rid)
             for r in (list(prev) if type(prev) is set else (prev,)):
                 self._drop(r, b)
-        self.cached.pop(b, None)
-        self._released_by.pop(b, None)
-        self.holders[b] = rid
+        else:
+            self.held_blocks += 1
+        self._uncache(i)
+        self._relby[i] = None
+        self._holder[i] = rid
         blocks = self.held.get(rid)
         if blocks is None:
             self.held[rid] = {b}
@@ -414,25 +512,37 @@ class BlockLedger:
             self.ring_ts.append(ts_ns)
             self.ring_held.append(self.holdings)
 
+    def _cache(self, i: int) -> None:
+        if not self._cached[i]:
+            self._cached[i] = True
+            self.cached_blocks += 1
+
+    def _uncache(self, i: int) -> None:
+        if self._cached[i]:
+            self._cached[i] = False
+            self.cached_blocks -= 1
+
     def hit(self, ev: PrefixHit | BlockDeduplicated) -> None:
         """``PrefixHit`` and ``BlockDeduplicated``: the request now holds ``block_id``."""
         b, rid = ev.block_id, ev.request_id
+        i = self._slot(b)
         self.block_events += 1
         if self._take(rid, b):
-            prev = self.holders.get(b)
+            prev = self._holder[i]
             if prev is None:
-                self.holders[b] = rid
-                self.cached.pop(b, None)
+                self._holder[i] = rid
+                self.held_blocks += 1
+                self._uncache(i)
             elif type(prev) is set:
                 prev.add(rid)
             else:
-                self.holders[b] = {prev, rid}
-        rel = self._released_by.get(b)
+                self._holder[i] = {prev, rid}
+        rel = self._relby[i]
         if rel is not None:
             if type(rel) is dict:
                 rel.pop(rid, None)
             elif rel == rid:
-                del self._released_by[b]
+                self._relby[i] = None
         if type(ev) is PrefixHit:
             counts = self.open.get(rid)
             if counts is not None:
@@ -444,44 +554,45 @@ class BlockLedger:
 
     def released(self, ev: BlockReleased) -> None:
         b, rid = ev.block_id, ev.request_id
+        i = self._slot(b)
         self.block_events += 1
-        holders = self.holders
-        prev = holders.get(b)
+        prev = self._holder[i]
         if prev is None or (prev != rid if type(prev) is not set else rid not in prev):
-            self._bad_release(ev, prev)
+            self._bad_release(ev, prev, i)
             self._ring(ev.ts_ns)
             return
         self._drop(rid, b)
         if type(prev) is set:
             prev.discard(rid)
             if len(prev) == 1:
-                holders[b] = next(iter(prev))
+                self._holder[i] = next(iter(prev))
             last = False
         else:
-            del holders[b]
+            self._holder[i] = None
+            self.held_blocks -= 1
             last = True
         if last and ev.cached:
-            self.cached[b] = None
-        self._released(b, rid)
+            self._cache(i)
+        self._released(i, rid)
         self._ring(ev.ts_ns)
         if self.history is not None:
             self.history.released(ev, last)
 
-    def _released(self, b: BlockId, rid: RequestId) -> None:
-        """Remember ``rid`` among the releasers of ``b``'s current allocation."""
-        rel = self._released_by.get(b)
+    def _released(self, i: int, rid: RequestId) -> None:
+        """Remember ``rid`` among the releasers of the current allocation of the block in slot ``i``."""
+        rel = self._relby[i]
         if rel is None:
-            self._released_by[b] = rid
+            self._relby[i] = rid
         elif type(rel) is dict:
             rel[rid] = None
             if len(rel) > RELEASERS_KEPT:
                 del rel[next(iter(rel))]
         else:
-            self._released_by[b] = {rel: None, rid: None}
+            self._relby[i] = {rel: None, rid: None}
 
-    def _bad_release(self, ev: BlockReleased, prev: object) -> None:
+    def _bad_release(self, ev: BlockReleased, prev: object, i: int) -> None:
         b, rid = ev.block_id, ev.request_id
-        rel = self._released_by.get(b)
+        rel = self._relby[i]
         if rel is not None and (rel == rid if type(rel) is not dict else rid in rel):
             self._anomaly("double_release", ev.ts_ns, b, rid)
             self.double_release_requests.add(rid)
@@ -490,15 +601,16 @@ class BlockLedger:
             return
         self._anomaly("release_unheld", ev.ts_ns, b, rid)
         if prev is None and ev.cached:  # not held by anyone we know of: the engine caches it
-            self.cached[b] = None
+            self._cache(i)
 
     def evicted(self, ev: BlockEvicted) -> None:
         b = ev.block_id
+        i = self._slot(b)
         self.block_events += 1
         self.evictions += 1
-        if b in self.holders:
+        if self._holder[i] is not None:
             self._anomaly("evict_held", ev.ts_ns, b, None)
-        self.cached.pop(b, None)
+        self._uncache(i)
         self._ring(ev.ts_ns)
         if self.history is not None:
             self.history.evicted(ev)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgspec
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +19,8 @@ from kvdiag.pool.blockledger import BlockLedger
 
 STATE = ("held", "holders", "cached", "holdings", "finished_holding", "finished_holding_blocks",
          "finished_requests", "block_events", "anomaly_counts", "anomalies", "double_release_requests",
-         "_released_by", "last_ts_ns", "evictions", "bad_events", "open", "open_allocated", "open_hits",
-         "num_blocks")
+         "released_by", "last_ts_ns", "evictions", "bad_events", "open", "open_allocated", "open_hits",
+         "num_blocks", "held_blocks", "cached_blocks")
 
 
 @st.composite
@@ -94,6 +96,7 @@ def test_batch_loop_is_the_per_event_methods(events, chunk, ring):
     for k in range(0, len(events), chunk):
         batch.apply_all(events[k:k + chunk])
     assert _state(batch) == _state(one)
+    assert (batch.held_blocks, batch.cached_blocks) == (len(batch.holders), len(batch.cached))
     assert (batch.open_allocated, batch.open_hits, batch.evictions) == _brute_open(events)
     if ring:  # holdings after each of the last block events: brute force
         pairs: set = set()
@@ -133,3 +136,56 @@ def test_a_malformed_event_is_counted_and_the_rest_folded():
     ledger.apply_all([good[0], bad, good[1]])
     assert ledger.bad_events == 1
     assert ledger.held == {"a": {1, 2}} and ledger.holdings == 2 and ledger.block_events == 2
+
+
+FAR = {b: (1 << 40) + 7 * b for b in range(12)}  # ids no pool index is: the ledger maps them
+
+
+def _relabelled(ledger: BlockLedger, back: dict) -> dict:
+    """The ledger's state with block ids mapped through ``back``."""
+    def ids(blocks):
+        return {back[b] for b in blocks}
+    return {
+        "held": {r: ids(bs) for r, bs in ledger.held.items()},
+        "holders": {back[b]: h for b, h in ledger.holders.items()},
+        "cached": ids(ledger.cached),
+        "released_by": {back[b]: r for b, r in ledger.released_by.items()},
+        "anomalies": [(a.kind, a.ts_ns, back[a.block_id], a.request_id) for a in ledger.anomalies],
+        **{k: getattr(ledger, k) for k in ("holdings", "finished_holding", "finished_holding_blocks",
+                                           "block_events", "anomaly_counts", "evictions", "bad_events",
+                                           "open_allocated", "open_hits", "held_blocks", "cached_blocks")}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(streams(), st.integers(1, 7), st.sets(st.integers(0, 11)))
+def test_block_ids_that_are_no_pool_index_fold_as_the_same_stream_with_pool_indices(events, chunk, near):
+    """Block ids beyond the lists' range (here 2^40 + 7b for the blocks not in ``near``, which
+    keep their pool index) switch the ledger to ids mapped to list slots when the first comes,
+    at any point of a stream: the state equals that of the same stream with the pool's own
+    indices, relabelled."""
+    label = {b: b if b in near else FAR[b] for b in range(12)}
+
+    def relabel(ev):
+        if not hasattr(ev, "block_id"):
+            return ev
+        fields = {"block_id": label[ev.block_id]}
+        if isinstance(ev, s.BlockDeduplicated):
+            fields["duplicate_block_id"] = label[ev.duplicate_block_id]
+        return msgspec.structs.replace(ev, **fields)
+    dense, mapped = BlockLedger(), BlockLedger()
+    renamed = [relabel(ev) for ev in events]
+    for k in range(0, len(events), chunk):
+        dense.apply_all(events[k:k + chunk])
+        mapped.apply_all(renamed[k:k + chunk])
+    assert _relabelled(mapped, {v: k for k, v in label.items()}) == _relabelled(dense, {b: b for b in range(12)})
+    assert (mapped._ids is not None) == any(label[getattr(ev, "block_id", 0)] >= 1 << 40 for ev in events
+                                            if hasattr(ev, "block_id"))
+
+
+def test_a_numpy_block_id_is_its_index_and_an_unhashable_one_a_bad_event():
+    ledger = BlockLedger()
+    ledger.apply_all([s.BlockAllocated(ts_ns=5, request_id="a", block_id=np.int64(3)),
+                      s.BlockReleased(ts_ns=6, request_id="a", block_id=3, cached=True),
+                      s.BlockReleased(ts_ns=7, request_id="a", block_id={3: 1}, cached=True)])
+    assert (ledger.holdings, ledger.held_blocks, ledger.cached, ledger.bad_events) == (0, 0, {3: None}, 1)
+    assert ledger._ids is None  # still indexed by the ids themselves
