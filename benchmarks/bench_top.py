@@ -329,6 +329,8 @@ def curve_rate(n_events: int, rounds: int = 5) -> None:
 def instructions(worker: Path, trees: dict, plain: Path, content: Path, d: str) -> dict[str, dict[str, int]]:
     """Instructions of each timing of fold_worker.py, per tree: one run under callgrind that
     dumps a profile part at each of the worker's marks (``--marks``; part 1 is its setup)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions counts with valgrind's callgrind: install valgrind (apt install valgrind)")
     out = {}
     for name, tree in trees.items():
         prefix = Path(d) / f"cg-{len(out)}"
