@@ -112,7 +112,7 @@ def test_missing_and_own_pid(tmp_path, capsys):
 def test_attach_never_signals_nor_stops_the_target(tmp_path, monkeypatch):
     """An in-process attach to a real Python child, with os.kill, killpg and pthread_kill
     recording their calls and Popen recording command lines; a thread watches the target's
-    /proc status meanwhile: never traced (TracerPid 0), never stopped."""
+    /proc status meanwhile: never traced (TracerPid 0), never stopped (state T or t)."""
     target = subprocess.Popen([sys.executable, "-c", "def work():\n    while True: sum(range(1000))\nwork()"])
     kills, argvs, states = [], [], []
     real_kill, real_killpg, real_popen = os.kill, os.killpg, subprocess.Popen
@@ -156,6 +156,9 @@ def test_attach_never_signals_nor_stops_the_target(tmp_path, monkeypatch):
     assert {a[1] for a in spies} == {"dump", "record"}, argvs
     assert all("--nonblocking" in a for a in spies), spies
     assert target.pid not in kills and all(isinstance(k, int) and k > 0 for k in kills), kills
-    assert len(states) > 100 and {s for s, _ in states} <= {"R", "S"} and {t for _, t in states} == {"0"}, \
+    # Stopped is T (a signal) or t (a tracer). D is a short wait inside the kernel, e.g. the
+    # target's own mmap or munmap queued behind the memory-map lock that py-spy's process_vm_readv
+    # holds while it reads: the target runs on when the read ends. CI sampled it once (1 of 579).
+    assert len(states) > 100 and {s for s, _ in states} <= {"R", "S", "D"} and {t for _, t in states} == {"0"}, \
         sorted(set(states))
     assert not read_log(tmp_path / "x.jsonl").frame("phase_profile").empty
