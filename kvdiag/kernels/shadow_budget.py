@@ -7,20 +7,27 @@ Rules (``kvdiag.shadow.runner`` runs the measurements they allow):
   last offer - shadow CPU spent in between);
 - the rate in force is ``min(sample_rate, budget_frac x engine CPU per step / shadow CPU per
   run)`` once both are known (``sample_rate`` before, and always without a budget);
-- a step is drawn with that rate, then skipped (``skipped_budget``) when the shadow CPU spent
-  plus one more run would exceed ``budget_frac`` x the engine's CPU since the first offer;
+- a step is drawn with that rate, then skipped (``skipped_budget``) when the shadow CPU spent,
+  plus the runs still in flight and one more, each at the guard's cost, would exceed
+  ``budget_frac`` x the engine's CPU since the first offer, or when a run is in flight before
+  any run's cost is known. The guard's cost is the dearest of the last :data:`GUARD_RUNS`
+  runs (or the average, if larger): the budget is overrun only by a run dearer than all of
+  those, not by any run dearer than the average;
 - a run's cost (the copy and the measurement, in one or two parts) enters the per-run EWMA
-  when it is done; the first run's does not (one-time costs: imports, compiled kernels), though
-  it counts as spent.
+  and the guard's window when it is done; the first run's does not (one-time costs: imports,
+  compiled kernels), though it counts as spent.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from typing import Optional
 
 EWMA_WEIGHT = 0.1
 """Weight of the newest value in the per-step and per-run cost averages."""
+GUARD_RUNS = 8
+"""Runs whose dearest cost the guard expects of the next one."""
 
 
 def ewma(avg: Optional[float], x: float) -> float:
@@ -42,6 +49,7 @@ class Budget:
         self._spent_at_last_offer_ns = 0
         self.engine_step_ns: Optional[float] = None  # moving average: engine CPU per offered step
         self.run_ns: Optional[float] = None  # moving average: shadow CPU per sampled step
+        self.recent_runs_ns: deque[int] = deque(maxlen=GUARD_RUNS)  # the latest costed runs
         self.rate = sample_rate  # the rate in force
         self.spent_ns = 0  # shadow CPU so far
         self._pending_ns = 0  # shadow CPU of the run in progress (the copy, before the worker's part)
@@ -61,9 +69,15 @@ class Budget:
             return self.sample_rate
         return min(self.sample_rate, self.budget_frac * self.engine_step_ns / self.run_ns)
 
-    def offer(self, now_ns: int) -> bool:
-        """A step offered at process CPU ``now_ns``: update the estimates and the rate, draw,
-        apply the guard; True when the step is to be measured."""
+    def guard_ns(self) -> float:
+        """The cost the guard expects of a run: the dearest of the recent ones, or the
+        average if larger (0 before any run is costed)."""
+        return max(self.run_ns or 0, max(self.recent_runs_ns, default=0))
+
+    def offer(self, now_ns: int, in_flight: int = 0) -> bool:
+        """A step offered at process CPU ``now_ns``, ``in_flight`` runs drawn but not yet
+        accounted as done: update the estimates and the rate, draw, apply the guard; True
+        when the step is to be measured."""
         spent = self.spent_ns
         if self._t0_ns is None:
             self._t0_ns = self._last_offer_ns = now_ns
@@ -75,7 +89,9 @@ class Budget:
         self.rate = self.target_rate()
         if self._rng.random() >= self.rate:
             return False
-        if self.budget_frac is not None and spent + (self.run_ns or 0) > self.budget_frac * self.engine_ns(now_ns):
+        guard = self.guard_ns()
+        if self.budget_frac is not None and (spent + (in_flight + 1) * guard > self.budget_frac * self.engine_ns(now_ns)
+                                             or (in_flight and not guard)):
             self.skipped_budget += 1
             return False
         return True
@@ -90,4 +106,5 @@ class Budget:
             self._runs_costed += 1
             if self._runs_costed > 1:
                 self.run_ns = ewma(self.run_ns, self._pending_ns)
+                self.recent_runs_ns.append(self._pending_ns)
             self._pending_ns = 0

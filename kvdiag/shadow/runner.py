@@ -17,8 +17,9 @@ step, so tokens per CPU-second drop by at most about ``budget_frac``. The runner
 sampling rate to that budget: rate = min(``sample_rate``, ``budget_frac`` x engine CPU per
 offered step / CPU per sampled step), both moving averages (the first run pays one-time costs:
 it counts as spent, the estimate starts with the second), so samples spread evenly over the
-run instead of coming in bursts; a drawn step is still skipped if spent + the expected cost of
-one more run would exceed the budget (``steps_skipped_budget``). ``sample_rate`` is therefore
+run instead of coming in bursts; a drawn step is still skipped if spent + the runs in flight
+(queued or being measured) and one more, at the dearest recent run's cost, would exceed the
+budget (``steps_skipped_budget``; :mod:`kvdiag.kernels.shadow_budget`). ``sample_rate`` is therefore
 the ceiling; the rate in force and the achieved rate (sampled / offered) are reported in each
 :class:`ShadowBudget`. ``budget_frac=None``: no budget, the rate is ``sample_rate``.
 Shadow CPU is counted as: inline, the whole process's CPU during the run (torch's intra-op
@@ -134,6 +135,7 @@ class ShadowRunner(UsesHookErrors):
         self.sampled = 0
         self.dropped = 0  # sampled steps not measured because the worker was still busy
         self._lock = threading.Lock()
+        self._in_flight = 0  # runs queued or being measured by the worker (under the lock)
         self._queue: Optional[queue.Queue] = queue.Queue(maxsize=1) if background else None
         self._thread: Optional[threading.Thread] = None
         if background:
@@ -164,7 +166,7 @@ class ShadowRunner(UsesHookErrors):
         now); the budget is reported at least every :data:`BUDGET_REPORT_S` seconds."""
         now = self.cpu.process_ns()
         with self._lock:
-            sampled = self.budget.offer(now)
+            sampled = self.budget.offer(now, self._in_flight)
         if time.monotonic_ns() - self._last_report_ns >= BUDGET_REPORT_S * 1e9:
             self.report_budget()
         return sampled
@@ -186,10 +188,14 @@ class ShadowRunner(UsesHookErrors):
             if inline:
                 self._measure(snapshot, layers)
             else:
+                with self._lock:
+                    self._in_flight += 1  # before the worker can take it
                 try:
                     self._queue.put_nowait((snapshot, layers))
                 except queue.Full:
                     self.dropped += 1
+                    with self._lock:
+                        self._in_flight -= 1
         except Exception as exc:  # gathering inputs failed: count it, never reach the server
             self._error("shadow", exc)
         finally:
@@ -233,7 +239,9 @@ class ShadowRunner(UsesHookErrors):
                     self._measure(*item)
                 except Exception as exc:
                     self._error("shadow", exc)
-                self._account(self.cpu.thread_ns() - start, run_done=True)
+                with self._lock:
+                    self.budget.account(self.cpu.thread_ns() - start, run_done=True)
+                    self._in_flight -= 1
             finally:
                 self._queue.task_done()
 

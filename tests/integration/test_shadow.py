@@ -1,6 +1,8 @@
 """The shadow runner: a raising compressor changes nothing served and is counted; sampling
 respects the CPU budget and adapts its rate to it; metrics agree with a direct computation on real KV."""
 
+import threading
+
 import pytest
 import torch
 
@@ -105,6 +107,30 @@ def test_rate_adapts_to_the_cpu_budget_and_shadow_cpu_stays_within_it():
     final = [e for e in sink.events if isinstance(e, ShadowBudget)][-1]
     assert (final.steps_offered, final.steps_sampled) == (steps, len(sampled_at))
     assert final.elapsed_ns == (steps - 1) * engine_step_ns
+
+
+def test_a_run_the_worker_still_measures_counts_against_the_budget():
+    """In the background, a queued run's measurement is not yet spent when the next step is
+    offered: the guard counts it at the cost of a run, so a budget that affords one more run
+    does not admit two; once the worker is done, the next run is admitted."""
+    cpu = FakeCpu()
+    runner = ShadowRunner(ListSink(), ["fp16"], sample_rate=1.0, budget_frac=0.1, cpu_clock=cpu, background=True)
+    release, measuring = threading.Event(), threading.Event()
+    runner._snapshot = lambda kv, q, layers: None
+    runner._measure = lambda snapshot, layers: (measuring.set(), release.wait(10))
+    try:
+        assert runner.should_sample()  # the first offer, at CPU 0
+        runner.spent_ns, runner.run_ns = 50, 50.0  # as after two runs of 25 and 50
+        cpu.now = 50 + 1_000  # engine CPU 1,000: the budget is 100
+        assert runner.maybe_run(1, [], [], sampled=True) and measuring.wait(10)  # the clock stands: 0 ns
+        assert not runner.should_sample()  # 50 spent + (1 in flight + 1) x 50 > 100
+        release.set()
+        runner.wait()  # measured: the worker accounts it
+        assert runner.should_sample()  # 50 spent + 1 x 50 <= 100
+        assert runner.skipped_budget == 1
+    finally:
+        release.set()
+        runner.close()
 
 
 def test_first_run_one_time_cost_does_not_set_the_rate():

@@ -4,8 +4,10 @@ process-CPU clock: no threads, no tensors."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvdiag.kernels.shadow_budget import Budget
+from kvdiag.kernels.shadow_budget import GUARD_RUNS, Budget
 
 
 def test_the_guard_skips_a_step_that_would_overrun_the_budget():
@@ -58,3 +60,53 @@ def test_engine_cpu_excludes_the_shadows_and_starts_at_the_first_offer():
     budget.offer(5_000)
     budget.account(2_000, run_done=True)
     assert budget.engine_ns(15_000) == 15_000 - 5_000 - 2_000
+
+
+def _overruns(budget: Budget, now_ns: int) -> bool:
+    return budget.spent_ns > budget.budget_frac * budget.engine_ns(now_ns)
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.integers(100, 20_000), min_size=2, max_size=40),
+       steps=st.lists(st.integers(1_000, 5_000), min_size=1, max_size=20), seed=st.integers(0, 1000))
+def test_only_a_run_dearer_than_every_recent_one_overruns_the_budget(costs, steps, seed):
+    """Runs measured inline, their costs cycling through ``costs``; after a run, the shadow CPU
+    is over ``budget_frac`` of the engine's only if that run cost more than each of the
+    GUARD_RUNS costed runs before it (the first run's one-time cost aside): a run dearer than
+    the average alone (what the guard expected before) no longer overruns it."""
+    budget = Budget(sample_rate=1.0, budget_frac=0.1, seed=seed)
+    now = runs = 0
+    costed: list[int] = []
+    for k in range(3_000):
+        now += steps[k % len(steps)]
+        if not budget.offer(now):
+            continue
+        cost = costs[runs % len(costs)]
+        budget.account(cost, run_done=True)
+        now += cost
+        if runs and _overruns(budget, now):
+            assert cost > max(costed[-GUARD_RUNS:], default=0), (k, cost, costed[-GUARD_RUNS:])
+        costed += [cost] if runs else []
+        runs += 1
+    assert runs > 5
+
+
+def test_runs_in_flight_count_against_the_budget():
+    """Background runs of 5,000 ns that the worker finishes 200 steps after their draw, 1,000
+    ns of engine CPU per step, a 10% budget: runs are drawn while others are in flight, yet
+    once the first run is repaid the shadow CPU never exceeds 10% of the engine's."""
+    budget = Budget(sample_rate=1.0, budget_frac=0.1, seed=3)
+    now, done_at, overlapped, checked = 0, [], 0, 0
+    for k in range(20_000):
+        now += 1_000
+        while done_at and done_at[0] == k:
+            done_at.pop(0)
+            budget.account(5_000, run_done=True)
+            now += 5_000
+            if budget._runs_costed > 1:
+                checked += 1
+                assert not _overruns(budget, now), k
+        if budget.offer(now, in_flight=len(done_at)):
+            overlapped += bool(done_at)
+            done_at.append(k + 200)
+    assert checked > 300 and overlapped > 100  # the case of the test did occur, often
