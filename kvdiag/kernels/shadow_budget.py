@@ -15,7 +15,8 @@ Rules (``kvdiag.shadow.runner`` runs the measurements they allow):
   those, not by any run dearer than the average;
 - a run's cost (the copy and the measurement, in one or two parts) enters the per-run EWMA
   and the guard's window when it is done; the first run's does not (one-time costs: imports,
-  compiled kernels), though it counts as spent.
+  compiled kernels), though it counts as spent, unless a warm-up paid those costs before
+  (:meth:`Budget.one_time_costs_paid`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Budget:
         self.rate = sample_rate  # the rate in force
         self.spent_ns = 0  # shadow CPU so far
         self._pending_ns = 0  # shadow CPU of the run in progress (the copy, before the worker's part)
-        self._runs_costed = 0
+        self._runs_done = 0
+        self._first_run_is_typical = False  # a warm-up paid the one-time costs
         self.offered = 0  # steps offered for sampling
         self.skipped_budget = 0  # drawn, but skipped by the budget guard
 
@@ -96,15 +98,21 @@ class Budget:
             return False
         return True
 
+    def one_time_costs_paid(self) -> None:
+        """The one-time costs were paid outside any run (a warm-up): the first run's cost is
+        a typical run's, and enters the estimates."""
+        self._first_run_is_typical = True
+
     def account(self, ns: int, run_done: bool) -> None:
         """Add ``ns`` of shadow CPU; a finished run (all its parts) updates the per-run
-        average, from the second run on."""
+        average and the guard's window, from the second run on (from the first after
+        :meth:`one_time_costs_paid`)."""
         ns = max(ns, 0)
         self.spent_ns += ns
         self._pending_ns += ns
         if run_done:
-            self._runs_costed += 1
-            if self._runs_costed > 1:
+            self._runs_done += 1
+            if self._runs_done > 1 or self._first_run_is_typical:
                 self.run_ns = ewma(self.run_ns, self._pending_ns)
                 self.recent_runs_ns.append(self._pending_ns)
             self._pending_ns = 0

@@ -16,11 +16,11 @@ time the observed process spends otherwise (its engine's work) since the runner 
 step, so tokens per CPU-second drop by at most about ``budget_frac``. The runner adapts its
 sampling rate to that budget: rate = min(``sample_rate``, ``budget_frac`` x engine CPU per
 offered step / CPU per sampled step), both moving averages (the first run pays one-time costs:
-it counts as spent, the estimate starts with the second), so samples spread evenly over the
-run instead of coming in bursts; a drawn step is still skipped if spent + the runs in flight
-(queued or being measured) and one more, at the dearest recent run's cost, would exceed the
-budget (``steps_skipped_budget``; :mod:`kvdiag.kernels.shadow_budget`). ``sample_rate`` is therefore
-the ceiling; the rate in force and the achieved rate (sampled / offered) are reported in each
+it counts as spent, the estimate starts with the second, unless :meth:`ShadowRunner.warm_up`
+paid them), so samples spread evenly over the run instead of coming in bursts; a drawn step
+is still skipped if spent + the runs in flight (queued or being measured) and one more, at
+the dearest recent run's cost, would exceed the budget (``steps_skipped_budget``;
+:mod:`kvdiag.kernels.shadow_budget`). ``sample_rate`` is therefore the ceiling; the rate in force and the achieved rate (sampled / offered) are reported in each
 :class:`ShadowBudget`. ``budget_frac=None``: no budget, the rate is ``sample_rate``.
 Shadow CPU is counted as: inline, the whole process's CPU during the run (torch's intra-op
 threads included, the engine waits meanwhile); in the background, the caller's thread for the
@@ -299,7 +299,8 @@ class ShadowRunner(UsesHookErrors):
         cache or compiled for this head_dim): every method on random K, V and one query of this
         shape, nothing recorded, nothing counted against the budget. Call it before the engine
         takes traffic, else the first sampled step pays them inline (about a second with a
-        warm numba cache, several cold). Never raises; a method that fails here is reported as
+        warm numba cache, several cold); after it, the first run's cost enters the budget's
+        estimates like any other's. Never raises; a method that fails here is reported as
         it would be live. Returns the wall seconds it took."""
         t0 = time.perf_counter()
         try:
@@ -310,6 +311,8 @@ class ShadowRunner(UsesHookErrors):
             q = torch.randn(1, query_heads, 1, head_dim, generator=gen)
             with torch.no_grad():
                 self._layer(0, k, v, q, time.time_ns(), NullSink())
+            with self._lock:
+                self.budget.one_time_costs_paid()
         except Exception as exc:
             self._error("shadow:warm-up", exc)
         return time.perf_counter() - t0

@@ -133,6 +133,23 @@ def test_a_run_the_worker_still_measures_counts_against_the_budget():
         runner.close()
 
 
+def test_after_the_warm_up_the_first_run_sets_the_estimates():
+    """``warm_up`` pays the one-time costs, so the first run's cost is a typical one and the
+    budget's estimates start with it (without a warm-up they start with the second)."""
+    runs = {}
+    for warm in (False, True):
+        cpu = FakeCpu()
+        runner = ShadowRunner(ListSink(), ["int4"], sample_rate=1.0, budget_frac=0.1, cpu_clock=cpu)
+        if warm:
+            runner.warm_up(kv_heads=2, query_heads=4, head_dim=64)
+        runner._snapshot = lambda kv, q, layers: None
+        runner._measure = lambda snapshot, layers: setattr(cpu, "now", cpu.now + 5_000)
+        assert runner.maybe_run(0, [], [])
+        runs[warm] = runner.run_ns
+        runner.close()
+    assert runs == {False: None, True: 5_000}
+
+
 def test_first_run_one_time_cost_does_not_set_the_rate():
     """The first run pays one-time costs (1 ms here, 100x a warm run): it counts as spent, but
     the estimate starts with the second run, so the rate is the warm one from then on."""

@@ -103,10 +103,27 @@ def test_runs_in_flight_count_against_the_budget():
             done_at.pop(0)
             budget.account(5_000, run_done=True)
             now += 5_000
-            if budget._runs_costed > 1:
+            if budget.run_ns is not None:
                 checked += 1
                 assert not _overruns(budget, now), k
         if budget.offer(now, in_flight=len(done_at)):
             overlapped += bool(done_at)
             done_at.append(k + 200)
     assert checked > 300 and overlapped > 100  # the case of the test did occur, often
+
+
+
+def test_after_a_warm_up_the_first_run_is_costed_and_guards_the_second():
+    """Without a warm-up the first run's cost (one-time costs in it) is spent but sets no
+    estimate, so the second run is drawn blind; after one, the first run is a typical run: it
+    sets the estimates, and the guard refuses a second run the budget cannot pay yet."""
+    def second_offer(budget: Budget) -> bool:
+        assert budget.offer(0)
+        budget.account(80, run_done=True)  # the first run: 80 ns at CPU 0
+        return budget.offer(80 + 1_000)  # engine CPU 1,000: a 10% budget is 100, 80 spent
+
+    cold, warm = Budget(sample_rate=1.0, budget_frac=0.1), Budget(sample_rate=1.0, budget_frac=0.1)
+    warm.one_time_costs_paid()
+    assert second_offer(cold) and cold.run_ns is None  # 80 + 0 <= 100: drawn blind (a run of 80 overruns)
+    assert not second_offer(warm) and warm.run_ns == 80  # 80 + 80 > 100
+    assert warm.skipped_budget == 1
