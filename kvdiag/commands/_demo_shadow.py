@@ -110,16 +110,14 @@ def run_logits(model_dir: Path, log_path: Path, args) -> int:
 
 def print_tables(log_path: Path, shadow: bool, logits: bool) -> None:
     """The compression table + recommendation (``shadow``) and the logits table (``logits``)."""
-    from rich.console import Console
-
     from kvdiag.diagnosis import compression, locality
     from kvdiag.diagnosis.rules import COMPRESSION_ERROR_BUDGET
-    from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table
+    from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table, table_console
     from kvdiag.events.eventlog import read_log
 
     log = read_log(log_path, types=["shadow_compression", "shadow_locality", "shadow_logits",
                                     "shadow_budget", "collector_error", "kv_pool_info"])
-    console = Console()
+    console = table_console()
 
     def show(title, frame, columns=None):
         console.print(frame_table(title, frame, columns, digits=3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import pandas as pd
@@ -13,6 +14,23 @@ COMPRESSION_COLUMNS = {
     "attn_score_error": "attn TV", "attn_out_rel_error": "out err", "attn_out_rel_error_lo": "95% lo",
     "attn_out_rel_error_hi": "95% hi", "steps": "steps", "encode_us": "enc us", "decode_us": "dec us",
     "seq_len_tokens": "tokens"}
+
+
+UNWRAPPED_COLUMNS = 240
+"""Width of the tables printed to a file or a pipe: wide enough for the widest (the
+compression table, 13 columns), so that no cell is folded."""
+
+
+def table_console():
+    """The console the tables print on: a terminal at its own width (or ``COLUMNS``); a file,
+    a pipe or a CI log at :data:`UNWRAPPED_COLUMNS`, not at rich's 80, which folds every cell
+    of a 13-column table over three lines ("fp1 / 6")."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(width=UNWRAPPED_COLUMNS)
 
 
 def cell(v, digits: int = 4) -> str:

@@ -18,7 +18,7 @@ import json
 import sys
 
 from kvdiag.diagnosis.rules import COMPRESSION_ERROR_BUDGET
-from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table
+from kvdiag.commands._frame_table import COMPRESSION_COLUMNS, frame_table, table_console
 
 DESCRIPTION = __doc__
 
@@ -197,11 +197,9 @@ def _run_compression(args, methods, model, tokenizer, sink, memory, writer) -> i
 
 
 def _print(result, runner, table, rec, loc, logits) -> None:
-    from rich.console import Console
-
     from kvdiag.diagnosis import locality
 
-    console = Console()
+    console = table_console()
     console.print(f"generated {result.decode_tokens} tokens at {result.tokens_per_s():.1f} tok/s; "
                   f"shadow ran on {runner.runs} steps, errors {dict(runner.errors) or 0}")
     console.print(frame_table("Shadow compression by layer group: means of relative errors (K, V, attention "
@@ -244,9 +242,7 @@ def _run_delta(args, model, tokenizer, sink, memory, writer) -> int:
     if args.json:
         print(json.dumps({"run": info, "table": table.to_dict("records")}, default=str))
         return 0
-    from rich.console import Console
-
-    console = Console()
+    console = table_console()
     console.print(f"{run.turns} turns, {run.prompt_tokens} prompt tokens ({run.reused_tokens} from shared "
                   f"blocks), {run.decode_tokens} generated; {run.blocks_written} of {run.blocks_seen} blocks "
                   f"written out; model {run.model_ns / 1e9:.1f} s, writer (shadow) {run.writer_ns / 1e9:.1f} s")
