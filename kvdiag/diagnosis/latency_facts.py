@@ -7,7 +7,14 @@ series is a function of its samples alone, so both hold the same state.
 Series (values in ns, each at the time it was measured), as :mod:`kvdiag.diagnosis.latency`
 defines them:
 
-- ``step``: ``EngineStep.duration_ns`` at the step's ``ts_ns``.
+- ``step``: ``EngineStep.duration_ns`` at the step's ``ts_ns``, after the node's warm-up: the
+  steps at or before its first request that finished normally are left out (``warmup_steps``
+  counts them). Those carry one-time costs (the first shapes compiled, weights paged in) and
+  in a log of a few hundred steps, whose P99 is one of its largest values, two of them set the
+  P99 of every window they fall in (a 2.5x slowdown later in the log read as a drop). Until the
+  first finish the steps are held aside; a copy of the series includes them, so that a node
+  that has finished nothing yet (or an engine that reports steps but no requests) is judged
+  on all its steps, and past :data:`WARMUP_MAX_STEPS` held steps none is warm-up.
 - ``ttft``: time to first token of a request that finished normally (``RequestFinished.status
   == "finished"``): the finish's ``ttft_ns``, else its first ``RequestFirstToken``'s; at the
   first token's time (the first-token event's ``ts_ns``, else arrival + TTFT).
@@ -22,7 +29,7 @@ in flight). A request finished twice counts twice (the frame-based
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 from kvdiag.events import schema as s
 from kvdiag.diagnosis.sketch import SketchSeries
@@ -31,6 +38,9 @@ SERIES = ("step", "ttft", "per_token")
 FLUSH_SAMPLES = 8_192
 """Samples buffered before they go into the sketches (a numpy call per bucket touched: batching
 keeps the fold's cost per event small); :meth:`LatencyFacts.copy_series` flushes first."""
+WARMUP_MAX_STEPS = 65_536
+"""Steps held before a node's first finished request; at this many, they are no warm-up but
+the node's serving (an engine that reports no requests), and join the series."""
 INPUTS = (s.EngineStep, s.RequestArrived, s.RequestFirstToken, s.RequestFinished)
 _RANK = {s.RequestArrived: 0, s.RequestFirstToken: 1, s.EngineStep: 1, s.RequestFinished: 2}
 
@@ -44,6 +54,10 @@ class LatencyFacts:
         self._open: dict[str, list] = {}
         self._steps_ts: list[int] = []
         self._steps_v: list[float] = []
+        self.serving_since_ns: Optional[int] = None  # the first normal finish (None: not yet)
+        self._held_ts: list[int] = []  # steps before it: warm-up unless no finish comes
+        self._held_v: list[float] = []
+        self.warmup_steps = 0  # steps left out as the warm-up
         self._req: dict[str, tuple[list[int], list[float]]] = {"ttft": ([], []), "per_token": ([], [])}
 
     def record(self, events: Iterable[s.Event]) -> None:
@@ -52,8 +66,14 @@ class LatencyFacts:
         for ev in events:
             t = type(ev)
             if t is s.EngineStep:
-                st_ts.append(ev.ts_ns)
-                st_v.append(ev.duration_ns)
+                since = self.serving_since_ns
+                if since is None:
+                    self._hold(ev.ts_ns, ev.duration_ns)
+                elif ev.ts_ns > since:
+                    st_ts.append(ev.ts_ns)
+                    st_v.append(ev.duration_ns)
+                else:
+                    self.warmup_steps += 1
             elif t is s.RequestArrived:
                 self._open.setdefault(ev.request_id, [ev.ts_ns, None, None])
             elif t is s.RequestFirstToken:
@@ -65,10 +85,31 @@ class LatencyFacts:
         if len(st_ts) + len(self._req["ttft"][0]) + len(self._req["per_token"][0]) >= FLUSH_SAMPLES:
             self.flush()
 
+    def _hold(self, ts_ns: int, duration_ns: float) -> None:
+        """A step before the node's first finished request (module docstring)."""
+        self._held_ts.append(ts_ns)
+        self._held_v.append(duration_ns)
+        if len(self._held_ts) >= WARMUP_MAX_STEPS:  # serving without finishing requests
+            self._start_serving(-1)
+
+    def _start_serving(self, since_ns: int) -> None:
+        """The node serves from ``since_ns`` on: held steps after it join the series, the
+        others are the warm-up."""
+        self.serving_since_ns = since_ns
+        for ts, v in zip(self._held_ts, self._held_v):
+            if ts > since_ns:
+                self._steps_ts.append(ts)
+                self._steps_v.append(v)
+            else:
+                self.warmup_steps += 1
+        self._held_ts, self._held_v = [], []
+
     def _finished(self, ev: s.RequestFinished) -> None:
         arrived, ft_ns, ft_ttft = self._open.pop(ev.request_id, None) or (None, None, None)
         if ev.status != "finished":
             return
+        if self.serving_since_ns is None:
+            self._start_serving(ev.ts_ns)
         ttft = _num(_opt(ev.ttft_ns) if _opt(ev.ttft_ns) is not None else ft_ttft)
         e2e = _num(_opt(ev.e2e_ns)) if _opt(ev.e2e_ns) is not None else (
             ev.ts_ns - arrived if arrived is not None else math.nan)
@@ -100,9 +141,13 @@ class LatencyFacts:
                 v.clear()
 
     def copy_series(self) -> dict[str, SketchSeries]:
-        """Copies of the series (under the caller's lock; read outside it)."""
+        """Copies of the series (under the caller's lock; read outside it), with the steps
+        held before a first finished request, as long as none came (module docstring)."""
         self.flush()
-        return {name: sr.copy() for name, sr in self.series.items()}
+        out = {name: sr.copy() for name, sr in self.series.items()}
+        if self._held_ts:
+            out["step"].add(self._held_ts, self._held_v)
+        return out
 
 
 def _opt(x):
@@ -135,7 +180,7 @@ def series(logs) -> dict[str, SketchSeries]:
     out = {name: SketchSeries() for name in SERIES}
     for node in logs.nodes:
         facts = fold(node_events(logs, node, INPUTS))
-        for name, sr in facts.series.items():
+        for name, sr in facts.copy_series().items():
             out[name].merge(sr)
     logs.sketches.update(out)
     return out

@@ -3,6 +3,7 @@ checked against a value computed directly from the constructed events."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 import constructed as C
@@ -114,3 +115,31 @@ def test_attribution_finds_long_sequences_injected_halfway(tmp_path):
     assert not causes["compression"].supported and not causes["memory_pressure"].supported
     long_ids = {e.request_id for e in evs if isinstance(e, s.RequestArrived) and e.prompt_tokens > 200}
     assert set(causes["long_sequences"].evidence["long_request_ids"]) <= long_ids
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.5])
+def test_warm_up_steps_do_not_mask_a_step_regression_in_a_small_log(tmp_path, factor):
+    """339 engine steps; the first two 10x the slowest other step (the first shapes compiled),
+    every step from the middle on ``factor`` x slower. With P99 one of a few hundred samples'
+    largest values, the two warm-up steps made the before-window's P99 and a 2.5x slowdown
+    read as a drop; the steps up to the first finished request are the warm-up and left out:
+    the verdict is the one the log without its warm-up gets."""
+    def verdict(warm_steps: int):
+        evs = C.events(n_requests=20)
+        steps = [e for e in evs if isinstance(e, s.EngineStep)]
+        mid, top = steps[len(steps) // 2].ts_ns, max(e.duration_ns for e in steps)
+        first_finish = min(e.ts_ns for e in evs if isinstance(e, s.RequestFinished) and e.status == "finished")
+        assert sum(e.ts_ns <= first_finish for e in steps) > warm_steps  # the slow ones are in the warm-up
+        out, k = [], 0
+        for e in evs:
+            if isinstance(e, s.EngineStep):
+                d = top * 10 if k < warm_steps else int(e.duration_ns * (factor if e.ts_ns >= mid else 1.0))
+                e, k = msgspec.structs.replace(e, duration_ns=d), k + 1
+            out.append(e)
+        logs = load([C.write(tmp_path / f"w{warm_steps}.jsonl", out)])[0]
+        step = {c.metric: c for c in latency_regression.detect(logs)}["step"]
+        return step.flagged, step.quantile, step.n_baseline, step.n_current
+
+    with_warm_up, without = verdict(2), verdict(0)
+    assert with_warm_up == without
+    assert with_warm_up[:2] == (factor > 1, 0.99)
