@@ -8,8 +8,7 @@ Series (values in ns, each at the time it was measured), as :mod:`kvdiag.diagnos
 defines them:
 
 - ``step``: ``EngineStep.duration_ns`` at the step's ``ts_ns``, after the node's warm-up: the
-  steps at or before its first request that finished normally are left out (``warmup_steps``
-  counts them). Those carry one-time costs (the first shapes compiled, weights paged in) and
+  steps at or before its first request that finished normally are left out. Those carry one-time costs (the first shapes compiled, weights paged in) and
   in a log of a few hundred steps, whose P99 is one of its largest values, two of them set the
   P99 of every window they fall in (a 2.5x slowdown later in the log read as a drop). Until the
   first finish the steps are held aside; a copy of the series includes them, so that a node
@@ -54,10 +53,10 @@ class LatencyFacts:
         self._open: dict[str, list] = {}
         self._steps_ts: list[int] = []
         self._steps_v: list[float] = []
-        self.serving_since_ns: Optional[int] = None  # the first normal finish (None: not yet)
+        # the first normal finish (None: not yet; -1: serving without finishes, no warm-up)
+        self.serving_since_ns: Optional[int] = None
         self._held_ts: list[int] = []  # steps before it: warm-up unless no finish comes
         self._held_v: list[float] = []
-        self.warmup_steps = 0  # steps left out as the warm-up
         self._req: dict[str, tuple[list[int], list[float]]] = {"ttft": ([], []), "per_token": ([], [])}
 
     def record(self, events: Iterable[s.Event]) -> None:
@@ -69,11 +68,9 @@ class LatencyFacts:
                 since = self.serving_since_ns
                 if since is None:
                     self._hold(ev.ts_ns, ev.duration_ns)
-                elif ev.ts_ns > since:
+                elif ev.ts_ns > since:  # (else: the warm-up, left out)
                     st_ts.append(ev.ts_ns)
                     st_v.append(ev.duration_ns)
-                else:
-                    self.warmup_steps += 1
             elif t is s.RequestArrived:
                 self._open.setdefault(ev.request_id, [ev.ts_ns, None, None])
             elif t is s.RequestFirstToken:
@@ -100,8 +97,6 @@ class LatencyFacts:
             if ts > since_ns:
                 self._steps_ts.append(ts)
                 self._steps_v.append(v)
-            else:
-                self.warmup_steps += 1
         self._held_ts, self._held_v = [], []
 
     def _finished(self, ev: s.RequestFinished) -> None:

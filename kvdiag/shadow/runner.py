@@ -20,8 +20,8 @@ it counts as spent, the estimate starts with the second, unless :meth:`ShadowRun
 paid them), so samples spread evenly over the run instead of coming in bursts; a drawn step
 is still skipped if spent + the runs in flight (queued or being measured) and one more, at
 the dearest recent run's cost, would exceed the budget (``steps_skipped_budget``;
-:mod:`kvdiag.kernels.shadow_budget`). ``sample_rate`` is therefore the ceiling; the rate in force and the achieved rate (sampled / offered) are reported in each
-:class:`ShadowBudget`. ``budget_frac=None``: no budget, the rate is ``sample_rate``.
+:mod:`kvdiag.kernels.shadow_budget`). ``sample_rate`` is therefore the ceiling; the rate in
+force and the achieved rate (sampled / offered) are reported in each :class:`ShadowBudget`. ``budget_frac=None``: no budget, the rate is ``sample_rate``.
 Shadow CPU is counted as: inline, the whole process's CPU during the run (torch's intra-op
 threads included, the engine waits meanwhile); in the background, the caller's thread for the
 copy plus the worker thread. Only the first ``max_batch`` sequences are copied, and of them
