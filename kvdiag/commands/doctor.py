@@ -33,7 +33,8 @@ P99 spike     a P99 rise of TTFT, TPOT or engine steps beyond {rules.P99_THRESHO
               sequences) are listed after the table, each with its status
 forecast      KV the active requests still need against free blocks: time to full, OOM risk
 sharing       the engine's prefix hit rate against the content's (shadow cache at the engine's
-              settings), within ±{rules.SHARING_GAP_LIMIT:.0%}; preemptions
+              settings), within ±{rules.SHARING_GAP_LIMIT:.0%}, with the engine's evictions over the same requests
+              beside a gap (pool pressure); preemptions
 engine        the engine's own numbers against kvdiag's recount (engine.number_traps): a usage
               gauge counting blocks, a gauge whose scrapes miss the peak, a lifetime hit rate
               holding earlier traffic, hits beyond the requests' first admissions, a hit
@@ -250,8 +251,14 @@ def _print_misses(misses: dict) -> None:
         console.print(t)
         med = m.to_dict()["total"]
         if m.total.tokens[1]:
-            console.print(f"evicted: median reuse distance <= {med['evicted_median_reuse_refs']} block "
-                          f"references, median time since last use <= {med['evicted_median_age_ms']} ms")
+            parts = []
+            if med["evicted_median_reuse_refs"] is not None:
+                parts.append(f"median reuse distance <= {med['evicted_median_reuse_refs']} block references, "
+                             f"median time since last use <= {med['evicted_median_age_ms']} ms")
+            if med["evicted_unknown_distance_tokens"]:
+                parts.append(f"{med['evicted_unknown_distance_tokens']} tokens with no reuse distance (evicted by "
+                             "the engine while the shadow held them, or beyond the shadow's evicted-key history)")
+            console.print("evicted: " + "; ".join(parts))
 
 
 def _print_latency(console, summary, queueing, style) -> None:

@@ -30,10 +30,16 @@ gets its cause in this order, the first that applies:
 2. held by the shadow at arrival (``j < h``) yet missed: ``preemption`` when the request was
    preempted (``RequestPreempted``) and the engine counts its cached tokens at the last admission
    (transformers; vLLM counts them at the first admission and its re-admissions in separate
-   ``preempted`` counters, so there the cause never applies); else ``engine_skip``: the shadow at
-   the engine's own settings held the content, the engine missed (requests in flight at once
-   whose blocks were not complete yet, a pool partly taken by running requests, lookups the
-   engine skipped: the remainder, named as such).
+   ``preempted`` counters, so there the cause never applies); else ``evicted`` when the engine
+   had let that content go: the request's ``BlockStored`` events, in order from its first
+   computed block ``cached_prompt_tokens // B``, show the block stored anew under an engine
+   hash whose earlier block the engine evicted (``BlockEvicted``) in between: a pool under
+   pressure, where running requests take blocks that the shadow, holding content alone, does not
+   count (no reuse distance or age: the engine's eviction, not the shadow's); else
+   ``engine_skip``: the shadow at the engine's own settings held the content and, as far as the
+   engine's events tell, so did the engine (requests in flight at once whose blocks were not
+   complete yet, lookups the engine skipped, an engine that reports no stores or evictions: the
+   remainder, named as such).
 3. not held (``j >= h``): ``evicted`` when this domain's key of block ``j`` was seen before (in
    the shadow after its prefix broke, or among the keys it evicted): the content was reused after
    the shadow at the engine's capacity had let it (or its prefix) go. Each evicted block carries
@@ -50,7 +56,9 @@ gets its cause in this order, the first that applies:
 Multimodal ``extra_keys`` are not a domain here: they change only the blocks holding a
 placeholder, which the log does not locate; such misses show as ``engine_skip``.
 
-Memory: per live request its blocks' causes at arrival; per content key the shadow's entries
+Memory: per live request its blocks' causes at arrival; per block id the engine hash it
+stores, and the last :data:`_MAX_EVICTED_HASHES` hashes the engine evicted (until stored again);
+per content key the shadow's entries
 (at most the pool's block count), evicted keys' last use for ``ghost_factor`` x the pool
 (reuse distance and age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted
 from cold beyond that (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M
@@ -64,7 +72,10 @@ second, or compiled the first time on a machine (seconds; a request that arrives
 
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
 the doctor and the report replay a log through it
-(:func:`kvdiag.diagnosis.miss_replay.miss_causes_of_events`).
+(:func:`kvdiag.diagnosis.miss_replay.miss_causes_of_events`). A replay feeds it the engine's
+``BlockEvicted`` events (:data:`REPLAY_EVENTS`); a live fold takes them from its ``ledger``
+(:meth:`kvdiag.pool.blockledger.BlockLedger.log_evictions`), which folds those events itself,
+at each store, arrival and finish: the same evictions before the same events.
 """
 
 from __future__ import annotations
@@ -79,18 +90,20 @@ from kvdiag.diagnosis.miss_tally import (BELOW_BLOCK, CAUSES, COLD, ENGINE_SKIP,
 from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
-from kvdiag.events.schema import (BlockStored, Event, KVPoolInfo, RequestArrived,
+from kvdiag.events.schema import (BlockEvicted, BlockStored, Event, KVPoolInfo, RequestArrived,
                                   RequestFinished, RequestPreempted)
+from kvdiag.pool.blockledger import BlockLedger
 
 HELD = -1  # a block the shadow served at arrival
 
 _MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
 _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
+_MAX_EVICTED_HASHES = 1 << 17  # contents the engine evicted, remembered until stored again (oldest dropped)
 
 
 class _Live:
     __slots__ = ("content", "mask", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
-                 "keys", "dkeys")
+                 "keys", "dkeys", "restored_evicted")
 
     def __init__(self, content, mask, codes, dist, age, hit_blocks, keys, dkeys) -> None:
         self.content, self.mask, self.codes = content, mask, codes  # mask: its domain's (domain_mask)
@@ -99,6 +112,9 @@ class _Live:
         self.hit_blocks = hit_blocks
         self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
         self.stored: list = []
+        # per BlockStored of the request, in order: its content had been stored before and the
+        # engine had evicted that block since (the engine's evidence of pool pressure)
+        self.restored_evicted: list[bool] = []
         self.preempted = False
 
     def evicted_figures(self, k: int) -> tuple[Optional[int], Optional[int]]:
@@ -119,7 +135,8 @@ class MissCauseFold:
 
     def __init__(self, *, engine: str = "", cached_at_first_admission: Optional[bool] = None,
                  ghost_factor: int = 4, bloom_bits: int = 1 << 23, hash_algorithm: str = "fast",
-                 on_request: Optional[Callable[[RequestMisses], None]] = None) -> None:
+                 on_request: Optional[Callable[[RequestMisses], None]] = None,
+                 ledger: Optional[BlockLedger] = None) -> None:
         self.first_admission = (engine.startswith("vllm") if cached_at_first_admission is None
                                 else cached_at_first_admission)
         self.ghost_factor = ghost_factor
@@ -133,6 +150,11 @@ class MissCauseFold:
         self._live: dict[str, _Live] = {}
         self._before_pool: Optional[list[Event]] = []
         self.errors = 0
+        # the engine's evictions (module docstring): fed as BlockEvicted events, or taken from
+        # ``ledger`` (the live fold's, which folds those events itself) from the first store on
+        self._ledger = ledger
+        self._stored_hash: dict = {}  # block id -> the engine's hash of the content it stores
+        self._evicted_hashes: dict = {}  # hashes whose block the engine evicted, not stored since
         K.warm_up_in_background()  # the shadow's kernels are loaded by the time requests arrive
 
     def set_engine(self, engine: str) -> None:
@@ -153,21 +175,27 @@ class MissCauseFold:
             return
         try:
             if t is BlockStored:
+                restored_evicted = self._stored(ev)
                 live = self._live.get(ev.request_id)
                 if live is not None:
+                    live.restored_evicted.append(restored_evicted)
                     if live.content.token_ids is not None and ev.token_ids:
                         live.stored.append(ev.token_ids)
                     elif live.content.token_ids is None and ev.chunk_hashes is not None:
                         live.stored.append((int(ev.num_tokens), list(ev.chunk_hashes)))
                 elif self._before_pool is not None and self.block_size_tokens is None:
                     self._buffer(ev)
+            elif t is BlockEvicted:
+                self._engine_evicted(ev.block_id)
             elif t is KVPoolInfo:
                 self._pool(ev)
             elif self.block_size_tokens is None and self._before_pool is not None:
                 self._buffer(ev)
             elif t is RequestArrived:
+                self._take_evictions()
                 self._arrived(ev)
             elif t is RequestFinished:
+                self._take_evictions()
                 self._finished(ev)
             else:
                 live = self._live.get(ev.request_id)
@@ -203,6 +231,32 @@ class MissCauseFold:
         pending, self._before_pool = self._before_pool or [], None
         for e in pending:
             self.feed(e)
+
+    # ------------------------------------------------------------------ the engine's evictions
+    def _stored(self, ev: BlockStored) -> bool:
+        """Note which content block ``ev.block_id`` stores now; True when the engine had stored
+        the same content before and evicted it since (a recompute after an eviction)."""
+        if self._ledger is not None:
+            self._ledger.log_evictions()  # from the first store on: evictions of stored content
+            self._take_evictions()
+        h = ev.block_hash
+        self._stored_hash[ev.block_id] = h
+        if h in self._evicted_hashes:
+            del self._evicted_hashes[h]
+            return True
+        return False
+
+    def _take_evictions(self) -> None:
+        if self._ledger is not None and self._ledger.evicted_log:
+            for b in self._ledger.take_evictions():
+                self._engine_evicted(b)
+
+    def _engine_evicted(self, block_id) -> None:
+        h = self._stored_hash.pop(block_id, None)
+        if h is not None:
+            self._evicted_hashes[h] = None
+            if len(self._evicted_hashes) > _MAX_EVICTED_HASHES:
+                del self._evicted_hashes[next(iter(self._evicted_hashes))]
 
     # ------------------------------------------------------------------ the shadow
     def _keys(self, content: Content) -> Optional[np.ndarray]:
@@ -248,13 +302,8 @@ class MissCauseFold:
             codes = live.codes
             j = start // bs
             held_end = min(h, full)
-            if j < held_end:  # blocks the shadow held: one cause, but a block-aligned last one
-                n = held_end * bs - start
-                if held_end == full and prompt % bs == 0:
-                    last = full * bs - max((full - 1) * bs, start)
-                    tokens[BELOW_BLOCK] += last
-                    n -= last
-                tokens[PREEMPTION if live.preempted and not self.first_admission else ENGINE_SKIP] += n
+            if j < held_end:  # blocks the shadow held
+                self._held_missed(live, j, held_end, full, prompt, start, tokens, evicted)
                 j = held_end
             while j < full:
                 n = (j + 1) * bs - max(j * bs, start)
@@ -280,6 +329,26 @@ class MissCauseFold:
                 j += 1
             self._store_finished(live, ev.ts_ns)
         self._record(ev, tokens, evicted, None if live is None or bs is None else live.hit_blocks * bs)
+
+    def _held_missed(self, live: _Live, j: int, held_end: int, full: int, prompt: int, start: int,
+                     tokens: list[int], evicted: list) -> None:
+        """The causes of the missed tokens of blocks ``j .. held_end - 1``, which the shadow held
+        (module docstring, cause 2; a block-aligned prompt's last block is ``below_block``)."""
+        bs = self.block_size_tokens
+        if held_end == full and prompt % bs == 0:
+            tokens[BELOW_BLOCK] += full * bs - max((full - 1) * bs, start)
+            held_end -= 1
+        if live.preempted and not self.first_admission:
+            tokens[PREEMPTION] += max(held_end * bs - start, 0)
+            return
+        gone = live.restored_evicted  # its stores in order from block j: recomputed after an eviction?
+        for k in range(held_end - j):
+            n = (j + k + 1) * bs - max((j + k) * bs, start)
+            if k < len(gone) and gone[k]:
+                tokens[EVICTED] += n
+                evicted.append((None, None, n))
+            else:
+                tokens[ENGINE_SKIP] += n
 
     def _record(self, ev: RequestFinished, tokens: Optional[list[int]], evicted: list,
                 shadow_hit_tokens: Optional[int]) -> None:
@@ -319,4 +388,7 @@ class MissCauseFold:
 
 FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestPreempted, BlockStored, RequestFinished)
 """The event types the fold reads, in the order ties in time are replayed."""
-_WANTED = frozenset(FOLD_EVENTS)
+REPLAY_EVENTS = (*FOLD_EVENTS, BlockEvicted)
+"""What a replay of a log feeds the fold: its events and the engine's evictions (a live fold
+takes those from its ledger)."""
+_WANTED = frozenset(REPLAY_EVENTS)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from kvdiag.diagnosis.frames import node_events
-from kvdiag.diagnosis.miss_causes import FOLD_EVENTS, MissCauseFold
+from kvdiag.diagnosis.miss_causes import REPLAY_EVENTS, MissCauseFold
 from kvdiag.diagnosis.miss_tally import MissCauses, MissTally, MissWindow, RequestMisses
 from kvdiag.events.schema import Event, RequestFinished
 
@@ -32,10 +32,10 @@ def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s
 
 
 def log_file_events(path) -> Iterable[Event]:
-    """The :data:`FOLD_EVENTS` of one event log file, streamed in file order (unreadable lines
+    """The :data:`REPLAY_EVENTS` of one event log file, streamed in file order (unreadable lines
     skipped silently: the reader that loaded the log reported them)."""
     from kvdiag.events.eventlog import ReadOutcome, iter_events
-    return (e for e in iter_events(path, outcome=ReadOutcome()) if type(e) in FOLD_EVENTS)
+    return (e for e in iter_events(path, outcome=ReadOutcome()) if type(e) in REPLAY_EVENTS)
 
 
 def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
@@ -49,7 +49,7 @@ def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
             continue
         path = logs.paths.get(node)
         events = (log_file_events(path) if path is not None and Path(path).is_file()
-                  else node_events(logs, node, FOLD_EVENTS))
+                  else node_events(logs, node, REPLAY_EVENTS))
         out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "",
                                           window_s=window_s)
     return out

@@ -10,10 +10,11 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from kvdiag.diagnosis import rules
+from kvdiag.diagnosis import block_facts, rules
 from kvdiag.diagnosis.findings import Finding
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.events.schema import KVPoolInfo, RequestFinished, ShadowSharing
+from kvdiag.pool.blockfacts import FACTS_TAG
 from kvdiag.simulation.live_sharing import headline_config, sharing_window
 
 
@@ -53,6 +54,22 @@ def _same_requests(mine: pd.DataFrame, key: tuple, fin: pd.DataFrame) -> Optiona
             return {"shadow_hit_rate": float(r.token_hit_rate), "engine_hit_rate": float(r.engine_hit_rate),
                     "requests": int(r.requests), "window_start_ns": None, "window_end_ns": int(r.ts_ns)}
     return None
+
+
+def engine_evictions(logs: Logs, node: str, start_ns: Optional[int], end_ns: Optional[int]) -> int:
+    """The engine's ``BlockEvicted`` events of ``node`` in ``(start_ns, end_ns]`` (None: open),
+    from the block facts (each row counts those since the row before it)."""
+    facts = block_facts.frame(logs, FACTS_TAG)
+    facts = facts[facts["node"] == node]
+    if facts.empty:
+        return 0
+    ts = facts["ts_ns"].astype("int64")
+    keep = pd.Series(True, index=facts.index)
+    if start_ns is not None:
+        keep &= ts > start_ns
+    if end_ns is not None:
+        keep &= ts <= end_ns
+    return int(pd.to_numeric(facts.loc[keep, "evictions"]).sum())
 
 
 def sharing_consistency(logs: Logs) -> Finding:
@@ -100,7 +117,13 @@ def sharing_consistency(logs: Logs) -> Finding:
         return Finding("sharing.consistency", "n/a", title,
                        "no engine hit rate over the same requests as the shadow's (shadow results "
                        "older than schema 1.6 compare only when no request was in flight)")
-    return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title,
-                   f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
-                   f"over the same {worst['requests']} finished requests "
-                   f"(gap {worst['gap']:+.1%}, limit ±{rules.SHARING_GAP_LIMIT:.0%})", worst)
+    message = (f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
+               f"over the same {worst['requests']} finished requests "
+               f"(gap {worst['gap']:+.1%}, limit ±{rules.SHARING_GAP_LIMIT:.0%})")
+    worst["engine_evictions"] = engine_evictions(logs, worst["node"], worst["window_start_ns"],
+                                                 worst["window_end_ns"])
+    if worst["gap"] > 0 and worst["engine_evictions"]:
+        message += (f"; the engine evicted {worst['engine_evictions']} cached blocks meanwhile: with "
+                    "requests in flight they take blocks of the pool that the shadow, holding content "
+                    "alone, still counts as cache (the miss causes show which tokens the engine evicted)")
+    return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title, message, worst)

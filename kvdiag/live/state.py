@@ -69,7 +69,9 @@ class LiveState:
                              lambda: self.requests.preemptions)
         self.latency = LatencyFold(self.bins, bin_s, self.requests, self.pool, self.ledger, self.facts,
                                    self.engine, self.memory, lambda: self.rule_findings)
-        self.misses = MissCauseFold()  # why missed prompt tokens missed: the doctor's one definition
+        # why missed prompt tokens missed: the doctor's one definition (the engine's evictions
+        # from the ledger, which folds them)
+        self.misses = MissCauseFold(ledger=self.ledger)
         self.curves = CurveFold(self.block_size_tokens, lambda: self.pool.info.num_blocks if self.pool.info else None)
         self._handlers = self._handler_table()
         self._get_handler = self._handlers.get

@@ -33,7 +33,9 @@ Also, for the block facts (:mod:`kvdiag.pool.blockfacts`) and the forecast:
   ``BlockAllocated`` and ``PrefixHit`` events so far, summed in ``open_allocated`` /
   ``open_hits`` (the blocks the forecast counts as already taken by active requests);
 - with :meth:`BlockLedger.track_holdings`, ``holdings`` after each of the latest block events
-  (``ring_ts`` / ``ring_held``), for the holdings at an instant already passed.
+  (``ring_ts`` / ``ring_held``), for the holdings at an instant already passed;
+- with :meth:`BlockLedger.log_evictions`, the ids of evicted blocks until
+  :meth:`BlockLedger.take_evictions` (the miss-cause fold's evidence of the engine's evictions).
 
 :meth:`BlockLedger.apply_all` folds a batch in one loop (the common cases of the three block
 events that make up ~97% of a busy engine's stream inlined; every other case goes through the
@@ -123,6 +125,7 @@ class BlockLedger:
         self.open_allocated = 0  # sums over self.open
         self.open_hits = 0
         self.ring_ts: Optional[deque] = None  # track_holdings: ts_ns and holdings after each block event
+        self.evicted_log: Optional[list] = None  # log_evictions: ids of BlockEvicted events not yet taken
         self.ring_held: Optional[deque] = None
         # hooks: on_watch(ts) before the first block event, arrival or finish with ts_ns > watch_ts
         # (then watch_ts is read again); on_new_holder(request_id, ts) when a BlockAllocated makes
@@ -135,6 +138,20 @@ class BlockLedger:
             BlockAllocated: self.allocated, PrefixHit: self.hit, BlockDeduplicated: self.hit,
             BlockReleased: self.released, BlockEvicted: self.evicted, RequestFinished: self.finished,
             KVPoolInfo: self._pool_info, RequestArrived: self._arrived}
+
+    def log_evictions(self) -> None:
+        """From now on, keep the block id of each ``BlockEvicted`` until :meth:`take_evictions`
+        (the miss-cause fold's evidence that the engine let a block's content go)."""
+        if self.evicted_log is None:
+            self.evicted_log = []
+
+    def take_evictions(self) -> list:
+        """The block ids evicted since the last call (oldest first), given up by the ledger."""
+        log = self.evicted_log
+        if not log:
+            return []
+        self.evicted_log = []
+        return log
 
     def track_holdings(self, ring_block_events: int) -> None:
         """Remember ``holdings`` after each of the latest ``ring_block_events`` block events."""
@@ -271,6 +288,7 @@ class BlockLedger:
         if ring:
             ring_ts, ring_held = self.ring_ts.append, self.ring_held.append
         slow = self.keep_history  # the history is written by the per-event methods
+        elog = self.evicted_log  # log_evictions (re-read after any call out: take_evictions swaps it)
         n = self._fast_slots()  # block ids below n are their own slots
         watch = self.watch_ts
         bucket_ns = bucket_ns or NEVER_NS
@@ -295,6 +313,7 @@ class BlockLedger:
                             on_bucket(cur, run)
                         finally:
                             hold = self.holdings
+                            elog = self.evicted_log
                     cur, run = idx, 0
                 run += 1
                 if ts > watch and t in settling:
@@ -304,6 +323,7 @@ class BlockLedger:
                         self.on_watch(ts)
                     finally:
                         hold = self.holdings
+                        elog = self.evicted_log
                         watch = self.watch_ts
                 if t is REL:
                     if ts > last:  # the latest event the ledger folds
@@ -317,6 +337,7 @@ class BlockLedger:
                             self.released(ev)
                         finally:
                             hold = self.holdings
+                            elog = self.evicted_log
                             n = self._fast_slots()
                         continue
                     # its only holder lets it go (released(), _drop())
@@ -354,6 +375,7 @@ class BlockLedger:
                             self.allocated(ev)
                         finally:
                             hold = self.holdings
+                            elog = self.evicted_log
                             n = self._fast_slots()
                         continue
                     # a block no request held, for a request that holds others (allocated())
@@ -386,10 +408,13 @@ class BlockLedger:
                             self.evicted(ev)
                         finally:
                             hold = self.holdings
+                            elog = self.evicted_log
                             n = self._fast_slots()
                         continue
                     nb += 1  # (evicted())
                     nev += 1
+                    if elog is not None:
+                        elog.append(b)
                     if cached[b]:
                         cached[b] = False
                         nc -= 1
@@ -409,6 +434,7 @@ class BlockLedger:
                             other(ev)
                     finally:
                         hold = self.holdings
+                        elog = self.evicted_log
                         watch = self.watch_ts
                         n = self._fast_slots()
             except Exception:  # one malformed event costs its own figures, not the fold
@@ -610,6 +636,8 @@ class BlockLedger:
         self.evictions += 1
         if self._holder[i] is not None:
             self._anomaly("evict_held", ev.ts_ns, b, None)
+        if self.evicted_log is not None:
+            self.evicted_log.append(b)
         self._uncache(i)
         self._ring(ev.ts_ns)
         if self.history is not None:

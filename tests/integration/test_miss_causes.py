@@ -17,7 +17,7 @@ from kvdiag.diagnosis.miss_replay import miss_causes_of_events, miss_causes_of_l
 from kvdiag.diagnosis.miss_tally import CAUSES
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.pool.hashing import ContentHasher
-from kvdiag.events.schema import (BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
+from kvdiag.events.schema import (BlockEvicted, BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowSharing)
 
 DATA = Path(__file__).parent.parent / "data"
@@ -240,6 +240,102 @@ def test_logs_frames_replay_equals_the_event_stream():
     assert a == b
     assert b["preemption"] > 0  # transformers counts cached tokens at the last admission
     assert len(node_events(logs, node, FOLD_EVENTS)) > 0
+
+
+def _stored(t, rid, block_id, block_hash, toks):
+    return BlockStored(ts_ns=t, block_id=block_id, block_hash=block_hash, num_tokens=len(toks),
+                       request_id=rid, token_ids=toks)
+
+
+def pressure_stream(evicted_ids: tuple[int, ...], cached: int):
+    """A pool of 4 blocks of 4 tokens. "first" stores A's two full blocks (ids 0 and 1, engine
+    hashes 1001 and 1002); "long" (B_'s two blocks) is still running when the engine evicts
+    ``evicted_ids`` to make room; the shadow, at the pool's 4 blocks over content alone, still
+    holds A. "again" (A's prompt) gets ``cached`` tokens from the engine and stores the rest of
+    A's full blocks anew, in order."""
+    ev = [_pool(4, 4), _arrive(10, "first", A), _stored(11, "first", 0, 1001, A[0:4]),
+          _stored(12, "first", 1, 1002, A[4:8]), _finish(13, "first", 10, 0),
+          _arrive(20, "long", B_), _stored(21, "long", 2, 2001, B_[0:4]), _stored(22, "long", 3, 2002, B_[4:8])]
+    ev += [BlockEvicted(ts_ns=30 + i, block_id=b) for i, b in enumerate(evicted_ids)]
+    ev.append(_arrive(40, "again", A))
+    ev += [_stored(41 + k, "again", b, h, A[4 * j:4 * j + 4])
+           for k, (j, b, h) in enumerate(((0, 0, 1001), (1, 1, 1002))[cached // 4:])]
+    ev += [_finish(50, "again", 10, cached), _finish(51, "long", 8, 0)]
+    return ev
+
+
+@pytest.mark.parametrize("evicted_ids, cached, want", [
+    ((0, 1), 0, {"evicted": 8, "below_block": 2}),  # the engine let both blocks go
+    ((1,), 4, {"evicted": 4, "below_block": 2}),  # it kept block 0 (a hit) and let block 1 go
+    ((0,), 0, {"evicted": 4, "engine_skip": 4, "below_block": 2}),  # block 1 was still cached: a skip
+    ((), 0, {"engine_skip": 8, "below_block": 2}),  # nothing evicted: both skipped
+])
+def test_blocks_the_engine_evicted_under_pressure_are_evicted_not_skipped(evicted_ids, cached, want):
+    """The shadow at the pool's size holds content alone; running requests also take the pool,
+    so the engine may evict what the shadow still holds. A block the engine recomputes after
+    evicting its content (its own BlockEvicted, then a BlockStored of the same hash) missed
+    because it was evicted; only a block whose content the engine still had is a skip. Top's
+    live fold (evictions from its ledger) and the log replay (from the events) agree."""
+    from kvdiag.live.state import LiveState
+
+    events = pressure_stream(evicted_ids, cached)
+    got = _per_request(events, engine="transformers-cb")
+    assert got["again"] == Counter(want)
+    rec = next(r for r in miss_causes_of_events(events).requests if r.request_id == "again")
+    assert [(d, age, n) for d, age, n in rec.evicted] == [(None, None, 4)] * (want.get("evicted", 0) // 4)
+    for chunk in (1, 3, len(events)):
+        state = LiveState()
+        for i in range(0, len(events), chunk):
+            state.feed_all(events[i:i + chunk])
+        assert state.misses.tally.by_cause() == miss_causes_of_events(events).total.by_cause()
+    assert not state.ledger.evicted_log  # taken by the fold: no growth
+
+
+@pytest.mark.parametrize("name", ["demo_16req_pool56.kvlog.gz", "demo_16req_pool72.kvlog.gz"])
+def test_recorded_pool_pressure_logs_name_the_engines_evictions(name):
+    """Transformers with a small pool and requests in flight at once: the engine evicted cached
+    blocks and recomputed some later (a BlockStored of a hash it had stored in a block evicted
+    since: counted here from the events, independently of the fold: 32 and 29 blocks); exactly
+    those blocks' tokens are evicted (they read as engine_skip before), the causes still sum to
+    the engine's missed tokens."""
+    events = list(iter_events(DATA / "demo_preempt" / name))
+    block_hash, gone, restored = {}, set(), 0
+    for e in events:
+        if isinstance(e, BlockStored):
+            restored += e.block_hash in gone
+            gone.discard(e.block_hash)
+            block_hash[e.block_id] = e.block_hash
+        elif isinstance(e, BlockEvicted) and e.block_id in block_hash:
+            gone.add(block_hash.pop(e.block_id))
+    block_size = next(e for e in events if isinstance(e, KVPoolInfo)).block_size_tokens
+    assert restored > 0
+    causes = miss_causes_of_events(events, engine="transformers-cb").total.by_cause()
+    assert causes["evicted"] == restored * block_size
+    fins = [e for e in events if isinstance(e, RequestFinished)]
+    assert sum(causes.values()) == sum(e.prompt_tokens - e.cached_prompt_tokens for e in fins)
+
+
+@pytest.mark.parametrize("name", ["demo_preempt/demo_16req_pool72.kvlog.gz", "demo_queueing/calm_22req_rate0.8.kvlog.gz"])
+def test_sharing_consistency_names_the_engines_evictions_behind_a_gap(name):
+    """sharing.consistency counts the engine's evictions over the requests it compares (the
+    block facts, as top reads them) and, behind a positive gap, says they explain it; a log
+    without evictions keeps the plain message."""
+    from kvdiag.diagnosis.frames import load
+    from kvdiag.diagnosis.sharing_rules import sharing_consistency
+
+    path = DATA / name
+    logs, _ = load([path])
+    found = sharing_consistency(logs)
+    ev = found.evidence
+    start, end = ev["window_start_ns"], ev["window_end_ns"]
+    independent = sum(1 for e in iter_events(path) if isinstance(e, BlockEvicted)
+                      and (start is None or e.ts_ns > start) and e.ts_ns <= end)
+    assert ev["engine_evictions"] == independent
+    if independent:
+        assert found.status == "warn" and ev["gap"] > 0
+        assert f"the engine evicted {independent} cached blocks meanwhile" in found.message
+    else:
+        assert found.status == "pass" and "evicted" not in found.message
 
 
 def test_generated_blocks_enter_the_shadow_at_finish():
