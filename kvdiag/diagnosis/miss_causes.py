@@ -131,7 +131,9 @@ class MissCauseFold:
     (module docstring) and calls ``on_request`` with its :class:`RequestMisses`; ``tally``
     holds the cumulative counts. ``cached_at_first_admission``: the engine counts a request's
     cached tokens at its first admission (vLLM: ``engine="vllm"``), so preemption never
-    explains them; None: from ``engine``."""
+    explains them; None: from ``engine``. ``ledger``: the ledger that folds the same stream's
+    block events (a live fold, whose ``BlockEvicted`` events the ledger alone receives): the
+    engine's evictions are taken from it; without one, feed them (:data:`REPLAY_EVENTS`)."""
 
     def __init__(self, *, engine: str = "", cached_at_first_admission: Optional[bool] = None,
                  ghost_factor: int = 4, bloom_bits: int = 1 << 23, hash_algorithm: str = "fast",
