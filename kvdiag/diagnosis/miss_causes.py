@@ -177,22 +177,23 @@ class MissCauseFold:
             return
         try:
             if t is BlockStored:
-                restored_evicted = self._stored(ev)
                 live = self._live.get(ev.request_id)
                 if live is not None:
-                    live.restored_evicted.append(restored_evicted)
+                    live.restored_evicted.append(self._stored(ev))
                     if live.content.token_ids is not None and ev.token_ids:
                         live.stored.append(ev.token_ids)
                     elif live.content.token_ids is None and ev.chunk_hashes is not None:
                         live.stored.append((int(ev.num_tokens), list(ev.chunk_hashes)))
                 elif self._before_pool is not None and self.block_size_tokens is None:
                     self._buffer(ev)
-            elif t is BlockEvicted:
-                self._engine_evicted(ev.block_id)
+                else:
+                    self._stored(ev)
             elif t is KVPoolInfo:
                 self._pool(ev)
             elif self.block_size_tokens is None and self._before_pool is not None:
                 self._buffer(ev)
+            elif t is BlockEvicted:
+                self._engine_evicted(ev.block_id)
             elif t is RequestArrived:
                 self._take_evictions()
                 self._arrived(ev)
@@ -228,6 +229,8 @@ class MissCauseFold:
         if config != (self.block_size_tokens, self.capacity_blocks):
             if self.block_size_tokens is not None:  # another pool: a new engine, a new cache
                 self._live.clear()
+                self._stored_hash.clear()  # its block ids name other blocks
+                self._evicted_hashes.clear()
             self.block_size_tokens, self.capacity_blocks = config
             self._reset_shadow()
         pending, self._before_pool = self._before_pool or [], None

@@ -289,6 +289,11 @@ def test_blocks_the_engine_evicted_under_pressure_are_evicted_not_skipped(evicte
             state.feed_all(events[i:i + chunk])
         assert state.misses.tally.by_cause() == miss_causes_of_events(events).total.by_cause()
     assert not state.ledger.evicted_log  # taken by the fold: no growth
+    # the pool announced late, just before "again": what came before it (stores and evictions)
+    # is replayed in order
+    k = next(i for i, e in enumerate(events) if isinstance(e, RequestArrived) and e.request_id == "again")
+    late = [*events[1:k], events[0], *events[k:]]
+    assert _per_request(late, engine="transformers-cb")["again"] == Counter(want)
 
 
 @pytest.mark.parametrize("name", ["demo_16req_pool56.kvlog.gz", "demo_16req_pool72.kvlog.gz"])
