@@ -6,7 +6,9 @@ read with prometheus_client's parser) exactly, and each cause vLLM can produce s
 - below_block: a chat whose prompt is shorter than one block, and every prompt's partial tail;
 - hash_domain: the first chat again under a ``cache_salt`` (vLLM folds it into its block hashes);
 - evicted: the first chat's system prompt (two full blocks before the question) after other
-  long prompts went through a pool of 10 blocks of 128 tokens.
+  long prompts went through a pool of 10 blocks of 128 tokens; and, on a pool of 9, blocks vLLM
+  evicted while two chats were in flight although the shadow still held them (the engine's own
+  evictions as the evidence).
 
 The engine core imports this checkout's kvdiag (``PYTHONPATH``): the plugin under test records
 ``RequestArrived.cache_domain``, whatever kvdiag vLLM's environment was last refreshed with.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -25,7 +29,7 @@ import pytest
 from kvdiag.diagnosis.miss_replay import miss_causes_of_events
 from kvdiag.commands._demo_vllm import VllmServer
 from kvdiag.events.eventlog import iter_events
-from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished
+from kvdiag.events.schema import BlockEvicted, BlockStored, KVPoolInfo, RequestArrived, RequestFinished
 from vllm_harness import QUESTIONS, SYSTEM, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -34,8 +38,8 @@ POOL_BLOCKS = 10  # 10 x 128 tokens: a long system prompt takes 4, so three othe
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _chat(server, system: str, question: str, salt: str | None = None) -> dict:
-    body = {"model": server.model, "temperature": 0, "max_tokens": 4,
+def _chat(server, system: str, question: str, salt: str | None = None, max_tokens: int = 4) -> dict:
+    body = {"model": server.model, "temperature": 0, "max_tokens": max_tokens,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
     if salt is not None:
         body["cache_salt"] = salt
@@ -45,14 +49,20 @@ def _chat(server, system: str, question: str, salt: str | None = None) -> dict:
         return json.loads(resp.read())
 
 
-def test_miss_causes_sum_to_vllm_counters_on_a_small_pool(vllm_python, model_dir, tmp_path):
+def _server(vllm_python, model_dir, tmp_path, pool_blocks: int) -> tuple[VllmServer, Path]:
+    """A vLLM server with a pool of ``pool_blocks`` blocks of 128 tokens, its plugin log."""
     log = tmp_path / "plugin.kvlog"
     env = {"KVDIAG_LOG": str(log), "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     server = VllmServer(vllm_python, model_dir, tmp_path / "server.kvlog", extra_env=env)
     cmd = server.command
     cmd[cmd.index("--max-model-len") + 1] = "1024"
-    cmd += ["--num-gpu-blocks-override", str(POOL_BLOCKS + 1)]  # + vLLM's null block
+    cmd += ["--num-gpu-blocks-override", str(pool_blocks + 1)]  # + vLLM's null block
+    return server, log
+
+
+def test_miss_causes_sum_to_vllm_counters_on_a_small_pool(vllm_python, model_dir, tmp_path):
+    server, log = _server(vllm_python, model_dir, tmp_path, POOL_BLOCKS)
     tag = uuid.uuid4().hex[:8]
     first = f"[{tag}] {SYSTEM}"
     server.start()
@@ -95,3 +105,57 @@ def test_miss_causes_sum_to_vllm_counters_on_a_small_pool(vllm_python, model_dir
     short = min(finished, key=lambda e: e.prompt_tokens)
     assert short.prompt_tokens < pool.block_size_tokens
     assert by_id[short.request_id]["below_block"] == short.prompt_tokens - short.cached_prompt_tokens
+
+
+def test_blocks_vllm_evicted_under_in_flight_pressure_are_evicted(vllm_python, model_dir, tmp_path):
+    """A pool of 9 blocks; two long chats in flight take 8 (three full prompt blocks and a
+    partial one each), so vLLM evicts cached blocks of the first chat's system prompt that the
+    shadow, holding content alone at 9 blocks, still holds. The same system prompt, sent while
+    they run, misses them. The blocks vLLM recomputes after evicting them (counted from its own
+    BlockStored and BlockEvicted, independently of the fold) are exactly the evicted tokens,
+    some without a reuse distance (the shadow still held them: the engine's evidence), none
+    engine_skip; the causes sum to vLLM's counter deltas."""
+    server, log = _server(vllm_python, model_dir, tmp_path, 9)
+    tag = uuid.uuid4().hex[:8]
+    first = f"[{tag}] {SYSTEM}"
+    server.start()
+    try:
+        server.wait_ready()
+        server.model = str(model_dir)
+        before = metrics_text(server)
+        _chat(server, first, QUESTIONS[0])
+        for wave in range(2):
+            others = [threading.Thread(target=_chat, args=(server, f"[{tag} other {wave}{i}] {SYSTEM}",
+                                                           QUESTIONS[2]), kwargs={"max_tokens": 200})
+                      for i in range(2)]
+            for t in others:
+                t.start()
+            deadline = time.monotonic() + 120
+            while counter(metrics_text(server), "vllm:num_requests_running") < 2:  # both in flight
+                assert time.monotonic() < deadline, "the two chats never ran at once"
+                time.sleep(0.05)
+            _chat(server, first, QUESTIONS[1 + wave])
+            for t in others:
+                t.join()
+        after = metrics_text(server)
+    finally:
+        server.stop()
+
+    missed = (counter(after, "vllm:prefix_cache_queries_total") - counter(before, "vllm:prefix_cache_queries_total")
+              - counter(after, "vllm:prefix_cache_hits_total") + counter(before, "vllm:prefix_cache_hits_total"))
+    events = list(iter_events(log))
+    block_size = next(e for e in events if isinstance(e, KVPoolInfo)).block_size_tokens
+    block_hash, gone, recomputed = {}, set(), 0
+    for e in events:
+        if isinstance(e, BlockStored):
+            recomputed += e.block_hash in gone
+            gone.discard(e.block_hash)
+            block_hash[e.block_id] = e.block_hash
+        elif isinstance(e, BlockEvicted) and e.block_id in block_hash:
+            gone.add(block_hash.pop(e.block_id))
+    result = miss_causes_of_events(events, engine="vllm")
+    causes = result.total.by_cause()
+    assert sum(causes.values()) == missed > 0
+    assert recomputed > 0 and causes["evicted"] == recomputed * block_size, (recomputed, causes)
+    assert causes["engine_skip"] == 0, causes
+    assert sum(n for r in result.requests for d, _, n in r.evicted if d is None) > 0
