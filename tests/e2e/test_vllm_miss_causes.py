@@ -29,7 +29,8 @@ import pytest
 from kvdiag.diagnosis.miss_replay import miss_causes_of_events
 from kvdiag.commands._demo_vllm import VllmServer
 from kvdiag.events.eventlog import iter_events
-from kvdiag.events.schema import BlockEvicted, BlockStored, KVPoolInfo, RequestArrived, RequestFinished
+from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished
+from engine_evictions import recomputed_after_eviction
 from vllm_harness import QUESTIONS, SYSTEM, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -145,14 +146,7 @@ def test_blocks_vllm_evicted_under_in_flight_pressure_are_evicted(vllm_python, m
               - counter(after, "vllm:prefix_cache_hits_total") + counter(before, "vllm:prefix_cache_hits_total"))
     events = list(iter_events(log))
     block_size = next(e for e in events if isinstance(e, KVPoolInfo)).block_size_tokens
-    block_hash, gone, recomputed = {}, set(), 0
-    for e in events:
-        if isinstance(e, BlockStored):
-            recomputed += e.block_hash in gone
-            gone.discard(e.block_hash)
-            block_hash[e.block_id] = e.block_hash
-        elif isinstance(e, BlockEvicted) and e.block_id in block_hash:
-            gone.add(block_hash.pop(e.block_id))
+    recomputed = recomputed_after_eviction(events)
     result = miss_causes_of_events(events, engine="vllm")
     causes = result.total.by_cause()
     assert sum(causes.values()) == missed > 0

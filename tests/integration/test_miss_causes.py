@@ -19,6 +19,7 @@ from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.pool.hashing import ContentHasher
 from kvdiag.events.schema import (BlockEvicted, BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
                            RequestPreempted, ShadowSharing)
+from engine_evictions import recomputed_after_eviction
 
 DATA = Path(__file__).parent.parent / "data"
 FIXTURES = ["vllm_demo/demo_16req_seed1.kvlog.gz", "demo_small/demo_24req_seed1.kvlog.gz",
@@ -304,14 +305,7 @@ def test_recorded_pool_pressure_logs_name_the_engines_evictions(name):
     those blocks' tokens are evicted (they read as engine_skip before), the causes still sum to
     the engine's missed tokens."""
     events = list(iter_events(DATA / "demo_preempt" / name))
-    block_hash, gone, restored = {}, set(), 0
-    for e in events:
-        if isinstance(e, BlockStored):
-            restored += e.block_hash in gone
-            gone.discard(e.block_hash)
-            block_hash[e.block_id] = e.block_hash
-        elif isinstance(e, BlockEvicted) and e.block_id in block_hash:
-            gone.add(block_hash.pop(e.block_id))
+    restored = recomputed_after_eviction(events)
     block_size = next(e for e in events if isinstance(e, KVPoolInfo)).block_size_tokens
     assert restored > 0
     causes = miss_causes_of_events(events, engine="transformers-cb").total.by_cause()
