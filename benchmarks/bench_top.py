@@ -245,7 +245,7 @@ def rss_flat(n_events: int, with_rules: bool = False) -> None:
                     gc.collect()
                     before = proc.memory_info().rss
                     r0 = time.perf_counter()
-                    found = rules.run(state.header, rules.take(state.facts))
+                    found = rules.run(state.header, rules.take(state))
                     ran = (f"; {before / 2**20:.1f} MiB before the rules ran in {time.perf_counter() - r0:.2f} s: "
                            f"{len(found)} findings, "
                            f"{sum(f.status == 'fail' for f in found)} fail")

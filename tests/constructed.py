@@ -7,6 +7,8 @@ force. Tests that judge real behaviour use the recorded demo logs in tests/data/
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 from pathlib import Path
 
@@ -107,3 +109,14 @@ def write(path: Path, evs, node="") -> Path:
         for e in evs:
             w.record(e)
     return path
+
+
+def rewrite(src: Path, dst: Path, change) -> Path:
+    """A recorded log ``src`` written to ``dst`` with each event line passed through
+    ``change(dict) -> dict | None`` (None drops it): a fault made in a real log."""
+    opener = gzip.open if src.suffix == ".gz" else open
+    with opener(src, "rt") as f:
+        header, *lines = f.read().splitlines()
+    events = [change(json.loads(line)) for line in lines if line.strip()]
+    dst.write_text("\n".join([header] + [json.dumps(e) for e in events if e is not None]) + "\n")
+    return dst

@@ -52,6 +52,9 @@ class Logs:
     sketches: dict = field(default_factory=dict, repr=False)
     """The latency series (:func:`kvdiag.diagnosis.latency_facts.series`, by name), handed over by ``kvdiag
     top`` or folded on first use; a window folds its own."""
+    misses: dict = field(default_factory=dict, repr=False)
+    """Per node, the miss-cause replay of its log (:func:`kvdiag.diagnosis.miss_replay.replays`),
+    folded on first use."""
 
     @property
     def nodes(self) -> list[NodeName]:

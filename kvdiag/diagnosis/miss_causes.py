@@ -57,7 +57,7 @@ Multimodal ``extra_keys`` are not a domain here: they change only the blocks hol
 placeholder, which the log does not locate; such misses show as ``engine_skip``.
 
 Memory: per live request its blocks' causes at arrival; per block id the engine hash it
-stores, and the last :data:`_MAX_EVICTED_HASHES` hashes the engine evicted (until stored again);
+stores, and the last hashes the engine evicted (:mod:`kvdiag.diagnosis.engine_recompute`);
 per content key the shadow's entries
 (at most the pool's block count), evicted keys' last use for ``ghost_factor`` x the pool
 (reuse distance and age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted
@@ -84,9 +84,11 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from kvdiag.diagnosis.engine_recompute import EngineRecompute
 from kvdiag.diagnosis.miss_shadow import Shadow, domain_mask
 from kvdiag.diagnosis.miss_tally import (BELOW_BLOCK, CAUSES, COLD, ENGINE_SKIP, EVICTED, HASH_DOMAIN,
-                                         PREEMPTION, UNKNOWN, MissTally, RequestMisses)
+                                         PREEMPTION, UNKNOWN, ExplainedLog, MissTally, RequestMisses,
+                                         explained_tokens)
 from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
@@ -98,7 +100,6 @@ HELD = -1  # a block the shadow served at arrival
 
 _MAX_BEFORE_POOL = 4096  # events kept while the engine's pool is unknown
 _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
-_MAX_EVICTED_HASHES = 1 << 17  # contents the engine evicted, remembered until stored again (oldest dropped)
 
 
 class _Live:
@@ -129,9 +130,11 @@ _EVICTED_CODE = bytes([EVICTED])
 class MissCauseFold:
     """Fed events in order (:meth:`feed`), attributes every finished request's missed tokens
     (module docstring) and calls ``on_request`` with its :class:`RequestMisses`; ``tally``
-    holds the cumulative counts. ``cached_at_first_admission``: the engine counts a request's
-    cached tokens at its first admission (vLLM: ``engine="vllm"``), so preemption never
-    explains them; None: from ``engine``. ``ledger``: the ledger that folds the same stream's
+    holds the cumulative counts, ``explained`` the requests with tokens the engine's own
+    events explain (:func:`kvdiag.diagnosis.miss_tally.explained_tokens`).
+    ``cached_at_first_admission``: the engine counts a request's cached tokens at its first
+    admission (vLLM: ``engine="vllm"``), so preemption never explains them; None: from
+    ``engine``. ``ledger``: the ledger that folds the same stream's
     block events (a live fold, whose ``BlockEvicted`` events the ledger alone receives): the
     engine's evictions are taken from it; without one, feed them (:data:`REPLAY_EVENTS`)."""
 
@@ -146,6 +149,7 @@ class MissCauseFold:
         self.hash_algorithm = hash_algorithm
         self.on_request = on_request
         self.tally = MissTally()
+        self.explained = ExplainedLog()
         self.block_size_tokens: Optional[int] = None
         self.capacity_blocks: Optional[int] = None
         self._reset_shadow()
@@ -154,9 +158,7 @@ class MissCauseFold:
         self.errors = 0
         # the engine's evictions (module docstring): fed as BlockEvicted events, or taken from
         # ``ledger`` (the live fold's, which folds those events itself) from the first store on
-        self._ledger = ledger
-        self._stored_hash: dict = {}  # block id -> the engine's hash of the content it stores
-        self._evicted_hashes: dict = {}  # hashes whose block the engine evicted, not stored since
+        self._recompute = EngineRecompute(ledger)
         K.warm_up_in_background()  # the shadow's kernels are loaded by the time requests arrive
 
     def set_engine(self, engine: str) -> None:
@@ -179,7 +181,7 @@ class MissCauseFold:
             if t is BlockStored:
                 live = self._live.get(ev.request_id)
                 if live is not None:
-                    live.restored_evicted.append(self._stored(ev))
+                    live.restored_evicted.append(self._recompute.stored(ev.block_id, ev.block_hash))
                     if live.content.token_ids is not None and ev.token_ids:
                         live.stored.append(ev.token_ids)
                     elif live.content.token_ids is None and ev.chunk_hashes is not None:
@@ -187,18 +189,18 @@ class MissCauseFold:
                 elif self._before_pool is not None and self.block_size_tokens is None:
                     self._buffer(ev)
                 else:
-                    self._stored(ev)
+                    self._recompute.stored(ev.block_id, ev.block_hash)
             elif t is KVPoolInfo:
                 self._pool(ev)
             elif self.block_size_tokens is None and self._before_pool is not None:
                 self._buffer(ev)
             elif t is BlockEvicted:
-                self._engine_evicted(ev.block_id)
+                self._recompute.evicted(ev.block_id)
             elif t is RequestArrived:
-                self._take_evictions()
+                self._recompute.take_evictions()
                 self._arrived(ev)
             elif t is RequestFinished:
-                self._take_evictions()
+                self._recompute.take_evictions()
                 self._finished(ev)
             else:
                 live = self._live.get(ev.request_id)
@@ -229,39 +231,12 @@ class MissCauseFold:
         if config != (self.block_size_tokens, self.capacity_blocks):
             if self.block_size_tokens is not None:  # another pool: a new engine, a new cache
                 self._live.clear()
-                self._stored_hash.clear()  # its block ids name other blocks
-                self._evicted_hashes.clear()
+                self._recompute.clear()  # its block ids name other blocks
             self.block_size_tokens, self.capacity_blocks = config
             self._reset_shadow()
         pending, self._before_pool = self._before_pool or [], None
         for e in pending:
             self.feed(e)
-
-    # ------------------------------------------------------------------ the engine's evictions
-    def _stored(self, ev: BlockStored) -> bool:
-        """Note which content block ``ev.block_id`` stores now; True when the engine had stored
-        the same content before and evicted it since (a recompute after an eviction)."""
-        if self._ledger is not None:
-            self._ledger.log_evictions()  # from the first store on: evictions of stored content
-            self._take_evictions()
-        h = ev.block_hash
-        self._stored_hash[ev.block_id] = h
-        if h in self._evicted_hashes:
-            del self._evicted_hashes[h]
-            return True
-        return False
-
-    def _take_evictions(self) -> None:
-        if self._ledger is not None and self._ledger.evicted_log:
-            for b in self._ledger.take_evictions():
-                self._engine_evicted(b)
-
-    def _engine_evicted(self, block_id) -> None:
-        h = self._stored_hash.pop(block_id, None)
-        if h is not None:
-            self._evicted_hashes[h] = None
-            if len(self._evicted_hashes) > _MAX_EVICTED_HASHES:
-                del self._evicted_hashes[next(iter(self._evicted_hashes))]
 
     # ------------------------------------------------------------------ the shadow
     def _keys(self, content: Content) -> Optional[np.ndarray]:
@@ -294,6 +269,7 @@ class MissCauseFold:
         missed = max(prompt - cached, 0)
         tokens = [0] * len(CAUSES)
         evicted: list = []
+        held_evicted = 0
         bs = self.block_size_tokens
         if live is None or bs is None:
             tokens[UNKNOWN] = missed
@@ -308,7 +284,7 @@ class MissCauseFold:
             j = start // bs
             held_end = min(h, full)
             if j < held_end:  # blocks the shadow held
-                self._held_missed(live, j, held_end, full, prompt, start, tokens, evicted)
+                held_evicted = self._held_missed(live, j, held_end, full, prompt, start, tokens, evicted)
                 j = held_end
             while j < full:
                 n = (j + 1) * bs - max(j * bs, start)
@@ -333,42 +309,51 @@ class MissCauseFold:
                 tokens[cause] += n
                 j += 1
             self._store_finished(live, ev.ts_ns)
-        self._record(ev, tokens, evicted, None if live is None or bs is None else live.hit_blocks * bs)
+        self._record(ev, tokens, evicted, None if live is None or bs is None else live.hit_blocks * bs,
+                     held_evicted)
 
     def _held_missed(self, live: _Live, j: int, held_end: int, full: int, prompt: int, start: int,
-                     tokens: list[int], evicted: list) -> None:
+                     tokens: list[int], evicted: list) -> int:
         """The causes of the missed tokens of blocks ``j .. held_end - 1``, which the shadow held
-        (module docstring, cause 2; a block-aligned prompt's last block is ``below_block``)."""
+        (module docstring, cause 2; a block-aligned prompt's last block is ``below_block``);
+        returns how many of them the engine had evicted."""
         bs = self.block_size_tokens
         if held_end == full and prompt % bs == 0:
             tokens[BELOW_BLOCK] += full * bs - max((full - 1) * bs, start)
             held_end -= 1
         if live.preempted and not self.first_admission:
             tokens[PREEMPTION] += max(held_end * bs - start, 0)
-            return
+            return 0
         gone = live.restored_evicted  # its stores in order from block j: recomputed after an eviction?
+        held_evicted = 0
         for k in range(held_end - j):
             n = (j + k + 1) * bs - max((j + k) * bs, start)
             if k < len(gone) and gone[k]:
-                tokens[EVICTED] += n
+                held_evicted += n
                 evicted.append((None, None, n))
             else:
                 tokens[ENGINE_SKIP] += n
+        tokens[EVICTED] += held_evicted
+        return held_evicted
 
     def _record(self, ev: RequestFinished, tokens: Optional[list[int]], evicted: list,
-                shadow_hit_tokens: Optional[int]) -> None:
+                shadow_hit_tokens: Optional[int], held_evicted: int = 0) -> None:
         """Count one finished request (``tokens`` None: all its missed tokens unknown)."""
         prompt, cached = int(ev.prompt_tokens), int(ev.cached_prompt_tokens)
         missed = max(prompt - cached, 0)
         if tokens is None:
             tokens = [0] * len(CAUSES)
             tokens[UNKNOWN] = missed
+        explained = explained_tokens(tokens, held_evicted)
+        if explained:
+            self.explained.add(ev.ts_ns, explained)
         if self.on_request is None:  # the tally alone: no record to build
-            self.tally.count(prompt, cached, missed, tokens, evicted)
+            self.tally.count(prompt, cached, missed, tokens, evicted, held_evicted)
             return
         rec = RequestMisses(ts_ns=ev.ts_ns, request_id=str(ev.request_id), prompt_tokens=prompt,
                             cached_prompt_tokens=cached, missed_tokens=missed, tokens=tuple(tokens),
-                            evicted=tuple(evicted), status=ev.status, shadow_hit_tokens=shadow_hit_tokens)
+                            evicted=tuple(evicted), status=ev.status, shadow_hit_tokens=shadow_hit_tokens,
+                            held_evicted_tokens=held_evicted)
         self.tally.add(rec)
         self.on_request(rec)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import pandas as pd
+
 from kvdiag.diagnosis.frames import node_events
 from kvdiag.diagnosis.miss_causes import REPLAY_EVENTS, MissCauseFold
-from kvdiag.diagnosis.miss_tally import MissCauses, MissTally, MissWindow, RequestMisses
+from kvdiag.diagnosis.miss_tally import MissCauses, RequestMisses
 from kvdiag.events.schema import Event, RequestFinished
 
 
@@ -20,15 +22,7 @@ def miss_causes_of_events(events: Iterable[Event], *, engine: str = "", window_s
     recs: list[RequestMisses] = []
     fold = MissCauseFold(engine=engine, on_request=recs.append, **fold_kwargs)
     fold.feed_all(events)
-    window_ns = max(int(window_s * 1e9), 1)
-    windows: list[MissWindow] = []
-    if recs:
-        t0 = min(r.ts_ns for r in recs)
-        by: dict[int, MissTally] = {}
-        for r in recs:
-            by.setdefault((r.ts_ns - t0) // window_ns, MissTally()).add(r)
-        windows = [MissWindow(t0 + k * window_ns, t0 + (k + 1) * window_ns, by[k]) for k in sorted(by)]
-    return MissCauses(fold.tally, windows, recs, window_ns, fold.block_size_tokens, fold.capacity_blocks)
+    return MissCauses(fold.tally, [], recs, 0, fold.block_size_tokens, fold.capacity_blocks).cut(window_s)
 
 
 def log_file_events(path) -> Iterable[Event]:
@@ -39,10 +33,19 @@ def log_file_events(path) -> Iterable[Event]:
 
 
 def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
-    """Per node of ``logs`` with finished requests, its :class:`MissCauses`: the node's log
-    file replayed in file order (the loaded frames leave out ``BlockStored``, whose generated
-    blocks the shadow needs), or its frames for a Parquet dataset."""
+    """Per node of ``logs`` with finished requests, its :class:`MissCauses` in ``window_s``
+    windows (:func:`replays`)."""
+    return {node: m.cut(window_s) for node, m in replays(logs).items()}
+
+
+def replays(logs) -> dict[str, MissCauses]:
+    """Per node of ``logs`` with finished requests, its log replayed through the fold, once
+    (kept in ``logs.misses``): the node's log file in file order (the loaded frames leave out
+    ``BlockStored``, whose generated blocks the shadow needs), or its frames for a Parquet
+    dataset."""
     from pathlib import Path
+    if logs.misses:
+        return logs.misses
     out = {}
     for node in logs.nodes:
         if not logs.has(RequestFinished) or not (logs.frame(RequestFinished)["node"] == node).any():
@@ -50,6 +53,36 @@ def miss_causes_of_logs(logs, window_s: float = 60.0) -> dict[str, MissCauses]:
         path = logs.paths.get(node)
         events = (log_file_events(path) if path is not None and Path(path).is_file()
                   else node_events(logs, node, REPLAY_EVENTS))
-        out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "",
-                                          window_s=window_s)
+        out[node] = miss_causes_of_events(events, engine=logs.headers[node].engine or "")
+    logs.misses.update(out)
     return out
+
+
+EXPLAINED_TAG = "miss_explained"
+"""The derived frame of :func:`explained_frame`."""
+
+
+def explained_frame(logs) -> pd.DataFrame:
+    """Per finished request with explained tokens
+    (:func:`kvdiag.diagnosis.miss_tally.explained_tokens`): ``ts_ns`` (its finish), ``node``,
+    ``tokens``. Handed over in ``logs.derived`` (``kvdiag top``: its live fold's
+    :class:`kvdiag.diagnosis.miss_tally.ExplainedLog`), else from :func:`replays` of the whole
+    log, cut to a window's span."""
+    if EXPLAINED_TAG in logs.derived:
+        return logs.derived[EXPLAINED_TAG]
+    base = logs.whole or logs
+    if EXPLAINED_TAG not in base.derived:
+        rows = [(r.ts_ns, node, r.explained_tokens) for node, m in replays(base).items()
+                for r in m.requests if r.explained_tokens]
+        base.derived[EXPLAINED_TAG] = explained_rows(rows)
+    df = base.derived[EXPLAINED_TAG]
+    if base is not logs and logs.span_ns is not None:
+        start, end = logs.span_ns
+        df = logs.derived[EXPLAINED_TAG] = df[(df["ts_ns"] >= start) & (df["ts_ns"] < end)]
+    return df
+
+
+def explained_rows(rows: Iterable[tuple[int, str, int]]) -> pd.DataFrame:
+    """The :func:`explained_frame` of ``(ts_ns, node, tokens)`` rows."""
+    df = pd.DataFrame(list(rows), columns=["ts_ns", "node", "tokens"])
+    return df.astype({"ts_ns": "int64", "tokens": "int64"})

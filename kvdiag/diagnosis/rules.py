@@ -9,7 +9,7 @@ number that decides pass, warn or fail lives here and nowhere else.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from kvdiag.diagnosis.findings import Status
 
@@ -220,8 +220,21 @@ def pressure_status(need_ratio: float) -> Status:
     return "fail" if need_ratio > 1 else "warn" if need_ratio > PRESSURE_WARN else "pass"
 
 
+def unexplained_gap(gap: float, explained_tokens: int, prompt_tokens: Optional[int]) -> float:
+    """``sharing.consistency``: the part of the gap (shadow minus engine hit rate over the same
+    requests, of ``prompt_tokens`` prompt tokens) that the engine's own events do not explain. A
+    positive gap less the share of ``explained_tokens``: those the shadow held and the engine
+    missed because it had evicted them (its ``BlockEvicted``/``BlockStored``: running requests
+    took the pool's blocks) or preempted the request
+    (:func:`kvdiag.diagnosis.miss_tally.explained_tokens`), never below 0; a negative gap (hits
+    the content cannot explain) as it is."""
+    if gap <= 0 or not explained_tokens or not prompt_tokens:
+        return gap
+    return max(gap - explained_tokens / prompt_tokens, 0.0)
+
+
 def sharing_gap_status(gap: float) -> Status:
-    """Verdict of ``sharing.consistency`` on shadow minus engine hit rate."""
+    """Verdict of ``sharing.consistency`` on the :func:`unexplained_gap`."""
     return "warn" if abs(gap) > SHARING_GAP_LIMIT else "pass"
 
 

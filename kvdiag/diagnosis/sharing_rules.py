@@ -1,6 +1,8 @@
 """``sharing.consistency`` as a rule over a log: the engine's prefix hit rate against the
 content's, measured by the shadow cache at the engine's settings, over the same finished
-requests. Verdict: :func:`kvdiag.diagnosis.rules.sharing_gap_status`.
+requests, less what the engine's own events explain (content it evicted under pressure, or
+recomputed after a preemption). Verdict: :func:`kvdiag.diagnosis.rules.sharing_gap_status` of
+:func:`kvdiag.diagnosis.rules.unexplained_gap`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pandas as pd
 
 from kvdiag.diagnosis import block_facts, rules
 from kvdiag.diagnosis.findings import Finding
+from kvdiag.diagnosis.miss_tally import explained_between
 from kvdiag.diagnosis.frames import Logs
 from kvdiag.events.schema import KVPoolInfo, RequestFinished, ShadowSharing
 from kvdiag.pool.blockfacts import FACTS_TAG
@@ -51,8 +54,10 @@ def _same_requests(mine: pd.DataFrame, key: tuple, fin: pd.DataFrame) -> Optiona
     done = np.sort(fin["ts_ns"].to_numpy(dtype="int64"))
     for r in reversed(rows):
         if r.requests and np.searchsorted(done, r.ts_ns, side="right") == r.requests and pd.notna(r.engine_hit_rate):
+            counted = fin[(fin["ts_ns"] <= r.ts_ns) & (fin["status"] == "finished")]
             return {"shadow_hit_rate": float(r.token_hit_rate), "engine_hit_rate": float(r.engine_hit_rate),
-                    "requests": int(r.requests), "window_start_ns": None, "window_end_ns": int(r.ts_ns)}
+                    "requests": int(r.requests), "window_start_ns": None, "window_end_ns": int(r.ts_ns),
+                    "prompt_tokens": int(counted["prompt_tokens"].sum())}
     return None
 
 
@@ -77,8 +82,10 @@ def sharing_consistency(logs: Logs) -> Finding:
     to the engine: :func:`kvdiag.simulation.live_sharing.headline_config`) minus the engine's
     own, over the same requests (:func:`_same_requests`: those that finished between the
     node's first and last shadow results; a log cut mid-run or joined mid-stream judges only
-    them); n/a with fewer than :data:`kvdiag.diagnosis.rules.MIN_SHARING_REQUESTS` of them. The
-    node with the largest gap decides."""
+    them); n/a with fewer than :data:`kvdiag.diagnosis.rules.MIN_SHARING_REQUESTS` of them.
+    Judged on the gap the engine's own events leave unexplained
+    (:func:`kvdiag.diagnosis.rules.unexplained_gap`, with the miss causes' explained tokens of
+    those requests: :func:`explained_tokens`); the node with the largest such gap decides."""
     title = "engine prefix hit rate matches the content's"
     sh = logs.frame(ShadowSharing)
     if sh.empty:
@@ -104,10 +111,13 @@ def sharing_consistency(logs: Logs) -> Finding:
                 fewest = {"node": node, **same}
             continue
         gap = float(same["shadow_hit_rate"]) - float(same["engine_hit_rate"])
-        if worst is None or abs(gap) > abs(worst["gap"]):
+        explained = explained_tokens(logs, node, same) if gap > 0 else 0
+        unexplained = rules.unexplained_gap(gap, explained, same.get("prompt_tokens"))
+        if worst is None or abs(unexplained) > abs(worst["unexplained_gap"]):
             worst = {"node": node, "gap": gap, **same, "policy": key[0],
                      "block_size_tokens": int(key[1]), "capacity_blocks": key[2],
-                     "limit": rules.SHARING_GAP_LIMIT}
+                     "limit": rules.SHARING_GAP_LIMIT, "explained_tokens": explained,
+                     "unexplained_gap": unexplained}
     if worst is None:
         if fewest is not None:
             return Finding("sharing.consistency", "n/a", title,
@@ -117,13 +127,35 @@ def sharing_consistency(logs: Logs) -> Finding:
         return Finding("sharing.consistency", "n/a", title,
                        "no engine hit rate over the same requests as the shadow's (shadow results "
                        "older than schema 1.6 compare only when no request was in flight)")
-    message = (f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
-               f"over the same {worst['requests']} finished requests "
-               f"(gap {worst['gap']:+.1%}, limit ±{rules.SHARING_GAP_LIMIT:.0%})")
     worst["engine_evictions"] = engine_evictions(logs, worst["node"], worst["window_start_ns"],
                                                  worst["window_end_ns"])
-    if worst["gap"] > 0 and worst["engine_evictions"]:
-        message += (f"; the engine evicted {worst['engine_evictions']} cached blocks meanwhile: with "
-                    "requests in flight they take blocks of the pool that the shadow, holding content "
-                    "alone, still counts as cache (the miss causes show which tokens the engine evicted)")
-    return Finding("sharing.consistency", rules.sharing_gap_status(worst["gap"]), title, message, worst)
+    return Finding("sharing.consistency", rules.sharing_gap_status(worst["unexplained_gap"]), title,
+                   _message(worst), worst)
+
+
+def _message(worst: dict) -> str:
+    """The finding's message: both hit rates, the gap and what the engine's events explain."""
+    explained, unexplained = worst["explained_tokens"], worst["unexplained_gap"]
+    message = (f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
+               f"over the same {worst['requests']} finished requests (gap {worst['gap']:+.1%}")
+    if unexplained != worst["gap"]:
+        message += (f"; the engine's own events explain {(worst['gap'] - unexplained) * 100:.1f} points: "
+                    f"{explained:,} prompt tokens the shadow held that the engine had evicted "
+                    f"({worst['engine_evictions']:,} evictions meanwhile: requests in flight take blocks "
+                    f"that the shadow, holding content alone, counts as cache) or recomputed after a "
+                    f"preemption; unexplained {unexplained:+.1%}")
+    message += f", limit ±{rules.SHARING_GAP_LIMIT:.0%})"
+    if not explained and worst["gap"] > 0 and worst["engine_evictions"]:
+        message += (f"; the engine evicted {worst['engine_evictions']:,} cached blocks meanwhile (the miss "
+                    "causes, with the prompts' content in the log, tell whether the shadow held them)")
+    return message
+
+
+def explained_tokens(logs: Logs, node: str, same: dict) -> int:
+    """The explained missed tokens (:func:`kvdiag.diagnosis.miss_tally.explained_tokens`) of
+    the requests ``same`` compares: those of ``node`` that finished in its window."""
+    from kvdiag.diagnosis.miss_replay import explained_frame
+    df = explained_frame(logs)
+    mine = df[df["node"] == node]
+    return explained_between(mine["ts_ns"].to_numpy("int64"), mine["tokens"].to_numpy("int64"),
+                             same["window_start_ns"], same["window_end_ns"])

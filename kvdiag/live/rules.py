@@ -29,6 +29,8 @@ from kvdiag.diagnosis import latency_facts as latencyfacts
 from kvdiag.events import schema as s
 from kvdiag.diagnosis import doctor, frames as logs
 from kvdiag.diagnosis.findings import Finding
+from kvdiag.diagnosis.miss_replay import EXPLAINED_TAG, explained_rows
+from kvdiag.diagnosis.miss_tally import ExplainedLog
 from kvdiag.live.columns import Table
 
 SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
@@ -68,6 +70,7 @@ class RuleInputs:
     events: int
     kv_health: Optional[object] = None  # the KV-event stream's StreamHealthCounts (kvdiag.pool.kv_stream_health)
     latency: Optional[dict] = None  # the latency series (kvdiag.diagnosis.latency_facts), by name
+    explained: Optional[ExplainedLog] = None  # the miss causes' explained tokens (sharing.consistency)
 
 
 class LiveRules:
@@ -123,12 +126,16 @@ class LiveRules:
         """New events and the period is over, or the source has ended (the final verdict)."""
         return self._seen > 0 and (finished or self._clock() >= self._next)
 
-    def take(self, facts: blockfacts.BlockFacts) -> RuleInputs:
-        """Copies of what the rules read (under the caller's lock; run outside it)."""
+    def take(self, state) -> RuleInputs:
+        """Copies of what the rules read (under the caller's lock; run outside it): the kept
+        events' tables and, from ``state`` (a :class:`kvdiag.live.state.LiveState`), its block
+        facts and its miss-cause fold's explained tokens."""
         self._seen = 0
+        facts = state.facts
         rows, batches = facts.copy_rows()
         return RuleInputs({s.event_tag(cls): t.copy() for cls, t in self.tables.items()}, rows, batches,
-                          self.events, facts.health.counts, self.latency.copy_series())
+                          self.events, facts.health.counts, self.latency.copy_series(),
+                          state.misses.explained.copy())
 
     def run(self, header: Optional[s.LogHeader], inputs: RuleInputs) -> tuple[Finding, ...]:
         """Run every rule over ``inputs``; returns (and keeps) the findings."""
@@ -152,6 +159,9 @@ class LiveRules:
         shared: dict = {}
         frames = {tag: table.frame(node, shared) for tag, table in inputs.tables.items()}
         derived = blockfacts.frames(inputs.facts_rows, inputs.facts_batches, node, health=inputs.kv_health)
+        if inputs.explained is not None:
+            ex = inputs.explained
+            derived[EXPLAINED_TAG] = explained_rows(zip(ex.ts_ns, [node] * len(ex.ts_ns), ex.tokens))
         hdr = header or s.LogHeader(schema_version=s.SCHEMA_VERSION)
         return logs.Logs(headers={node: hdr}, frames=frames, derived=derived,
                          sketches=dict(inputs.latency or {}))

@@ -116,7 +116,9 @@ class SharingView:
     reason: str  # why the shadow half is empty ("" when it is there)
     window_start_ns: Optional[int] = None  # None: no same-requests window (older agent)
     window_requests: Optional[int] = None
-    gap_status: str = ""  # rules.sharing_gap_status of the gap; "n/a (N of M needed)" with too few
+    gap_status: str = ""  # rules.sharing_gap_status of unexplained_gap; "n/a (N of M needed)" with too few
+    # the gap less what the engine's own events explain (rules.unexplained_gap); None with gap None
+    unexplained_gap: Optional[float] = None
     # missed prompt tokens of the requests finished since the client joined, by cause
     # (kvdiag.diagnosis.miss_tally.CAUSES order: (cause, tokens)); they sum to missed_tokens
     miss_causes: tuple[tuple[str, int], ...] = ()

@@ -62,7 +62,8 @@ class LiveState:
         self.shadow = ShadowFold()
         self.health = HealthFold()
         self.engine = EngineFold()  # the engine's /metrics (the outside view's pool, hits, latency)
-        self.sharing = SharingFold(lambda: self.requests.finished_count, self.engine)
+        self.sharing = SharingFold(lambda: self.requests.finished_count, self.engine,
+                                   lambda start, end: self.misses.explained.between(start, end))
         # the views over the requests and the pool
         self.requests = RequestsFold(self.ledger, self.sharing.finished)
         self.pool = PoolFold(self.ledger, self.facts, self.memory, self.engine, self.block_size_tokens,

@@ -45,9 +45,9 @@ def alerts() -> list[dict]:
              expr=f"kvdiag_allocator_fragmentation_ratio >= {frag}",
              summary=f"allocator fragmentation at or above {rules.FRAGMENTATION_LIMIT:.0%} of reserved bytes"),
         dict(alert="KVDiagPrefixHitRateGap", rule="sharing.consistency", severity="warning", for_="5m",
-             expr=f"abs(kvdiag_prefix_hit_ratio_gap) > {rules.SHARING_GAP_LIMIT!r}",
+             expr=f"abs(kvdiag_prefix_hit_ratio_gap_unexplained) > {rules.SHARING_GAP_LIMIT!r}",
              summary=f"engine prefix hit rate differs from the content's by more than "
-                     f"{rules.SHARING_GAP_LIMIT:.0%}"),
+                     f"{rules.SHARING_GAP_LIMIT:.0%}, beyond what its own evictions and preemptions explain"),
         dict(alert="KVDiagKVMemoryPressure", rule="forecast.memory_pressure", severity="warning", for_="",
              expr=f"kvdiag_kv_pressure_ratio > {rules.PRESSURE_WARN!r}",
              summary=f"active requests need more than {rules.PRESSURE_WARN:.0%} of the free KV blocks"),

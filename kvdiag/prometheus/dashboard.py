@@ -82,7 +82,8 @@ ROWS: tuple = (
             (_q("kvdiag_prefix_engine_hit_ratio"), N + " engine"),
             (_q("kvdiag_prefix_content_hit_ratio"), N + " content")]),
         ("Hit ratio gap (content - engine)", "percentunit", [
-            (_q("kvdiag_prefix_hit_ratio_gap"), N)]),
+            (_q("kvdiag_prefix_hit_ratio_gap"), N + " gap"),
+            (_q("kvdiag_prefix_hit_ratio_gap_unexplained"), N + " unexplained (judged)")]),
         ("What-if hit ratios (shadow caches)", "percentunit", [
             (_q("kvdiag_shadow_token_hit_ratio"),
              N + " {{policy}} bs={{block_size}} cap={{capacity}}")]),

@@ -241,6 +241,7 @@ def _sharing(f: _Families, snap) -> None:
     f.add("kvdiag_prefix_engine_hit_ratio", sh.engine_hit_rate)
     f.add("kvdiag_prefix_content_hit_ratio", sh.shadow_hit_rate)
     f.add("kvdiag_prefix_hit_ratio_gap", sh.gap)
+    f.add("kvdiag_prefix_hit_ratio_gap_unexplained", sh.unexplained_gap)
     if snap.requests.finished:  # the fold counted finished requests
         for cause, n in sh.miss_causes:
             f.add("kvdiag_prompt_tokens_missed_total", n, cause)

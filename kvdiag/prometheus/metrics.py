@@ -88,6 +88,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvdiag_prefix_hit_ratio_gap", "gauge", "ratio",
               "Content hit rate - engine hit rate over the same finished requests (doctor: "
               "sharing.consistency); absent with fewer than its minimum of requests."),
+    MetricDef("kvdiag_prefix_hit_ratio_gap_unexplained", "gauge", "ratio",
+              "The hit-rate gap less what the engine's own events explain: prompt tokens the shadow "
+              "held that the engine had evicted (its pool under pressure) or recomputed after a "
+              "preemption, as a share of the same requests' prompt tokens; what sharing.consistency "
+              "judges. Absent with fewer than its minimum of requests."),
     MetricDef("kvdiag_prompt_tokens_missed_total", "counter", "tokens",
               "Prompt tokens of finished requests the engine did not serve from its prefix cache, "
               "by cause: cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown "

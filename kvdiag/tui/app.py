@@ -209,7 +209,7 @@ class KvTopApp(App):
         """The rules over the events so far, outside the lock (their findings show from the
         next snapshot on; at the end of a log, the doctor's verdict on that log)."""
         with self._lock:
-            inputs, header = self.doctor.take(self.state.facts), self.state.header
+            inputs, header = self.doctor.take(self.state), self.state.header
         findings = self.doctor.run(header, inputs)
         with self._lock:
             self.state.rule_findings = findings

@@ -31,7 +31,10 @@ class SharingPanel(Panel):
         cfg = sh.shadow_config
         rows.append(spark(f"shadow hit {fmt_pct(sh.shadow_hit_rate):>6} ", sh.shadow_history, width, "magenta",
                            lo=0, hi=1))
-        rows.append(line("gap        ", (f"{(sh.gap or 0) * 100:+5.1f} pts" if sh.gap is not None else NA, gap_style),
+        gap = f"{sh.gap * 100:+5.1f} pts" if sh.gap is not None else NA
+        if sh.gap is not None and sh.unexplained_gap is not None and sh.unexplained_gap != sh.gap:
+            gap += f", {sh.unexplained_gap * 100:+.1f} unexplained"  # the rest: the engine's evictions
+        rows.append(line("gap        ", (gap, gap_style),
                          (f"  {cfg.policy} bs{cfg.block_size_tokens} cap {_cap(cfg.capacity_blocks)}", DIM)))
         if sh.window_start_ns is not None and height >= 4:  # both rates over the same requests
             since = time.strftime("%H:%M:%S", time.localtime(sh.window_start_ns / 1e9))

@@ -19,7 +19,6 @@ logs) are left to tests/integration/test_prometheus_rules.py.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import subprocess
@@ -28,20 +27,24 @@ from pathlib import Path
 import pytest
 
 from kvdiag.events import schema as s
+from kvdiag.diagnosis import rules
 from kvdiag.diagnosis.doctor import run_rules
 from kvdiag.diagnosis.frames import load
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.prometheus.exporter import PrometheusSink
 from kvdiag.prometheus.alert_rules import SEVERITY_OF_STATUS, alerts, rules_yaml
 from tests.prometheus_server import binary
+from tests.constructed import rewrite
 
 DATA = Path(__file__).parent.parent / "data"
 DEMO = DATA / "demo_small" / "demo_24req_seed1.kvlog.gz"
 ALL_TYPES = DATA / "schema_v1_0" / "all_types_required_fields.kvlog"
+PRESSED = DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz"  # requests in flight take the pool's blocks
 COMPARED = ("KVDiagKVPoolFragmented", "KVDiagKVMemoryPressure", "KVDiagKVMemoryExhausted",
             "KVDiagFinishedRequestsHoldBlocks", "KVDiagPrefixHitRateGap")
 SERIES = ("kvdiag_kv_empty_slots_tokens", "kvdiag_kv_token_slots_tokens", "kvdiag_kv_pressure_ratio",
-          "kvdiag_finished_requests_holding_blocks", "kvdiag_prefix_hit_ratio_gap")
+          "kvdiag_finished_requests_holding_blocks", "kvdiag_prefix_hit_ratio_gap",
+          "kvdiag_prefix_hit_ratio_gap_unexplained")
 RANK = {"n/a": 0, "pass": 0, "warn": 1, "fail": 2}
 HOLD_S = 420  # the last scrape held this long: beyond every compared alert's `for`
 
@@ -49,20 +52,10 @@ HOLD_S = 420  # the last scrape held this long: beyond every compared alert's `f
 # ---------------------------------------------------------------- logs
 
 
-def _rewrite(src: Path, dst: Path, change) -> Path:
-    """``src`` with each event line passed through ``change(dict) -> dict | None`` (None drops it)."""
-    opener = gzip.open if src.suffix == ".gz" else open
-    with opener(src, "rt") as f:
-        header, *lines = f.read().splitlines()
-    events = [change(json.loads(line)) for line in lines if line.strip()]
-    dst.write_text("\n".join([header] + [json.dumps(e) for e in events if e is not None]) + "\n")
-    return dst
-
-
 def _leaky(tmp: Path) -> Path:
     finished = [e.request_id for e in iter_events(DEMO) if isinstance(e, s.RequestFinished)]
     leaked = set(finished[1::2])
-    return _rewrite(DEMO, tmp / "leak.kvlog", lambda e: None if e["type"] == "block_released"
+    return rewrite(DEMO, tmp / "leak.kvlog", lambda e: None if e["type"] == "block_released"
                     and e["request_id"] in leaked else e)
 
 
@@ -71,7 +64,7 @@ def _scaled_pool(tmp: Path, name: str, **factors: float) -> Path:
         if e["type"] == "kv_pool_sample":
             e.update({k: int(e[k] * f) for k, f in factors.items()})
         return e
-    return _rewrite(DEMO, tmp / f"{name}.kvlog", change)
+    return rewrite(DEMO, tmp / f"{name}.kvlog", change)
 
 
 # ---------------------------------------------------------------- exporter series
@@ -156,6 +149,7 @@ CASES = {
     "pressure": lambda tmp: _scaled_pool(tmp, "pressure", blocks_free=0.1, blocks_cached=0.1),
     "fragmentation": lambda tmp: _scaled_pool(tmp, "fragmentation", tokens_held=0.5),
     "constructed, all types": lambda tmp: ALL_TYPES,
+    "pool under pressure": lambda tmp: PRESSED,
 }
 
 
@@ -164,9 +158,17 @@ def test_alerts_fire_exactly_where_the_doctor_reports(case, tmp_path):
     path = CASES[case](tmp_path)
     doctor, scrapes = _doctor(path), _scrapes(path)
     # the doctor judges these three on every log here, so their values are always compared
-    # (sharing.consistency is n/a on all of them: no engine hit rate over the shadow's requests)
-    assert _values_match_the_doctor(doctor, scrapes) == {
-        "fragmentation.kv_pool", "forecast.memory_pressure", "leak.release_paths"}
+    # (sharing.consistency is n/a on all but the pool under pressure: no engine hit rate over
+    # the shadow's requests)
+    judged = {"fragmentation.kv_pool", "forecast.memory_pressure", "leak.release_paths"}
+    if case == "pool under pressure":
+        judged.add("sharing.consistency")
+        # a gap beyond the limit that the engine's evictions explain: the doctor passes it, and
+        # the alert (on the unexplained gap) stays silent where one on the gap would fire
+        gap = doctor["sharing.consistency"]
+        assert gap.status == "pass" and gap.evidence["gap"] > rules.SHARING_GAP_LIMIT
+        assert _values(scrapes[-1:], "kvdiag_prefix_hit_ratio_gap")[0] > rules.SHARING_GAP_LIMIT
+    assert _values_match_the_doctor(doctor, scrapes) == judged
     header = read_header(path)
     labels = {"node": header.node or header.host, "engine": header.engine,
               "model": Path(header.model).name if header.model.startswith("/") else header.model,
@@ -186,7 +188,8 @@ def test_alerts_fire_exactly_where_the_doctor_reports(case, tmp_path):
     fired = [t["alertname"] for t in tests if t["exp_alerts"]]
     expected_fired = {"recorded demo": [], "leak": ["KVDiagFinishedRequestsHoldBlocks"],
                       "pressure": ["KVDiagKVMemoryPressure", "KVDiagKVMemoryExhausted"],
-                      "fragmentation": ["KVDiagKVPoolFragmented"]}
+                      "fragmentation": ["KVDiagKVPoolFragmented"],
+                      "pool under pressure": ["KVDiagKVMemoryPressure"]}  # its pressure, not its gap
     if case in expected_fired:  # the faults were made to trip these rules, and only these
         assert fired == expected_fired[case], verdicts
 
@@ -214,5 +217,7 @@ def _values_match_the_doctor(doctor: dict, scrapes: list[dict]) -> set[str]:
     gap = doctor.get("sharing.consistency")
     if gap is not None and gap.status != "n/a":
         assert _values(scrapes[-1:], "kvdiag_prefix_hit_ratio_gap")[0] == pytest.approx(gap.evidence["gap"], abs=1e-12)
+        assert _values(scrapes[-1:], "kvdiag_prefix_hit_ratio_gap_unexplained")[0] == pytest.approx(
+            gap.evidence["unexplained_gap"], abs=1e-12)
         compared.add(gap.rule)
     return compared

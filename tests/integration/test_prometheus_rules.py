@@ -28,12 +28,12 @@ def test_promtool_accepts_the_rules(tmp_path):
 def test_thresholds_are_the_doctors(monkeypatch):
     text = rules_yaml()
     assert f"[10m]) >= {rules.FRAGMENTATION_LIMIT!r}" in text
-    assert f"abs(kvdiag_prefix_hit_ratio_gap) > {rules.SHARING_GAP_LIMIT!r}" in text
+    assert f"abs(kvdiag_prefix_hit_ratio_gap_unexplained) > {rules.SHARING_GAP_LIMIT!r}" in text
     monkeypatch.setattr(rules, "FRAGMENTATION_LIMIT", 0.4242)
     monkeypatch.setattr(rules, "SHARING_GAP_LIMIT", 0.0707)
     moved = rules_yaml()
     assert "[10m]) >= 0.4242" in moved
-    assert "abs(kvdiag_prefix_hit_ratio_gap) > 0.0707" in moved
+    assert "abs(kvdiag_prefix_hit_ratio_gap_unexplained) > 0.0707" in moved
 
 
 def test_promtool_rule_tests_fire_at_the_doctors_thresholds(tmp_path):
@@ -54,7 +54,7 @@ tests:
         values: '1000x10'
       - series: 'kvdiag_allocator_fragmentation_ratio{{{labels}}}'
         values: '{below}x10'
-      - series: 'kvdiag_prefix_hit_ratio_gap{{{labels}}}'
+      - series: 'kvdiag_prefix_hit_ratio_gap_unexplained{{{labels}}}'
         values: '{-gap}x10'
       - series: 'kvdiag_finished_requests_holding_blocks{{{labels}}}'
         values: '0x10'

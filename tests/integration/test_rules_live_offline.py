@@ -37,7 +37,7 @@ def live_findings(path: Path) -> dict:
             state.set_header(source.header)
         rules.fold(state, events)  # as top: the state folds, the rules keep what they judge
     assert rules.due(source.finished)
-    state.rule_findings = rules.run(state.header, rules.take(state.facts))
+    state.rule_findings = rules.run(state.header, rules.take(state))
     snap = state.snapshot(source.now_ns(), finished_source=True)
     return {f.rule: f for f in snap.alerts if not f.rule.startswith("collector.")}
 
@@ -57,13 +57,17 @@ def _same(live: dict, offline: dict) -> None:
 
 def constructed_logs(folder: Path) -> list[Path]:
     """Logs written through the real LogWriter that make the rules fail: leaking requests,
-    long prompts from the middle on (a P99 regression with its cause), and the TUI fixture's
-    shadow sharing with a TTFT spike and a leak."""
+    long prompts from the middle on (a P99 regression with its cause), the TUI fixture's
+    shadow sharing with a TTFT spike and a leak, and a recorded pool under pressure without the
+    engine's evictions (a hit-rate gap nothing in the log explains)."""
     import constructed as C
     from tui_data import write_constructed_log
 
     return [C.write(folder / "leak_and_long.jsonl", C.events(n_requests=240, leak_ids=(5, 17), long_from=120)),
-            write_constructed_log(folder / "shadow_spike_leak.kvlog", n_requests=200, leak_every=5)]
+            write_constructed_log(folder / "shadow_spike_leak.kvlog", n_requests=200, leak_every=5),
+            # a pool under pressure from an engine that publishes no evictions: an unexplained gap
+            C.rewrite(DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz", folder / "no_evictions.kvlog",
+                      lambda e: None if e["type"] == "block_evicted" else e)]
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.parent.name + "/" + p.name)
@@ -83,7 +87,29 @@ def test_the_logs_exercise_every_verdict(tmp_path):
               for rule, f in offline_findings(path).items()}
     assert {("leak.release_paths", "fail"), ("leak.release_paths", "pass"), ("p99.regression", "fail"),
             ("fragmentation.kv_pool", "pass"), ("fragmentation.kv_pool", "warn"),
-            ("sharing.consistency", "warn")} <= judged, sorted(judged)
+            ("sharing.consistency", "warn"), ("sharing.consistency", "pass")} <= judged, sorted(judged)
+
+
+def test_tops_sharing_panel_judges_the_gap_as_the_doctor(tmp_path):
+    """top's prefix panel (its SharingView) gives sharing.consistency's verdict on the gap the
+    engine's own events leave unexplained, as the doctor does: a pool under pressure passes
+    (its evictions explain the gap), the same traffic without its evictions warns."""
+    silent, statuses = constructed_logs(tmp_path)[-1], []
+    for path in (DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz", silent):
+        source = ReplaySource(path, speed=1e9, clock=iter(range(10**9)).__next__)
+        state = LiveState(source=source.description)
+        while not source.finished:
+            events = source.poll(10_000)
+            if source.header is not None and state.header is None:
+                state.set_header(source.header)
+            state.feed_all(events)
+        sharing = state.snapshot(source.now_ns(), finished_source=True).sharing
+        doctor = offline_findings(path)["sharing.consistency"]
+        assert sharing.gap_status == doctor.status, path
+        assert sharing.gap == pytest.approx(doctor.evidence["gap"], abs=1e-12)
+        assert sharing.unexplained_gap == pytest.approx(doctor.evidence["unexplained_gap"], abs=1e-12)
+        statuses.append(doctor.status)
+    assert statuses == ["pass", "warn"]
 
 
 def test_doctor_cli_prints_what_the_live_path_shows(tmp_path):

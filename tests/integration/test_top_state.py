@@ -157,7 +157,7 @@ def test_leak_rule_flags_requests_that_never_release(tmp_path):
     state, now, events = _replayed(path, 40)
     rules = LiveRules(clock=lambda: 0.0)
     rules.record(events)
-    state.rule_findings = rules.run(state.header, rules.take(state.facts))
+    state.rule_findings = rules.run(state.header, rules.take(state))
     leak = next(f for f in state.snapshot(now).alerts if f.rule == "leak.release_paths")
     last_ns = max(e.ts_ns for e in events)
     df = read_log(path).frame("request_finished")
@@ -180,7 +180,7 @@ def test_p99_verdict_on_the_ttft_spike_is_the_rules(tmp_path):
     state, now, events = _replayed(path, 10_000)
     rules = LiveRules(clock=lambda: 0.0)
     rules.record(events)
-    state.rule_findings = rules.run(state.header, rules.take(state.facts))
+    state.rule_findings = rules.run(state.header, rules.take(state))
     verdict = next(f for f in state.snapshot(now).alerts if f.rule == "p99.regression")
     assert verdict.status == "fail"
     ttft = next(c for c in verdict.evidence["comparisons"] if c["metric"] == "ttft")
@@ -247,7 +247,7 @@ def test_live_doctor_findings_reach_the_alerts(tmp_path):
     doctor = LiveRules(period_s=1.0, max_share=0.05, clock=lambda: t[0])
     doctor.record(events)
     assert doctor.due()  # the first verdict right away, then every period
-    state.rule_findings = doctor.run(state.header, doctor.take(state.facts))
+    state.rule_findings = doctor.run(state.header, doctor.take(state))
     snap = state.snapshot(now)
     leak = [f for f in snap.alerts if f.rule == "leak.release_paths"]
     assert len(leak) == 1 and leak[0].status == "fail"  # from top's own block ledger

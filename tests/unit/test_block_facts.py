@@ -157,7 +157,7 @@ def test_top_rules_read_the_events_the_fold_sorted_out_as_they_read_the_whole_st
         assert len(others) == sum(type(e) not in (s.BlockAllocated, s.BlockReleased, s.BlockEvicted) for e in chunk)
         sorted_out.record(others, len(chunk))
         whole.record(chunk)
-    a, b = whole.take(state.facts), sorted_out.take(state.facts)
+    a, b = whole.take(state), sorted_out.take(state)
     assert a.events == b.events == len(events)
     assert sorted(a.tables) == sorted(b.tables) and a.tables
     for tag in a.tables:
