@@ -32,6 +32,10 @@ KV_CACHE_GIB = 1
 
 
 
+CPU_BLOCK_SIZE_TOKENS = 128
+"""vLLM's KV block size on the CPU backend, where none is given."""
+
+
 class VllmServer(ServerProcess):
     """vLLM's OpenAI server as a child process, with kvdiag's plugin and KV events on. It runs
     in the log's folder: a kvdiag source checkout as the current folder would shadow the
@@ -43,7 +47,10 @@ class VllmServer(ServerProcess):
 
     def __init__(self, python: Path, model_dir: Path, log_path: Path, port: int = 0, events_port: int = 0,
                  threads: int = 1, prefix_caching: bool = True, plugin: bool = True,
-                 extra_env: Optional[dict] = None) -> None:
+                 extra_env: Optional[dict] = None, block_size_tokens: Optional[int] = None,
+                 num_blocks: Optional[int] = None) -> None:
+        """``block_size_tokens``, ``num_blocks``: the KV pool's (None: vLLM's own choice;
+        ``num_blocks`` usable blocks, vLLM's null block added)."""
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.events_endpoint = f"tcp://127.0.0.1:{events_port or free_port()}"
@@ -60,6 +67,14 @@ class VllmServer(ServerProcess):
                         # let the engine core leave through vLLM's own shutdown (the default, 0,
                         # kills it at once), so that kvdiag's plugin flushes its last events
                         "--shutdown-timeout", "10"]
+        if block_size_tokens is not None:
+            self.command += ["--block-size", str(block_size_tokens)]
+        if num_blocks is not None:  # vLLM keeps block 0 as its null block, never allocated
+            self.command += ["--num-gpu-blocks-override", str(num_blocks + 1)]
+            # vLLM refuses to start unless one request of the longest length fits the pool
+            tokens = num_blocks * (block_size_tokens or CPU_BLOCK_SIZE_TOKENS)
+            at = self.command.index("--max-model-len") + 1
+            self.command[at] = str(min(int(self.command[at]), tokens))
         cpus = threads if threads > 0 else (os.cpu_count() or 1)
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                         VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{cpus - 1}")
@@ -241,7 +256,8 @@ def _server(args, model_dir: Path, log_path: Path):
     if args.record_tokens:
         extra_env["KVDIAG_RECORD_TOKENS"] = "1"
     return VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads,
-                      extra_env=extra_env or None)
+                      extra_env=extra_env or None, block_size_tokens=args.page_size,
+                      num_blocks=args.num_blocks)
 
 
 def _cut_short(exc: BaseException, traffic: Traffic, server: VllmServer, stats: LiveStats,

@@ -72,8 +72,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--log", metavar="PATH", help="event log to write (.gz for gzip; default: "
                         "<cache>/logs/demo-<time>.kvlog)")
     parser.add_argument("--port", type=int, default=0, help="HTTP port of the server (default: a free one)")
-    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="KV block size, tokens")
-    parser.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS, help="KV blocks in the pool")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help=f"KV block size, tokens (default {DEFAULT_PAGE_SIZE}; with --engine vllm, "
+                             f"vLLM's own: 128 on CPU)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help=f"KV blocks in the pool (default {DEFAULT_NUM_BLOCKS}; with --engine vllm, "
+                             f"what vLLM's KV cache space holds)")
     parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
                         help="tokens per engine step; long prompts are prefilled in chunks of this size")
     parser.add_argument("--record-tokens", action="store_true",
@@ -172,6 +176,11 @@ def _check_counts(args) -> Optional[int]:
     if args.max_in_flight < 0:
         print("kvdiag demo: --max-in-flight: expected 0 (no cap) or a positive number", file=sys.stderr)
         return 2
+    for name in ("page_size", "num_blocks"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            print(f"kvdiag demo: --{name.replace('_', '-')}: expected a positive number", file=sys.stderr)
+            return 2
     if args.requests is None and args.duration is None:
         args.requests = 24
     return None
@@ -179,6 +188,8 @@ def _check_counts(args) -> Optional[int]:
 
 def _run_transformers(args, plan: TrafficPlan, model_dir: Path, log_path: Path) -> int:
     """The demo on transformers' continuous-batching engine, then the --shadow* tables."""
+    args.page_size = args.page_size or DEFAULT_PAGE_SIZE
+    args.num_blocks = args.num_blocks or DEFAULT_NUM_BLOCKS
     server = DemoServer(model_dir, log_path, args.port or free_port(), args.page_size, args.num_blocks,
                         args.max_batch_tokens, args.inject_leak, args.threads,
                         (*_demo_shadow.agent_args(args), *_demo_prometheus.agent_args(args),

@@ -55,10 +55,10 @@ def _server(vllm_python, model_dir, tmp_path, pool_blocks: int) -> tuple[VllmSer
     log = tmp_path / "plugin.kvlog"
     env = {"KVDIAG_LOG": str(log), "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    server = VllmServer(vllm_python, model_dir, tmp_path / "server.kvlog", extra_env=env)
+    server = VllmServer(vllm_python, model_dir, tmp_path / "server.kvlog", extra_env=env,
+                        block_size_tokens=128, num_blocks=pool_blocks)
     cmd = server.command
     cmd[cmd.index("--max-model-len") + 1] = "1024"
-    cmd += ["--num-gpu-blocks-override", str(pool_blocks + 1)]  # + vLLM's null block
     return server, log
 
 

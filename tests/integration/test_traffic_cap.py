@@ -158,6 +158,8 @@ def test_a_cap_below_one_is_refused():
 @pytest.mark.parametrize("args,message", [
     (["--duration", "0"], "--duration: expected a positive number of seconds"),
     (["--max-in-flight", "-1"], "--max-in-flight: expected 0 (no cap) or a positive number"),
+    (["--num-blocks", "0"], "--num-blocks: expected a positive number"),
+    (["--engine", "vllm", "--page-size", "-16"], "--page-size: expected a positive number"),
 ])
 def test_demo_refuses_bad_traffic_options(args, message, capsys):
     from kvdiag.cli import main
