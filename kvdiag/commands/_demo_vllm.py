@@ -48,9 +48,10 @@ class VllmServer(ServerProcess):
     def __init__(self, python: Path, model_dir: Path, log_path: Path, port: int = 0, events_port: int = 0,
                  threads: int = 1, prefix_caching: bool = True, plugin: bool = True,
                  extra_env: Optional[dict] = None, block_size_tokens: Optional[int] = None,
-                 num_blocks: Optional[int] = None) -> None:
+                 num_blocks: Optional[int] = None, max_batch_tokens: Optional[int] = None) -> None:
         """``block_size_tokens``, ``num_blocks``: the KV pool's (None: vLLM's own choice;
-        ``num_blocks`` usable blocks, vLLM's null block added)."""
+        ``num_blocks`` usable blocks, vLLM's null block added); ``max_batch_tokens``: tokens per
+        engine step (vLLM's ``--max-num-batched-tokens``; None: vLLM's own)."""
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.events_endpoint = f"tcp://127.0.0.1:{events_port or free_port()}"
@@ -69,6 +70,8 @@ class VllmServer(ServerProcess):
                         "--shutdown-timeout", "10"]
         if block_size_tokens is not None:
             self.command += ["--block-size", str(block_size_tokens)]
+        if max_batch_tokens is not None:
+            self.command += ["--max-num-batched-tokens", str(max_batch_tokens)]
         if num_blocks is not None:  # vLLM keeps block 0 as its null block, never allocated
             self.command += ["--num-gpu-blocks-override", str(num_blocks + 1)]
             # vLLM refuses to start unless one request of the longest length fits the pool
@@ -257,7 +260,7 @@ def _server(args, model_dir: Path, log_path: Path):
         extra_env["KVDIAG_RECORD_TOKENS"] = "1"
     return VllmServer(python, model_dir, log_path, port=args.port, threads=args.threads,
                       extra_env=extra_env or None, block_size_tokens=args.page_size,
-                      num_blocks=args.num_blocks)
+                      num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens)
 
 
 def _cut_short(exc: BaseException, traffic: Traffic, server: VllmServer, stats: LiveStats,

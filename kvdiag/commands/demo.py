@@ -78,8 +78,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help=f"KV blocks in the pool (default {DEFAULT_NUM_BLOCKS}; with --engine vllm, "
                              f"what vLLM's KV cache space holds)")
-    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
-                        help="tokens per engine step; long prompts are prefilled in chunks of this size")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help=f"tokens per engine step; long prompts are prefilled in chunks of this size "
+                             f"(default {DEFAULT_MAX_BATCH_TOKENS}; with --engine vllm, vLLM's own)")
     parser.add_argument("--record-tokens", action="store_true",
                         help="record prompts' token ids in the log (default: salted chunk hashes; "
                              "needed by replay --similarity)")
@@ -176,7 +177,7 @@ def _check_counts(args) -> Optional[int]:
     if args.max_in_flight < 0:
         print("kvdiag demo: --max-in-flight: expected 0 (no cap) or a positive number", file=sys.stderr)
         return 2
-    for name in ("page_size", "num_blocks"):
+    for name in ("page_size", "num_blocks", "max_batch_tokens"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             print(f"kvdiag demo: --{name.replace('_', '-')}: expected a positive number", file=sys.stderr)
@@ -190,6 +191,7 @@ def _run_transformers(args, plan: TrafficPlan, model_dir: Path, log_path: Path) 
     """The demo on transformers' continuous-batching engine, then the --shadow* tables."""
     args.page_size = args.page_size or DEFAULT_PAGE_SIZE
     args.num_blocks = args.num_blocks or DEFAULT_NUM_BLOCKS
+    args.max_batch_tokens = args.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
     server = DemoServer(model_dir, log_path, args.port or free_port(), args.page_size, args.num_blocks,
                         args.max_batch_tokens, args.inject_leak, args.threads,
                         (*_demo_shadow.agent_args(args), *_demo_prometheus.agent_args(args),

@@ -160,6 +160,7 @@ def test_a_cap_below_one_is_refused():
     (["--max-in-flight", "-1"], "--max-in-flight: expected 0 (no cap) or a positive number"),
     (["--num-blocks", "0"], "--num-blocks: expected a positive number"),
     (["--engine", "vllm", "--page-size", "-16"], "--page-size: expected a positive number"),
+    (["--engine", "vllm", "--max-batch-tokens", "0"], "--max-batch-tokens: expected a positive number"),
 ])
 def test_demo_refuses_bad_traffic_options(args, message, capsys):
     from kvdiag.cli import main
