@@ -120,3 +120,12 @@ def rewrite(src: Path, dst: Path, change) -> Path:
     events = [change(json.loads(line)) for line in lines if line.strip()]
     dst.write_text("\n".join([header] + [json.dumps(e) for e in events if e is not None]) + "\n")
     return dst
+
+
+SILENT_BLOCK_EVENTS = frozenset({"block_evicted", "block_stored", "block_deduplicated"})
+
+
+def without_engine_evidence(src: Path, dst: Path) -> Path:
+    """A recorded log as from an engine that publishes no block stores or evictions: nothing in
+    it tells why the engine missed content the shadow held (the miss causes' ``engine_skip``)."""
+    return rewrite(src, dst, lambda e: None if e["type"] in SILENT_BLOCK_EVENTS else e)

@@ -40,7 +40,7 @@ engine        the engine's own numbers against kvdiag's recount (engine.number_t
               holding earlier traffic, hits beyond the requests' first admissions, a hit
               counter stuck at 0
 misses        why prompt tokens missed the engine's prefix cache, per --miss-window-s window:
-              cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown
+              cold, evicted, hash_domain, below_block, preemption, in_flight, engine_skip, unknown
               (kvdiag/diagnosis/miss_causes.py defines each); they sum to the engine's missed tokens
 
 With --snapshot FILE (a torch.cuda.memory._snapshot() pickle or kvdiag's JSON of one, alone or

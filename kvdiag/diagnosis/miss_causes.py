@@ -30,16 +30,20 @@ gets its cause in this order, the first that applies:
 2. held by the shadow at arrival (``j < h``) yet missed: ``preemption`` when the request was
    preempted (``RequestPreempted``) and the engine counts its cached tokens at the last admission
    (transformers; vLLM counts them at the first admission and its re-admissions in separate
-   ``preempted`` counters, so there the cause never applies); else ``evicted`` when the engine
-   had let that content go: the request's ``BlockStored`` events, in order from its first
-   computed block ``cached_prompt_tokens // B``, show the block stored anew under an engine
-   hash whose earlier block the engine evicted (``BlockEvicted``) in between: a pool under
-   pressure, where running requests take blocks that the shadow, holding content alone, does not
-   count (no reuse distance or age: the engine's eviction, not the shadow's); else
-   ``engine_skip``: the shadow at the engine's own settings held the content and, as far as the
-   engine's events tell, so did the engine (requests in flight at once whose blocks were not
-   complete yet, lookups the engine skipped, an engine that reports no stores or evictions: the
-   remainder, named as such).
+   ``preempted`` counters, so there the cause never applies); else, from the request's
+   ``BlockStored`` (and ``BlockDeduplicated``: a block it filled, found stored meanwhile) events
+   in order from its first computed block ``cached_prompt_tokens // B``
+   (:mod:`kvdiag.diagnosis.engine_recompute`): ``evicted`` when the block was stored anew under
+   an engine hash whose earlier block the engine evicted (``BlockEvicted``) in between: a pool
+   under pressure, where running requests take blocks that the shadow, holding content alone,
+   does not count (no reuse distance or age: the engine's eviction, not the shadow's);
+   ``in_flight`` when no block of the engine held that hash when the request was looked up (its
+   first ``RequestScheduled``; without one, its first store): an earlier request in flight was
+   still computing the content, which the shadow counts as cached from that request's arrival
+   and engines share only once stored; else ``engine_skip``: the shadow at the engine's own
+   settings held the content and, as far as the engine's events tell, so did the engine
+   (lookups the engine skipped, an engine that reports no stores or evictions: the remainder,
+   named as such).
 3. not held (``j >= h``): ``evicted`` when this domain's key of block ``j`` was seen before (in
    the shadow after its prefix broke, or among the keys it evicted): the content was reused after
    the shadow at the engine's capacity had let it (or its prefix) go. Each evicted block carries
@@ -56,19 +60,17 @@ gets its cause in this order, the first that applies:
 Multimodal ``extra_keys`` are not a domain here: they change only the blocks holding a
 placeholder, which the log does not locate; such misses show as ``engine_skip``.
 
-Memory: per live request its blocks' causes at arrival; per block id the engine hash it
-stores, and the last hashes the engine evicted (:mod:`kvdiag.diagnosis.engine_recompute`);
-per content key the shadow's entries
-(at most the pool's block count), evicted keys' last use for ``ghost_factor`` x the pool
-(reuse distance and age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted
-from cold beyond that (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M
-keys fallen off the history per MiB of filter, the default).
+Memory: per live request its blocks' causes at arrival; the engine's block contents
+(:mod:`kvdiag.diagnosis.engine_recompute`); per content key the shadow's entries (at most the
+pool's block count), evicted keys' last use for ``ghost_factor`` x the pool (reuse distance and
+age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted from cold beyond that
+(false positives, cold blocks counted as evicted: under 1% up to ~0.68 M keys fallen off the
+history per MiB of filter, the default).
 
 Speed: the shadow is arrays and its per-block loops are compiled (numba,
-:mod:`kvdiag.simulation._misskernels`; a plain-Python reference in
-tests/integration/test_miss_causes_reference.py gives the same causes), two kernel calls per request. They
-load in a background thread from the fold's creation: from numba's cache in well under a
-second, or compiled the first time on a machine (seconds; a request that arrives before waits).
+:mod:`kvdiag.simulation._misskernels`; tests/integration/test_miss_causes_reference.py: a
+plain-Python reference), two kernel calls per request, loaded in a background thread from the
+fold's creation (from numba's cache in well under a second; compiled once per machine).
 
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
 the doctor and the report replay a log through it
@@ -84,16 +86,16 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from kvdiag.diagnosis.engine_recompute import EngineRecompute
+from kvdiag.diagnosis.engine_recompute import NOT_HELD, RESTORED_EVICTED, EngineRecompute
 from kvdiag.diagnosis.miss_shadow import Shadow, domain_mask
 from kvdiag.diagnosis.miss_tally import (BELOW_BLOCK, CAUSES, COLD, ENGINE_SKIP, EVICTED, HASH_DOMAIN,
-                                         PREEMPTION, UNKNOWN, ExplainedLog, MissTally, RequestMisses,
-                                         explained_tokens)
+                                         IN_FLIGHT, PREEMPTION, UNKNOWN, ExplainedLog, MissTally,
+                                         RequestMisses, explained_tokens)
 from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
-from kvdiag.events.schema import (BlockEvicted, BlockStored, Event, KVPoolInfo, RequestArrived,
-                                  RequestFinished, RequestPreempted)
+from kvdiag.events.schema import (BlockDeduplicated, BlockEvicted, BlockStored, Event, KVPoolInfo,
+                                  RequestArrived, RequestFinished, RequestPreempted, RequestScheduled)
 from kvdiag.pool.blockledger import BlockLedger
 
 HELD = -1  # a block the shadow served at arrival
@@ -104,7 +106,7 @@ _MAX_LIVE = 1 << 16  # live requests remembered (oldest dropped: lost finishes)
 
 class _Live:
     __slots__ = ("content", "mask", "codes", "dist", "age", "hit_blocks", "stored", "preempted",
-                 "keys", "dkeys", "restored_evicted")
+                 "keys", "dkeys", "store_codes", "lookup_ns")
 
     def __init__(self, content, mask, codes, dist, age, hit_blocks, keys, dkeys) -> None:
         self.content, self.mask, self.codes = content, mask, codes  # mask: its domain's (domain_mask)
@@ -113,10 +115,15 @@ class _Live:
         self.hit_blocks = hit_blocks
         self.keys, self.dkeys = keys, dkeys  # the prompt's block keys (plain, in its domain)
         self.stored: list = []
-        # per BlockStored of the request, in order: its content had been stored before and the
-        # engine had evicted that block since (the engine's evidence of pool pressure)
-        self.restored_evicted: list[bool] = []
-        self.preempted = False
+        # per BlockStored/BlockDeduplicated of the request, in order: engine_recompute's code
+        self.store_codes: list[int] = []
+        self.lookup_ns, self.preempted = None, False
+
+    def looked_up(self, ts_ns: int) -> int:
+        """When the engine looked the request up: its first scheduling or block event (now)."""
+        if self.lookup_ns is None:
+            self.lookup_ns = ts_ns
+        return self.lookup_ns
 
     def evicted_figures(self, k: int) -> tuple[Optional[int], Optional[int]]:
         """Block ``hit_blocks + k``'s reuse distance and time since last use (None: unknown)."""
@@ -181,7 +188,8 @@ class MissCauseFold:
             if t is BlockStored:
                 live = self._live.get(ev.request_id)
                 if live is not None:
-                    live.restored_evicted.append(self._recompute.stored(ev.block_id, ev.block_hash))
+                    live.store_codes.append(self._recompute.stored(ev.block_id, ev.block_hash, ev.ts_ns,
+                                                                   live.looked_up(ev.ts_ns)))
                     if live.content.token_ids is not None and ev.token_ids:
                         live.stored.append(ev.token_ids)
                     elif live.content.token_ids is None and ev.chunk_hashes is not None:
@@ -189,7 +197,7 @@ class MissCauseFold:
                 elif self._before_pool is not None and self.block_size_tokens is None:
                     self._buffer(ev)
                 else:
-                    self._recompute.stored(ev.block_id, ev.block_hash)
+                    self._recompute.stored(ev.block_id, ev.block_hash, ev.ts_ns)
             elif t is KVPoolInfo:
                 self._pool(ev)
             elif self.block_size_tokens is None and self._before_pool is not None:
@@ -202,10 +210,14 @@ class MissCauseFold:
             elif t is RequestFinished:
                 self._recompute.take_evictions()
                 self._finished(ev)
-            else:
+            else:  # RequestScheduled, RequestPreempted, BlockDeduplicated
                 live = self._live.get(ev.request_id)
-                if live is not None:
+                if live is not None and t is RequestPreempted:
                     live.preempted = True
+                elif live is not None:  # it filled a block (deduplicated) another request stored meanwhile
+                    lookup = live.looked_up(ev.ts_ns)
+                    if t is BlockDeduplicated:
+                        live.store_codes.append(self._recompute.adopted(ev.block_hash, lookup))
         except Exception:  # one malformed event costs its own request, not the fold
             self.errors += 1
             if t is RequestFinished:  # its missed tokens still count, as unknown
@@ -324,13 +336,16 @@ class MissCauseFold:
         if live.preempted and not self.first_admission:
             tokens[PREEMPTION] += max(held_end * bs - start, 0)
             return 0
-        gone = live.restored_evicted  # its stores in order from block j: recomputed after an eviction?
+        codes = live.store_codes  # its stores in order from block j (engine_recompute)
         held_evicted = 0
         for k in range(held_end - j):
             n = (j + k + 1) * bs - max((j + k) * bs, start)
-            if k < len(gone) and gone[k]:
+            code = codes[k] if k < len(codes) else None
+            if code == RESTORED_EVICTED:
                 held_evicted += n
                 evicted.append((None, None, n))
+            elif code == NOT_HELD:
+                tokens[IN_FLIGHT] += n
             else:
                 tokens[ENGINE_SKIP] += n
         tokens[EVICTED] += held_evicted
@@ -376,7 +391,8 @@ class MissCauseFold:
         self._shadow.touch(keys ^ mask if mask else keys, keys, bool(mask), now_ns)
 
 
-FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestPreempted, BlockStored, RequestFinished)
+FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestScheduled, RequestPreempted, BlockStored, BlockDeduplicated,
+               RequestFinished)
 """The event types the fold reads, in the order ties in time are replayed."""
 REPLAY_EVENTS = (*FOLD_EVENTS, BlockEvicted)
 """What a replay of a log feeds the fold: its events and the engine's evictions (a live fold

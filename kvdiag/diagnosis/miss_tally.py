@@ -12,9 +12,9 @@ from typing import Optional
 
 import numpy as np
 
-CAUSES = ("cold", "evicted", "hash_domain", "below_block", "preemption", "engine_skip", "unknown")
+CAUSES = ("cold", "evicted", "hash_domain", "below_block", "preemption", "in_flight", "engine_skip", "unknown")
 """Every cause, in the order tables list them."""
-COLD, EVICTED, HASH_DOMAIN, BELOW_BLOCK, PREEMPTION, ENGINE_SKIP, UNKNOWN = range(len(CAUSES))
+COLD, EVICTED, HASH_DOMAIN, BELOW_BLOCK, PREEMPTION, IN_FLIGHT, ENGINE_SKIP, UNKNOWN = range(len(CAUSES))
 REUSE_BINS = 48  # log2 bins: [k] holds values 2^(k-1) .. 2^k - 1 ([0]: 0)
 
 
@@ -46,10 +46,11 @@ class RequestMisses:
 
 def explained_tokens(tokens, held_evicted_tokens: int) -> int:
     """Missed tokens that the shadow at the engine's settings held at arrival and that the
-    engine's own events say why it missed: it had evicted them (``held_evicted_tokens``) or it
-    preempted the request (``preemption``). What ``sharing.consistency`` does not count against
-    the engine (:func:`kvdiag.diagnosis.rules.unexplained_gap`)."""
-    return held_evicted_tokens + tokens[PREEMPTION]
+    engine's own events say why it missed: it had evicted them (``held_evicted_tokens``), it
+    preempted the request (``preemption``) or no block held them yet when it looked the request
+    up (``in_flight``). What ``sharing.consistency`` does not count against the engine
+    (:func:`kvdiag.diagnosis.rules.unexplained_gap`)."""
+    return held_evicted_tokens + tokens[PREEMPTION] + tokens[IN_FLIGHT]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``sharing.consistency`` as a rule over a log: the engine's prefix hit rate against the
 content's, measured by the shadow cache at the engine's settings, over the same finished
-requests, less what the engine's own events explain (content it evicted under pressure, or
-recomputed after a preemption). Verdict: :func:`kvdiag.diagnosis.rules.sharing_gap_status` of
+requests, less what the engine's own events explain (content it evicted under pressure,
+recomputed after a preemption, or had not stored yet: in flight in another request). Verdict: :func:`kvdiag.diagnosis.rules.sharing_gap_status` of
 :func:`kvdiag.diagnosis.rules.unexplained_gap`.
 """
 
@@ -140,10 +140,12 @@ def _message(worst: dict) -> str:
                f"over the same {worst['requests']} finished requests (gap {worst['gap']:+.1%}")
     if unexplained != worst["gap"]:
         message += (f"; the engine's own events explain {(worst['gap'] - unexplained) * 100:.1f} points: "
-                    f"{explained:,} prompt tokens the shadow held that the engine had evicted "
-                    f"({worst['engine_evictions']:,} evictions meanwhile: requests in flight take blocks "
-                    f"that the shadow, holding content alone, counts as cache) or recomputed after a "
-                    f"preemption; unexplained {unexplained:+.1%}")
+                    f"{explained:,} prompt tokens the shadow held that the engine had evicted, "
+                    f"recomputed after a preemption or not stored yet (in flight in another request)")
+        if worst["engine_evictions"]:
+            message += (f" ({worst['engine_evictions']:,} evictions meanwhile: requests in flight take "
+                        f"blocks that the shadow, holding content alone, counts as cache)")
+        message += f"; unexplained {unexplained:+.1%}"
     message += f", limit ±{rules.SHARING_GAP_LIMIT:.0%})"
     if not explained and worst["gap"] > 0 and worst["engine_evictions"]:
         message += (f"; the engine evicted {worst['engine_evictions']:,} cached blocks meanwhile (the miss "

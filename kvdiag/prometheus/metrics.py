@@ -90,13 +90,13 @@ METRICS: tuple[MetricDef, ...] = (
               "sharing.consistency); absent with fewer than its minimum of requests."),
     MetricDef("kvdiag_prefix_hit_ratio_gap_unexplained", "gauge", "ratio",
               "The hit-rate gap less what the engine's own events explain: prompt tokens the shadow "
-              "held that the engine had evicted (its pool under pressure) or recomputed after a "
-              "preemption, as a share of the same requests' prompt tokens; what sharing.consistency "
+              "held that the engine had evicted (its pool under pressure), recomputed after a "
+              "preemption or not stored yet (in flight in another request), as a share of the same requests' prompt tokens; what sharing.consistency "
               "judges. Absent with fewer than its minimum of requests."),
     MetricDef("kvdiag_prompt_tokens_missed_total", "counter", "tokens",
               "Prompt tokens of finished requests the engine did not serve from its prefix cache, "
-              "by cause: cold, evicted, hash_domain, below_block, preemption, engine_skip, unknown "
-              "(kvdiag/diagnosis/miss_causes.py); summed over causes, the engine's missed tokens "
+              "by cause: cold, evicted, hash_domain, below_block, preemption, in_flight, engine_skip, "
+              "unknown (kvdiag/diagnosis/miss_causes.py); summed over causes, the engine's missed tokens "
               "(vLLM: prefix_cache_queries - prefix_cache_hits) since the exporter started.",
               ("cause",)),
     MetricDef("kvdiag_shadow_token_hit_ratio", "gauge", "ratio",

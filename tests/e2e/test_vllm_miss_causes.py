@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.diagnosis.miss_replay import miss_causes_of_events
+from kvdiag.diagnosis.miss_tally import CAUSES
 from kvdiag.commands._demo_vllm import VllmServer
 from kvdiag.events.eventlog import iter_events
 from kvdiag.events.schema import KVPoolInfo, RequestArrived, RequestFinished
@@ -101,8 +102,7 @@ def test_miss_causes_sum_to_vllm_counters_on_a_small_pool(vllm_python, model_dir
     # the system prompt fills two blocks before the question starts: those two were evicted
     assert causes["evicted"] >= 2 * 128, causes
     assert causes["unknown"] == 0 and causes["preemption"] == 0
-    by_id = {r.request_id: dict(zip(("cold", "evicted", "hash_domain", "below_block", "preemption",
-                                     "engine_skip", "unknown"), r.tokens)) for r in result.requests}
+    by_id = {r.request_id: dict(zip(CAUSES, r.tokens)) for r in result.requests}
     short = min(finished, key=lambda e: e.prompt_tokens)
     assert short.prompt_tokens < pool.block_size_tokens
     assert by_id[short.request_id]["below_block"] == short.prompt_tokens - short.cached_prompt_tokens

@@ -17,9 +17,9 @@ from kvdiag.diagnosis.miss_replay import miss_causes_of_events, miss_causes_of_l
 from kvdiag.diagnosis.miss_tally import CAUSES
 from kvdiag.events.eventlog import iter_events, read_header
 from kvdiag.pool.hashing import ContentHasher
-from kvdiag.events.schema import (BlockEvicted, BlockStored, KVPoolInfo, RequestArrived, RequestFinished,
-                           RequestPreempted, ShadowSharing)
-from engine_evictions import recomputed_after_eviction
+from kvdiag.events.schema import (BlockDeduplicated, BlockEvicted, BlockStored, KVPoolInfo, RequestArrived,
+                                  RequestFinished, RequestPreempted, RequestScheduled, ShadowSharing)
+from engine_evictions import in_flight_tokens, recomputed_after_eviction
 
 DATA = Path(__file__).parent.parent / "data"
 FIXTURES = ["vllm_demo/demo_16req_seed1.kvlog.gz", "demo_small/demo_24req_seed1.kvlog.gz",
@@ -149,7 +149,9 @@ def test_each_planted_cause_counted_as_the_brute_force_does():
     got = _per_request(events, engine="transformers-cb")
     assert got == expected
     assert got == {k: +v for k, v in brute_force(events, 4, 4, first_admission=False).items()}
-    assert {c for v in got.values() for c in v} == set(CAUSES)  # every cause planted
+    # every cause planted but in_flight, which needs the engine's stores (planted in
+    # test_content_still_computed_by_a_request_in_flight_is_in_flight)
+    assert {c for v in got.values() for c in v} == set(CAUSES) - {"in_flight"}
 
 
 def test_vllm_counts_hits_at_first_admission_so_preemption_is_engine_skip():
@@ -302,6 +304,67 @@ def test_blocks_the_engine_evicted_under_pressure_are_evicted_not_skipped(evicte
     assert _per_request(late, engine="transformers-cb")["again"] == Counter(want)
 
 
+def in_flight_stream(scheduled_at, stored_at, dedup: bool):
+    """Two requests with A's prompt, "first" then "second" (arrived at 10 and 12). "first" stores
+    A's two full blocks (engine hashes 1001, 1002) at ``stored_at``; "second", scheduled at
+    ``scheduled_at`` (None: no RequestScheduled), computes the same blocks at 40: it stores them
+    itself, or (``dedup``) finds them stored and adopts them (BlockDeduplicated), as transformers
+    does. The shadow holds A from "first"'s arrival on."""
+    ev = [_pool(4, 16), _arrive(10, "first", A), _arrive(12, "second", A)]
+    if scheduled_at is not None:
+        ev.append(RequestScheduled(ts_ns=scheduled_at, request_id="second"))
+    ev += [_stored(stored_at, "first", 0, 1001, A[0:4]), _stored(stored_at, "first", 1, 1002, A[4:8])]
+    ev += [BlockDeduplicated(ts_ns=40, request_id="second", block_id=b, duplicate_block_id=b + 2, block_hash=h)
+           if dedup else _stored(40, "second", b + 2, h, A[4 * b:4 * b + 4]) for b, h in ((0, 1001), (1, 1002))]
+    ev += [_finish(50, "first", 10, 0), _finish(51, "second", 10, 0)]
+    return sorted(ev, key=lambda e: e.ts_ns)
+
+
+@pytest.mark.parametrize("scheduled_at, stored_at, dedup, want", [
+    *((20, 30, d, {"in_flight": 8, "below_block": 2}) for d in (False, True)),  # looked up before
+    # "first" stored A: in flight
+    *((35, 30, d, {"engine_skip": 8, "below_block": 2}) for d in (False, True)),  # A was stored
+    # when it was looked up: a skip
+    *((None, 30, d, {"engine_skip": 8, "below_block": 2}) for d in (False, True)),  # no scheduling
+    # event: its first block event is the latest its lookup can be, and A was stored by then:
+    # named in_flight only when certain
+    (None, 45, False, {"in_flight": 8, "below_block": 2}),  # it computed A before "first" stored it
+])
+def test_content_still_computed_by_a_request_in_flight_is_in_flight(scheduled_at, stored_at, want, dedup):
+    """Engines share only blocks already stored. A block the shadow held (an earlier arrival
+    brought it) that no block of the engine held when the request was looked up was in flight
+    in that earlier request: in_flight, not engine_skip; it counts as explained for
+    sharing.consistency. Top's live fold and the log replay agree."""
+    from kvdiag.live.state import LiveState
+
+    events = in_flight_stream(scheduled_at, stored_at, dedup)
+    got = _per_request(events, engine="transformers-cb")
+    assert got["second"] == Counter(want) and got["first"] == Counter({"cold": 8, "below_block": 2})
+    rec = next(r for r in miss_causes_of_events(events).requests if r.request_id == "second")
+    assert rec.explained_tokens == want.get("in_flight", 0)
+    assert in_flight_tokens(events) == want.get("in_flight", 0)  # the independent count agrees
+    for chunk in (1, 2, len(events)):
+        state = LiveState()
+        for i in range(0, len(events), chunk):
+            state.feed_all(events[i:i + chunk])
+        assert state.misses.tally.by_cause() == miss_causes_of_events(events).total.by_cause()
+
+
+@pytest.mark.parametrize("name", ["demo_small/demo_24req_seed1.kvlog.gz", "demo_queueing/calm_22req_rate0.8.kvlog.gz",
+                                  "demo_queueing/overload_24req_rate30.kvlog.gz",
+                                  "demo_queueing/overload_48req_rate30.kvlog.gz"])
+def test_recorded_in_flight_tokens_equal_an_independent_count(name):
+    """Transformers, no eviction: the held blocks the engine missed were all in flight in an
+    earlier request (counted from the events, not through the fold: requests scheduled before
+    an earlier arrival stored the content, which they then stored or adopted themselves);
+    nothing is left as engine_skip."""
+    events = list(iter_events(DATA / name))
+    assert not any(isinstance(e, BlockEvicted) for e in events)
+    causes = miss_causes_of_events(events, engine="transformers-cb").total.by_cause()
+    assert causes["in_flight"] == in_flight_tokens(events) > 0
+    assert causes["engine_skip"] == 0
+
+
 @pytest.mark.parametrize("name", ["demo_16req_pool56.kvlog.gz", "demo_16req_pool72.kvlog.gz"])
 def test_recorded_pool_pressure_logs_name_the_engines_evictions(name):
     """Transformers with a small pool and requests in flight at once: the engine evicted cached
@@ -349,19 +412,22 @@ def test_sharing_consistency_does_not_count_the_engines_evictions_against_it(nam
     prompt = sum(e.prompt_tokens for e in fins)
     assert ev["requests"] == len(fins) == 16 and ev["prompt_tokens"] == prompt
     assert ev["gap"] > rules.SHARING_GAP_LIMIT
-    assert ev["explained_tokens"] == recomputed_after_eviction(events) * block_size
+    in_flight = miss_causes_of_events(events, engine="transformers-cb").total.by_cause()["in_flight"]
+    assert ev["explained_tokens"] == recomputed_after_eviction(events) * block_size + in_flight
     assert ev["unexplained_gap"] == pytest.approx(ev["gap"] - ev["explained_tokens"] / prompt, abs=1e-12)
     assert 0 <= ev["unexplained_gap"] <= rules.SHARING_GAP_LIMIT and found.status == "pass"
     assert ev["engine_evictions"] == _evictions_in_window(path, ev)
     assert f"{ev['explained_tokens']:,} prompt tokens the shadow held that the engine had evicted" in found.message
+    assert "not stored yet (in flight in another request)" in found.message
 
 
 def test_sharing_consistency_warns_on_the_same_gap_without_the_engines_evidence(tmp_path):
-    """The same pool72 traffic from an engine that publishes no evictions: nothing explains the
-    gap, so it is judged whole: warn (the rule subtracts only what the engine's events show)."""
+    """The same pool72 traffic from an engine that publishes no stores or evictions: nothing
+    explains the gap, so it is judged whole: warn (the rule subtracts only what the engine's
+    events show)."""
     import constructed as C
-    path = C.rewrite(DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz", tmp_path / "silent.kvlog",
-                     lambda e: None if e["type"] == "block_evicted" else e)
+    path = C.without_engine_evidence(DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz",
+                                     tmp_path / "silent.kvlog")
     found = _consistency(path)
     ev = found.evidence
     assert ev["explained_tokens"] == 0 and ev["engine_evictions"] == 0
@@ -369,11 +435,12 @@ def test_sharing_consistency_warns_on_the_same_gap_without_the_engines_evidence(
     assert "explain" not in found.message
 
 
-def test_sharing_consistency_without_evictions_keeps_the_plain_message():
+def test_sharing_consistency_without_evictions_names_only_the_tokens_in_flight():
     path = DATA / "demo_queueing" / "calm_22req_rate0.8.kvlog.gz"
     found = _consistency(path)
     assert _evictions_in_window(path, found.evidence) == 0 == found.evidence["engine_evictions"]
-    assert found.status == "pass" and "evicted" not in found.message
+    assert found.evidence["explained_tokens"] == in_flight_tokens(list(iter_events(path))) > 0
+    assert found.status == "pass" and "evictions meanwhile" not in found.message
 
 
 def test_generated_blocks_enter_the_shadow_at_finish():

@@ -59,15 +59,16 @@ def constructed_logs(folder: Path) -> list[Path]:
     """Logs written through the real LogWriter that make the rules fail: leaking requests,
     long prompts from the middle on (a P99 regression with its cause), the TUI fixture's
     shadow sharing with a TTFT spike and a leak, and a recorded pool under pressure without the
-    engine's evictions (a hit-rate gap nothing in the log explains)."""
+    engine's stores and evictions (a hit-rate gap nothing in the log explains)."""
     import constructed as C
     from tui_data import write_constructed_log
 
     return [C.write(folder / "leak_and_long.jsonl", C.events(n_requests=240, leak_ids=(5, 17), long_from=120)),
             write_constructed_log(folder / "shadow_spike_leak.kvlog", n_requests=200, leak_every=5),
-            # a pool under pressure from an engine that publishes no evictions: an unexplained gap
-            C.rewrite(DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz", folder / "no_evictions.kvlog",
-                      lambda e: None if e["type"] == "block_evicted" else e)]
+            # a pool under pressure from an engine that publishes no stores or evictions: an
+            # unexplained gap
+            C.without_engine_evidence(DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz",
+                                      folder / "no_evictions.kvlog")]
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.parent.name + "/" + p.name)
@@ -93,7 +94,7 @@ def test_the_logs_exercise_every_verdict(tmp_path):
 def test_tops_sharing_panel_judges_the_gap_as_the_doctor(tmp_path):
     """top's prefix panel (its SharingView) gives sharing.consistency's verdict on the gap the
     engine's own events leave unexplained, as the doctor does: a pool under pressure passes
-    (its evictions explain the gap), the same traffic without its evictions warns."""
+    (its evictions explain the gap), the same traffic without its stores and evictions warns."""
     silent, statuses = constructed_logs(tmp_path)[-1], []
     for path in (DATA / "demo_preempt" / "demo_16req_pool72.kvlog.gz", silent):
         source = ReplaySource(path, speed=1e9, clock=iter(range(10**9)).__next__)
