@@ -2,20 +2,41 @@
 
 from __future__ import annotations
 
-from kvdiag.events.schema import BlockEvicted, BlockStored
+from kvdiag.events.schema import BlockEvicted, BlockReleased, BlockStored
 
 
-def recomputed_after_eviction(events) -> int:
-    """Blocks the engine stored again under a hash whose earlier block it had evicted in between
-    (its ``BlockStored`` and ``BlockEvicted`` events, read directly: not through the fold)."""
-    block_hash, gone, recomputed = {}, set(), 0
+def let_go(e) -> bool:
+    """The event says a block's content left the engine's prefix cache: evicted, or released
+    without being kept cached (transformers, on a preemption)."""
+    return isinstance(e, BlockEvicted) or isinstance(e, BlockReleased) and not e.cached
+
+
+def recomputed_after_eviction(events, cached_at_first_admission: bool = False) -> int:
+    """Missed prompt blocks the engine stored again under a hash whose earlier block it had let
+    go in between (its ``BlockStored``, ``BlockEvicted`` and ``BlockReleased`` events, read
+    directly: not through the fold): per finished request, its ``BlockStored`` and
+    ``BlockDeduplicated`` in order from block ``cached // B``, within its prompt's full blocks;
+    a preempted request's are left out where the engine counts cached tokens at the last
+    admission (transformers: the miss is the preemption's)."""
+    from kvdiag.events.schema import BlockDeduplicated, KVPoolInfo, RequestFinished, RequestPreempted
+    bs = next(e for e in events if isinstance(e, KVPoolInfo)).block_size_tokens
+    block_hash, gone, computed, preempted = {}, set(), {}, set()
     for e in events:
         if isinstance(e, BlockStored):
-            recomputed += e.block_hash in gone
+            computed.setdefault(e.request_id, []).append(e.block_hash in gone)
             gone.discard(e.block_hash)
             block_hash[e.block_id] = e.block_hash
-        elif isinstance(e, BlockEvicted) and e.block_id in block_hash:
+        elif isinstance(e, BlockDeduplicated):
+            computed.setdefault(e.request_id, []).append(False)
+        elif let_go(e) and e.block_id in block_hash:
             gone.add(block_hash.pop(e.block_id))
+        elif isinstance(e, RequestPreempted):
+            preempted.add(e.request_id)
+    recomputed = 0
+    for e in events:
+        if isinstance(e, RequestFinished) and (cached_at_first_admission or e.request_id not in preempted):
+            full = e.prompt_tokens // bs - (e.prompt_tokens % bs == 0)
+            recomputed += sum(computed.get(e.request_id, [])[:max(full - e.cached_prompt_tokens // bs, 0)])
     return recomputed
 
 
@@ -43,7 +64,7 @@ def in_flight_tokens(events) -> int:
             spans.setdefault(e.block_hash, []).append(span)
             storers.setdefault(e.block_hash, set()).add(e.request_id)
             computed.setdefault(e.request_id, []).append((e.ts_ns, e.block_hash))
-        elif isinstance(e, BlockEvicted) and e.block_id in open_span:
+        elif let_go(e) and e.block_id in open_span:
             open_span.pop(e.block_id)[1] = e.ts_ns
         elif isinstance(e, BlockDeduplicated):
             computed.setdefault(e.request_id, []).append((e.ts_ns, e.block_hash))

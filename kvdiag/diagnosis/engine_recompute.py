@@ -1,6 +1,7 @@
 """What the engine's own block events say about content it missed: which content (the engine's
-block hash) each block id stores (``BlockStored``), which of those contents the engine evicted
-(``BlockEvicted``, fed here or taken from a live ledger that folds those events), and, for a
+block hash) each block id stores (``BlockStored``), which of those contents the engine let go
+(``BlockEvicted``, or ``BlockReleased`` not kept cached: fed to :meth:`EngineRecompute.evicted`
+or taken from a live ledger that folds those events), and, for a
 store, whether its content had been evicted since it was last stored (a recompute after an
 eviction: a pool under pressure) or whether no block held it when the storing request was looked
 up (a request in flight was still computing it). The miss causes
@@ -26,9 +27,9 @@ when the request was looked up (nor was it evicted since)."""
 
 
 class EngineRecompute:
-    """``ledger``: a live ledger that folds the same stream's ``BlockEvicted`` events (the
-    evictions are taken from its log, :meth:`BlockLedger.log_evictions`, at each store and
-    whenever :meth:`take_evictions` is called); None: feed them to :meth:`evicted`."""
+    """``ledger``: a live ledger that folds the same stream's block events (the content it let
+    go is taken from its log, :meth:`BlockLedger.log_dropped`, at each store and whenever
+    :meth:`take_dropped` is called); None: feed it to :meth:`evicted`."""
 
     def __init__(self, ledger: Optional[BlockLedger] = None) -> None:
         self._ledger = ledger
@@ -48,8 +49,8 @@ class EngineRecompute:
         it since, else :data:`HELD` when another block has held it since ``lookup_ns`` or before
         (the storing request's lookup; None: this store's time), else :data:`NOT_HELD`."""
         if self._ledger is not None:
-            self._ledger.log_evictions()  # from the first store on: evictions of stored content
-            self.take_evictions()
+            self._ledger.log_dropped()  # from the first store on: evictions of stored content
+            self.take_dropped()
         held = self._held.get(block_hash)
         code = HELD if held is not None and held[1] <= (ts_ns if lookup_ns is None else lookup_ns) else NOT_HELD
         old = self._stored_hash.get(block_id)
@@ -72,14 +73,15 @@ class EngineRecompute:
         held = self._held.get(block_hash)
         return HELD if held is not None and held[1] <= lookup_ns else NOT_HELD
 
-    def take_evictions(self) -> None:
-        """The ledger's evictions so far (none without a ledger)."""
-        if self._ledger is not None and self._ledger.evicted_log:
-            for b in self._ledger.take_evictions():
+    def take_dropped(self) -> None:
+        """The content the ledger saw let go so far (none without a ledger)."""
+        if self._ledger is not None and self._ledger.dropped_log:
+            for b in self._ledger.take_dropped():
                 self.evicted(b)
 
     def evicted(self, block_id) -> None:
-        """The engine evicted ``block_id`` (its ``BlockEvicted``)."""
+        """The engine let ``block_id``'s content go (its ``BlockEvicted``, or a ``BlockReleased``
+        not kept cached)."""
         h = self._stored_hash.pop(block_id, None)
         if h is not None:
             self._release(h)

@@ -34,7 +34,8 @@ gets its cause in this order, the first that applies:
    ``BlockStored`` (and ``BlockDeduplicated``: a block it filled, found stored meanwhile) events
    in order from its first computed block ``cached_prompt_tokens // B``
    (:mod:`kvdiag.diagnosis.engine_recompute`): ``evicted`` when the block was stored anew under
-   an engine hash whose earlier block the engine evicted (``BlockEvicted``) in between: a pool
+   an engine hash whose earlier block the engine let go in between (``BlockEvicted``, or
+   ``BlockReleased`` not kept cached: transformers' blocks on a preemption): a pool
    under pressure, where running requests take blocks that the shadow, holding content alone,
    does not count (no reuse distance or age: the engine's eviction, not the shadow's);
    ``in_flight`` when no block of the engine held that hash when the request was looked up (its
@@ -67,17 +68,15 @@ age), then a fixed-size Bloom filter (``bloom_bits``) that tells evicted from co
 (false positives, cold blocks counted as evicted: under 1% up to ~0.68 M keys fallen off the
 history per MiB of filter, the default).
 
-Speed: the shadow is arrays and its per-block loops are compiled (numba,
-:mod:`kvdiag.simulation._misskernels`; tests/integration/test_miss_causes_reference.py: a
-plain-Python reference), two kernel calls per request, loaded in a background thread from the
-fold's creation (from numba's cache in well under a second; compiled once per machine).
+Speed: the shadow is arrays, its per-block loops compiled (numba, two calls per request:
+:mod:`kvdiag.simulation._misskernels`, loaded in the background from the fold's creation;
+tests/integration/test_miss_causes_reference.py: a plain-Python reference).
 
 :class:`MissCauseFold` is the one definition: ``kvdiag top`` and the exporter feed it live,
-the doctor and the report replay a log through it
-(:func:`kvdiag.diagnosis.miss_replay.miss_causes_of_events`). A replay feeds it the engine's
-``BlockEvicted`` events (:data:`REPLAY_EVENTS`); a live fold takes them from its ``ledger``
-(:meth:`kvdiag.pool.blockledger.BlockLedger.log_evictions`), which folds those events itself,
-at each store, arrival and finish: the same evictions before the same events.
+the doctor and the report replay a log through it (:mod:`kvdiag.diagnosis.miss_replay`), with
+the engine's evictions and uncached releases (:data:`REPLAY_EVENTS`); a live fold takes those
+from its ``ledger`` (:meth:`kvdiag.pool.blockledger.BlockLedger.log_dropped`) at each store,
+arrival and finish: the same content let go before the same events.
 """
 
 from __future__ import annotations
@@ -94,8 +93,9 @@ from kvdiag.diagnosis.miss_tally import (BELOW_BLOCK, CAUSES, COLD, ENGINE_SKIP,
 from kvdiag.simulation import _misskernels as K
 from kvdiag.traces.kvdiag_logs import full_sequence
 from kvdiag.pool.hashing import Content, full_sequence_chunks
-from kvdiag.events.schema import (BlockDeduplicated, BlockEvicted, BlockStored, Event, KVPoolInfo,
-                                  RequestArrived, RequestFinished, RequestPreempted, RequestScheduled)
+from kvdiag.events.schema import (BlockDeduplicated, BlockEvicted, BlockReleased, BlockStored, Event,
+                                  KVPoolInfo, RequestArrived, RequestFinished, RequestPreempted,
+                                  RequestScheduled)
 from kvdiag.pool.blockledger import BlockLedger
 
 HELD = -1  # a block the shadow served at arrival
@@ -142,7 +142,7 @@ class MissCauseFold:
     ``cached_at_first_admission``: the engine counts a request's cached tokens at its first
     admission (vLLM: ``engine="vllm"``), so preemption never explains them; None: from
     ``engine``. ``ledger``: the ledger that folds the same stream's
-    block events (a live fold, whose ``BlockEvicted`` events the ledger alone receives): the
+    block events (a live fold, whose evictions and releases the ledger alone receives): the
     engine's evictions are taken from it; without one, feed them (:data:`REPLAY_EVENTS`)."""
 
     def __init__(self, *, engine: str = "", cached_at_first_admission: Optional[bool] = None,
@@ -163,7 +163,7 @@ class MissCauseFold:
         self._live: dict[str, _Live] = {}
         self._before_pool: Optional[list[Event]] = []
         self.errors = 0
-        # the engine's evictions (module docstring): fed as BlockEvicted events, or taken from
+        # the content the engine let go (module docstring): fed as events, or taken from
         # ``ledger`` (the live fold's, which folds those events itself) from the first store on
         self._recompute = EngineRecompute(ledger)
         K.warm_up_in_background()  # the shadow's kernels are loaded by the time requests arrive
@@ -202,13 +202,13 @@ class MissCauseFold:
                 self._pool(ev)
             elif self.block_size_tokens is None and self._before_pool is not None:
                 self._buffer(ev)
-            elif t is BlockEvicted:
+            elif t is BlockEvicted or (t is BlockReleased and not ev.cached):  # content let go
                 self._recompute.evicted(ev.block_id)
             elif t is RequestArrived:
-                self._recompute.take_evictions()
+                self._recompute.take_dropped()
                 self._arrived(ev)
             elif t is RequestFinished:
-                self._recompute.take_evictions()
+                self._recompute.take_dropped()
                 self._finished(ev)
             else:  # RequestScheduled, RequestPreempted, BlockDeduplicated
                 live = self._live.get(ev.request_id)
@@ -394,7 +394,7 @@ class MissCauseFold:
 FOLD_EVENTS = (KVPoolInfo, RequestArrived, RequestScheduled, RequestPreempted, BlockStored, BlockDeduplicated,
                RequestFinished)
 """The event types the fold reads, in the order ties in time are replayed."""
-REPLAY_EVENTS = (*FOLD_EVENTS, BlockEvicted)
-"""What a replay of a log feeds the fold: its events and the engine's evictions (a live fold
-takes those from its ledger)."""
+REPLAY_EVENTS = (*FOLD_EVENTS, BlockEvicted, BlockReleased)
+"""What a replay of a log feeds the fold: its events and the content the engine let go (evicted,
+or released uncached); a live fold takes those from its ledger."""
 _WANTED = frozenset(REPLAY_EVENTS)

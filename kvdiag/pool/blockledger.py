@@ -34,8 +34,9 @@ Also, for the block facts (:mod:`kvdiag.pool.blockfacts`) and the forecast:
   ``open_hits`` (the blocks the forecast counts as already taken by active requests);
 - with :meth:`BlockLedger.track_holdings`, ``holdings`` after each of the latest block events
   (``ring_ts`` / ``ring_held``), for the holdings at an instant already passed;
-- with :meth:`BlockLedger.log_evictions`, the ids of evicted blocks until
-  :meth:`BlockLedger.take_evictions` (the miss-cause fold's evidence of the engine's evictions).
+- with :meth:`BlockLedger.log_dropped`, the ids of blocks whose content left the prefix cache
+  (``BlockEvicted``, and ``BlockReleased`` with ``cached`` false) until
+  :meth:`BlockLedger.take_dropped` (the miss-cause fold's evidence that the engine let content go).
 
 :meth:`BlockLedger.apply_all` folds a batch in one loop (the common cases of the three block
 events that make up ~97% of a busy engine's stream inlined; every other case goes through the
@@ -125,7 +126,7 @@ class BlockLedger:
         self.open_allocated = 0  # sums over self.open
         self.open_hits = 0
         self.ring_ts: Optional[deque] = None  # track_holdings: ts_ns and holdings after each block event
-        self.evicted_log: Optional[list] = None  # log_evictions: ids of BlockEvicted events not yet taken
+        self.dropped_log: Optional[list] = None  # log_dropped: block ids whose content left, not yet taken
         self.ring_held: Optional[deque] = None
         # hooks: on_watch(ts) before the first block event, arrival or finish with ts_ns > watch_ts
         # (then watch_ts is read again); on_new_holder(request_id, ts) when a BlockAllocated makes
@@ -139,18 +140,20 @@ class BlockLedger:
             BlockReleased: self.released, BlockEvicted: self.evicted, RequestFinished: self.finished,
             KVPoolInfo: self._pool_info, RequestArrived: self._arrived}
 
-    def log_evictions(self) -> None:
-        """From now on, keep the block id of each ``BlockEvicted`` until :meth:`take_evictions`
-        (the miss-cause fold's evidence that the engine let a block's content go)."""
-        if self.evicted_log is None:
-            self.evicted_log = []
+    def log_dropped(self) -> None:
+        """From now on, keep the block id of each ``BlockEvicted`` and of each ``BlockReleased``
+        with ``cached`` false (the block left the prefix cache: transformers on a preemption)
+        until :meth:`take_dropped` (the miss-cause fold's evidence that the engine let a block's
+        content go)."""
+        if self.dropped_log is None:
+            self.dropped_log = []
 
-    def take_evictions(self) -> list:
+    def take_dropped(self) -> list:
         """The block ids evicted since the last call (oldest first), given up by the ledger."""
-        log = self.evicted_log
+        log = self.dropped_log
         if not log:
             return []
-        self.evicted_log = []
+        self.dropped_log = []
         return log
 
     def track_holdings(self, ring_block_events: int) -> None:
@@ -288,7 +291,7 @@ class BlockLedger:
         if ring:
             ring_ts, ring_held = self.ring_ts.append, self.ring_held.append
         slow = self.keep_history  # the history is written by the per-event methods
-        elog = self.evicted_log  # log_evictions (re-read after any call out: take_evictions swaps it)
+        elog = self.dropped_log  # log_dropped (re-read after any call out: take_dropped swaps it)
         n = self._fast_slots()  # block ids below n are their own slots
         watch = self.watch_ts
         bucket_ns = bucket_ns or NEVER_NS
@@ -313,7 +316,7 @@ class BlockLedger:
                             on_bucket(cur, run)
                         finally:
                             hold = self.holdings
-                            elog = self.evicted_log
+                            elog = self.dropped_log
                     cur, run = idx, 0
                 run += 1
                 if ts > watch and t in settling:
@@ -323,7 +326,7 @@ class BlockLedger:
                         self.on_watch(ts)
                     finally:
                         hold = self.holdings
-                        elog = self.evicted_log
+                        elog = self.dropped_log
                         watch = self.watch_ts
                 if t is REL:
                     if ts > last:  # the latest event the ledger folds
@@ -337,7 +340,7 @@ class BlockLedger:
                             self.released(ev)
                         finally:
                             hold = self.holdings
-                            elog = self.evicted_log
+                            elog = self.dropped_log
                             n = self._fast_slots()
                         continue
                     # its only holder lets it go (released(), _drop())
@@ -356,6 +359,8 @@ class BlockLedger:
                     if keep and not cached[b]:
                         cached[b] = True
                         nc += 1
+                    elif not keep and elog is not None:  # its content left the cache (released())
+                        elog.append(b)
                     if relby[b] is None:
                         relby[b] = rid
                     else:
@@ -375,7 +380,7 @@ class BlockLedger:
                             self.allocated(ev)
                         finally:
                             hold = self.holdings
-                            elog = self.evicted_log
+                            elog = self.dropped_log
                             n = self._fast_slots()
                         continue
                     # a block no request held, for a request that holds others (allocated())
@@ -408,7 +413,7 @@ class BlockLedger:
                             self.evicted(ev)
                         finally:
                             hold = self.holdings
-                            elog = self.evicted_log
+                            elog = self.dropped_log
                             n = self._fast_slots()
                         continue
                     nb += 1  # (evicted())
@@ -434,7 +439,7 @@ class BlockLedger:
                             other(ev)
                     finally:
                         hold = self.holdings
-                        elog = self.evicted_log
+                        elog = self.dropped_log
                         watch = self.watch_ts
                         n = self._fast_slots()
             except Exception:  # one malformed event costs its own figures, not the fold
@@ -582,6 +587,8 @@ class BlockLedger:
         b, rid = ev.block_id, ev.request_id
         i = self._slot(b)
         self.block_events += 1
+        if not ev.cached and self.dropped_log is not None:  # its content left the cache
+            self.dropped_log.append(b)
         prev = self._holder[i]
         if prev is None or (prev != rid if type(prev) is not set else rid not in prev):
             self._bad_release(ev, prev, i)
@@ -636,8 +643,8 @@ class BlockLedger:
         self.evictions += 1
         if self._holder[i] is not None:
             self._anomaly("evict_held", ev.ts_ns, b, None)
-        if self.evicted_log is not None:
-            self.evicted_log.append(b)
+        if self.dropped_log is not None:
+            self.dropped_log.append(b)
         self._uncache(i)
         self._ring(ev.ts_ns)
         if self.history is not None:

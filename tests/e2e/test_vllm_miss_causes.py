@@ -146,7 +146,7 @@ def test_blocks_vllm_evicted_under_in_flight_pressure_are_evicted(vllm_python, m
               - counter(after, "vllm:prefix_cache_hits_total") + counter(before, "vllm:prefix_cache_hits_total"))
     events = list(iter_events(log))
     block_size = next(e for e in events if isinstance(e, KVPoolInfo)).block_size_tokens
-    recomputed = recomputed_after_eviction(events)
+    recomputed = recomputed_after_eviction(events, cached_at_first_admission=True)
     result = miss_causes_of_events(events, engine="vllm")
     causes = result.total.by_cause()
     assert sum(causes.values()) == missed > 0

@@ -60,7 +60,7 @@ def streams(draw) -> list[s.Event]:
 def _state(ledger: BlockLedger) -> dict:
     out = {k: getattr(ledger, k) for k in STATE}
     out["ring"] = (list(ledger.ring_ts), list(ledger.ring_held)) if ledger.ring_ts is not None else None
-    out["evicted_log"] = ledger.evicted_log
+    out["dropped_log"] = ledger.dropped_log
     return out
 
 
@@ -85,25 +85,26 @@ def _brute_open(events) -> tuple[int, int, int]:
 
 @settings(max_examples=400, deadline=None)
 @given(streams(), st.integers(1, 7), st.sampled_from([0, 4]), st.booleans())
-def test_batch_loop_is_the_per_event_methods(events, chunk, ring, log_evictions):
+def test_batch_loop_is_the_per_event_methods(events, chunk, ring, log_dropped):
     """In batches of any size (the loop's locals written back at each end), with and without
-    the holdings ring (a ring of 4 overflows) and the eviction log (every BlockEvicted's block
-    id, in order)."""
+    the holdings ring (a ring of 4 overflows) and the log of content dropped (the block id of
+    every BlockEvicted and every BlockReleased not kept cached, in order)."""
     one, batch = BlockLedger(), BlockLedger()
     if ring:
         one.track_holdings(ring)
         batch.track_holdings(ring)
-    if log_evictions:
-        one.log_evictions()
-        batch.log_evictions()
+    if log_dropped:
+        one.log_dropped()
+        batch.log_dropped()
     for ev in events:
         one.apply(ev)
     for k in range(0, len(events), chunk):
         batch.apply_all(events[k:k + chunk])
     assert _state(batch) == _state(one)
-    if log_evictions:
-        evicted = [ev.block_id for ev in events if isinstance(ev, s.BlockEvicted)]
-        assert batch.take_evictions() == evicted and batch.take_evictions() == []
+    if log_dropped:
+        dropped = [ev.block_id for ev in events if isinstance(ev, s.BlockEvicted)
+                   or isinstance(ev, s.BlockReleased) and not ev.cached]
+        assert batch.take_dropped() == dropped and batch.take_dropped() == []
     assert (batch.held_blocks, batch.cached_blocks) == (len(batch.holders), len(batch.cached))
     assert (batch.open_allocated, batch.open_hits, batch.evictions) == _brute_open(events)
     if ring:  # holdings after each of the last block events: brute force
