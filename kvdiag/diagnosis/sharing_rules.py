@@ -139,13 +139,14 @@ def _message(worst: dict) -> str:
     message = (f"shadow {worst['shadow_hit_rate']:.1%} vs engine {worst['engine_hit_rate']:.1%} "
                f"over the same {worst['requests']} finished requests (gap {worst['gap']:+.1%}")
     if unexplained != worst["gap"]:
-        message += (f"; the engine's own events explain {(worst['gap'] - unexplained) * 100:.1f} points: "
-                    f"{explained:,} prompt tokens the shadow held that the engine had evicted, "
-                    f"recomputed after a preemption or not stored yet (in flight in another request)")
-        if worst["engine_evictions"]:
-            message += (f" ({worst['engine_evictions']:,} evictions meanwhile: requests in flight take "
-                        f"blocks that the shadow, holding content alone, counts as cache)")
-        message += f"; unexplained {unexplained:+.1%}"
+        prompt = worst.get("prompt_tokens")
+        points = explained / prompt if prompt else worst["gap"] - unexplained
+        evictions = (f" ({worst['engine_evictions']:,} evictions meanwhile: requests in flight take blocks "
+                     f"that the shadow, holding content alone, counts as cache)" if worst["engine_evictions"] else "")
+        message += (f"; the engine's own events explain {points * 100:.1f} points: {explained:,} prompt "
+                    f"tokens the shadow held that the engine had let go{evictions}, recomputed after a "
+                    f"preemption or not stored yet (in flight in another request); "
+                    f"unexplained {unexplained:+.1%}")
     message += f", limit ±{rules.SHARING_GAP_LIMIT:.0%})"
     if not explained and worst["gap"] > 0 and worst["engine_evictions"]:
         message += (f"; the engine evicted {worst['engine_evictions']:,} cached blocks meanwhile (the miss "

@@ -90,7 +90,7 @@ METRICS: tuple[MetricDef, ...] = (
               "sharing.consistency); absent with fewer than its minimum of requests."),
     MetricDef("kvdiag_prefix_hit_ratio_gap_unexplained", "gauge", "ratio",
               "The hit-rate gap less what the engine's own events explain: prompt tokens the shadow "
-              "held that the engine had evicted (its pool under pressure), recomputed after a "
+              "held that the engine had let go (its pool under pressure), recomputed after a "
               "preemption or not stored yet (in flight in another request), as a share of the same requests' prompt tokens; what sharing.consistency "
               "judges. Absent with fewer than its minimum of requests."),
     MetricDef("kvdiag_prompt_tokens_missed_total", "counter", "tokens",

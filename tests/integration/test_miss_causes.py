@@ -420,7 +420,7 @@ def test_sharing_consistency_does_not_count_the_engines_evictions_against_it(nam
     assert ev["unexplained_gap"] == pytest.approx(max(ev["gap"] - ev["explained_tokens"] / prompt, 0), abs=1e-12)
     assert 0 <= ev["unexplained_gap"] <= rules.SHARING_GAP_LIMIT and found.status == "pass"
     assert ev["engine_evictions"] == _evictions_in_window(path, ev)
-    assert f"{ev['explained_tokens']:,} prompt tokens the shadow held that the engine had evicted" in found.message
+    assert f"{ev['explained_tokens']:,} prompt tokens the shadow held that the engine had let go" in found.message
     assert "not stored yet (in flight in another request)" in found.message
 
 
