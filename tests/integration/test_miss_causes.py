@@ -304,6 +304,37 @@ def test_blocks_the_engine_evicted_under_pressure_are_evicted_not_skipped(evicte
     assert _per_request(late, engine="transformers-cb")["again"] == Counter(want)
 
 
+@pytest.mark.parametrize("kept_cached", [False, True])
+def test_content_released_uncached_on_a_preemption_was_let_go(kept_cached):
+    """Transformers frees a preempted request's blocks without keeping them cached
+    (BlockReleased, cached false): their content leaves the prefix cache as an eviction's does.
+    "first" (A's prompt) is preempted after storing A's two blocks; "again" (A's prompt) misses
+    them and stores them anew: evicted, explained. Released and kept cached, the content stays:
+    engine_skip. The ledger's batch loop (top), its per-event path (a block released twice) and
+    the replay agree."""
+    from kvdiag.events.schema import BlockAllocated, BlockReleased
+    from kvdiag.live.state import LiveState
+
+    ev = [_pool(4, 8), _arrive(10, "first", A), *(BlockAllocated(ts_ns=11, request_id="first", block_id=b)
+                                                  for b in (0, 1, 2)),
+          _stored(12, "first", 0, 1001, A[0:4]), _stored(12, "first", 1, 1002, A[4:8]),
+          RequestPreempted(ts_ns=20, request_id="first"),
+          *(BlockReleased(ts_ns=20, request_id="first", block_id=b, cached=kept_cached and b < 2) for b in (0, 1, 2)),
+          BlockReleased(ts_ns=21, request_id="first", block_id=1, cached=kept_cached),  # twice: per-event path
+          _arrive(30, "again", A), _stored(31, "again", 3, 1001, A[0:4]), _stored(31, "again", 4, 1002, A[4:8]),
+          _finish(40, "again", 10, 0), _finish(41, "first", 10, 0)]
+    want = {"engine_skip" if kept_cached else "evicted": 8, "below_block": 2}
+    assert _per_request(ev, engine="transformers-cb")["again"] == Counter(want)
+    assert recomputed_after_eviction(ev) * 4 == want.get("evicted", 0)  # the independent count
+    rec = next(r for r in miss_causes_of_events(ev).requests if r.request_id == "again")
+    assert rec.explained_tokens == want.get("evicted", 0)
+    for chunk in (1, 4, len(ev)):
+        state = LiveState()
+        for i in range(0, len(ev), chunk):
+            state.feed_all(ev[i:i + chunk])
+        assert state.misses.tally.by_cause() == miss_causes_of_events(ev).total.by_cause()
+
+
 def in_flight_stream(scheduled_at, stored_at, dedup: bool):
     """Two requests with A's prompt, "first" then "second" (arrived at 10 and 12). "first" stores
     A's two full blocks (engine hashes 1001, 1002) at ``stored_at``; "second", scheduled at
