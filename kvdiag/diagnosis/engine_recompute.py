@@ -1,14 +1,14 @@
 """What the engine's own block events say about content it missed: which content (the engine's
-block hash) each block id stores (``BlockStored``), which of those contents the engine let go
+block hash) each block id stores (``BlockStored``); which of those contents the engine let go
 (``BlockEvicted``, or ``BlockReleased`` not kept cached: fed to :meth:`EngineRecompute.evicted`
-or taken from a live ledger that folds those events), and, for a
-store, whether its content had been evicted since it was last stored (a recompute after an
-eviction: a pool under pressure) or whether no block held it when the storing request was looked
-up (a request in flight was still computing it). The miss causes
-(:mod:`kvdiag.diagnosis.miss_causes`) call such blocks ``evicted`` and ``in_flight``.
+or taken from a live ledger that folds those events); and, for a store, whether its content had
+been let go since it was last stored (a recompute after an eviction: a pool under pressure) or
+whether no block held it when the storing request was looked up (a request in flight was still
+computing it). The miss causes (:mod:`kvdiag.diagnosis.miss_causes`) call such blocks
+``evicted`` and ``in_flight``.
 
 Memory: per block id the hash it stores, per hash held its block count and since when, and the
-last :data:`MAX_EVICTED_HASHES` hashes the engine evicted (until stored again; the oldest
+last :data:`MAX_EVICTED_HASHES` hashes the engine let go (until stored again; the oldest
 forgotten first).
 """
 
@@ -22,8 +22,8 @@ MAX_EVICTED_HASHES = 1 << 17
 
 HELD, RESTORED_EVICTED, NOT_HELD = 0, 1, 2
 """What :meth:`EngineRecompute.stored` says of a store: another block held the content when the
-request was looked up; its content had been evicted since it was last stored; no block held it
-when the request was looked up (nor was it evicted since)."""
+request was looked up; its content had been let go since it was last stored; no block held it
+when the request was looked up (nor was it let go since)."""
 
 
 class EngineRecompute:
@@ -35,7 +35,7 @@ class EngineRecompute:
         self._ledger = ledger
         self._stored_hash: dict = {}  # block id -> the engine's hash of the content it stores
         self._held: dict = {}  # hash -> [blocks storing it, since when one has (ns)]
-        self._evicted_hashes: dict = {}  # hashes whose block the engine evicted, not stored since
+        self._evicted_hashes: dict = {}  # hashes whose block the engine let go, not stored since
 
     def clear(self) -> None:
         """A new pool: its block ids name other blocks."""
@@ -45,11 +45,11 @@ class EngineRecompute:
 
     def stored(self, block_id, block_hash, ts_ns: int, lookup_ns: Optional[int] = None) -> int:
         """Note that ``block_id`` stores ``block_hash`` since ``ts_ns``; returns
-        :data:`RESTORED_EVICTED` when the engine had stored the same content before and evicted
-        it since, else :data:`HELD` when another block has held it since ``lookup_ns`` or before
+        :data:`RESTORED_EVICTED` when the engine had stored the same content before and let it go
+        since, else :data:`HELD` when another block has held it since ``lookup_ns`` or before
         (the storing request's lookup; None: this store's time), else :data:`NOT_HELD`."""
         if self._ledger is not None:
-            self._ledger.log_dropped()  # from the first store on: evictions of stored content
+            self._ledger.log_dropped()  # from the first store on: stored content let go
             self.take_dropped()
         held = self._held.get(block_hash)
         code = HELD if held is not None and held[1] <= (ts_ns if lookup_ns is None else lookup_ns) else NOT_HELD

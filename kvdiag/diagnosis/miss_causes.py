@@ -214,7 +214,7 @@ class MissCauseFold:
                 live = self._live.get(ev.request_id)
                 if live is not None and t is RequestPreempted:
                     live.preempted = True
-                elif live is not None:  # it filled a block (deduplicated) another request stored meanwhile
+                elif live is not None:  # looked up; or it adopted a stored block for one it filled
                     lookup = live.looked_up(ev.ts_ns)
                     if t is BlockDeduplicated:
                         live.store_codes.append(self._recompute.adopted(ev.block_hash, lookup))

@@ -46,7 +46,7 @@ class RequestMisses:
 
 def explained_tokens(tokens, held_evicted_tokens: int) -> int:
     """Missed tokens that the shadow at the engine's settings held at arrival and that the
-    engine's own events say why it missed: it had evicted them (``held_evicted_tokens``), it
+    engine's own events say why it missed: it had let them go (``held_evicted_tokens``), it
     preempted the request (``preemption``) or no block held them yet when it looked the request
     up (``in_flight``). What ``sharing.consistency`` does not count against the engine
     (:func:`kvdiag.diagnosis.rules.unexplained_gap`)."""

@@ -1,8 +1,8 @@
 """``sharing.consistency`` as a rule over a log: the engine's prefix hit rate against the
 content's, measured by the shadow cache at the engine's settings, over the same finished
-requests, less what the engine's own events explain (content it evicted under pressure,
-recomputed after a preemption, or had not stored yet: in flight in another request). Verdict: :func:`kvdiag.diagnosis.rules.sharing_gap_status` of
-:func:`kvdiag.diagnosis.rules.unexplained_gap`.
+requests, less what the engine's own events explain (content it let go under pressure,
+recomputed after a preemption, or had not stored yet: in flight in another request). Verdict:
+:func:`kvdiag.diagnosis.rules.sharing_gap_status` of :func:`kvdiag.diagnosis.rules.unexplained_gap`.
 """
 
 from __future__ import annotations

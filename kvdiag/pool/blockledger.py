@@ -149,7 +149,8 @@ class BlockLedger:
             self.dropped_log = []
 
     def take_dropped(self) -> list:
-        """The block ids evicted since the last call (oldest first), given up by the ledger."""
+        """The block ids whose content left since the last call (oldest first), given up by the
+        ledger."""
         log = self.dropped_log
         if not log:
             return []
