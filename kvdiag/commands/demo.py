@@ -30,6 +30,7 @@ from typing import Optional
 
 from kvdiag.demo.child_command import kvdiag_module
 from kvdiag.commands import _demo_prometheus, _demo_shadow
+from kvdiag.commands._demo_vllm import CPU_BLOCK_SIZE_TOKENS
 from kvdiag.commands._demo_live import LiveStats
 from kvdiag.commands._demo_session import (DRAIN_S, Traffic, ask, drive, interrupted, print_started,
                                            stop_after_traffic, summary)
@@ -74,7 +75,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=0, help="HTTP port of the server (default: a free one)")
     parser.add_argument("--page-size", type=int, default=None,
                         help=f"KV block size, tokens (default {DEFAULT_PAGE_SIZE}; with --engine vllm, "
-                             f"vLLM's own: 128 on CPU)")
+                             f"vLLM's own: {CPU_BLOCK_SIZE_TOKENS} on CPU)")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help=f"KV blocks in the pool (default {DEFAULT_NUM_BLOCKS}; with --engine vllm, "
                              f"what vLLM's KV cache space holds)")
