@@ -5,7 +5,6 @@ A log of memory samples alone, with no engine step (model load), is not judged."
 
 from __future__ import annotations
 
-import select
 import subprocess
 import sys
 import time
@@ -22,47 +21,51 @@ from kvdiag.events.log_writer import LogWriter
 
 STEPS = 30
 
-CHILD = f"""
-import sys, time
+CHILD = """
+import sys
 import numpy as np
-print("ready", flush=True)
-sys.stdin.readline()  # allocate only once the recorder has its baseline samples
-keep = []
 step = int(sys.argv[1])
-for _ in range({STEPS}):
+keep = []
+print("ready", flush=True)
+for line in sys.stdin:  # one allocation per request: the recorder samples between them
     keep.append(np.ones(step, dtype=np.uint8))  # touched pages: resident
-    time.sleep(0.05)
-print("done", flush=True)
-sys.stdin.readline()  # hold everything until the recorder has its final samples
+    print("allocated", flush=True)
 """
 BASELINE = TAIL = 30  # samples before the first allocation and after the last
 
 
 def _record(tmp_path, step_bytes: int):
+    """RSS samples of the child: BASELINE steady ones, one after each of its STEPS allocations
+    and TAIL steady ones holding everything. The child allocates in lockstep with the sampler, so
+    the number of samples in each phase is fixed however loaded the machine is."""
     log = tmp_path / f"rss{step_bytes}.jsonl"
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(step_bytes)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     proc = psutil.Process(child.pid)
     rss = []
-    done_at = None
     with LogWriter(log, make_header(engine="test-child")) as w:
+
+        def sample():
+            assert child.poll() is None, "the child exited early"
+            s_ = s.ProcessSample(ts_ns=time.time_ns(), pid=child.pid, rss_bytes=proc.memory_info().rss)
+            w.record(s_)
+            rss.append(s_.rss_bytes)
+            time.sleep(0.02)  # the sampling period, as a collector's
+
         # the child serves from here (growth rules judge only a serving window: model load and
         # the first engine step are warm-up); its "first step" ends before the first sample
         w.record(s.EngineStep(ts_ns=time.time_ns(), step_id=1, phase="decode", batch_size=1,
                               num_tokens=1, duration_ns=0))
-        while done_at is None or len(rss) < done_at + TAIL:
-            assert child.poll() is None, "the child exited early"
-            sample = s.ProcessSample(ts_ns=time.time_ns(), pid=child.pid, rss_bytes=proc.memory_info().rss)
-            w.record(sample)
-            rss.append(sample.rss_bytes)
-            if len(rss) == BASELINE:  # a steady baseline first, then the allocations
-                child.stdin.write("go\n")
-                child.stdin.flush()
-            if done_at is None and select.select([child.stdout], [], [], 0)[0]:
-                assert child.stdout.readline().strip() == "done"
-                done_at = len(rss)  # the next TAIL samples see everything allocated
-            time.sleep(0.02)  # the sampling period, as a collector's
+        for _ in range(BASELINE):
+            sample()
+        for _ in range(STEPS):
+            child.stdin.write("allocate\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "allocated"
+            sample()
+        for _ in range(TAIL):
+            sample()
     child.stdin.close()
     child.wait()
     return load([log])[0], np.array(rss, dtype="float64")
@@ -76,7 +79,7 @@ def test_memory_growth_on_real_rss(tmp_path, step_mib, expected):
     # the rule's number by its documented definition (median of the last 10% of samples minus
     # the median of the first 10%), recomputed here over the samples this test took
     k = max(2, int(len(rss) * 0.1))
-    assert k <= min(BASELINE, TAIL)  # the first and last 10% lie in the steady baseline and tail
+    assert len(rss) == BASELINE + STEPS + TAIL and k <= min(BASELINE, TAIL)  # 10%: steady samples
     assert f.evidence["memory_growth_bytes"] == np.median(rss[-k:]) - np.median(rss[:k])
     # ... and what the child did: it allocated and wrote STEPS x step_mib MiB after the baseline
     assert abs(f.evidence["memory_growth_bytes"] - STEPS * (step_mib << 20)) <= 4 << 20
