@@ -94,3 +94,14 @@ def vllm_server(vllm_python, model_dir, tmp_path_factory):
                       extra_env={"KVDIAG_PROMETHEUS": f"127.0.0.1:{prometheus_port}"}) as server:
         server.kvdiag_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
         yield server
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(vllm_python, model_dir, tmp_path_factory):
+    """One real vLLM server for the session without kvdiag's plugin (KV events on, as the harness
+    starts it). Its tests tag their prompts or warm what they compare, so they may share it."""
+    from vllm_harness import running_vllm
+
+    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-plain"), plugin=False) as server:
+        assert not server.socket_path.exists()
+        yield server

@@ -27,21 +27,13 @@ from kvdiag.live.pid_source import attach
 from kvdiag.live.state import LiveState
 from kvdiag.events.schema import EngineMetrics, PrefixCacheStored
 from kvdiag.demo.traffic import CHAT_ROUTE
-from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text, running_vllm
+from vllm_harness import QUESTIONS, SYSTEM, chat, counter, metrics_text
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 WARM = 2  # chats before top joins
 WINDOW = 4  # chats after, sharing one system prompt
 LONG_TOKENS = 512  # the request that decodes while the gauge is read
-
-
-@pytest.fixture(scope="module")
-def plain_vllm(vllm_python, model_dir, tmp_path_factory):
-    """A vLLM server without kvdiag's plugin (KV events on, as the harness starts it)."""
-    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-plain"), plugin=False) as server:
-        assert not server.socket_path.exists()
-        yield server
 
 
 def _buckets(text: str, name: str) -> list[tuple[float, float]]:

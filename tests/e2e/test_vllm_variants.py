@@ -69,23 +69,22 @@ def test_prefix_cache_off_shows_the_gap_and_a_failing_hook_is_contained(vllm_pyt
     assert finding.status == "warn" and finding.evidence["gap"] > rules.SHARING_GAP_LIMIT
 
 
-def test_without_the_plugin_answers_and_counters_are_unchanged(vllm_python, model_dir, tmp_path, vllm_server):
-    """The same greedy chats on a server without kvdiag and on the session's server with it:
+def test_without_the_plugin_answers_and_counters_are_unchanged(plain_vllm, vllm_server):
+    """The same greedy chats on the session's server without kvdiag and on its server with it:
     the same answers and, once both caches hold the shared prompt, the same counter deltas."""
-    with running_vllm(vllm_python, model_dir, tmp_path, plugin=False) as plain:
-        assert not plain.socket_path.exists()
-        for q in QUESTIONS:  # warm its prefix cache as the session's server is warm
-            chat(plain, q)
-        deltas = {}
-        answers = {}
-        for name, server in (("plain", plain), ("plugin", vllm_server)):
-            chat(server, QUESTIONS[0])  # both caches now hold the system prompt and question 0
-            before = metrics_text(server)
-            answers[name] = [chat(server, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
-            after = metrics_text(server)
-            deltas[name] = {c: counter(after, c) - counter(before, c)
-                            for c in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                                      "vllm:prompt_tokens_total", "vllm:generation_tokens_total")}
+    for q in QUESTIONS:  # warm both prefix caches with the shared prompt and every question
+        chat(plain_vllm, q)
+        chat(vllm_server, q)
+    deltas = {}
+    answers = {}
+    for name, server in (("plain", plain_vllm), ("plugin", vllm_server)):
+        chat(server, QUESTIONS[0])  # both caches now hold the system prompt and question 0
+        before = metrics_text(server)
+        answers[name] = [chat(server, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
+        after = metrics_text(server)
+        deltas[name] = {c: counter(after, c) - counter(before, c)
+                        for c in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total")}
     assert answers["plain"] == answers["plugin"]
     assert deltas["plain"] == deltas["plugin"]
     assert deltas["plain"]["vllm:prefix_cache_hits_total"] > 0
