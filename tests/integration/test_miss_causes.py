@@ -517,7 +517,15 @@ def test_doctor_prints_and_returns_the_miss_causes_per_window(capsys):
         assert sum(w["tokens"].values()) == w["missed_tokens"]
     main(["doctor", path, "--miss-window-s", "30"])
     text = capsys.readouterr().out
-    assert "Why prompt tokens missed the prefix cache" in text and "preemption" in text
+    assert "Why prompt tokens missed the prefix cache" in text
+    # at the doctor's 120 columns, no cause's name and no figure is folded or cut
+    lines = text.splitlines()
+    header = next(line.split() for line in lines if line.startswith("window "))
+    assert header == ["window", "requests", "missed", *CAUSES]
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line.startswith(("all ", "share "))}
+    total = m["total"]
+    assert rows["all"] == [str(total["requests"]), "4762", *(str(total["tokens"][c]) for c in CAUSES)]
+    assert rows["share"] == ["100%", *(f"{total['tokens'][c] / 4762:.0%}" for c in CAUSES)]
 
 
 def test_report_stacks_the_causes_per_window():
