@@ -83,25 +83,34 @@ def vllm_python():
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_python, model_dir, tmp_path_factory):
-    """One real vLLM server for the session: prefix caching, KV events and kvdiag's plugin on."""
-    from vllm_harness import running_vllm
+def session_vllms(request, vllm_python, model_dir, tmp_path_factory):
+    """The session's real vLLM servers, started at once, each where a collected test needs it:
+    ``vllm_server`` (kvdiag's plugin on) and ``plain_vllm`` (without it)."""
+    from vllm_harness import collected_tests_use, running_vllms
 
     from kvdiag.demo.server_process import free_port
 
     prometheus_port = free_port()  # kvdiag's own metrics, served by the plugin in the engine core
-    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-main"),
-                      extra_env={"KVDIAG_PROMETHEUS": f"127.0.0.1:{prometheus_port}"}) as server:
-        server.kvdiag_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
-        yield server
+    configs = {"vllm_server": (tmp_path_factory.mktemp("vllm-main"),
+                               {"extra_env": {"KVDIAG_PROMETHEUS": f"127.0.0.1:{prometheus_port}"}}),
+               "plain_vllm": (tmp_path_factory.mktemp("vllm-plain"), {"plugin": False})}
+    wanted = {name: config for name, config in configs.items() if collected_tests_use(request, name)}
+    with running_vllms(vllm_python, model_dir, wanted) as servers:
+        if "vllm_server" in servers:
+            servers["vllm_server"].kvdiag_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
+        if "plain_vllm" in servers:
+            assert not servers["plain_vllm"].socket_path.exists()
+        yield servers
 
 
 @pytest.fixture(scope="session")
-def plain_vllm(vllm_python, model_dir, tmp_path_factory):
+def vllm_server(session_vllms):
+    """One real vLLM server for the session: prefix caching, KV events and kvdiag's plugin on."""
+    return session_vllms["vllm_server"]
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(session_vllms):
     """One real vLLM server for the session without kvdiag's plugin (KV events on, as the harness
     starts it). Its tests tag their prompts or warm what they compare, so they may share it."""
-    from vllm_harness import running_vllm
-
-    with running_vllm(vllm_python, model_dir, tmp_path_factory.mktemp("vllm-plain"), plugin=False) as server:
-        assert not server.socket_path.exists()
-        yield server
+    return session_vllms["plain_vllm"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -17,20 +18,49 @@ QUESTIONS = ["When does the first train leave?", "Can I bring a bicycle?", "Is t
 
 
 @contextlib.contextmanager
+def running_vllms(python: Path, model_dir: Path, servers: dict[str, tuple[Path, dict]]):
+    """Start one vLLM server per name all at once, each pinned to its own core while there are
+    cores enough; wait for every one (bounded wait for /health), yield them by name, always stop
+    them all. A start is mostly one process after another importing vLLM on one core: on 2 cores
+    two starts together took 90 s here, one after the other 166 s. ``servers``: name -> (folder,
+    :class:`VllmServer`'s keyword arguments and ``eager``: vLLM's ``--enforce-eager``, for tests
+    whose subject compiling the model leaves alone: ~25 s less per start here)."""
+    cores = sorted(os.sched_getaffinity(0))
+    started = {}
+    try:
+        for i, (name, (folder, kwargs)) in enumerate(servers.items()):
+            kwargs = dict(kwargs)
+            if "threads" not in kwargs:  # one thread (VllmServer's default) on a core of its own
+                pin = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+                kwargs = dict(kwargs, extra_env={**pin, **kwargs.get("extra_env", {})})
+            eager = kwargs.pop("eager", False)
+            started[name] = server = VllmServer(python, model_dir, folder / "server.kvlog", **kwargs)
+            if eager:
+                server.command.append("--enforce-eager")
+            server.start()
+            server.model = str(model_dir)
+        rpc_dirs = [server.rpc_dir for server in started.values()]
+        for server in started.values():
+            server.wait_ready()
+            # vLLM's ZMQ IPC sockets are in kvdiag's private folder, not strewn over the temp folder
+            assert server.rpc_dir is not None and any(p.is_socket() for p in server.rpc_dir.iterdir()), server.rpc_dir
+        yield dict(started)
+    finally:
+        for server in started.values():
+            server.stop()
+    assert not any(d.exists() for d in rpc_dirs)  # removed with their sockets, also when vLLM had to be killed
+
+
+@contextlib.contextmanager
 def running_vllm(python: Path, model_dir: Path, folder: Path, **kwargs):
     """Start vLLM (bounded wait for /health), yield the :class:`VllmServer`, always stop it."""
-    server = VllmServer(python, model_dir, folder / "server.kvlog", **kwargs)
-    server.start()
-    rpc_dir = server.rpc_dir
-    try:
-        server.wait_ready()
-        # vLLM's ZMQ IPC sockets are in kvdiag's private folder, not strewn over the temp folder
-        assert rpc_dir is not None and any(p.is_socket() for p in rpc_dir.iterdir()), rpc_dir
-        server.model = str(model_dir)
-        yield server
-    finally:
-        server.stop()
-    assert not rpc_dir.exists()  # removed with its sockets, also when vLLM had to be killed
+    with running_vllms(python, model_dir, {"": (folder, kwargs)}) as servers:
+        yield servers[""]
+
+
+def collected_tests_use(request, fixture: str) -> bool:
+    """Whether a test this session runs needs ``fixture`` (directly or through another)."""
+    return any(fixture in item.fixturenames for item in request.session.items)
 
 
 def chat(server, question: str, system: str = SYSTEM, max_tokens: int = 12) -> dict:

@@ -31,7 +31,7 @@ def _wait_finished(events: ListSink, n: int, timeout_s: float = 60.0) -> list[Re
 
 
 def test_prefix_cache_off_shows_the_gap_and_a_failing_hook_is_contained(vllm_python, model_dir, tmp_path):
-    with running_vllm(vllm_python, model_dir, tmp_path, prefix_caching=False,
+    with running_vllm(vllm_python, model_dir, tmp_path, prefix_caching=False, eager=True,
                       extra_env={"KVDIAG_FAIL_HOOK": "get_new_blocks"}) as server:
         events = ListSink()
         stream = AgentStream(server.socket_path, sink=events).start()

@@ -17,7 +17,7 @@ from kvdiag.shadow.runner import ShadowRunner
 from kvdiag.events.schema import (CollectorStatus, KVPoolInfo, ProcessSample, RequestFinished, ShadowCompression,
                            ShadowLocality)
 from kvdiag.events.sinks import ListSink
-from vllm_harness import QUESTIONS, SYSTEM, chat, running_vllm
+from vllm_harness import QUESTIONS, SYSTEM, chat, collected_tests_use, running_vllms
 from waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -64,18 +64,37 @@ def _serve(server, events: ListSink, shadow: bool = True) -> tuple[list, list[st
 
 
 @pytest.fixture(scope="module")
-def shadowed(vllm_python, model_dir, tmp_path_factory):
-    """A server whose worker shadow measures every decode step, with vLLM's KV dumped beside."""
+def worker_vllms(request, vllm_python, model_dir, tmp_path_factory):
+    """This module's servers, started at once: ``shadowed``, whose worker shadow measures every
+    decode step with vLLM's KV dumped beside; ``hidden_hook``, whose worker hook is hidden from
+    kvdiag (where a collected test needs it)."""
     folder = tmp_path_factory.mktemp("vllm-worker")
     dump = folder / "dump"
     dump.mkdir()
+    configs = {"shadowed": (folder, {"extra_env": _site_env(KVDIAG_TEST_KV_DUMP=str(dump),
+                                                            KVDIAG_TEST_KV_DUMP_STEPS=str(DUMP_STEPS))})}
+    if collected_tests_use(request, "hidden_hook"):
+        configs["hidden_hook"] = (tmp_path_factory.mktemp("vllm-hidden-hook"),
+                                  {"extra_env": _site_env(KVDIAG_TEST_HIDE_HOOK="1")})
+    with running_vllms(vllm_python, model_dir, configs) as servers:
+        yield servers, dump
+
+
+@pytest.fixture(scope="module")
+def shadowed(worker_vllms):
+    """The shadowed server's events and answers, and vLLM's KV of its first decode steps; the
+    server is stopped once it has served them."""
+    servers, dump = worker_vllms
     events = ListSink()
-    with running_vllm(vllm_python, model_dir, folder,
-                      extra_env=_site_env(KVDIAG_TEST_KV_DUMP=str(dump),
-                                          KVDIAG_TEST_KV_DUMP_STEPS=str(DUMP_STEPS))) as server:
-        first, answers = _serve(server, events)
+    first, answers = _serve(servers["shadowed"], events)
+    servers["shadowed"].stop()
     steps = {int(p.stem.split("-")[1]): torch.load(p) for p in sorted(dump.glob("step-*.pt"))}
     return first, answers, steps, events
+
+
+@pytest.fixture(scope="module")
+def hidden_hook(worker_vllms):
+    return worker_vllms[0]["hidden_hook"]
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -155,12 +174,10 @@ def test_top_and_report_fill_their_compression_and_locality_from_the_worker(shad
     assert any(t.startswith("In vLLM's terms") for t in titles), titles
 
 
-def test_missing_worker_hook_leaves_answers_intact(shadowed, vllm_python, model_dir, tmp_path):
+def test_missing_worker_hook_leaves_answers_intact(shadowed, hidden_hook):
     _first, answers, _steps, _events = shadowed
     events = ListSink()
-    with running_vllm(vllm_python, model_dir, tmp_path,
-                      extra_env=_site_env(KVDIAG_TEST_HIDE_HOOK="1")) as server:
-        _, hidden = _serve(server, events, shadow=False)
+    _, hidden = _serve(hidden_hook, events, shadow=False)
     assert hidden == answers  # greedy: the same answers with and without the worker's shadow
     skipped = [e for e in events.events if isinstance(e, CollectorStatus) and e.collector == SKIPPED]
     assert not skipped[0].available
