@@ -27,7 +27,7 @@ import numpy as np
 step = int(sys.argv[1])
 keep = []
 print("ready", flush=True)
-for line in sys.stdin:  # one allocation per request: the recorder samples between them
+for _request in sys.stdin:  # one allocation per request: the recorder samples between them
     keep.append(np.ones(step, dtype=np.uint8))  # touched pages: resident
     print("allocated", flush=True)
 """

@@ -78,7 +78,6 @@ def test_without_the_plugin_answers_and_counters_are_unchanged(plain_vllm, vllm_
     deltas = {}
     answers = {}
     for name, server in (("plain", plain_vllm), ("plugin", vllm_server)):
-        chat(server, QUESTIONS[0])  # both caches now hold the system prompt and question 0
         before = metrics_text(server)
         answers[name] = [chat(server, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
         after = metrics_text(server)
