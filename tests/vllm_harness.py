@@ -24,20 +24,16 @@ def running_vllms(python: Path, model_dir: Path, servers: dict[str, tuple[Path, 
     cores enough; wait for every one (bounded wait for /health), yield them by name, always stop
     them all. A start is mostly one process after another importing vLLM on one core: on 2 cores
     two starts together took 90 s here, one after the other 166 s. ``servers``: name -> (folder,
-    :class:`VllmServer`'s keyword arguments and ``eager``: vLLM's ``--enforce-eager``, for tests
-    whose subject compiling the model leaves alone: ~25 s less per start here)."""
+    :class:`VllmServer`'s keyword arguments; ``eager=True`` for tests whose subject compiling
+    the model leaves alone)."""
     cores = sorted(os.sched_getaffinity(0))
     started = {}
     try:
         for i, (name, (folder, kwargs)) in enumerate(servers.items()):
-            kwargs = dict(kwargs)
             if "threads" not in kwargs:  # one thread (VllmServer's default) on a core of its own
                 pin = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
                 kwargs = dict(kwargs, extra_env={**pin, **kwargs.get("extra_env", {})})
-            eager = kwargs.pop("eager", False)
             started[name] = server = VllmServer(python, model_dir, folder / "server.kvlog", **kwargs)
-            if eager:
-                server.command.append("--enforce-eager")
             server.start()
             server.model = str(model_dir)
         rpc_dirs = [server.rpc_dir for server in started.values()]

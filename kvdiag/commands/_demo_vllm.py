@@ -48,10 +48,13 @@ class VllmServer(ServerProcess):
     def __init__(self, python: Path, model_dir: Path, log_path: Path, port: int = 0, events_port: int = 0,
                  threads: int = 1, prefix_caching: bool = True, plugin: bool = True,
                  extra_env: Optional[dict] = None, block_size_tokens: Optional[int] = None,
-                 num_blocks: Optional[int] = None, max_batch_tokens: Optional[int] = None) -> None:
+                 num_blocks: Optional[int] = None, max_batch_tokens: Optional[int] = None,
+                 max_model_len_tokens: int = 2048, eager: bool = False) -> None:
         """``block_size_tokens``, ``num_blocks``: the KV pool's (None: vLLM's own choice;
         ``num_blocks`` usable blocks, vLLM's null block added); ``max_batch_tokens``: tokens per
-        engine step (vLLM's ``--max-num-batched-tokens``; None: vLLM's own)."""
+        engine step (vLLM's ``--max-num-batched-tokens``; None: vLLM's own);
+        ``max_model_len_tokens``: the longest request (at most the pool's tokens); ``eager``:
+        vLLM's ``--enforce-eager`` (no torch.compile warm-up: ~25 s less a start on 2 cores)."""
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.events_endpoint = f"tcp://127.0.0.1:{events_port or free_port()}"
@@ -61,13 +64,15 @@ class VllmServer(ServerProcess):
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
                   "topic": "kv"}
         self.command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                        "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1",
+                        "--dtype", "float32", "--max-model-len", str(max_model_len_tokens), "--host", "127.0.0.1",
                         "--port", str(self.port),
                         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
                         "--kv-events-config", json.dumps(events),
                         # let the engine core leave through vLLM's own shutdown (the default, 0,
                         # kills it at once), so that kvdiag's plugin flushes its last events
                         "--shutdown-timeout", "10"]
+        if eager:
+            self.command.append("--enforce-eager")
         if block_size_tokens is not None:
             self.command += ["--block-size", str(block_size_tokens)]
         if max_batch_tokens is not None:

@@ -56,13 +56,9 @@ def _server(vllm_python, model_dir, tmp_path, pool_blocks: int) -> tuple[VllmSer
     log = tmp_path / "plugin.kvlog"
     env = {"KVDIAG_LOG": str(log), "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    # the subject is vLLM's block pool and scheduler, which compiling the model leaves alone
     server = VllmServer(vllm_python, model_dir, tmp_path / "server.kvlog", extra_env=env,
-                        block_size_tokens=128, num_blocks=pool_blocks)
-    cmd = server.command
-    cmd[cmd.index("--max-model-len") + 1] = "1024"
-    # the subject is vLLM's block pool and scheduler, which compiling the model leaves alone:
-    # eager, vLLM skips the torch.compile warm-up (~25 s of every start here)
-    cmd.append("--enforce-eager")
+                        block_size_tokens=128, num_blocks=pool_blocks, max_model_len_tokens=1024, eager=True)
     return server, log
 
 
