@@ -1,6 +1,7 @@
-"""Shared fixtures (the real model, fetched once into the kvdiag cache and reused) and the CI
-rule on skips: with ``KVDIAG_CI=1`` a run fails when any test was skipped for a reason other
-than missing GPU hardware (reasons that start with :data:`HARDWARE_SKIP`)."""
+"""Shared fixtures (the real model, fetched once into the kvdiag cache and reused), the two
+lanes the suite runs in (:func:`pytest_collection_modifyitems`) and the CI rule on skips: with
+``KVDIAG_CI=1`` a run fails when any test was skipped for a reason other than missing GPU
+hardware (reasons that start with :data:`HARDWARE_SKIP`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 # hypothesis keeps its example database outside the repository (tests write nothing there)
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"kvdiag-tests-hypothesis-{os.getuid()}"))
-# `pytest --hypothesis-profile=soak`: property tests that bound their examples for CI run
-# 2,000 each instead; tests that take the profile's count keep 100 by default.
-settings.register_profile("soak", max_examples=2_000)
+# no per-example deadline: a deadline is a timing test, and the suite shares two cores with
+# real servers (benchmarks/ measures speed). `pytest --hypothesis-profile=soak`: property tests
+# that bound their examples for CI run 2,000 each instead; tests that take the profile's count
+# keep 100 by default.
+settings.register_profile("kvdiag", deadline=None)
+settings.register_profile("soak", parent=settings.get_profile("kvdiag"), max_examples=2_000)
+settings.load_profile("kvdiag")
 
 
 def hypothesis_examples(ci: int) -> int:
@@ -42,6 +47,26 @@ def model_dir(pytestconfig):
     capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():
         return resolve_with_progress(None)
+
+
+VLLM_LANE = "vllm"
+"""The xdist group of every module with a test that runs a real vLLM server."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Two lanes (``-n 2 --dist loadgroup``, pyproject.toml): every module with a test that
+    needs vLLM runs in one worker, one after another, as the memory allows (a vLLM server holds
+    ~4.3 GB; a module or the session starts at most two at once); every other module runs
+    whole (its module fixtures set up once) in whichever worker is free."""
+    def module(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    vllm_modules = {module(item) for item in items
+                    if item.get_closest_marker("vllm") is not None or "vllm_python" in item.fixturenames}
+    for item in items:
+        name = module(item)
+        item.add_marker(pytest.mark.xdist_group(VLLM_LANE if name in vllm_modules else name))
 
 
 def pytest_runtest_logreport(report):

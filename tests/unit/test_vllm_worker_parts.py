@@ -198,7 +198,7 @@ def test_inbox_closes_within_its_drain_time_while_a_worker_stays_connected(tmp_p
     assert [e.ts_ns for e in received.events] == [1]
 
 
-def test_the_workers_inbox_is_never_taken_for_the_agents_socket(tmp_path, monkeypatch):
+def test_the_workers_inbox_is_never_taken_for_the_agents_socket(monkeypatch):
     """The engine core listens on its agent socket and on the workers' inbox, both in the
     runtime dir; vLLM's process title hides its environment from /proc, so the finder reads the
     listening sockets: it must return the agent's alone (a client of the inbox reads nothing)."""
@@ -212,7 +212,12 @@ def test_the_workers_inbox_is_never_taken_for_the_agents_socket(tmp_path, monkey
     from kvdiag.events.sinks import ListSink
     from kvdiag.paths import runtime_dir
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    import tempfile
+
+    # a short folder: a socket's path holds at most 107 bytes, more than pytest's tmp_path
+    # (under xdist, a worker's) leaves for kvdiag/ and the inbox's name
+    run = tempfile.TemporaryDirectory(prefix="kv-run-")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", run.name)
     monkeypatch.delenv("KVDIAG_WORKER_SOCKET", raising=False)
     monkeypatch.delenv("KVDIAG_SOCKET", raising=False)
     inbox_path = choose_worker_socket()
@@ -226,6 +231,7 @@ def test_the_workers_inbox_is_never_taken_for_the_agents_socket(tmp_path, monkey
     finally:
         live.close()
         inbox.close(drain_s=0.1)
+        run.cleanup()
 
 
 def test_attention_hooks_run_on_sampled_steps_alone():
