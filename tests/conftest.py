@@ -57,16 +57,20 @@ VLLM_LANE = "vllm"
 def pytest_collection_modifyitems(config, items):
     """Two lanes (``-n 2 --dist loadgroup``, pyproject.toml): every module with a test that
     needs vLLM runs in one worker, one after another, as the memory allows (a vLLM server holds
-    ~4.3 GB; a module or the session starts at most two at once); every other module runs
-    whole (its module fixtures set up once) in whichever worker is free."""
+    ~4.3 GB; a module starts at most two at once); every other module runs whole (its module
+    fixtures set up once) in whichever worker is free. The modules that use the session's
+    servers (:func:`session_vllms`, up until the session ends) run after those that start
+    their own: at most three servers at once instead of four."""
     def module(item) -> str:
         return item.nodeid.split("::", 1)[0]
 
     vllm_modules = {module(item) for item in items
                     if item.get_closest_marker("vllm") is not None or "vllm_python" in item.fixturenames}
+    session_modules = {module(item) for item in items if "session_vllms" in item.fixturenames}
     for item in items:
         name = module(item)
         item.add_marker(pytest.mark.xdist_group(VLLM_LANE if name in vllm_modules else name))
+    items.sort(key=lambda item: module(item) in session_modules)  # stable: modules stay whole
 
 
 def pytest_runtest_logreport(report):
