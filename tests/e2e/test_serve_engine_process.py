@@ -45,8 +45,11 @@ def test_agent_runs_in_the_model_process_and_is_found_by_the_server_pid(model_di
     from kvdiag.agent.transformers_serve import serves_in_a_child
 
     port, log_path = free_port(), tmp_path / "serve.jsonl"
+    # a pool of 64 blocks: without one, transformers sizes its KV cache to 60-90% of the memory
+    # available at start (14 GB here), which the suite's other lane needs for vLLM servers
     command = ["transformers", "serve", str(model_dir), "--continuous-batching", "--device", "cpu",
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+               "--dtype", "float32", "--cb-num-blocks", "64", "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     server = subprocess.Popen([*kvdiag_module("kvdiag.run"), "--log", str(log_path), "--", *command],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
