@@ -10,8 +10,8 @@ one row per ``EngineStep`` and per ``KVPoolSample`` (frame :data:`FACTS_TAG`):
 - ``blocks_held``: the ledger's ``holdings`` after every block event with ``ts_ns`` at or
   before the row's (for a step, the start of its forward pass). A live stream delivers a step
   after block events of its own forward pass; the holdings at the step's start are looked up
-  among the latest :data:`LOOKBACK_BLOCK_EVENTS` block events (:mod:`kvdiag.pool.past_holdings`;
-  ``late_rows`` counts the rows older than those, which take the oldest).
+  in a ring of the latest :data:`RING_BLOCK_EVENTS` block events (``late_rows`` counts the
+  rows older than the ring, which take its oldest entry).
   NaN until the ledger has seen a block event (an engine that reports none).
 - ``active_allocated`` / ``active_hits``: ``BlockAllocated`` / ``PrefixHit`` events so far of
   the requests whose arrival was seen and that have not finished: the blocks the forecast
@@ -47,8 +47,8 @@ KV_HEALTH_COLUMNS = list(StreamHealthCounts.__dataclass_fields__)
 """Columns of the health row (one per node with KV events; ``ts_ns``: its ``last_ts_ns``)."""
 FACTS_COLUMNS = ["ts_ns", "kind", "blocks_held", "active_allocated", "active_hits", "evictions"]
 KV_BATCHES_COLUMNS = ["ts_ns", "seq", "events"]
-LOOKBACK_BLOCK_EVENTS = 65_536
-"""Block events looked back through for the lookup of a step's holdings at its start (at 50,000 block
+RING_BLOCK_EVENTS = 65_536
+"""Block events remembered for the lookup of a step's holdings at its start (at 50,000 block
 events/s, 1.3 s: longer than an engine step takes to be reported)."""
 
 _NO_BLOCKS = float("nan")
@@ -63,17 +63,18 @@ KV_EVENTS = (s.PrefixCacheStored, s.PrefixCacheRemoved, s.PrefixCacheCleared)
 class BlockFacts:
     """Folds the stream into the rows of the module docstring; ``ledger`` is read, never
     written (the caller applies every event to it before calling the matching method); it
-    keeps the past holdings and the open requests' counts these rows read (the ledger's
+    keeps the holdings ring and the open requests' counts these rows read (the ledger's
     ``track_holdings``, ``open_allocated``, ``open_hits``, ``evictions``). ``keep_rows=False``:
     no row is kept (a state no rule reads), :meth:`step` still returns a step's holdings."""
 
-    def __init__(self, ledger: BlockLedger, lookback_block_events: int = LOOKBACK_BLOCK_EVENTS,
+    def __init__(self, ledger: BlockLedger, ring_block_events: int = RING_BLOCK_EVENTS,
                  keep_rows: bool = True) -> None:
         self.ledger = ledger
         self.keep_rows = keep_rows  # False: a step's holdings returned, no row kept (the exporter)
-        ledger.track_holdings(lookback_block_events)
+        ledger.track_holdings(ring_block_events)
         ledger.on_watch = self._settle_now
-        self._past = ledger.past_holdings
+        self._ring_ts: deque[int] = ledger.ring_ts
+        self._ring_held: deque[int] = ledger.ring_held
         self._evictions_mark = 0  # the ledger's evictions at the last row
         self.late_rows = 0
         # rows no later block, arrival or finish has followed yet: events of their instant may
@@ -163,8 +164,8 @@ class BlockFacts:
 
     def _row(self, ts_ns: int, kind: int) -> float:
         rows = self.rows
-        newest = self._past.newest_block_ts()
-        if newest is not None and newest > ts_ns:  # reported after later block events: look it up
+        ring = self._ring_ts
+        if ring and ring[-1] > ts_ns:  # reported after later block events: look it up
             held = self.held_at(ts_ns)
             if not self.keep_rows:
                 return held
@@ -182,16 +183,21 @@ class BlockFacts:
         return held
 
     def _held_now(self) -> float:
-        return self.ledger.holdings if self.ledger.block_events else _NO_BLOCKS
+        return self.ledger.holdings if self._ring_ts else _NO_BLOCKS
 
     def held_at(self, ts_ns: int) -> float:
-        """The ledger's holdings after the last block event at or before ``ts_ns`` among the
-        latest ``lookback_block_events`` (a walk back from the newest: a step arrives shortly after
-        it starts; older: the oldest of them, counted in ``late_rows``)."""
-        held, late = self._past.at(ts_ns, self.ledger.holdings)
-        if late:
+        """The ledger's holdings after the last remembered block event at or before ``ts_ns``
+        (a walk back from the newest: a step arrives shortly after it starts)."""
+        ts, held = self._ring_ts, self._ring_held
+        if not ts or ts[-1] <= ts_ns:
+            return self._held_now()
+        for i in range(len(ts) - 1, -1, -1):
+            if ts[i] <= ts_ns:
+                return held[i]
+        if len(ts) == ts.maxlen:  # older than the ring: its oldest entry, counted
             self.late_rows += 1
-        return _NO_BLOCKS if held is None else held
+            return held[0]
+        return _NO_BLOCKS  # before the first block event
 
     # ---------------------------------------------------------------- frames
 
@@ -203,9 +209,8 @@ class BlockFacts:
             rows["blocks_held"][i] = self._held_now()
             rows["active_allocated"][i] = self.active_allocated
             rows["active_hits"][i] = self.active_hits
-        newest = self._past.newest_block_ts()
-        if self.evictions and newest is not None:
-            for col, v in zip(FACTS_COLUMNS, (newest, _TAIL, self.ledger.holdings,
+        if self.evictions and self._ring_ts:
+            for col, v in zip(FACTS_COLUMNS, (self._ring_ts[-1], _TAIL, self.ledger.holdings,
                                               self.active_allocated, self.active_hits, self.evictions)):
                 rows[col].append(v)
         return rows, {c: array(v.typecode, v) for c, v in self.batches.items()}

@@ -32,9 +32,8 @@ Also, for the block facts (:mod:`kvdiag.pool.blockfacts`) and the forecast:
 - *open* requests (``RequestArrived`` seen, no ``RequestFinished`` yet) with their
   ``BlockAllocated`` and ``PrefixHit`` events so far, summed in ``open_allocated`` /
   ``open_hits`` (the blocks the forecast counts as already taken by active requests);
-- with :meth:`BlockLedger.track_holdings`, ``past_holdings``: the holdings after the last
-  block event at or before an instant already passed, among the latest block events
-  (:mod:`kvdiag.pool.past_holdings`, which keeps the folded events, not a write per event);
+- with :meth:`BlockLedger.track_holdings`, ``holdings`` after each of the latest block events
+  (``ring_ts`` / ``ring_held``), for the holdings at an instant already passed;
 - with :meth:`BlockLedger.log_dropped`, the ids of blocks whose content left the prefix cache
   (``BlockEvicted``, and ``BlockReleased`` with ``cached`` false) until
   :meth:`BlockLedger.take_dropped` (the miss-cause fold's evidence that the engine let content go).
@@ -64,13 +63,13 @@ episode per block allocation, for ``kvdiag.diagnosis.leaks``' request and episod
 from __future__ import annotations
 
 import operator
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Optional
 
 from kvdiag.events.schema import (BlockAllocated, BlockDeduplicated, BlockEvicted, BlockId, BlockReleased, Event, KVPoolInfo,
                            PrefixHit, RequestArrived, RequestFinished, RequestId)
 from kvdiag.pool.block_history import BlockHistory
-from kvdiag.pool.past_holdings import PastHoldings
 
 AnomalyKind = Literal["double_release", "release_unheld", "alloc_in_use", "evict_held"]
 ANOMALY_KINDS: tuple[str, ...] = ("double_release", "release_unheld", "alloc_in_use", "evict_held")
@@ -126,8 +125,9 @@ class BlockLedger:
         self.open: dict[RequestId, list[int]] = {}  # arrived, not finished: [allocations, prefix hits]
         self.open_allocated = 0  # sums over self.open
         self.open_hits = 0
-        self.past_holdings: Optional[PastHoldings] = None  # track_holdings
+        self.ring_ts: Optional[deque] = None  # track_holdings: ts_ns and holdings after each block event
         self.dropped_log: Optional[list] = None  # log_dropped: block ids whose content left, not yet taken
+        self.ring_held: Optional[deque] = None
         # hooks: on_watch(ts) before the first block event, arrival or finish with ts_ns > watch_ts
         # (then watch_ts is read again); on_new_holder(request_id, ts) when a BlockAllocated makes
         # a request that held nothing a holder
@@ -157,10 +157,10 @@ class BlockLedger:
         self.dropped_log = []
         return log
 
-    def track_holdings(self, block_events: int) -> None:
-        """From now on, the holdings after each of the latest ``block_events`` block events can
-        be looked up (``past_holdings``)."""
-        self.past_holdings = PastHoldings(block_events)
+    def track_holdings(self, ring_block_events: int) -> None:
+        """Remember ``holdings`` after each of the latest ``ring_block_events`` block events."""
+        self.ring_ts = deque(maxlen=ring_block_events)
+        self.ring_held = deque(maxlen=ring_block_events)
 
     # ------------------------------------------------------------------ counters
 
@@ -265,8 +265,6 @@ class BlockLedger:
             ts = ev.ts_ns
             if ts > self.watch_ts and t in _SETTLING:
                 self.on_watch(ts)
-            if self.past_holdings is not None:
-                self.past_holdings.single(ev, self.holdings, self.block_events)
             h(ev)
             if ts > self.last_ts_ns:
                 self.last_ts_ns = ts
@@ -290,10 +288,9 @@ class BlockLedger:
         handlers = self._handlers
         holder, cached, relby, held = self._holder, self._cached, self._relby, self.held
         fh, opened = self.finished_holding, self.open
-        past = self.past_holdings  # it keeps the batch; the events folded off the fast path are marked
-        if past is not None:
-            events, base = past.begin(events, self.block_events)
-            mark = past.mark
+        ring = self.ring_ts is not None
+        if ring:
+            ring_ts, ring_held = self.ring_ts.append, self.ring_held.append
         slow = self.keep_history  # the history is written by the per-event methods
         elog = self.dropped_log  # log_dropped (re-read after any call out: take_dropped swaps it)
         n = self._fast_slots()  # block ids below n are their own slots
@@ -305,7 +302,7 @@ class BlockLedger:
         hold = self.holdings  # written back before any call out
         # block events, evictions, open requests' allocations, held and cached blocks: not yet added
         nb = nev = noa = nh = nc = 0
-        for pos, ev in enumerate(events):
+        for ev in events:
             try:
                 t = type(ev)
                 ts = ev.ts_ns
@@ -341,8 +338,6 @@ class BlockLedger:
                         self._write_back(hold, nb, nev, noa, nh, nc)
                         nb = nev = noa = nh = nc = 0
                         try:
-                            if past is not None:
-                                mark(base + pos, hold, t)
                             self.released(ev)
                         finally:
                             hold = self.holdings
@@ -371,6 +366,9 @@ class BlockLedger:
                         relby[b] = rid
                     else:
                         self._released(b, rid)
+                    if ring:
+                        ring_ts(ts)
+                        ring_held(hold)
                 elif t is ALLOC:
                     if ts > last:  # the latest event the ledger folds
                         last = ts
@@ -380,8 +378,6 @@ class BlockLedger:
                         self._write_back(hold, nb, nev, noa, nh, nc)
                         nb = nev = noa = nh = nc = 0
                         try:
-                            if past is not None:
-                                mark(base + pos, hold, t)
                             self.allocated(ev)
                         finally:
                             hold = self.holdings
@@ -404,6 +400,9 @@ class BlockLedger:
                     if counts is not None:
                         counts[0] += 1
                         noa += 1
+                    if ring:
+                        ring_ts(ts)
+                        ring_held(hold)
                 elif t is EVICT:
                     if ts > last:  # the latest event the ledger folds
                         last = ts
@@ -412,8 +411,6 @@ class BlockLedger:
                         self._write_back(hold, nb, nev, noa, nh, nc)
                         nb = nev = noa = nh = nc = 0
                         try:
-                            if past is not None:
-                                mark(base + pos, hold, t)
                             self.evicted(ev)
                         finally:
                             hold = self.holdings
@@ -427,12 +424,13 @@ class BlockLedger:
                     if cached[b]:
                         cached[b] = False
                         nc -= 1
+                    if ring:
+                        ring_ts(ts)
+                        ring_held(hold)
                 else:
                     self._write_back(hold, nb, nev, noa, nh, nc)
                     nb = nev = noa = nh = nc = 0
                     try:
-                        if past is not None:
-                            mark(base + pos, hold, t)
                         h = handlers.get(t)
                         if h is not None:
                             h(ev)
@@ -447,11 +445,7 @@ class BlockLedger:
                         n = self._fast_slots()
             except Exception:  # one malformed event costs its own figures, not the fold
                 self.bad_events += 1
-                if past is not None:
-                    past.skip(base + pos)
         self._write_back(hold, nb, nev, noa, nh, nc)
-        if past is not None:
-            past.end()
         if run and on_bucket is not None:
             on_bucket(cur, run)
         if last > self.last_ts_ns:
@@ -541,8 +535,14 @@ class BlockLedger:
         if counts is not None:
             counts[0] += 1
             self.open_allocated += 1
+        self._ring(ts)
         if self.history is not None:
             self.history.allocated(ev)
+
+    def _ring(self, ts_ns: int) -> None:
+        if self.ring_ts is not None:
+            self.ring_ts.append(ts_ns)
+            self.ring_held.append(self.holdings)
 
     def _cache(self, i: int) -> None:
         if not self._cached[i]:
@@ -580,6 +580,7 @@ class BlockLedger:
             if counts is not None:
                 counts[1] += 1
                 self.open_hits += 1
+        self._ring(ev.ts_ns)
         if self.history is not None:
             self.history.hit(ev)
 
@@ -592,6 +593,7 @@ class BlockLedger:
         prev = self._holder[i]
         if prev is None or (prev != rid if type(prev) is not set else rid not in prev):
             self._bad_release(ev, prev, i)
+            self._ring(ev.ts_ns)
             return
         self._drop(rid, b)
         if type(prev) is set:
@@ -606,6 +608,7 @@ class BlockLedger:
         if last and ev.cached:
             self._cache(i)
         self._released(i, rid)
+        self._ring(ev.ts_ns)
         if self.history is not None:
             self.history.released(ev, last)
 
@@ -644,6 +647,7 @@ class BlockLedger:
         if self.dropped_log is not None:
             self.dropped_log.append(b)
         self._uncache(i)
+        self._ring(ev.ts_ns)
         if self.history is not None:
             self.history.evicted(ev)
 

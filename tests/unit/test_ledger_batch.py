@@ -1,7 +1,7 @@
 """The ledger's batch loop (``BlockLedger.apply_all``, which inlines the common cases of the
 block events and keeps its counters in locals) against the per-event methods that define the
 rules (``apply`` on each event), and the counters it adds (open requests' allocations and
-hits, evictions, the past holdings, top's per-bin event and eviction counts) against brute
+hits, evictions, the holdings ring, top's per-bin event and eviction counts) against brute
 force counts written here, on random streams with every anomaly."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def streams(draw) -> list[s.Event]:
 
 def _state(ledger: BlockLedger) -> dict:
     out = {k: getattr(ledger, k) for k in STATE}
-    out["ring"] = ledger.past_holdings.entries(ledger.holdings) if ledger.past_holdings is not None else None
+    out["ring"] = (list(ledger.ring_ts), list(ledger.ring_held)) if ledger.ring_ts is not None else None
     out["dropped_log"] = ledger.dropped_log
     return out
 
@@ -87,9 +87,8 @@ def _brute_open(events) -> tuple[int, int, int]:
 @given(streams(), st.integers(1, 7), st.sampled_from([0, 4]), st.booleans())
 def test_batch_loop_is_the_per_event_methods(events, chunk, ring, log_dropped):
     """In batches of any size (the loop's locals written back at each end), with and without
-    the past holdings (4 block events looked back through: most streams reach past them) and
-    the log of content dropped (the block id of every BlockEvicted and every BlockReleased
-    not kept cached, in order)."""
+    the holdings ring (a ring of 4 overflows) and the log of content dropped (the block id of
+    every BlockEvicted and every BlockReleased not kept cached, in order)."""
     one, batch = BlockLedger(), BlockLedger()
     if ring:
         one.track_holdings(ring)
@@ -121,14 +120,7 @@ def test_batch_loop_is_the_per_event_methods(events, chunk, ring, log_dropped):
             if isinstance(ev, (s.BlockAllocated, s.PrefixHit, s.BlockDeduplicated, s.BlockReleased,
                                s.BlockEvicted)):
                 after.append((ev.ts_ns, len(pairs)))
-        assert batch.past_holdings.entries(batch.holdings) == after[-ring:]
-        for ts in sorted({ev.ts_ns for ev in events} | {0, max(ev.ts_ns for ev in events) + 1}):
-            kept = after[-ring:]  # the lookup: the newest kept block event at or before ts
-            found = next((held for t, held in reversed(kept) if t <= ts), None)
-            late = found is None and len(after) >= ring
-            expected = (kept[0][1] if late else found, late)
-            assert batch.past_holdings.at(ts, batch.holdings) == expected
-            assert one.past_holdings.at(ts, one.holdings) == expected
+        assert list(zip(batch.ring_ts, batch.ring_held)) == after[-ring:]
 
 
 @settings(max_examples=200, deadline=None)
