@@ -10,6 +10,7 @@ server. The real demo's three PIDs are checked in tests/e2e/test_demo.py."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -151,7 +152,9 @@ def test_attach_to_a_vllm_engine_child_joins_its_server(tmp_path):
     from kvdiag.collectors.vllm import vllm_root
     from kvdiag.events.eventlog import read_header
 
-    server = subprocess.Popen(["bash", "-c", "exec -a vllm python3 -c 'import subprocess, time; "
+    # this interpreter, not whatever `python3` is on PATH: a wrapper script there (pyenv's shim)
+    # would start the real interpreter under its own name, not `vllm`
+    server = subprocess.Popen(["bash", "-c", f"exec -a vllm {shlex.quote(sys.executable)} -c 'import subprocess, time; "
                                "p = subprocess.Popen([\"sleep\", \"300\"]); print(p.pid, flush=True); "
                                "time.sleep(300)'"], stdout=subprocess.PIPE, text=True)
     try:
