@@ -33,8 +33,11 @@ from kvdiag.diagnosis.miss_replay import EXPLAINED_TAG, explained_rows
 from kvdiag.diagnosis.miss_tally import ExplainedLog
 from kvdiag.live.columns import Table
 
-SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS))
-"""Event types the rules read only through the block facts."""
+SKIPPED = frozenset((*blockfacts.BLOCK_EVENTS, *blockfacts.KV_EVENTS,
+                     *(cls for cls in s.EVENT_TYPES if s.event_tag(cls) in logs.UNUSED_BY_REPORTS)))
+"""Event types the rules read only through the block facts, and those the doctor does not read
+at all (:data:`kvdiag.diagnosis.frames.UNUSED_BY_REPORTS`: ``BlockStored``, one per block the
+engine caches, which the miss causes fold as they pass)."""
 _TIMED = frozenset(latencyfacts.INPUTS)
 NOT_JUDGED = {s.RequestArrived: frozenset(("token_ids", "chunk_hashes", "conversation_id")),
               s.EngineStep: frozenset(("step_id", "phase"))}
