@@ -10,7 +10,10 @@ free list runs dry (a warm cache: in steady state nearly every allocation evicts
 33% allocations, 33% releases, 31% evictions, 1% engine steps, 0.8% prefix hits, 0.8%
 request arrivals and finishes: the block-event-dominated stream of a busy GPU server (the
 recorded CPU demo in tests/data/vllm_demo is step-dominated only because a CPU engine is
-slow). Deterministic for a seed; generated lazily (constant memory).
+slow). With ``content``, as the plugin records in hashes mode: arrivals carry their chunk
+hashes and each prompt block of fresh content is stored (``BlockStored`` after its
+allocation; generated blocks are not modelled). Deterministic for a seed; generated lazily
+(constant memory).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
     """Yield about ``n_events`` events (stops at the first request boundary past it), one
     every 1 / ``events_per_s`` seconds of event time. ``content``: arrivals carry hashes-mode
     ``chunk_hashes`` (one 16-token chunk per block; a prefix hit's chunks are those of the
-    cached block it hits), the same events otherwise."""
+    cached block it hits) and a ``BlockStored`` follows each allocation of a fresh prompt
+    block; the same draws otherwise (steps come every 32 events, stores counted)."""
     rng = random.Random(seed)
     ts = 1_000_000_000
     dt = max(1, round(1e9 / events_per_s))
@@ -63,12 +67,19 @@ def events(n_events: int, num_blocks: int = 20_000, seed: int = 0, concurrency: 
             n += 1
         ts += dt
         keys = pending.get(rid)
+        key = None
         if keys:  # a prompt block of fresh content
-            block_key[b] = keys.pop(0)
+            key = block_key[b] = keys.pop(0)
             if not keys:
                 del pending[rid]
         yield s.BlockAllocated(ts_ns=ts, request_id=rid, block_id=b)
         n += 1
+        if key is not None:  # computed, then registered in the prefix cache (the plugin's store)
+            ts += dt
+            yield s.BlockStored(ts_ns=ts, block_id=b, block_hash=key,
+                                parent_hash=block_key.get(blocks[-1]) if blocks else None,
+                                num_tokens=BLOCK_TOKENS, request_id=rid, chunk_hashes=[key])
+            n += 1
         blocks.append(b)
 
     while n < n_events:
