@@ -250,8 +250,7 @@ def full_sequence_chunks(prompt_keys: Sequence[int], prompt_tokens: int,
     bs = sizes.pop()
     k = prompt_tokens // bs
     own = set(prompt_keys.tolist())
-    generated = [list(keys) for _, keys in stored_blocks
-                 if not (keys and all(int(h) in own for h in keys))]
+    generated = [list(keys) for _, keys in stored_blocks if not (keys and own.issuperset(keys))]
     lead = (k * bs) // CONTENT_CHUNK_TOKENS
     total = lead + sum(len(g) for g in generated)
     n_tokens = (k + len(generated)) * bs
